@@ -1,0 +1,66 @@
+# r3flow — one-command setup, run, test. `make run` and `make test` are all a newcomer needs.
+SHELL := /bin/bash
+PYTHON_BIN ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.r3flow-setup
+export PYTHONUNBUFFERED := 1
+
+.PHONY: setup run test test-unit test-integration lint proto proto-check bench bench-codec \
+        bench-store bench-rollout bench-trainer bench-weights chart-check test-faults clean
+
+setup: $(STAMP)
+
+# Idempotent: re-runs only when the lock or the project metadata changed.
+$(STAMP): requirements/cpu.lock pyproject.toml scripts/setup.sh
+	bash scripts/setup.sh "$(PYTHON_BIN)" "$(VENV)"
+	touch $(STAMP)
+
+run: setup
+	$(VENV)/bin/r3flow local
+
+test: setup
+	bash scripts/test.sh
+
+test-unit: setup
+	$(PY) -m pytest tests/unit -q
+
+test-integration: setup
+	$(PY) -m pytest tests/integration -q
+
+lint: setup
+	$(VENV)/bin/ruff check services trainer tests
+	$(VENV)/bin/mypy services trainer
+
+proto: setup
+	bash scripts/gen_proto.sh $(PY)
+
+proto-check: setup
+	$(PY) -m pytest tests/unit/test_proto_stubs.py -q
+
+bench: bench-codec bench-store bench-rollout bench-trainer bench-weights
+
+bench-codec: setup
+	$(PY) tests/bench/bench_codec.py
+
+bench-store: setup
+	$(PY) tests/bench/bench_store.py
+
+bench-rollout: setup
+	$(PY) tests/bench/bench_rollout.py
+
+bench-trainer: setup
+	$(PY) tests/bench/bench_trainer.py
+
+bench-weights: setup
+	$(PY) tests/bench/bench_weights.py
+
+chart-check: setup
+	bash scripts/chart_check.sh
+
+test-faults: setup
+	$(PY) -m pytest tests/integration -q -m faults
+
+clean:
+	rm -rf $(VENV) bench-results runs .pytest_cache

@@ -1,0 +1,1 @@
+"""Parts every r3flow process shares: routing codec, typed config, metrics, gRPC stubs."""

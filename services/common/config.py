@@ -1,0 +1,85 @@
+"""Typed configuration: every component owns a pydantic model; files are TOML or YAML.
+
+Loading validates at boot and raises `ConfigError` whose message names the offending key
+(dotted path), so a typo'd or mistyped field never starts a half-configured process.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import tomllib
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+log = logging.getLogger(__name__)
+
+C = TypeVar("C", bound="StrictConfig")
+
+
+class ConfigError(ValueError):
+    """A configuration file or override is invalid; the message names the key."""
+
+
+class StrictConfig(BaseModel):
+    """Base for component configs: unknown keys are errors, values are validated on assignment."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+
+def _describe(err: ValidationError, source: str) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        kind = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
+        lines.append(f"{source}: {key}: {kind}")
+    return "; ".join(lines)
+
+
+def read_mapping(path: str | Path) -> dict[str, Any]:
+    """Parse a TOML/YAML/JSON file into a dict (ConfigError on syntax errors)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}")
+    text = p.read_text()
+    try:
+        if p.suffix == ".toml":
+            data = tomllib.loads(text)
+        elif p.suffix in (".yaml", ".yml"):
+            data = yaml.safe_load(text) or {}
+        elif p.suffix == ".json":
+            data = json.loads(text)
+        else:
+            raise ConfigError(f"{p}: unsupported config format {p.suffix!r} (use .toml, .yaml or .json)")
+    except (tomllib.TOMLDecodeError, yaml.YAMLError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{p}: cannot parse: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: top level must be a mapping, got {type(data).__name__}")
+    return data
+
+
+def build_config(cls: type[C], data: dict[str, Any], source: str = "config") -> C:
+    """Validate `data` against `cls`; ConfigError naming every bad key."""
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_describe(e, source)) from None
+
+
+def load_config(cls: type[C], path: str | Path | None, overrides: dict[str, Any] | None = None) -> C:
+    """Load `cls` from an optional file plus dotted-key overrides, validate, log it once."""
+    data: dict[str, Any] = read_mapping(path) if path else {}
+    for dotted, value in (overrides or {}).items():
+        node = data
+        *parents, leaf = dotted.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {dotted}: {part} is not a section")
+        node[leaf] = value
+    cfg = build_config(cls, data, source=str(path) if path else "config")
+    log.info("resolved %s: %s", cls.__name__, cfg.model_dump_json())
+    return cfg
