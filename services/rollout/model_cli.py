@@ -1,0 +1,34 @@
+"""`r3flow model tiny-moe --out DIR`: build local models (no hub access)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="model_command", required=True, metavar="MODEL")
+    tiny = sub.add_parser("tiny-moe", help="write a small random-init Qwen3-MoE with a local tokenizer")
+    tiny.add_argument("--out", required=True, help="output directory (HF format)")
+    tiny.add_argument("--config", help="TOML/YAML file with TinyMoeConfig fields")
+    tiny.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                      help="override one TinyMoeConfig field (repeatable), e.g. --set num_layers=3")
+
+
+def run(args: argparse.Namespace) -> int:
+    from services.common.config import load_config
+    from services.rollout.tiny_moe import TinyMoeConfig, build_tiny_moe
+
+    overrides = {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--set {item!r}: expected KEY=VALUE")
+        overrides[key] = value
+    cfg = load_config(TinyMoeConfig, args.config, overrides)
+    out = build_tiny_moe(args.out, cfg)
+    log.info("tiny MoE written to %s", out)
+    print(out)
+    return 0
