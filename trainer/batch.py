@@ -1,0 +1,123 @@
+"""Training samples from pulled GRPO groups, and padded micro-batches for the model.
+
+Sequence packing here is padding: each micro-batch is [B, S] with one sequence per row, right-
+padded to S (the longest in the micro-batch rounded up to `pad_multiple`); samples are sorted by
+length before they are cut into micro-batches so little is padded. This needs neither THD packed
+sequences nor a custom attention mask (pads come after every real token, so the causal mask keeps
+them out of every real token's context), which keeps the path identical on CPU and GPU.
+Legend: P prompt, R response, T rows, L MoE layers, K top-k, B batch rows, S sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from trainer.alignment import LayerMap, RoutingChunk, assemble_rows, pack_routing, pad_last_row
+
+
+@dataclass
+class Sample:
+    """One trajectory, flattened: tokens = prompt + response."""
+
+    tokens: np.ndarray  # [P+R] int64
+    prompt_len: int
+    rollout_logprobs: np.ndarray  # [R] float32, sampled-token logprobs of the generating policy
+    loss_mask: np.ndarray  # [R] bool
+    reward: float = 0.0
+    group_id: str = ""
+    advantage: float = 0.0
+    routing_TLK: np.ndarray | None = None  # [P+R-1, L_moe, K] trainer MoE layers, or None
+    policy_version: int = 0
+
+
+def _decode_chunks(traj, decode: Callable) -> list[RoutingChunk]:
+    chunks = []
+    for s in traj.segments:
+        for j, msg in enumerate(s.routing):
+            ids = decode(msg, f"trajectory {traj.trajectory_id} segment {s.index} routing[{j}]")
+            chunks.append(RoutingChunk(int(msg.start_row), ids, tuple(msg.layer_ids)))
+    return chunks
+
+
+def sample_from_trajectory(traj, layer_map: LayerMap | None, num_experts: int,
+                           decode: Callable | None = None) -> Sample:
+    """Trajectory proto -> Sample; routing assembled and mapped when `layer_map` is given."""
+    tokens = [int(t) for s in traj.segments for t in s.token_ids]
+    logprobs = [float(x) for s in traj.segments for x in s.logprobs]
+    mask = np.concatenate([np.frombuffer(s.loss_mask, np.uint8) if s.loss_mask
+                           else np.ones(len(s.token_ids), np.uint8) for s in traj.segments])
+    if len(logprobs) != len(tokens) or mask.size != len(tokens):
+        raise ValueError(f"trajectory {traj.trajectory_id}: {len(tokens)} tokens, "
+                         f"{len(logprobs)} logprobs, {mask.size} loss-mask entries")
+    prompt = np.asarray(traj.prompt_token_ids, np.int64)
+    sample = Sample(np.concatenate([prompt, np.asarray(tokens, np.int64)]), prompt.size,
+                    np.asarray(logprobs, np.float32), mask.astype(bool), float(traj.reward),
+                    traj.group_id, policy_version=min(s.policy_version for s in traj.segments))
+    if layer_map is not None:
+        if decode is None:
+            from services.common.wire import routing_from_proto as decode
+        rows = sample.tokens.size - 1
+        chunks = _decode_chunks(traj, decode)
+        if any(int(c.ids_TLK.max(initial=0)) >= num_experts for c in chunks):
+            raise ValueError(f"trajectory {traj.trajectory_id}: expert id >= {num_experts}")
+        ids_TLK, _ = assemble_rows(chunks, rows, f"trajectory {traj.trajectory_id} routing")
+        sample.routing_TLK = layer_map.select(ids_TLK)
+    return sample
+
+
+@dataclass
+class MicroBatch:
+    """A padded [B, S] micro-batch; position i's logits predict token i+1."""
+
+    tokens_BS: torch.Tensor
+    position_ids_BS: torch.Tensor
+    labels_BS: torch.Tensor  # token at i+1 (0 past the end)
+    loss_mask_BS: torch.Tensor  # float: 1 where label i+1 is a trained response token
+    old_logprobs_BS: torch.Tensor  # behaviour (rollout) logprob of label i+1
+    advantages_BS: torch.Tensor
+    routing_BSLK: torch.Tensor | None  # padded, last row of each sample filled
+    valid_rows_BS: torch.Tensor  # bool: rows that carry real engine routing
+    samples: list[Sample] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.loss_mask_BS.sum().item())
+
+
+def _pad_len(n: int, multiple: int) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
+def make_microbatch(samples: Sequence[Sample], pad_multiple: int = 8) -> MicroBatch:
+    """Right-pad `samples` into one micro-batch."""
+    b, s = len(samples), _pad_len(max(x.tokens.size for x in samples), pad_multiple)
+    z = dict(dtype=torch.float32)
+    tokens, labels = torch.zeros(b, s, dtype=torch.long), torch.zeros(b, s, dtype=torch.long)
+    mask, old, adv = torch.zeros(b, s, **z), torch.zeros(b, s, **z), torch.zeros(b, s, **z)
+    valid = torch.zeros(b, s, dtype=torch.bool)
+    for i, x in enumerate(samples):
+        n, p, r = x.tokens.size, x.prompt_len, x.tokens.size - x.prompt_len
+        tokens[i, :n] = torch.from_numpy(x.tokens)
+        labels[i, :n - 1] = tokens[i, 1:n]
+        resp = slice(p - 1, p - 1 + r)  # positions whose logits predict the response tokens
+        mask[i, resp] = torch.from_numpy(x.loss_mask.astype(np.float32))
+        old[i, resp] = torch.from_numpy(x.rollout_logprobs)
+        adv[i, resp] = x.advantage
+        valid[i, :n - 1] = True
+    routing = None
+    if all(x.routing_TLK is not None for x in samples):
+        routing = torch.from_numpy(pack_routing([pad_last_row(x.routing_TLK) for x in samples], s))
+    pos = torch.arange(s).unsqueeze(0).expand(b, s).contiguous()
+    return MicroBatch(tokens, pos, labels, mask, old, adv, routing, valid, list(samples))
+
+
+def split_microbatches(samples: Sequence[Sample], micro_batch_size: int,
+                       pad_multiple: int = 8) -> list[MicroBatch]:
+    """Sort by length (less padding) and cut into micro-batches of `micro_batch_size`."""
+    order = sorted(samples, key=lambda x: x.tokens.size)
+    return [make_microbatch(order[i:i + micro_batch_size], pad_multiple)
+            for i in range(0, len(order), micro_batch_size)]

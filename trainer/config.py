@@ -1,0 +1,71 @@
+"""TrainerConfig: every knob of `r3flow train`, validated at boot (unknown keys are errors)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from services.common.config import StrictConfig
+from trainer.loss import LossConfig
+from trainer.model import ModelConfig
+from trainer.replay import ReplayMode
+
+
+class OptimConfig(StrictConfig):
+    """Adam through megatron's get_megatron_optimizer."""
+
+    lr: float = Field(1e-5, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    adam_beta2: float = Field(0.999, ge=0, lt=1)
+    adam_eps: float = Field(1e-8, gt=0)
+    clip_grad: float = Field(1.0, ge=0, description="global grad-norm clip (0 = off)")
+
+
+class ReplayConfig(StrictConfig):
+    """Routing replay and its runtime check."""
+
+    mode: ReplayMode = Field(ReplayMode.R3, description="r3 | r2 | off")
+    agreement_floor: float = Field(
+        0.5, ge=0, le=1, description="minimum per-layer fraction of replayed ids the trainer's "
+        "router also picks; below it the step fails (chance level is top_k/num_experts)")
+    check_agreement: bool = Field(True, description="compute and enforce routing agreement")
+
+
+class DataConfig(StrictConfig):
+    """Where batches come from and how they are cut."""
+
+    store: str = Field("127.0.0.1:50051", description="TrajectoryStore gRPC address")
+    consumer: str = Field("trainer-0", description="consumer name for pull/ack")
+    groups_per_step: int = Field(4, ge=1, description="GRPO groups per optimizer step")
+    lease_seconds: int = Field(120, ge=1, description="un-acked groups are redelivered after this")
+    wait_ms: int = Field(2000, ge=0, description="how long one pull waits for ready groups")
+    micro_batch_size: int = Field(4, ge=1, description="sequences per micro-batch")
+    pad_multiple: int = Field(8, ge=1, description="sequence length padding multiple")
+    old_logprobs: Literal["trainer", "rollout"] = Field(
+        "trainer", description="PPO ratio denominator: the trainer's old-policy pass "
+        "(standard) or the rollout engine's sampled-token logprobs")
+
+
+class RunConfig(StrictConfig):
+    """Run bookkeeping."""
+
+    run_dir: str = Field("runs/train", description="checkpoints and the JSONL run log")
+    steps: int = Field(10, ge=0, description="optimizer steps to take (0 = until stopped)")
+    checkpoint_every: int = Field(5, ge=1, description="save a checkpoint every N steps")
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus port (0 = any free)")
+    push_weights_every: int = Field(1, ge=0, description="weight push every N steps (0 = never)")
+
+
+class TrainerConfig(StrictConfig):
+    """`r3flow train --config FILE`."""
+
+    model_dir: str = Field("", description="HF checkpoint directory (Qwen3-MoE)")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    loss: LossConfig = Field(default_factory=LossConfig)
+    replay: ReplayConfig = Field(default_factory=ReplayConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    run: RunConfig = Field(default_factory=RunConfig)

@@ -1,0 +1,121 @@
+"""The one place where megatron-core is adapted to run on a CPU-only torch (gloo backend).
+
+Targets megatron-core 0.19.2. Every patch names the upstream symbol it stands in for; nothing
+here runs when torch has CUDA (`apply_cpu_shims` returns False and changes nothing). The shims
+are process-wide by nature (they replace module attributes), so they are applied once per
+process, before any megatron model is built.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+
+_CPU = torch.device("cpu")
+_FACTORIES = ("tensor", "zeros", "ones", "empty", "full")
+
+
+class _NullStream:
+    """Stands in for torch.cuda.Stream: every method is a no-op returning the stream itself."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def __getattr__(self, _name):
+        return lambda *a, **k: self
+
+    def __eq__(self, other):
+        return isinstance(other, _NullStream)
+
+    __hash__ = object.__hash__
+
+
+def _cpu_factory(fn):
+    """Wrap a torch tensor factory so device='cuda...' lands on the CPU."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if "cuda" in str(kwargs.get("device", "")):
+            kwargs["device"] = _CPU
+        return fn(*args, **kwargs)
+
+    wrapper._r3flow_cpu_shim = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _patch_torch_cuda() -> None:
+    # megatron.core.* calls torch.cuda.current_device() for buffers and moves the router weight
+    # there (megatron.core.transformer.moe.router.Router.gating); the alltoall token dispatcher
+    # uses a side stream (torch.cuda.Stream / current_stream / stream) for D2H copies.
+    # A class (not a lambda) so annotations like `torch.cuda.Stream | None` still evaluate.
+    stream = _NullStream()
+    torch.cuda.current_device = lambda: _CPU  # type: ignore[assignment]
+    torch.cuda.Stream = _NullStream  # type: ignore[assignment, misc]
+    torch.cuda.current_stream = lambda *a, **k: stream  # type: ignore[assignment]
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()  # type: ignore[assignment]
+    # Optimizer, grad clipping, DDP buffers and schedules pass device="cuda" to tensor factories
+    # and call Tensor.cuda() (megatron.core.optimizer.*, megatron.core.distributed.*).
+    for name in _FACTORIES:
+        fn = getattr(torch, name)
+        if not getattr(fn, "_r3flow_cpu_shim", False):
+            setattr(torch, name, _cpu_factory(fn))
+    torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
+
+
+def _patch_megatron() -> None:
+    import megatron.core.fusions.fused_softmax as fused_softmax
+    import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
+    from megatron.core.tensor_parallel import random as mp_random
+
+    # token_dispatcher.maybe_move_tensor_to_cpu: turns split sizes into numpy only for CUDA
+    # tensors; all_to_all with EP>1 needs them as numpy on CPU too.
+    token_dispatcher.maybe_move_tensor_to_cpu = (  # type: ignore[assignment]
+        lambda t, as_numpy=False, record_stream=False:
+        t.numpy() if as_numpy and torch.is_tensor(t) else t)
+    # fused_softmax.get_default_causal_mask: hard-codes device="cuda".
+    fused_softmax.get_default_causal_mask = (  # type: ignore[assignment]
+        lambda sq: torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1))
+    # tensor_parallel.random._get/_set_cuda_rng_state and CudaRNGStatesTracker.add: the model-
+    # parallel RNG tracker and activation-checkpoint RNG save/restore use the CPU generator.
+    mp_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mp_random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    mp_random.CudaRNGStatesTracker.add = _tracker_add  # type: ignore[method-assign]
+    # optimizer.clip_grads.clip_grad_by_total_norm_fp32 asserts grads are torch.cuda.FloatTensor;
+    # megatron.core.optimizer.optimizer imported the name, so patch it there too.
+    import megatron.core.optimizer.clip_grads as clip_grads
+    import megatron.core.optimizer.optimizer as optimizer
+
+    clip_grads.clip_grad_by_total_norm_fp32 = _clip_by_total_norm
+    optimizer.clip_grad_by_total_norm_fp32 = _clip_by_total_norm
+
+
+def _clip_by_total_norm(parameters, max_norm, total_norm, use_decoupled_grad=False):
+    """CPU version of megatron.core.optimizer.clip_grads.clip_grad_by_total_norm_fp32."""
+    attr = "decoupled_grad" if use_decoupled_grad else "grad"
+    coeff = max_norm / (total_norm + 1.0e-6)
+    if coeff >= 1.0:
+        return
+    for p in parameters:
+        g = getattr(p, attr, None)
+        if g is not None:
+            g.detach().mul_(coeff)
+
+
+def _tracker_add(self, name: str, seed: int) -> None:
+    """CPU version of megatron.core.tensor_parallel.random.CudaRNGStatesTracker.add."""
+    self._is_initialized = True
+    if seed in self.seeds_ or name in self.states_:
+        raise ValueError(f"rng state {name}/{seed} already exists")
+    self.seeds_.add(seed)
+    self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+
+def apply_cpu_shims() -> bool:
+    """Apply the shims if torch has no CUDA; returns whether they are active. Idempotent."""
+    if torch.cuda.is_available():
+        return False
+    _patch_torch_cuda()
+    _patch_megatron()
+    return True

@@ -1,0 +1,232 @@
+"""The Trainer: policy (+ frozen reference) megatron models, optimizer, replay, and steps.
+
+One Trainer per rank. `train_step(samples)` is one GRPO/PPO optimizer step:
+  1. group-normalised advantages; samples cut into padded micro-batches (trainer.batch);
+  2. old-policy logprob pass (no grad): r3 replays the rollout routing and measures routing
+     agreement (step fails below the floor), r2 records the policy's own routing, off routes
+     naturally; |rollout - trainer| logprob diff is measured here;
+  3. reference pass (when kl_coef > 0) replaying the same routing;
+  4. update: megatron forward_backward_func over the micro-batches (replay per micro-batch, FIFO
+     REPLAY_BACKWARD when MoE activations are recomputed), grad clip + Adam; ids cleared.
+Legend: B batch rows, S sequence, V vocabulary, T router rows (S*B), K top-k.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from functools import partial
+
+import numpy as np
+import torch
+
+from trainer.alignment import LayerMap, to_router_rows
+from trainer.batch import MicroBatch, Sample, split_microbatches
+from trainer.config import TrainerConfig
+from trainer.hf_mapping import export_hf_state_dict
+from trainer.loss import group_advantages, logprob_diff, ppo_loss, sft_loss, token_logprobs
+from trainer.model import BuiltModel, build_model, init_parallel
+from trainer.replay import AgreementMonitor, ModelReplay, ReplayMode
+
+log = logging.getLogger(__name__)
+
+
+def _optimizer(built: BuiltModel, cfg: TrainerConfig):
+    """Wrap in megatron DDP and build Adam (get_megatron_optimizer)."""
+    from megatron.core.distributed import DistributedDataParallel as DDP
+    from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    bf16, o = cfg.model.dtype == "bf16", cfg.optim
+    ddp = DDP(built.config, DistributedDataParallelConfig(
+        use_distributed_optimizer=False, grad_reduce_in_fp32=True), built.module)
+    opt = get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam", lr=o.lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
+        adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad, bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32), [ddp])
+    built.config.finalize_model_grads_func = finalize_model_grads
+    built.config.no_sync_func = ddp.no_sync
+    return ddp, opt
+
+
+class Trainer:
+    """Policy model + optimizer + replay on this rank (process groups initialised here)."""
+
+    def __init__(self, cfg: TrainerConfig) -> None:
+        if not cfg.model_dir:
+            raise ValueError("model_dir: an HF checkpoint directory is required")
+        init_parallel(cfg.model)
+        self.cfg = cfg
+        self.policy = build_model(cfg.model_dir, cfg.model)
+        self.arch = self.policy.arch
+        self.replay = ModelReplay(self.policy.replays, cfg.model.recompute_moe)
+        self.agreement = AgreementMonitor(self.policy.routers, self.arch.moe_layers,
+                                          self.arch.top_k)
+        self.ddp, self.optimizer = _optimizer(self.policy, cfg)
+        self.reference: BuiltModel | None = None
+        if cfg.loss.kl_coef > 0:  # built after the policy: it owns its own replay instances
+            self.reference = build_model(cfg.model_dir, cfg.model)
+            self.reference.module.requires_grad_(False)
+            self.ref_replay = ModelReplay(self.reference.replays, recompute=False)
+        self.policy_version = 0
+        self._layer_maps: dict[tuple[int, ...], LayerMap] = {}
+
+    # ------------------------------------------------------------------ routing
+    def layer_map(self, engine_layer_ids: Sequence[int]) -> LayerMap:
+        """Engine layer columns -> this model's MoE layers (checked against the model config)."""
+        key = tuple(int(x) for x in engine_layer_ids)
+        if key not in self._layer_maps:
+            self._layer_maps[key] = LayerMap.build(self.arch.moe_layers, key)
+        return self._layer_maps[key]
+
+    def _rows(self, mb: MicroBatch, mode: ReplayMode) -> list[torch.Tensor] | None:
+        if mode == ReplayMode.R3:
+            if mb.routing_BSLK is None:
+                raise ValueError("replay.mode: r3 needs rollout routing on every sample")
+            return to_router_rows(mb.routing_BSLK)
+        return getattr(mb, "replay_rows", None) if mode == ReplayMode.R2 else None
+
+    def _drive(self, ctl: ModelReplay, rows: list[torch.Tensor] | None, record: bool) -> None:
+        if rows is not None:
+            ctl.replay_forward(rows)
+        elif record:
+            ctl.record()
+        else:
+            ctl.natural()
+
+    def _logits(self, module: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
+        return module(input_ids=mb.tokens_BS, position_ids=mb.position_ids_BS,
+                      attention_mask=None)
+
+    # ------------------------------------------------------------------ passes
+    @torch.no_grad()
+    def compute_logprobs(self, mbs: Sequence[MicroBatch], replay: ReplayMode | str,
+                         reference: bool = False) -> list[torch.Tensor]:
+        """Per micro-batch [B, S] logprobs of the labels (no grad); r2 records routing."""
+        mode = ReplayMode(replay)
+        model = self.reference if reference else self.policy
+        ctl = self.ref_replay if reference else self.replay
+        assert model is not None
+        model.module.eval()
+        out = []
+        for mb in mbs:
+            rows = self._rows(mb, mode)
+            self._drive(ctl, rows, record=mode == ReplayMode.R2 and not reference)
+            self.agreement.valid_T = mb.valid_rows_BS.t().reshape(-1)
+            out.append(token_logprobs(self._logits(model.module, mb), mb.labels_BS))
+            if mode == ReplayMode.R2 and rows is None and not reference:
+                mb.replay_rows = ctl.recorded()  # type: ignore[attr-defined]
+            ctl.end_step()
+        model.module.train()
+        return out
+
+    def _forward_step(self, mode: ReplayMode, loss_fn, data_iter, model):
+        mb = next(data_iter)
+        rows = self._rows(mb, mode)
+        self._drive(self.replay, rows, record=False)
+        logits = self._logits(model, mb)
+        self.replay.after_forward()
+        return logits, partial(loss_fn, mb)
+
+    def _run_update(self, mbs: Sequence[MicroBatch], mode: ReplayMode, loss_fn) -> float:
+        """forward_backward_func over `mbs` + optimizer step; returns the grad norm."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        try:
+            get_forward_backward_func()(
+                forward_step_func=partial(self._forward_step, mode, loss_fn),
+                data_iterator=iter(mbs), model=[self.ddp], num_microbatches=len(mbs),
+                seq_length=int(mbs[0].tokens_BS.shape[1]),
+                micro_batch_size=int(mbs[0].tokens_BS.shape[0]), forward_only=False)
+            ok, grad_norm, _ = self.optimizer.step()
+        finally:
+            self.replay.end_step()
+        if not ok:
+            raise FloatingPointError("optimizer step skipped (non-finite gradients)")
+        self.policy_version += 1
+        return float(grad_norm) if grad_norm is not None else float("nan")
+
+    # ------------------------------------------------------------------ steps
+    def prepare(self, samples: Sequence[Sample]) -> list[MicroBatch]:
+        """Advantages (GRPO, per group) and padded micro-batches."""
+        adv = group_advantages([s.reward for s in samples], [s.group_id for s in samples],
+                               self.cfg.loss.adv_eps, self.cfg.loss.adv_std_normalize)
+        for s, a in zip(samples, adv, strict=True):
+            s.advantage = float(a)
+        d = self.cfg.data
+        return split_microbatches(samples, d.micro_batch_size, d.pad_multiple)
+
+    def old_policy_pass(self, mbs: Sequence[MicroBatch], mode: ReplayMode) -> dict:
+        """Old-policy logprobs (+ agreement in r3), reference logprobs; returns metrics."""
+        check = mode == ReplayMode.R3 and self.cfg.replay.check_agreement
+        self.agreement.reset()
+        self.agreement.enabled = check
+        old = self.compute_logprobs(mbs, mode)
+        self.agreement.enabled = False
+        for mb, lp in zip(mbs, old, strict=True):
+            mb.train_old_lp = lp  # type: ignore[attr-defined]
+            if self.reference is not None:
+                mb.ref_lp = self.compute_logprobs([mb], mode, reference=True)[0]  # type: ignore
+        diffs = [logprob_diff(mb.old_logprobs_BS, lp, mb.loss_mask_BS) for mb, lp in
+                 zip(mbs, old, strict=True)]
+        w = np.array([mb.num_tokens for mb in mbs], dtype=np.float64)
+        metrics = {"logprob_diff_mean": float(np.dot([d[0] for d in diffs], w) / max(w.sum(), 1)),
+                   "logprob_diff_max": max(d[1] for d in diffs)}
+        if check:
+            metrics["routing_agreement"] = self.agreement.overall()
+            metrics["routing_agreement_by_layer"] = self.agreement.per_layer()
+            self.agreement.check(self.cfg.replay.agreement_floor)
+        return metrics
+
+    def _ppo_loss_fn(self, total_tokens: float, n_mb: int, acc: dict, mb: MicroBatch, logits):
+        old = mb.old_logprobs_BS if self.cfg.data.old_logprobs == "rollout" else mb.train_old_lp
+        sums = ppo_loss(logits, mb.labels_BS, mb.loss_mask_BS, mb.advantages_BS, old,
+                        getattr(mb, "ref_lp", None), self.cfg.loss)
+        for k in ("ppo_kl", "kl_ref", "clipped", "entropy"):
+            acc[k] = acc.get(k, 0.0) + getattr(sums, k)
+        loss = sums.loss / max(total_tokens, 1.0) * n_mb  # the schedule divides by n_mb
+        acc["loss"] = acc.get("loss", 0.0) + float(loss.detach()) / n_mb
+        return loss, {"loss": loss.detach()}
+
+    def train_step(self, samples: Sequence[Sample], replay: ReplayMode | str | None = None) -> dict:
+        """One GRPO/PPO optimizer step on `samples`; returns its metrics."""
+        t0 = time.perf_counter()
+        mode = ReplayMode(replay or self.cfg.replay.mode)
+        mbs = self.prepare(samples)
+        metrics = self.old_policy_pass(mbs, mode)
+        total = float(sum(mb.num_tokens for mb in mbs))
+        acc: dict = {}
+        grad_norm = self._run_update(mbs, mode, partial(self._ppo_loss_fn, total, len(mbs), acc))
+        dt = time.perf_counter() - t0
+        metrics |= {k: acc.get(k, 0.0) / max(total, 1.0) for k in
+                    ("ppo_kl", "kl_ref", "entropy")}
+        metrics |= {"clip_ratio": acc.get("clipped", 0.0) / max(total, 1.0),
+                    "loss": acc.get("loss", 0.0), "grad_norm": grad_norm,
+                    "reward_mean": float(np.mean([s.reward for s in samples])),
+                    "step_seconds": dt, "tokens": total,
+                    "tokens_per_second": sum(s.tokens.size for s in samples) / dt,
+                    "policy_version": self.policy_version, "replay": mode.value}
+        return metrics
+
+    def sft_step(self, samples: Sequence[Sample]) -> dict:
+        """Supervised step: cross-entropy on the response tokens (loss_mask), natural routing."""
+        d = self.cfg.data
+        mbs = split_microbatches(samples, d.micro_batch_size, d.pad_multiple)
+        total, acc = float(sum(mb.num_tokens for mb in mbs)), {"loss": 0.0}
+
+        def loss_fn(mb, logits):
+            s, _ = sft_loss(logits, mb.labels_BS, mb.loss_mask_BS)
+            acc["loss"] += float(s.detach()) / max(total, 1.0)
+            loss = s / max(total, 1.0) * len(mbs)
+            return loss, {"loss": loss.detach()}
+
+        grad_norm = self._run_update(mbs, ReplayMode.OFF, loss_fn)
+        return {"loss": acc["loss"], "grad_norm": grad_norm, "tokens": total,
+                "policy_version": self.policy_version}
+
+    def export_hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """HF-named full weights (EP shards gathered; collective over the EP group)."""
+        return export_hf_state_dict(self.policy.module, self.arch)

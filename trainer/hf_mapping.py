@@ -1,0 +1,203 @@
+"""HF Qwen3-MoE checkpoint names/layouts <-> megatron-core GPTModel (local spec), both ways.
+
+HF names are the safetensors names the rollout engine loads (one tensor per expert projection).
+Layouts that differ:
+  * attention: HF q/k/v [nh*d, H], [ng*d, H], [ng*d, H] -> megatron `linear_qkv` [(nh+2ng)*d, H]
+    grouped per KV group g as [q heads of g (nh/ng of them), k_g, v_g] (GQA interleave);
+  * MLP / experts: megatron `linear_fc1` = cat(gate_proj, up_proj) on dim 0 (gated linear unit);
+  * experts under expert parallelism: rank r holds global experts [r*El, (r+1)*El) as
+    `local_experts.0..El-1`.
+Dense layers (HF `mlp_only_layers`) are plain MLPs; the rest are MoE (megatron `moe_layer_freq`).
+Legend: H hidden, d head dim, nh query heads, ng KV groups, E experts, El local experts.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+_ATTN = {"self_attn.o_proj": "self_attention.linear_proj",
+         "self_attn.q_norm": "self_attention.q_layernorm",
+         "self_attn.k_norm": "self_attention.k_layernorm",
+         "input_layernorm": "input_layernorm",
+         "post_attention_layernorm": "pre_mlp_layernorm",
+         "mlp.gate": "mlp.router"}
+_GLOBAL = {"model.embed_tokens.weight": "embedding.word_embeddings.weight",
+           "model.norm.weight": "decoder.final_layernorm.weight",
+           "lm_head.weight": "output_layer.weight"}
+
+
+@dataclass(frozen=True)
+class MoeArch:
+    """The architecture facts the mapping and the model builder need, from an HF config."""
+
+    num_layers: int
+    moe_layers: tuple[int, ...]  # HF layer indices whose MLP is an MoE block
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_experts: int
+    top_k: int
+    moe_ffn: int
+    dense_ffn: int
+    vocab_size: int
+    rms_eps: float
+    rope_theta: float
+    norm_topk_prob: bool
+    max_positions: int
+
+    @property
+    def moe_layer_freq(self) -> list[int]:
+        """megatron `moe_layer_freq` pattern: 1 = MoE layer, 0 = dense."""
+        return [int(i in self.moe_layers) for i in range(self.num_layers)]
+
+
+def arch_from_hf_config(cfg: dict) -> MoeArch:
+    """Read a Qwen3-MoE config.json dict; ValueError names unsupported fields."""
+    if cfg.get("model_type") != "qwen3_moe":
+        raise ValueError(f"model_type: expected 'qwen3_moe', got {cfg.get('model_type')!r}")
+    if cfg.get("tie_word_embeddings"):
+        raise ValueError("tie_word_embeddings: tied embeddings are not supported")
+    if cfg.get("attention_bias"):
+        raise ValueError("attention_bias: biased attention projections are not supported")
+    n, step = int(cfg["num_hidden_layers"]), int(cfg.get("decoder_sparse_step", 1))
+    dense = set(cfg.get("mlp_only_layers") or [])
+    moe = tuple(i for i in range(n) if i not in dense and (i + 1) % step == 0)
+    rope = cfg.get("rope_parameters") or {}
+    return MoeArch(
+        num_layers=n, moe_layers=moe, hidden_size=cfg["hidden_size"],
+        num_heads=cfg["num_attention_heads"], num_kv_heads=cfg["num_key_value_heads"],
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
+        num_experts=cfg.get("num_experts") or cfg["num_local_experts"], top_k=cfg["num_experts_per_tok"],
+        moe_ffn=cfg["moe_intermediate_size"], dense_ffn=cfg["intermediate_size"],
+        vocab_size=cfg["vocab_size"], rms_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+        max_positions=cfg.get("max_position_embeddings", 4096))
+
+
+def load_arch(hf_dir: str | Path) -> MoeArch:
+    """MoeArch of the HF checkpoint directory `hf_dir`."""
+    return arch_from_hf_config(json.loads((Path(hf_dir) / "config.json").read_text()))
+
+
+def qkv_to_megatron(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: MoeArch) -> torch.Tensor:
+    """HF q/k/v weights -> megatron fused linear_qkv weight (per-KV-group interleave)."""
+    ng, per, d, h = a.num_kv_heads, a.num_heads // a.num_kv_heads, a.head_dim, q.shape[1]
+    parts = (q.view(ng, per, d, h), k.view(ng, 1, d, h), v.view(ng, 1, d, h))
+    return torch.cat(parts, dim=1).reshape(-1, h)
+
+
+def qkv_to_hf(qkv: torch.Tensor, a: MoeArch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Megatron fused linear_qkv weight -> HF (q, k, v) weights."""
+    ng, per, d, h = a.num_kv_heads, a.num_heads // a.num_kv_heads, a.head_dim, qkv.shape[1]
+    grouped = qkv.view(ng, per + 2, d, h)
+    q, k, v = grouped.split([per, 1, 1], dim=1)
+    return q.reshape(-1, h), k.reshape(-1, h), v.reshape(-1, h)
+
+
+def _mlp_to_megatron(sd: dict, hf_prefix: str, mc_prefix: str) -> dict[str, torch.Tensor]:
+    fc1 = torch.cat([sd[f"{hf_prefix}.gate_proj.weight"], sd[f"{hf_prefix}.up_proj.weight"]], 0)
+    return {f"{mc_prefix}.linear_fc1.weight": fc1,
+            f"{mc_prefix}.linear_fc2.weight": sd[f"{hf_prefix}.down_proj.weight"]}
+
+
+def _mlp_to_hf(sd: dict, mc_prefix: str, hf_prefix: str) -> dict[str, torch.Tensor]:
+    gate, up = sd[f"{mc_prefix}.linear_fc1.weight"].chunk(2, dim=0)
+    return {f"{hf_prefix}.gate_proj.weight": gate, f"{hf_prefix}.up_proj.weight": up,
+            f"{hf_prefix}.down_proj.weight": sd[f"{mc_prefix}.linear_fc2.weight"]}
+
+
+def _local_experts(a: MoeArch, ep_rank: int, ep_size: int) -> range:
+    if a.num_experts % ep_size:
+        raise ValueError(f"expert_parallel: {a.num_experts} experts not divisible by {ep_size}")
+    per = a.num_experts // ep_size
+    return range(ep_rank * per, (ep_rank + 1) * per)
+
+
+def _layer_to_megatron(sd: dict, a: MoeArch, i: int, ep_rank: int, ep_size: int) -> dict:
+    hf, mc = f"model.layers.{i}", f"decoder.layers.{i}"
+    out = {f"{mc}.{m}.weight": sd[f"{hf}.{h}.weight"] for h, m in _ATTN.items()
+           if f"{hf}.{h}.weight" in sd}
+    out[f"{mc}.self_attention.linear_qkv.weight"] = qkv_to_megatron(
+        *(sd[f"{hf}.self_attn.{p}_proj.weight"] for p in "qkv"), a)
+    if i not in a.moe_layers:
+        return out | _mlp_to_megatron(sd, f"{hf}.mlp", f"{mc}.mlp")
+    for local, e in enumerate(_local_experts(a, ep_rank, ep_size)):
+        out |= _mlp_to_megatron(sd, f"{hf}.mlp.experts.{e}", f"{mc}.mlp.experts.local_experts.{local}")
+    return out
+
+
+def _layer_to_hf(sd: dict, a: MoeArch, i: int, ep_rank: int, ep_size: int) -> dict:
+    hf, mc = f"model.layers.{i}", f"decoder.layers.{i}"
+    out = {f"{hf}.{h}.weight": sd[f"{mc}.{m}.weight"] for h, m in _ATTN.items()
+           if f"{mc}.{m}.weight" in sd}
+    q, k, v = qkv_to_hf(sd[f"{mc}.self_attention.linear_qkv.weight"], a)
+    out |= {f"{hf}.self_attn.q_proj.weight": q, f"{hf}.self_attn.k_proj.weight": k,
+            f"{hf}.self_attn.v_proj.weight": v}
+    if i not in a.moe_layers:
+        return out | _mlp_to_hf(sd, f"{mc}.mlp", f"{hf}.mlp")
+    for local, e in enumerate(_local_experts(a, ep_rank, ep_size)):
+        out |= _mlp_to_hf(sd, f"{mc}.mlp.experts.local_experts.{local}", f"{hf}.mlp.experts.{e}")
+    return out
+
+
+def hf_to_megatron(sd: dict[str, torch.Tensor], a: MoeArch, ep_rank: int = 0,
+                   ep_size: int = 1) -> dict[str, torch.Tensor]:
+    """HF state dict -> this EP rank's megatron parameter dict (local experts only)."""
+    out = {m: sd[h] for h, m in _GLOBAL.items()}
+    for i in range(a.num_layers):
+        out |= _layer_to_megatron(sd, a, i, ep_rank, ep_size)
+    return out
+
+
+def megatron_to_hf(sd: dict[str, torch.Tensor], a: MoeArch, ep_rank: int = 0,
+                   ep_size: int = 1) -> dict[str, torch.Tensor]:
+    """This EP rank's megatron parameter dict -> HF names (its local experts under global ids)."""
+    out = {h: sd[m] for h, m in _GLOBAL.items()}
+    for i in range(a.num_layers):
+        out |= _layer_to_hf(sd, a, i, ep_rank, ep_size)
+    return out
+
+
+def expert_param_names(a: MoeArch, num_local: int) -> list[str]:
+    """Megatron names of every local-expert parameter, in a fixed order (for EP gathers)."""
+    return [f"decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc{j}.weight"
+            for i in a.moe_layers for e in range(num_local) for j in (1, 2)]
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def gather_experts(params: dict[str, torch.Tensor], a: MoeArch) -> dict[str, torch.Tensor]:
+    """Replace local-expert params by all experts (global ids) via all_gather on the EP group."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    ep = ps.get_expert_model_parallel_world_size()
+    if ep == 1:
+        return params
+    group, per = ps.get_expert_model_parallel_group(), a.num_experts // ep
+    out = {k: v for k, v in params.items() if ".local_experts." not in k}
+    for name in expert_param_names(a, per):
+        local = params[name].detach().contiguous()
+        shards = [torch.empty_like(local) for _ in range(ep)]
+        dist.all_gather(shards, local, group=group)
+        head, tail = name.split(".local_experts.")
+        idx, rest = tail.split(".", 1)
+        for r, t in enumerate(shards):
+            out[f"{head}.local_experts.{r * per + int(idx)}.{rest}"] = t
+    return out
+
+
+def export_hf_state_dict(model: torch.nn.Module, a: MoeArch) -> dict[str, torch.Tensor]:
+    """HF-named full state dict of a (possibly DDP-wrapped, EP-sharded) model; collective on EP."""
+    params = {k: v.detach() for k, v in _unwrap(model).named_parameters()}
+    return {k: v.clone() for k, v in megatron_to_hf(gather_experts(params, a), a).items()}

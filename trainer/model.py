@@ -1,0 +1,173 @@
+"""Build a megatron-core GPTModel (MoE, local spec, routing replay on) from an HF checkpoint.
+
+Owns process-group setup for one trainer rank (gloo on CPU with the CPU shims, NCCL on GPUs)
+and the model build: config from the HF config, weights through `hf_mapping`, and the check
+that the model's MoE layers match the architecture the routing layer map was built from.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pydantic import Field
+
+from services.common.config import StrictConfig
+from trainer.hf_mapping import MoeArch, hf_to_megatron, load_arch
+
+log = logging.getLogger(__name__)
+
+
+class ModelConfig(StrictConfig):
+    """How the trainer builds its megatron-core model."""
+
+    dtype: Literal["fp32", "bf16"] = Field("fp32", description="parameter/compute dtype")
+    expert_parallel: int = Field(1, ge=1, description="expert-parallel size (ranks per expert set)")
+    dispatcher: Literal["alltoall", "allgather"] = Field(
+        "alltoall", description="megatron MoE token dispatcher")
+    recompute_moe: bool = Field(False, description="recompute MoE activations in backward "
+                                "(replay then switches to REPLAY_BACKWARD per micro-batch)")
+    router_dtype: Literal["fp32", "native"] = Field(
+        "fp32", description="dtype of the router logits (fp32 matches engines that upcast)")
+    seed: int = Field(1234, description="megatron RNG seed (init of unused params, dropout)")
+
+
+@dataclass
+class BuiltModel:
+    """A megatron GPTModel with the handles the trainer needs."""
+
+    module: torch.nn.Module
+    arch: MoeArch
+    config: object  # megatron TransformerConfig
+    routers: list  # TopKRouter modules, in MoE layer order
+    replays: list  # their RouterReplay instances, same order
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_parallel(cfg: ModelConfig) -> None:
+    """Init torch.distributed (from RANK/WORLD_SIZE env or a 1-rank world) and megatron groups."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from trainer.cpu_shims import apply_cpu_shims
+
+    on_cpu = apply_cpu_shims()
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        if not on_cpu:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        dist.init_process_group("gloo" if on_cpu else "nccl", rank=rank, world_size=world)
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(expert_model_parallel_size=cfg.expert_parallel)
+    elif ps.get_expert_model_parallel_world_size() != cfg.expert_parallel:
+        raise ValueError(f"expert_parallel: process groups already built with EP="
+                         f"{ps.get_expert_model_parallel_world_size()}")
+    model_parallel_cuda_manual_seed(cfg.seed)
+
+
+def transformer_config(a: MoeArch, cfg: ModelConfig):
+    """The megatron TransformerConfig equivalent to the HF architecture `a`."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    bf16 = cfg.dtype == "bf16"
+    recompute = dict(recompute_granularity="selective", recompute_modules=["moe"]) \
+        if cfg.recompute_moe else {}
+    return TransformerConfig(
+        num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_heads,
+        num_query_groups=a.num_kv_heads, kv_channels=a.head_dim, ffn_hidden_size=a.dense_ffn,
+        num_moe_experts=a.num_experts, moe_router_topk=a.top_k, moe_ffn_hidden_size=a.moe_ffn,
+        moe_layer_freq=a.moe_layer_freq, qk_layernorm=True, normalization="RMSNorm",
+        layernorm_epsilon=a.rms_eps, add_bias_linear=False, gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu, hidden_dropout=0.0, attention_dropout=0.0,
+        # HF norm_topk_prob=True == softmax over the top-k logits (megatron's non-pre-softmax)
+        moe_router_pre_softmax=not a.norm_topk_prob, moe_router_score_function="softmax",
+        moe_router_load_balancing_type="none", moe_token_dispatcher_type=cfg.dispatcher,
+        # replay is silently ignored by the fused router and by sinkhorn: never enable them
+        moe_enable_routing_replay=True, moe_router_fusion=False,
+        moe_router_dtype="fp32" if cfg.router_dtype == "fp32" else None,
+        expert_model_parallel_size=cfg.expert_parallel, use_cpu_initialization=True,
+        bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        pipeline_dtype=torch.bfloat16 if bf16 else torch.float32, **recompute)
+
+
+def _routers(module: torch.nn.Module) -> list:
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    return [m for m in module.modules() if isinstance(m, TopKRouter)]
+
+
+def check_layer_map(built: BuiltModel) -> None:
+    """The model's MoE layers must be exactly the HF config's MoE layers (routing map basis)."""
+    found = tuple(i for i, layer in enumerate(built.module.decoder.layers)
+                  if hasattr(layer.mlp, "router"))
+    if found != built.arch.moe_layers:
+        raise ValueError(f"moe_layers: model has MoE at {found}, HF config says "
+                         f"{built.arch.moe_layers}")
+    if any(r.router_replay is None for r in built.routers):
+        raise ValueError("moe_enable_routing_replay: a router has no RouterReplay instance")
+    if built.config.moe_router_fusion or built.routers[0].routing_type == "sinkhorn":
+        raise ValueError("moe_router_fusion/sinkhorn: replay would be silently ignored")
+
+
+def build_model(hf_dir: str | Path, cfg: ModelConfig, load_weights: bool = True) -> BuiltModel:
+    """Build the GPTModel for the checkpoint in `hf_dir` (process groups must be initialized)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    arch = load_arch(hf_dir)
+    tcfg = transformer_config(arch, cfg)
+    # The replay instance list is class-level: each model must own exactly its routers.
+    RouterReplay.clear_global_router_replay_instances()
+    spec = get_gpt_decoder_block_spec(tcfg, use_transformer_engine=False, normalization="RMSNorm")
+    module = GPTModel(config=tcfg, transformer_layer_spec=spec, vocab_size=arch.vocab_size,
+                      max_sequence_length=arch.max_positions, position_embedding_type="rope",
+                      rotary_base=int(arch.rope_theta), share_embeddings_and_output_weights=False)
+    if torch.cuda.is_available():
+        module = module.cuda()
+    routers = _routers(module)
+    built = BuiltModel(module, arch, tcfg, routers, [r.router_replay for r in routers])
+    check_layer_map(built)
+    if load_weights:
+        load_hf_weights(built, hf_dir)
+    return built
+
+
+def load_hf_weights(built: BuiltModel, hf_dir: str | Path) -> None:
+    """Copy the HF safetensors weights into the model (this EP rank's experts); exact names."""
+    from megatron.core import parallel_state as ps
+    from safetensors.torch import load_file
+
+    sd: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(hf_dir).glob("*.safetensors")):
+        sd |= load_file(str(f))
+    mapped = hf_to_megatron(sd, built.arch, ps.get_expert_model_parallel_rank(),
+                            ps.get_expert_model_parallel_world_size())
+    copy_into(built.module, mapped)
+
+
+def copy_into(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy `tensors` into `module`'s parameters; every parameter must be covered, no extras."""
+    params = dict(module.named_parameters())
+    missing, extra = set(params) - set(tensors), set(tensors) - set(params)
+    if missing or extra:
+        raise ValueError(f"weights: missing {sorted(missing)[:4]}, unexpected {sorted(extra)[:4]}")
+    with torch.no_grad():
+        for name, p in params.items():
+            if tuple(p.shape) != tuple(tensors[name].shape):
+                raise ValueError(f"weights.{name}: shape {tuple(tensors[name].shape)}, "
+                                 f"model has {tuple(p.shape)}")
+            p.copy_(tensors[name])
