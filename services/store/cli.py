@@ -1,0 +1,84 @@
+"""`r3flow store`: serve the TrajectoryStore gRPC service over Redis (embedded unless given)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import threading
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="StoreConfig file (.toml/.yaml/.json)")
+    parser.add_argument("--listen", help="gRPC address (default from config: 127.0.0.1:50051)")
+    parser.add_argument("--metrics-port", type=int, help="port of /metrics and /health")
+    parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
+                        help="external Redis (default: $REDIS_URL, else an embedded redis-server)")
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, object]:
+    pairs = {"listen": args.listen, "metrics_port": args.metrics_port,
+             "redis_url": args.redis_url}
+    return {k: v for k, v in pairs.items() if v is not None}
+
+
+def run(args: argparse.Namespace) -> int:
+    import redis
+    from prometheus_client import CollectorRegistry
+
+    from services.common.config import load_config
+    from services.common.metrics import MetricsServer
+    from services.store.config import StoreConfig
+    from services.store.core import TrajectoryStoreCore
+    from services.store.redis_server import EmbeddedRedis
+    from services.store.server import StoreServer
+
+    cfg = load_config(StoreConfig, args.config, _overrides(args))
+    embedded = None
+    if cfg.redis_url is None:
+        rc = cfg.redis
+        embedded = EmbeddedRedis(rc.data_dir, appendfsync=rc.appendfsync,
+                                 executable=rc.executable, die_with_parent=True).start()
+    url = cfg.redis_url or embedded.url  # type: ignore[union-attr]
+    client = redis.Redis.from_url(url, socket_timeout=(cfg.max_wait_ms / 1000) + 10,
+                                  socket_connect_timeout=2, health_check_interval=10)
+    registry = CollectorRegistry()
+    try:
+        core = TrajectoryStoreCore(client, cfg, registry)
+        server = StoreServer(cfg, core, os.environ.get(cfg.auth_token_env) or None).start()
+        metrics = MetricsServer(registry, cfg.metrics_host, cfg.metrics_port,
+                                health_fn=lambda: server.redis_ok).start()
+        log.info("store ready: grpc port %d, metrics %s, redis %s", server.port, metrics.url,
+                 "embedded " + url if embedded else url)
+        _wait_for_signal()
+        server.stop()
+        metrics.stop()
+    finally:
+        if embedded:
+            embedded.stop()
+    return 0
+
+
+def _wait_for_signal() -> None:
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m services.store.cli` (same as `r3flow store`, without the other subcommands)."""
+    parser = argparse.ArgumentParser(prog="r3flow store")
+    parser.add_argument("--log-level", default="INFO")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,232 @@
+"""StoreClient: the one client of the TrajectoryStore, used by rollout workers and trainers.
+
+Appends are idempotent per (trajectory_id, sequence_number), so on a transient failure
+(UNAVAILABLE, DEADLINE_EXCEEDED, a dropped connection, or RESOURCE_EXHAUSTED with a
+`retry-after-ms` hint from backpressure) the client simply re-sends the whole stream; what the
+store already has counts as duplicates. Other errors (INVALID_ARGUMENT, ...) raise at once.
+
+    client = StoreClient("127.0.0.1:50051")
+    client.wait_ready(30)
+    client.append_trajectory(traj)                        # rollout worker
+    groups = client.pull("trainer-0", max_groups=4, lease_seconds=600, wait_ms=1000)
+    ...train on [t for g in groups for t in g.trajectories]...
+    client.ack("trainer-0", [g.delivery_id for g in groups])
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import TypeVar
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.pb.r3flow.v1 import store_pb2, store_pb2_grpc, trajectory_pb2
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+              grpc.StatusCode.ABORTED}
+RETRY_AFTER_KEY = "retry-after-ms"
+_MAX_MESSAGE = 1 << 30
+
+
+def trajectory_requests(traj: trajectory_pb2.Trajectory) -> list[store_pb2.AppendRequest]:
+    """Split a complete Trajectory into begin (0), segments (1..n) and finish (n+1)."""
+    tid = traj.trajectory_id
+    begin = store_pb2.TrajectoryBegin(
+        group_id=traj.group_id, group_size=traj.group_size,
+        prompt_token_ids=traj.prompt_token_ids, worker_id=traj.worker_id,
+        prompt_id=traj.prompt_id)
+    reqs = [store_pb2.AppendRequest(trajectory_id=tid, sequence_number=0, begin=begin)]
+    for j, seg in enumerate(traj.segments):
+        reqs.append(store_pb2.AppendRequest(trajectory_id=tid, sequence_number=j + 1, segment=seg))
+    reqs.append(store_pb2.AppendRequest(
+        trajectory_id=tid, sequence_number=len(traj.segments) + 1,
+        finish=store_pb2.TrajectoryFinish(
+            num_segments=len(traj.segments), reward=traj.reward,
+            reward_components=traj.reward_components, finish_reason=traj.finish_reason)))
+    return reqs
+
+
+def _retry_after_ms(err: grpc.RpcError) -> int | None:
+    for key, value in (err.trailing_metadata() or ()):
+        if key == RETRY_AFTER_KEY:
+            return int(value)
+    return None
+
+
+class StoreClient:
+    """Blocking client with retries; thread-safe (one gRPC channel)."""
+
+    def __init__(self, address: str, *, timeout_s: float = 60.0, max_retries: int = 10,
+                 backoff_s: float = 0.1, max_backoff_s: float = 5.0,
+                 max_backpressure_wait_s: float = 600.0, token: str | None = None) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.max_backpressure_wait_s = max_backpressure_wait_s
+        self.retries = 0  # transient failures retried so far (for tests and worker metrics)
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._channel = grpc.insecure_channel(address, options=[
+            ("grpc.max_send_message_length", _MAX_MESSAGE),
+            ("grpc.max_receive_message_length", _MAX_MESSAGE)])
+        self._stub = store_pb2_grpc.TrajectoryStoreStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> StoreClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- retry machinery ------------------------------------------------------------------
+    def _with_retry(self, call: Callable[[], T], what: str) -> T:
+        failures, waited = 0, 0.0
+        while True:
+            try:
+                return call()
+            except grpc.RpcError as err:
+                delay = self._retry_delay(err, failures, waited)
+                if delay is None:
+                    raise
+                if err.code() in _TRANSIENT:
+                    failures += 1
+                waited += delay
+                self.retries += 1
+                log.debug("%s failed (%s); retrying in %.2fs", what, err.code().name, delay)
+                time.sleep(delay)
+
+    def _retry_delay(self, err: grpc.RpcError, failures: int, waited: float) -> float | None:
+        code = err.code()
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            hint = _retry_after_ms(err)
+            if hint is None or waited >= self.max_backpressure_wait_s:
+                return None  # a size limit, not backpressure: retrying cannot help
+            return hint / 1000 * random.uniform(1.0, 1.5)
+        if code not in _TRANSIENT or failures >= self.max_retries:
+            return None
+        return min(self.max_backoff_s, self.backoff_s * 2 ** failures) * random.uniform(0.5, 1.0)
+
+    # ---- append -------------------------------------------------------------------------
+    def append_trajectory(self, traj: trajectory_pb2.Trajectory) -> store_pb2.AppendResponse:
+        """Append a complete trajectory (begin, segments, finish) in one retried stream."""
+        return self.append(trajectory_requests(traj))
+
+    def append(self, requests: Sequence[store_pb2.AppendRequest]) -> store_pb2.AppendResponse:
+        """Stream `requests` (re-sent whole on transient failure; the store dedups)."""
+        reqs = list(requests)
+        return self._with_retry(
+            lambda: self._stub.Append(iter(reqs), timeout=self.timeout_s,
+                                      metadata=self._metadata), "append")
+
+    # ---- trainer side ---------------------------------------------------------------------
+    def pull(self, consumer: str, max_groups: int = 1, lease_seconds: int = 0,
+             wait_ms: int = 0) -> list[store_pb2.PulledGroup]:
+        """Lease up to `max_groups` complete groups; ack them with `ack` after training."""
+        req = store_pb2.PullRequest(consumer=consumer, max_groups=max_groups,
+                                    lease_seconds=lease_seconds, wait_ms=wait_ms)
+        return self._with_retry(lambda: self._pull_once(req), "pull")
+
+    def _pull_once(self, req: store_pb2.PullRequest) -> list[store_pb2.PulledGroup]:
+        got: list[store_pb2.PulledGroup] = []
+        try:
+            for group in self._stub.Pull(req, timeout=self.timeout_s + req.wait_ms / 1000,
+                                         metadata=self._metadata):
+                got.append(group)
+        except grpc.RpcError:
+            if not got:
+                raise
+            # Groups received are leased to us: hand them over rather than lose them until
+            # their lease expires.
+        return got
+
+    def ack(self, consumer: str, delivery_ids: Sequence[str]) -> int:
+        """Ack delivered groups; returns how many were acked now (0 for repeats)."""
+        req = store_pb2.AckRequest(consumer=consumer, delivery_ids=list(delivery_ids))
+        return self._with_retry(lambda: self._stub.Ack(
+            req, timeout=self.timeout_s, metadata=self._metadata).acked, "ack")
+
+    # ---- versions, stats, workers ---------------------------------------------------------
+    def publish_policy_version(self, version: int) -> int:
+        """Publish a new policy version; returns the store's current (max) version."""
+        req = store_pb2.PolicyVersion(version=version)
+        return self._with_retry(lambda: self._stub.PublishPolicyVersion(
+            req, timeout=self.timeout_s, metadata=self._metadata).version, "publish version")
+
+    def watch_policy_version(self, known_version: int = -1) -> Iterator[int]:
+        """Yield each policy version newer than `known_version` (reconnects on failure)."""
+        for msg in self._watch(lambda known: self._stub.WatchPolicyVersion(
+                store_pb2.WatchPolicyVersionRequest(known_version=known),
+                metadata=self._metadata), known_version):
+            yield msg.version
+
+    def stats(self) -> store_pb2.StoreStats:
+        return self._with_retry(lambda: self._stub.GetStats(
+            store_pb2.StatsRequest(), timeout=self.timeout_s, metadata=self._metadata), "stats")
+
+    def register_worker(self, worker_id: str, host: str, world_size: int = 1,
+                        policy_version: int = 0) -> int:
+        """Register (or renew) a rollout worker; returns the TTL in seconds."""
+        info = store_pb2.WorkerInfo(worker_id=worker_id, host=host, world_size=world_size,
+                                    policy_version=policy_version)
+        return self._with_retry(lambda: self._stub.RegisterWorker(
+            info, timeout=self.timeout_s, metadata=self._metadata).ttl_seconds, "register")
+
+    def list_workers(self) -> list[store_pb2.WorkerInfo]:
+        return list(self._with_retry(lambda: self._stub.ListWorkers(
+            store_pb2.ListWorkersRequest(), timeout=self.timeout_s,
+            metadata=self._metadata).workers, "list workers"))
+
+    def publish_weight_sync(self, plan: store_pb2.WeightSyncPlan) -> None:
+        self._with_retry(lambda: self._stub.PublishWeightSync(
+            plan, timeout=self.timeout_s, metadata=self._metadata), "publish weight sync")
+
+    def watch_weight_sync(self, worker_id: str, known_version: int = -1
+                          ) -> Iterator[store_pb2.WeightSyncPlan]:
+        """Yield each weight-sync plan newer than `known_version` (reconnects on failure)."""
+        yield from self._watch(lambda known: self._stub.WatchWeightSync(
+            store_pb2.WatchWeightSyncRequest(worker_id=worker_id, known_version=known),
+            metadata=self._metadata), known_version)
+
+    def _watch(self, open_stream: Callable[[int], Iterator[T]], known: int) -> Iterator[T]:
+        failures = 0
+        while True:
+            try:
+                for msg in open_stream(known):
+                    failures = 0
+                    known = msg.version  # type: ignore[attr-defined]
+                    yield msg
+                # The server ended the stream (it is shutting down): reconnect like a failure.
+                if failures >= self.max_retries:
+                    return
+            except grpc.RpcError as err:
+                if err.code() not in _TRANSIENT or failures >= self.max_retries:
+                    raise
+                failures += 1
+                self.retries += 1
+                time.sleep(min(self.max_backoff_s, self.backoff_s * 2 ** failures))
+
+    def wait_ready(self, timeout_s: float = 30.0) -> None:
+        """Block until the store reports SERVING on grpc.health.v1 (TimeoutError otherwise)."""
+        deadline = time.monotonic() + timeout_s
+        req = health_pb2.HealthCheckRequest(service="")
+        while True:
+            try:
+                resp = self._health.Check(req, timeout=1.0)
+                if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass  # not up yet
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"store at {self.address} not SERVING after {timeout_s}s")
+            time.sleep(0.05)

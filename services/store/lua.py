@@ -1,0 +1,191 @@
+"""Lua scripts: every state change of the store is one script, so it is atomic in Redis.
+
+A store killed between two scripts leaves Redis at a message boundary, and the idempotency
+key (trajectory_id, sequence_number) — the trajectory's `next` field — changes in the same
+script as the data it guards. Scripts that delete a group derive member keys from the prefix
+(ARGV), which is fine on a single Redis (the store does not support Redis Cluster).
+Key layout: services/store/keys.py.
+"""
+
+from __future__ import annotations
+
+# Shared helpers, prepended to the scripts that need them.
+_DELETE_TRAJ = """
+local function delete_traj(prefix, tid, ttl, stats)
+  local t = prefix .. 't:' .. tid
+  local tokens = tonumber(redis.call('HGET', t, 'tokens') or '0')
+  if redis.call('HGET', t, 'state') == 'open' then
+    redis.call('HINCRBY', stats, 'inflight', -1)
+  end
+  redis.call('DEL', t)
+  redis.call('SET', prefix .. 'td:' .. tid, 1, 'EX', ttl)
+  return tokens
+end
+local function delete_group(prefix, gid, ttl, stats)
+  local gm = prefix .. 'gm:' .. gid
+  local tokens = 0
+  for _, tid in ipairs(redis.call('SMEMBERS', gm)) do
+    tokens = tokens + delete_traj(prefix, tid, ttl, stats)
+  end
+  redis.call('DEL', prefix .. 'g:' .. gid, gm)
+  redis.call('ZREM', prefix .. 'open', gid)
+  redis.call('SET', prefix .. 'gd:' .. gid, 1, 'EX', ttl)
+  redis.call('HINCRBY', stats, 'backlog_tokens', -tokens)
+end
+"""
+
+# KEYS: traj, traj_done, group, group_members, group_done, stats, open
+# ARGV: tid, header, group_size, prompt_len, max_backlog, max_inflight, now, gid
+BEGIN = """
+if redis.call('EXISTS', KEYS[1]) == 1 or redis.call('EXISTS', KEYS[2]) == 1 then return 'dup' end
+if redis.call('EXISTS', KEYS[5]) == 1 then return 'group_done' end
+local size = redis.call('HGET', KEYS[3], 'size')
+if size and tonumber(size) ~= tonumber(ARGV[3]) then return 'group_size' end
+if redis.call('SCARD', KEYS[4]) >= tonumber(ARGV[3]) then return 'group_full' end
+if tonumber(redis.call('HGET', KEYS[6], 'backlog_tokens') or '0') > tonumber(ARGV[5]) then
+  return 'backlog'
+end
+if tonumber(redis.call('HGET', KEYS[6], 'inflight') or '0') >= tonumber(ARGV[6]) then
+  return 'inflight'
+end
+redis.call('HSET', KEYS[1], 'h', ARGV[2], 'gid', ARGV[8], 'next', 1, 'rows', 0,
+           'tokens', ARGV[4], 'plen', ARGV[4], 'nseg', 0, 'state', 'open')
+if not size then
+  redis.call('HSET', KEYS[3], 'size', ARGV[3], 'complete', 0, 't0', ARGV[7])
+  redis.call('ZADD', KEYS[7], ARGV[7], ARGV[8])
+end
+redis.call('SADD', KEYS[4], ARGV[1])
+redis.call('HINCRBY', KEYS[6], 'backlog_tokens', ARGV[4])
+redis.call('HINCRBY', KEYS[6], 'inflight', 1)
+redis.call('HINCRBY', KEYS[6], 'trajectories_appended', 1)
+return 'ok'
+"""
+
+# Common head of SEGMENT and FINISH: existence, duplicate and gap checks on KEYS[1..2].
+_ORDER = """
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  if redis.call('EXISTS', KEYS[2]) == 1 then return {'dup', 0} end
+  return {'missing', 0}
+end
+local seq = tonumber(ARGV[1])
+local nxt = tonumber(redis.call('HGET', KEYS[1], 'next'))
+if seq < nxt or redis.call('HGET', KEYS[1], 'state') ~= 'open' then return {'dup', 0} end
+if seq > nxt then return {'gap', nxt} end
+"""
+
+# KEYS: traj, traj_done, group, stats
+# ARGV: seq, start_row, rows, tokens, payload, policy_version, layout, prompt_field, prompt_chunk
+SEGMENT = _ORDER + """
+if tonumber(redis.call('HGET', KEYS[1], 'rows')) ~= tonumber(ARGV[2]) then
+  return {'conflict', 0}
+end
+local layout = redis.call('HGET', KEYS[1], 'layout')
+if layout and layout ~= ARGV[7] then return {'conflict', 0} end
+local new_prompt = 0
+if ARGV[8] ~= '' then
+  new_prompt = redis.call('HSETNX', KEYS[3], ARGV[8], ARGV[9])
+  redis.call('HSET', KEYS[1], 'pkey', ARGV[8])
+end
+redis.call('HSET', KEYS[1], 's:' .. (seq - 1), ARGV[5], 'next', seq + 1, 'nseg', seq,
+           'layout', ARGV[7])
+redis.call('HINCRBY', KEYS[1], 'rows', ARGV[3])
+redis.call('HINCRBY', KEYS[1], 'tokens', ARGV[4])
+local gmin = redis.call('HGET', KEYS[3], 'minpv')
+if (not gmin) or tonumber(ARGV[6]) < tonumber(gmin) then
+  redis.call('HSET', KEYS[3], 'minpv', ARGV[6])
+end
+redis.call('HINCRBY', KEYS[4], 'backlog_tokens', ARGV[4])
+return {'ok', new_prompt}
+"""
+
+# KEYS: traj, traj_done, group, stats, ready, open
+# ARGV: seq, payload, num_segments, aborted (0/1), gid
+FINISH = _ORDER + """
+if tonumber(redis.call('HGET', KEYS[1], 'nseg')) ~= tonumber(ARGV[3]) then
+  return {'conflict', 0}
+end
+redis.call('HSET', KEYS[1], 'f', ARGV[2], 'next', seq + 1, 'state', 'complete')
+redis.call('HINCRBY', KEYS[4], 'inflight', -1)
+redis.call('HINCRBY', KEYS[4], 'trajectories_complete', 1)
+if ARGV[4] == '1' then redis.call('HINCRBY', KEYS[4], 'dropped:aborted', 1) end
+local done = redis.call('HINCRBY', KEYS[3], 'complete', 1)
+if done == tonumber(redis.call('HGET', KEYS[3], 'size')) then
+  redis.call('XADD', KEYS[5], '*', 'g', ARGV[5])
+  redis.call('ZREM', KEYS[6], ARGV[5])
+  redis.call('HINCRBY', KEYS[4], 'groups_released', 1)
+  return {'ok', 1}
+end
+return {'ok', 0}
+"""
+
+# Ack or drop one delivered group. Returns 1 if done now, 0 if not pending, -1 if another
+# consumer holds the lease.
+# KEYS: ready, stats, leases
+# ARGV: prefix, consumer group, entry id, consumer ('' = any), reason ('acked' or a drop
+#       reason), tombstone ttl, trajectories to count as dropped
+RELEASE = _DELETE_TRAJ + """
+local p = redis.call('XPENDING', KEYS[1], ARGV[2], ARGV[3], ARGV[3], 1)
+if #p == 0 then return 0 end
+if ARGV[4] ~= '' and p[1][2] ~= ARGV[4] then return -1 end
+local e = redis.call('XRANGE', KEYS[1], ARGV[3], ARGV[3])
+redis.call('XACK', KEYS[1], ARGV[2], ARGV[3])
+redis.call('XDEL', KEYS[1], ARGV[3])
+redis.call('HDEL', KEYS[3], ARGV[3])
+if #e == 1 then delete_group(ARGV[1], e[1][2][2], tonumber(ARGV[6]), KEYS[2]) end
+if ARGV[5] == 'acked' then
+  redis.call('HINCRBY', KEYS[2], 'groups_acked', 1)
+elseif tonumber(ARGV[7]) > 0 then
+  redis.call('HINCRBY', KEYS[2], 'dropped:' .. ARGV[5], ARGV[7])
+end
+return 1
+"""
+
+# Close an incomplete group older than the cutoff. Returns {trajectories dropped, released}.
+# KEYS: open, stats, ready
+# ARGV: prefix, gid, cutoff time, tombstone ttl, policy ('drop' | 'release_partial')
+TIMEOUT = _DELETE_TRAJ + """
+local t0 = redis.call('ZSCORE', KEYS[1], ARGV[2])
+if (not t0) or tonumber(t0) > tonumber(ARGV[3]) then return {0, 0} end
+local prefix, gid, ttl = ARGV[1], ARGV[2], tonumber(ARGV[4])
+local g, gm = prefix .. 'g:' .. gid, prefix .. 'gm:' .. gid
+local complete = tonumber(redis.call('HGET', g, 'complete') or '0')
+local members = redis.call('SMEMBERS', gm)
+if ARGV[5] == 'release_partial' and complete > 0 then
+  local tokens, dropped = 0, 0
+  for _, tid in ipairs(members) do
+    if redis.call('HGET', prefix .. 't:' .. tid, 'state') ~= 'complete' then
+      tokens = tokens + delete_traj(prefix, tid, ttl, KEYS[2])
+      redis.call('SREM', gm, tid)
+      dropped = dropped + 1
+    end
+  end
+  redis.call('HSET', g, 'size', complete)
+  redis.call('HINCRBY', KEYS[2], 'backlog_tokens', -tokens)
+  redis.call('HINCRBY', KEYS[2], 'dropped:group_timeout', dropped)
+  redis.call('ZREM', KEYS[1], gid)
+  redis.call('XADD', KEYS[3], '*', 'g', gid)
+  redis.call('HINCRBY', KEYS[2], 'groups_released', 1)
+  return {dropped, 1}
+end
+delete_group(prefix, gid, ttl, KEYS[2])
+redis.call('HINCRBY', KEYS[2], 'dropped:group_timeout', #members)
+return {#members, 0}
+"""
+
+# Monotonic max: KEYS: key; ARGV: candidate. Returns the stored value after the call.
+SET_MAX = """
+local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
+local new = tonumber(ARGV[1])
+if new > cur then redis.call('SET', KEYS[1], ARGV[1]); return ARGV[1] end
+return tostring(cur)
+"""
+
+# Latest weight-sync plan if newer. KEYS: ws hash; ARGV: version, plan. Returns stored version.
+SET_PLAN = """
+local cur = tonumber(redis.call('HGET', KEYS[1], 'v') or '-1')
+if tonumber(ARGV[1]) > cur then
+  redis.call('HSET', KEYS[1], 'v', ARGV[1], 'plan', ARGV[2])
+  return ARGV[1]
+end
+return tostring(cur)
+"""

@@ -1,0 +1,255 @@
+"""gRPC TrajectoryStore servicer (thin: proto <-> core) and the server that hosts it.
+
+Errors: ValueError -> INVALID_ARGUMENT; CapacityError -> RESOURCE_EXHAUSTED with a
+`retry-after-ms` trailer; Redis unreachable -> UNAVAILABLE (clients retry); anything else ->
+INTERNAL with a log line. grpc.health.v1 reports NOT_SERVING while Redis is unreachable.
+"""
+
+from __future__ import annotations
+
+import functools
+import hmac
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from typing import Any
+
+import grpc
+import redis
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services.common.pb.r3flow.v1 import store_pb2, store_pb2_grpc
+from services.store.config import StoreConfig
+from services.store.control import ControlPlane
+from services.store.core import StatsSnapshot, TrajectoryStoreCore
+from services.store.errors import CapacityError
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = store_pb2.DESCRIPTOR.services_by_name["TrajectoryStore"].full_name
+RETRY_AFTER_KEY = "retry-after-ms"
+_REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
+WATCH_POLL_S = 0.5  # watchers re-read Redis this often (versions published by other replicas)
+
+
+def _abort(context: grpc.ServicerContext, exc: Exception) -> None:
+    if isinstance(exc, ValueError):
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    if isinstance(exc, CapacityError):
+        context.set_trailing_metadata(((RETRY_AFTER_KEY, str(exc.retry_after_ms)),))
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+    if isinstance(exc, _REDIS_DOWN):
+        context.abort(grpc.StatusCode.UNAVAILABLE, f"redis unavailable: {exc}")
+    if context.is_active():
+        log.error("internal error in %s", context.peer(), exc_info=exc)
+    context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+
+
+def _unary(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return fn(self, request, context)
+        except Exception as e:  # noqa: BLE001 (mapped to a status code, never swallowed)
+            _abort(context, e)
+    return wrapper
+
+
+def _streaming(fn: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any]]:
+    @functools.wraps(fn)
+    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        try:
+            yield from fn(self, request, context)
+        except Exception as e:  # noqa: BLE001
+            _abort(context, e)
+    return wrapper
+
+
+class TrajectoryStoreServicer(store_pb2_grpc.TrajectoryStoreServicer):
+    """Translates proto <-> core calls; no store logic here."""
+
+    def __init__(self, core: TrajectoryStoreCore, control: ControlPlane,
+                 stop: threading.Event) -> None:
+        self.core = core
+        self.control = control
+        self.stop = stop
+
+    @_unary
+    def Append(self, request_iterator, context):  # noqa: N802 (gRPC method names)
+        res = self.core.append(request_iterator)
+        return store_pb2.AppendResponse(accepted=res.accepted, duplicates=res.duplicates,
+                                        policy_version=res.policy_version)
+
+    @_streaming
+    def Pull(self, request, context):  # noqa: N802
+        for d in self.core.pull(request.consumer, request.max_groups, request.lease_seconds,
+                                request.wait_ms):
+            yield d.to_proto()
+
+    @_unary
+    def Ack(self, request, context):  # noqa: N802
+        if not request.consumer:
+            raise ValueError("consumer: required")
+        return store_pb2.AckResponse(acked=self.core.ack(request.consumer, request.delivery_ids))
+
+    @_unary
+    def PublishPolicyVersion(self, request, context):  # noqa: N802
+        return store_pb2.PolicyVersion(version=self.core.publish_policy_version(request.version))
+
+    @_streaming
+    def WatchPolicyVersion(self, request, context):  # noqa: N802
+        known = request.known_version
+        while context.is_active() and not self.stop.is_set():
+            version = self.core.policy_version()
+            if version > known:
+                known = version
+                yield store_pb2.PolicyVersion(version=version)
+            else:
+                self._wait_for_change()
+
+    @_unary
+    def GetStats(self, request, context):  # noqa: N802
+        return stats_to_proto(self.core.stats())
+
+    @_unary
+    def RegisterWorker(self, request, context):  # noqa: N802
+        return store_pb2.RegisterWorkerResponse(ttl_seconds=self.control.register_worker(request))
+
+    @_unary
+    def ListWorkers(self, request, context):  # noqa: N802
+        return store_pb2.WorkerList(workers=self.control.list_workers())
+
+    @_unary
+    def PublishWeightSync(self, request, context):  # noqa: N802
+        self.control.publish_weight_sync(request)
+        with self.core.version_changed:
+            self.core.version_changed.notify_all()
+        return store_pb2.Empty()
+
+    @_streaming
+    def WatchWeightSync(self, request, context):  # noqa: N802
+        known = request.known_version
+        while context.is_active() and not self.stop.is_set():
+            plan = self.control.latest_weight_sync()
+            if plan is not None and plan.version > known:
+                known = plan.version
+                yield plan
+            else:
+                self._wait_for_change()
+
+    def _wait_for_change(self) -> None:
+        with self.core.version_changed:
+            self.core.version_changed.wait(WATCH_POLL_S)
+
+
+def stats_to_proto(s: StatsSnapshot) -> store_pb2.StoreStats:
+    c = s.counters
+    return store_pb2.StoreStats(
+        trajectories_appended=c.get("trajectories_appended", 0),
+        trajectories_complete=c.get("trajectories_complete", 0),
+        groups_ready=s.groups_ready, groups_delivered=c.get("groups_delivered", 0),
+        groups_acked=c.get("groups_acked", 0), backlog_tokens=max(0, c.get("backlog_tokens", 0)),
+        dropped_stale=c.get("dropped:stale", 0), redeliveries=c.get("redeliveries", 0),
+        policy_version=s.policy_version, dropped_by_reason=s.dropped_by_reason())
+
+
+class _TokenInterceptor(grpc.ServerInterceptor):
+    """Requires `authorization: Bearer <token>` on store RPCs (health stays open for probes)."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+        def deny(request: Any, context: grpc.ServicerContext) -> None:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "authorization: missing or wrong token")
+        self._deny = deny
+
+    def intercept_service(self, continuation, details):  # noqa: ANN001, ANN201
+        if not details.method.startswith(f"/{SERVICE_NAME}/"):
+            return continuation(details)
+        got = dict(details.invocation_metadata).get("authorization", "").encode()
+        if hmac.compare_digest(got, self._expected):
+            return continuation(details)
+        handler = continuation(details)
+        if handler is None:
+            return None
+        if handler.request_streaming:
+            return grpc.stream_unary_rpc_method_handler(lambda it, ctx: self._deny(None, ctx))
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(self._deny)
+        return grpc.unary_unary_rpc_method_handler(self._deny)
+
+
+class StoreServer:
+    """The gRPC server, its health service and the maintenance thread (timeouts, gauges)."""
+
+    def __init__(self, config: StoreConfig, core: TrajectoryStoreCore,
+                 auth_token: str | None = None) -> None:
+        self.cfg = config
+        self.core = core
+        self.redis_ok = False
+        self._stop = threading.Event()
+        self.health = health.HealthServicer()
+        interceptors = [_TokenInterceptor(auth_token)] if auth_token else []
+        self.grpc = grpc.server(
+            futures.ThreadPoolExecutor(config.grpc_workers, thread_name_prefix="store-rpc"),
+            interceptors=interceptors, options=[
+                ("grpc.max_receive_message_length", config.max_message_bytes),
+                ("grpc.max_send_message_length", config.max_pull_message_bytes)])
+        control = ControlPlane(core.r, core.keys, config.worker_ttl_seconds)
+        store_pb2_grpc.add_TrajectoryStoreServicer_to_server(
+            TrajectoryStoreServicer(core, control, self._stop), self.grpc)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME), self.grpc)
+        self.port = self.grpc.add_insecure_port(config.listen)
+        if self.port == 0:
+            raise ValueError(f"listen: cannot bind {config.listen}")
+        self._thread = threading.Thread(target=self._maintain, name="store-maint", daemon=True)
+
+    def start(self) -> StoreServer:
+        self._check_redis()
+        self.grpc.start()
+        self._thread.start()
+        log.info("TrajectoryStore listening on %s (port %d)", self.cfg.listen, self.port)
+        return self
+
+    def stop(self, grace_s: float = 2.0) -> None:
+        self._stop.set()
+        self.health.enter_graceful_shutdown()
+        self.grpc.stop(grace_s).wait()
+
+    def wait(self) -> None:
+        self.grpc.wait_for_termination()
+
+    def _check_redis(self) -> None:
+        try:
+            self.core.r.ping()
+            self.core.stats()  # refreshes the gauges
+            ok = True
+        except _REDIS_DOWN as e:
+            if self.redis_ok:
+                log.warning("redis unreachable: %s", e)
+            ok = False
+        status = health_pb2.HealthCheckResponse.SERVING if ok else \
+            health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, status)
+        self.redis_ok = ok
+
+    def _maintain(self) -> None:
+        last_reap = 0.0
+        while not self._stop.wait(1.0):
+            self._check_redis()
+            if not self.redis_ok or time.monotonic() - last_reap < self.cfg.reaper_interval_seconds:
+                continue
+            last_reap = time.monotonic()
+            try:
+                self.core.reap_timeouts()
+            except _REDIS_DOWN as e:
+                log.warning("group timeout check skipped: %s", e)
+            except Exception:  # noqa: BLE001 (keep maintaining; the error is logged)
+                log.exception("group timeout check failed")

@@ -1,0 +1,308 @@
+"""Validation of append messages against a trajectory's stored state, before anything is written.
+
+Each `validate_*` function checks one message and returns the write it implies; `advance`
+applies that write to the in-memory state so a whole Append stream can be checked before its
+first message is committed. Errors are ValueError whose message starts with the field name.
+
+Row convention (proto/r3flow/v1/trajectory.proto): a trajectory with P prompt tokens and
+segments of n_0, n_1, ... tokens has P + sum(n) - 1 routing rows; segment 0 covers rows
+[0, P + n_0 - 1), segment j > 0 covers the next n_j rows.
+
+Legend: T = routing rows, L = layer columns, K = top-k.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+from services.common.pb.r3flow.v1 import store_pb2, trajectory_pb2
+from services.common.wire import routing_from_proto
+
+MAX_ID_CHARS = 256
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Routing layout that every chunk of one trajectory must share."""
+
+    layers: int
+    topk: int
+    num_experts: int
+    layer_ids: tuple[int, ...]
+
+    def encode(self) -> str:
+        return f"{self.layers}/{self.topk}/{self.num_experts}/" + ",".join(map(str, self.layer_ids))
+
+    @staticmethod
+    def decode(text: str) -> Layout:
+        layers, topk, num_experts, ids = text.split("/")
+        layer_ids = tuple(int(x) for x in ids.split(",")) if ids else ()
+        return Layout(int(layers), int(topk), int(num_experts), layer_ids)
+
+
+@dataclass
+class TrajState:
+    """What validation needs to know about a stored (or simulated) trajectory."""
+
+    next_seq: int = 0           # sequence number the store expects next (0 = not begun)
+    done: bool = False          # complete, acked or dropped: every message is a duplicate
+    prompt_len: int = 0
+    rows: int = 0               # routing rows stored so far = start_row of the next segment
+    tokens: int = 0             # prompt + response tokens stored so far
+    num_segments: int = 0
+    layout: Layout | None = None
+    group_id: str = ""
+
+
+@dataclass
+class GroupState:
+    """What a begin needs to know about its GRPO group."""
+
+    size: int = 0               # 0 = group not created yet
+    members: int = 0
+    closed: bool = False        # released and acked, or dropped
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_tokens_per_trajectory: int
+    max_group_size: int
+
+
+@dataclass
+class BeginWrite:
+    trajectory_id: str
+    group_id: str
+    group_size: int
+    prompt_len: int
+    header: bytes               # serialized Trajectory without segments or finish fields
+    seq: int = 0
+
+
+@dataclass
+class SegmentWrite:
+    trajectory_id: str
+    group_id: str
+    seq: int
+    start_row: int
+    rows: int
+    tokens: int
+    policy_version: int
+    layout: Layout
+    payload: bytes              # serialized Segment, minus the deduplicated prompt chunk
+    prompt_field: str = ""      # group hash field of the prompt chunk ("" = none)
+    prompt_chunk: bytes = b""
+    raw_bytes: int = 0          # routing as uint8 ids
+    encoded_bytes: int = 0      # routing data bytes in `payload`
+
+
+@dataclass
+class FinishWrite:
+    trajectory_id: str
+    group_id: str
+    seq: int
+    num_segments: int
+    aborted: bool
+    payload: bytes              # serialized TrajectoryFinish
+
+
+Write = BeginWrite | SegmentWrite | FinishWrite
+
+
+def check_envelope(req: store_pb2.AppendRequest) -> str:
+    """Check id and body/sequence-number agreement; returns the body kind."""
+    tid = req.trajectory_id
+    if not tid or len(tid) > MAX_ID_CHARS:
+        raise ValueError(f"trajectory_id: must be 1..{MAX_ID_CHARS} characters, got {len(tid)}")
+    kind = req.WhichOneof("body")
+    if kind is None:
+        raise ValueError("body: one of begin, segment, finish is required")
+    if (kind == "begin") != (req.sequence_number == 0):
+        raise ValueError(f"sequence_number: {req.sequence_number} cannot carry {kind} "
+                         "(0 = begin, 1..n = segments, n+1 = finish)")
+    return kind
+
+
+def check_order(req: store_pb2.AppendRequest, state: TrajState) -> bool:
+    """True if the message is new; False for a duplicate; ValueError on a gap."""
+    if state.done or req.sequence_number < state.next_seq:
+        return False
+    if req.sequence_number > state.next_seq:
+        raise ValueError(f"sequence_number: got {req.sequence_number}, expected "
+                         f"{state.next_seq} (messages 0..{req.sequence_number - 1} not stored)")
+    return True
+
+
+def validate_begin(req: store_pb2.AppendRequest, group: GroupState, limits: Limits) -> BeginWrite:
+    """Check a begin message against its group and the limits."""
+    b = req.begin
+    if not b.group_id or len(b.group_id) > MAX_ID_CHARS:
+        raise ValueError(f"begin.group_id: must be 1..{MAX_ID_CHARS} characters")
+    if not 1 <= b.group_size <= limits.max_group_size:
+        raise ValueError(f"begin.group_size: {b.group_size} not in 1..{limits.max_group_size} "
+                         "(max_group_size)")
+    if group.closed:
+        raise ValueError(f"begin.group_id: group {b.group_id!r} was already released or dropped")
+    if group.size and group.size != b.group_size:
+        raise ValueError(f"begin.group_size: {b.group_size}, but group {b.group_id!r} "
+                         f"has size {group.size}")
+    if group.size and group.members >= group.size:
+        raise ValueError(f"begin.group_id: group {b.group_id!r} already has {group.members} "
+                         "trajectories")
+    _check_prompt(b.prompt_token_ids, limits)
+    header = trajectory_pb2.Trajectory(
+        trajectory_id=req.trajectory_id, group_id=b.group_id, group_size=b.group_size,
+        prompt_token_ids=b.prompt_token_ids, worker_id=b.worker_id, prompt_id=b.prompt_id)
+    return BeginWrite(req.trajectory_id, b.group_id, b.group_size, len(b.prompt_token_ids),
+                      header.SerializeToString())
+
+
+def _check_prompt(prompt_token_ids: object, limits: Limits) -> None:
+    n = len(prompt_token_ids)  # type: ignore[arg-type]
+    if n == 0:
+        raise ValueError("begin.prompt_token_ids: empty prompt")
+    if n >= limits.max_tokens_per_trajectory:
+        raise ValueError(f"begin.prompt_token_ids: {n} tokens leave no room under "
+                         f"max_tokens_per_trajectory={limits.max_tokens_per_trajectory}")
+    if min(prompt_token_ids) < 0:  # type: ignore[call-overload]
+        raise ValueError("begin.prompt_token_ids: negative token id")
+
+
+def validate_segment(req: store_pb2.AppendRequest, state: TrajState,
+                     limits: Limits) -> SegmentWrite:
+    """Check a segment's tokens, per-token fields and routing rows against the trajectory."""
+    seg, j = req.segment, req.sequence_number - 1
+    if seg.index != j:
+        raise ValueError(f"segment.index: {seg.index}, but sequence_number "
+                         f"{req.sequence_number} carries segment {j}")
+    n = _check_tokens(seg)
+    if state.tokens + n > limits.max_tokens_per_trajectory:
+        raise ValueError(f"segment.token_ids: trajectory would have {state.tokens + n} tokens > "
+                         f"max_tokens_per_trajectory={limits.max_tokens_per_trajectory}")
+    if seg.policy_version < 0:
+        raise ValueError(f"segment.policy_version: {seg.policy_version} < 0")
+    expected = state.prompt_len + n - 1 if j == 0 else n
+    chunks = _check_routing(seg, state, expected)
+    return _segment_write(req, state, chunks, n)
+
+
+def _check_tokens(seg: trajectory_pb2.Segment) -> int:
+    n = len(seg.token_ids)
+    if n == 0:
+        raise ValueError("segment.token_ids: empty segment")
+    if min(seg.token_ids) < 0:
+        raise ValueError("segment.token_ids: negative token id")
+    if len(seg.logprobs) != n:
+        raise ValueError(f"segment.logprobs: {len(seg.logprobs)} values for {n} tokens")
+    if not all(math.isfinite(x) for x in seg.logprobs):
+        raise ValueError("segment.logprobs: NaN or infinite value")
+    if len(seg.loss_mask) != n:
+        raise ValueError(f"segment.loss_mask: {len(seg.loss_mask)} bytes for {n} tokens")
+    if seg.loss_mask.strip(b"\x00\x01"):
+        raise ValueError("segment.loss_mask: bytes must be 0 or 1")
+    return n
+
+
+@dataclass
+class _Chunks:
+    layout: Layout
+    rows: int
+    raw_bytes: int
+    encoded_bytes: int = 0
+
+
+def _check_routing(seg: trajectory_pb2.Segment, state: TrajState, expected: int) -> _Chunks:
+    if not seg.routing:
+        raise ValueError(f"segment.routing: missing; rows [{state.rows}, {state.rows + expected})"
+                         " are required")
+    layout, row, raw = state.layout, state.rows, 0
+    for c, chunk in enumerate(seg.routing):
+        name = f"segment.routing[{c}]"
+        ids_TLK = routing_from_proto(chunk, name)
+        if chunk.start_row != row:
+            raise ValueError(f"{name}.start_row: {chunk.start_row}, expected {row} "
+                             "(chunks must continue the trajectory's rows without gaps)")
+        if ids_TLK.shape[0] == 0:
+            raise ValueError(f"{name}.shape: chunk has no rows")
+        layout = _check_layout(chunk, layout, name)
+        row += ids_TLK.shape[0]
+        raw += ids_TLK.size
+    got = row - state.rows
+    if got != expected:
+        raise ValueError(
+            f"segment.routing: {got} rows, expected {expected} (a trajectory with P prompt and "
+            "R response tokens has P+R-1 rows: segment 0 carries P+n0-1, later segments n_j)")
+    assert layout is not None
+    return _Chunks(layout, got, raw, sum(len(ch.data) for ch in seg.routing))
+
+
+def _check_layout(chunk: object, layout: Layout | None, name: str) -> Layout:
+    here = Layout(chunk.shape[1], chunk.shape[2], chunk.num_experts,  # type: ignore[attr-defined]
+                  tuple(chunk.layer_ids))  # type: ignore[attr-defined]
+    if layout is None:
+        return here
+    for attr, label in (("layers", "shape[1]"), ("topk", "shape[2]"),
+                        ("num_experts", "num_experts"), ("layer_ids", "layer_ids")):
+        if getattr(here, attr) != getattr(layout, attr):
+            raise ValueError(f"{name}.{label}: {getattr(here, attr)}, but the trajectory has "
+                             f"{getattr(layout, attr)} ({attr} must not change)")
+    return layout
+
+
+def _segment_write(req: store_pb2.AppendRequest, state: TrajState, chunks: _Chunks,
+                   n: int) -> SegmentWrite:
+    seg = req.segment
+    write = SegmentWrite(req.trajectory_id, state.group_id, req.sequence_number, state.rows,
+                         chunks.rows, n, seg.policy_version, chunks.layout, b"",
+                         raw_bytes=chunks.raw_bytes, encoded_bytes=chunks.encoded_bytes)
+    first = seg.routing[0]
+    if seg.index == 0 and first.start_row == 0 and first.shape[0] == state.prompt_len:
+        # The prompt rows are identical across a GRPO group unless routing had near-ties, so
+        # they are keyed by content: equal chunks share one copy, a differing one gets its own.
+        write.prompt_chunk = first.SerializeToString(deterministic=True)
+        write.prompt_field = "p:" + hashlib.sha1(write.prompt_chunk).hexdigest()
+        write.encoded_bytes -= len(first.data)
+        rest = trajectory_pb2.Segment()
+        rest.CopyFrom(seg)
+        del rest.routing[0]
+        write.payload = rest.SerializeToString()
+    else:
+        write.payload = seg.SerializeToString()
+    return write
+
+
+def validate_finish(req: store_pb2.AppendRequest, state: TrajState) -> FinishWrite:
+    """Check the closing message: segment count, reward values, finish reason."""
+    f = req.finish
+    if state.num_segments == 0:
+        raise ValueError("finish.num_segments: trajectory has no segments")
+    if f.num_segments != state.num_segments:
+        raise ValueError(f"finish.num_segments: {f.num_segments}, but {state.num_segments} "
+                         "segments were stored")
+    if not math.isfinite(f.reward):
+        raise ValueError("finish.reward: NaN or infinite")
+    for key, value in f.reward_components.items():
+        if not math.isfinite(value):
+            raise ValueError(f"finish.reward_components[{key!r}]: NaN or infinite")
+    if f.finish_reason not in trajectory_pb2.FinishReason.values():
+        raise ValueError(f"finish.finish_reason: unknown value {f.finish_reason}")
+    aborted = f.finish_reason == trajectory_pb2.FINISH_REASON_ABORTED
+    return FinishWrite(req.trajectory_id, state.group_id, req.sequence_number, f.num_segments,
+                       aborted, f.SerializeToString(deterministic=True))
+
+
+def advance(state: TrajState, write: Write) -> None:
+    """Apply a validated write to the in-memory state (so the next message sees it)."""
+    state.next_seq = write.seq + 1
+    if isinstance(write, BeginWrite):
+        state.prompt_len = state.tokens = write.prompt_len
+        state.group_id = write.group_id
+    elif isinstance(write, SegmentWrite):
+        state.rows += write.rows
+        state.tokens += write.tokens
+        state.num_segments += 1
+        state.layout = write.layout
+    else:
+        state.done = True

@@ -1,0 +1,104 @@
+"""Fixtures for the trajectory-store integration tests: a real redis-server and a real
+`r3flow store` process on free loopback ports, both stopped by pid."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from services.store.client import StoreClient
+from services.store.redis_server import EmbeddedRedis, free_port
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class StoreProcess:
+    """`python -m services.store.cli` (the `r3flow store` entry) as a child process."""
+
+    def __init__(self, redis_url: str, workdir: Path, **config: object) -> None:
+        self.redis_url = redis_url
+        self.port = free_port()
+        self.metrics_port = free_port()
+        self.config_path = workdir / f"store-{self.port}.json"
+        self.config_path.write_text(json.dumps(config))
+        self.log_path = workdir / f"store-{self.port}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 30.0) -> StoreProcess:
+        env = {**os.environ, "REDIS_URL": self.redis_url, "PYTHONUNBUFFERED": "1"}
+        argv = [sys.executable, "-m", "services.store.cli", "--config", str(self.config_path),
+                "--listen", self.address, "--metrics-port", str(self.metrics_port)]
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=log)
+        with StoreClient(self.address) as client:
+            try:
+                client.wait_ready(timeout_s)
+            except TimeoutError:
+                self.kill()
+                raise RuntimeError(f"store did not start: {self.log_path.read_text()[-2000:]}")
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL by pid (a crash)."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop(self) -> None:
+        """SIGTERM by pid (graceful), SIGKILL if it hangs."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def restart(self) -> StoreProcess:
+        self.kill()
+        return self.start()
+
+
+def redis_keys(url: str, prefix: str) -> set[bytes]:
+    client = redis.Redis.from_url(url)
+    try:
+        return set(client.scan_iter(match=prefix + "*", count=1000))
+    finally:
+        client.close()
+
+
+@pytest.fixture(scope="module")
+def store_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedRedis]:
+    """A redis-server with AOF fsync on every write, so even SIGKILL loses nothing."""
+    server = EmbeddedRedis(tmp_path_factory.mktemp("redis"), appendfsync="always").start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def store_process(store_redis: EmbeddedRedis,
+                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[StoreProcess]:
+    """A store process over `store_redis` with default limits."""
+    proc = StoreProcess(store_redis.url, tmp_path_factory.mktemp("store")).start()
+    yield proc
+    proc.stop()
+
+
+def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.02) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(interval_s)
