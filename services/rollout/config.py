@@ -1,0 +1,70 @@
+"""Typed configuration of the rollout worker (`r3flow rollout --config FILE`)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from services.common.config import StrictConfig
+
+
+class EngineConfig(StrictConfig):
+    """How the vLLM AsyncLLM engine is built."""
+
+    model: str = Field(..., description="HF-format model directory")
+    max_model_len: int = Field(1024, ge=8, description="prompt + all generated/env tokens")
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
+        "float32", description="engine dtype (vLLM-CPU: float32 or bfloat16)")
+    seed: int = Field(0, description="engine seed; request seeds derive from it")
+    max_num_seqs: int = Field(32, ge=1, description="engine batch size (sequences per step)")
+    block_size: int = Field(32, ge=32, description="KV block size (vLLM-CPU: multiple of 32)")
+    enable_prefix_caching: bool = Field(True, description="reuse KV of shared prompt prefixes")
+    capture_routing: bool = Field(
+        True, description="enable_return_routed_experts; off only for baselines (nothing is sent)")
+    policy_version: int = Field(0, ge=0, description="policy version of the weights at `model`")
+
+    @model_validator(mode="after")
+    def _block_multiple_of_32(self) -> EngineConfig:
+        if self.block_size % 32:
+            raise ValueError("block_size: must be a multiple of 32 (vLLM-CPU attention)")
+        return self
+
+
+class SamplingConfig(StrictConfig):
+    """Per-request sampling; n samples of one prompt form a GRPO group."""
+
+    n: int = Field(4, ge=1, description="group size (samples per prompt)")
+    max_tokens: int = Field(128, ge=1, description="generated tokens per turn")
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    ignore_eos: bool = Field(False, description="generate max_tokens even past EOS (benchmarks)")
+    max_turns: int = Field(1, ge=1, description="agent turns per trajectory (multi-turn envs)")
+
+
+class RolloutConfig(StrictConfig):
+    """Everything `r3flow rollout` needs."""
+
+    engine: EngineConfig
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    dataset: str = Field(..., description="JSONL or Parquet file of prompts")
+    verifier: str = Field(
+        "exact_match", description="built-in name (exact_match, numeric) or `pkg.mod:fn`")
+    concurrency: int = Field(16, ge=1, description="max requests in the engine at once")
+    routing_codec_mode: Literal["canonical", "exact"] = Field(
+        "canonical", description="canonical sorts top-k ids (equal routing -> equal bytes)")
+    partial_rollout_policy: Literal["segment", "replace"] = Field(
+        "segment", description="segment keeps each token's generating routing (verl #6046)")
+    store: str | None = Field(None, description="store gRPC address; unset = do not send")
+    store_timeout_s: float = Field(30.0, gt=0, description="per-call deadline of store RPCs")
+    store_max_retries: int = Field(8, ge=0, description="client retries of one append")
+    backpressure_sleep_s: float = Field(
+        1.0, gt=0, description="pause before re-sending a group the store refused for capacity")
+    metrics_host: str = Field("127.0.0.1", description="bind address of /metrics and /health")
+    metrics_port: int = Field(0, ge=0, description="port of /metrics and /health (0 = any free)")
+    worker_id: str = Field("rollout-0", min_length=1, description="unique name of this worker")
+    num_prompts: int | None = Field(None, ge=1, description="stop after this many groups")
+    epochs: int = Field(1, ge=1, description="passes over the dataset")
+    max_policy_lag: int | None = Field(
+        None, ge=0,
+        description="hold new groups while the trainer's published version is ahead by more")

@@ -1,0 +1,220 @@
+"""The vLLM AsyncLLM engine of a rollout worker: generation calls with routing capture and
+sampled-token logprobs, and weight updates with a policy version.
+
+Legend: T = routing rows, L = engine hidden layers (dense ones included), K = top-k.
+
+Version bookkeeping: a call takes the policy version under the same lock that a weight update
+holds from pause to resume, so a call is either in the engine before the pause (then the pause
+aborts it and everything it produced was computed by the old weights) or is added after the
+resume (then all of it runs on the new weights).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from services.rollout.config import EngineConfig
+from services.rollout.segments import CallOutput
+
+log = logging.getLogger(__name__)
+
+WORKER_EXTENSION = "services.rollout.worker_ext.R3WorkerExtension"
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Routing-relevant facts of the served model, read from its HF config."""
+
+    num_layers: int
+    num_experts: int
+    top_k: int
+    moe_layers: tuple[int, ...]
+    vocab_size: int
+
+
+def moe_layer_ids(hf_config: Any) -> list[int]:
+    """Hidden layers with a router (Qwen-MoE `mlp_only_layers`/`decoder_sparse_step`, DeepSeek
+    `first_k_dense_replace`/`moe_layer_freq`); the others are dense."""
+    n = hf_config.num_hidden_layers
+    if getattr(hf_config, "first_k_dense_replace", None) is not None:
+        k, freq = hf_config.first_k_dense_replace, getattr(hf_config, "moe_layer_freq", 1) or 1
+        return [i for i in range(n) if i >= k and i % freq == 0]
+    dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
+    step = getattr(hf_config, "decoder_sparse_step", 1) or 1
+    return [i for i in range(n) if i not in dense and (i + 1) % step == 0]
+
+
+def model_info(hf_config: Any) -> ModelInfo:
+    experts = next((getattr(hf_config, a) for a in ("num_experts", "n_routed_experts",
+                                                    "num_local_experts")
+                    if getattr(hf_config, a, None)), None)
+    if not experts:
+        raise ValueError("engine.model: the model config names no experts (not an MoE model)")
+    return ModelInfo(num_layers=hf_config.num_hidden_layers, num_experts=int(experts),
+                     top_k=int(hf_config.num_experts_per_tok),
+                     moe_layers=tuple(moe_layer_ids(hf_config)),
+                     vocab_size=int(hf_config.vocab_size))
+
+
+@dataclass(frozen=True)
+class CallParams:
+    """Sampling of one engine call."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    ignore_eos: bool = False
+    routed_prompt_start: int = 0
+
+
+def engine_args(cfg: EngineConfig) -> Any:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    return AsyncEngineArgs(
+        model=cfg.model, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
+        max_num_seqs=cfg.max_num_seqs, block_size=cfg.block_size, enforce_eager=True,
+        seed=cfg.seed, enable_prefix_caching=cfg.enable_prefix_caching,
+        enable_return_routed_experts=cfg.capture_routing,
+        worker_extension_cls=WORKER_EXTENSION, disable_log_stats=True)
+
+
+class RolloutEngine:
+    """One AsyncLLM, its policy version and its in-flight calls."""
+
+    def __init__(self, cfg: EngineConfig, llm: Any, metrics: dict[str, Any]) -> None:
+        self.cfg = cfg
+        self.llm = llm
+        self.info = model_info(llm.vllm_config.model_config.hf_config)
+        self.policy_version = cfg.policy_version
+        self.metrics = metrics
+        self._gate = asyncio.Lock()
+        self._progress: dict[str, int] = {}
+        metrics["r3flow_rollout_policy_version"].set(self.policy_version)
+
+    @classmethod
+    def start(cls, cfg: EngineConfig, metrics: dict[str, Any]) -> RolloutEngine:
+        """Build the engine (call inside the event loop that will use it)."""
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        from services.rollout.cpu_shims import set_cpu_env_defaults
+
+        set_cpu_env_defaults()
+        t0 = time.perf_counter()
+        llm = AsyncLLM.from_engine_args(engine_args(cfg))
+        log.info("engine for %s ready in %.1fs", cfg.model, time.perf_counter() - t0)
+        return cls(cfg, llm, metrics)
+
+    def shutdown(self) -> None:
+        self.llm.shutdown()
+
+    def progress(self, request_id: str) -> int:
+        """Tokens the call `request_id` has generated so far (0 when unknown or finished)."""
+        return self._progress.get(request_id, 0)
+
+    @property
+    def inflight(self) -> int:
+        return len(self._progress)
+
+    def validate_prompt(self, request_id: str, prompt_ids: list[int]) -> None:
+        """ValueError naming the request when vLLM would refuse the prompt."""
+        if not prompt_ids:
+            raise ValueError(f"request {request_id}: prompt_token_ids: empty prompt")
+        if len(prompt_ids) >= self.cfg.max_model_len:
+            raise ValueError(f"request {request_id}: prompt_token_ids: {len(prompt_ids)} tokens "
+                             f"leave no room to generate under max_model_len "
+                             f"{self.cfg.max_model_len}")
+        bad = [t for t in prompt_ids if not 0 <= t < self.info.vocab_size]
+        if bad:
+            raise ValueError(f"request {request_id}: prompt_token_ids: id {bad[0]} outside the "
+                             f"vocabulary [0, {self.info.vocab_size})")
+
+    def _sampling_params(self, p: CallParams) -> Any:
+        from vllm import SamplingParams
+
+        extra = {"routed_experts_prompt_start": p.routed_prompt_start} \
+            if self.cfg.capture_routing else {}
+        return SamplingParams(n=1, max_tokens=p.max_tokens, temperature=p.temperature,
+                              top_p=p.top_p, seed=p.seed, ignore_eos=p.ignore_eos, logprobs=0,
+                              detokenize=False, **extra)
+
+    async def generate(self, request_id: str, prompt_ids: list[int], params: CallParams
+                       ) -> CallOutput:
+        """Run one call to its end (stop, length, or abort by a weight update)."""
+        self.validate_prompt(request_id, prompt_ids)
+        sp = self._sampling_params(params)
+        async with self._gate:
+            version = self.policy_version
+            collector = await self.llm.add_request(request_id, {"prompt_token_ids": prompt_ids},
+                                                   sp)
+            self._progress[request_id] = 0
+        self.metrics["r3flow_rollout_inflight_requests"].inc()
+        try:
+            out = await self._drain(request_id, collector)
+        except asyncio.CancelledError:
+            await self.llm.abort(request_id)
+            raise
+        finally:
+            self._progress.pop(request_id, None)
+            self.metrics["r3flow_rollout_inflight_requests"].dec()
+        return self._to_call_output(request_id, out, version)
+
+    async def _drain(self, request_id: str, collector: Any) -> Any:
+        while True:
+            out = collector.get_nowait() or await collector.get()
+            self._progress[request_id] = len(out.outputs[0].token_ids)
+            if out.finished:
+                return out
+
+    def _to_call_output(self, request_id: str, out: Any, version: int) -> CallOutput:
+        c = out.outputs[0]
+        tokens = list(c.token_ids)
+        logprobs = [float(c.logprobs[i][t].logprob) for i, t in enumerate(tokens)] \
+            if tokens else []
+        routing = None
+        if self.cfg.capture_routing and c.routed_experts is not None:
+            routing = np.asarray(c.routed_experts)
+        self.metrics["r3flow_rollout_generated_tokens_total"].inc(len(tokens))
+        if c.finish_reason == "abort":
+            self.metrics["r3flow_rollout_aborts_total"].inc()
+        return CallOutput(token_ids=tokens, logprobs=logprobs, routing_TLK=routing,
+                          finish_reason=str(c.finish_reason), policy_version=version,
+                          request_id=request_id)
+
+    async def update_weights(self, method: str, *args: Any, version: int | None = None) -> int:
+        """Pause (aborting in-flight calls), run worker-extension `method(*args)`, reset the
+        prefix cache, set the new policy version, resume. Returns the tensors loaded."""
+        if version is not None and version <= self.policy_version:
+            raise ValueError(f"version: {version} is not newer than {self.policy_version}")
+        async with self._gate:
+            t0 = time.perf_counter()
+            await self.llm.pause_generation(mode="abort", clear_cache=True)
+            try:
+                counts = await self.llm.collective_rpc(method, args=args)
+                await self.llm.reset_prefix_cache()
+                self.policy_version = self.policy_version + 1 if version is None else version
+            finally:
+                await self.llm.resume_generation()
+            dt = time.perf_counter() - t0
+        self.metrics["r3flow_rollout_weight_sync_seconds"].observe(dt)
+        self.metrics["r3flow_rollout_policy_version"].set(self.policy_version)
+        log.info("weights updated (%s, %s tensors) in %.2fs; policy version %d",
+                 method, counts, dt, self.policy_version)
+        return int(counts[0])
+
+    async def load_named_tensors(self, named: dict[str, Any], version: int | None = None) -> int:
+        """Load HF-named tensors (full or partial) from this process."""
+        from safetensors.torch import save
+
+        blob = save({k: v.detach().contiguous() for k, v in named.items()})
+        return await self.update_weights("load_safetensors_bytes", blob, version=version)
+
+    async def load_safetensors_file(self, path: str, version: int | None = None) -> int:
+        """Load every tensor of a .safetensors file that the engine process can read."""
+        return await self.update_weights("load_safetensors_file", path, version=version)

