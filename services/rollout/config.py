@@ -50,6 +50,8 @@ class RolloutConfig(StrictConfig):
     dataset: str = Field(..., description="JSONL or Parquet file of prompts")
     verifier: str = Field(
         "exact_match", description="built-in name (exact_match, numeric) or `pkg.mod:fn`")
+    environment: str | None = Field(
+        None, description="multi-turn: `pkg.mod:factory`, factory(dataset row) -> Environment")
     concurrency: int = Field(16, ge=1, description="max requests in the engine at once")
     routing_codec_mode: Literal["canonical", "exact"] = Field(
         "canonical", description="canonical sorts top-k ids (equal routing -> equal bytes)")

@@ -1,0 +1,40 @@
+"""`r3flow rollout --config FILE`: a vLLM rollout worker that streams GRPO groups to the store."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="TOML/YAML/JSON file with RolloutConfig")
+    parser.add_argument("--store", help="store gRPC address host:port (overrides `store`)")
+    parser.add_argument("--metrics-port", type=int, help="port of /metrics and /health")
+    parser.add_argument("--worker-id", help="unique worker name (overrides `worker_id`)")
+    parser.add_argument("--model", help="HF model directory (overrides `engine.model`)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override one config field by dotted key (repeatable)")
+
+
+def overrides_from_args(args: argparse.Namespace) -> dict[str, object]:
+    """Flags and --set KEY=VALUE pairs as dotted-key config overrides."""
+    out: dict[str, object] = {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--set {item!r}: expected KEY=VALUE")
+        out[key] = value
+    flags = {"store": args.store, "metrics_port": args.metrics_port,
+             "worker_id": args.worker_id, "engine.model": args.model}
+    out.update({k: v for k, v in flags.items() if v is not None})
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from services.common.config import load_config
+    from services.rollout.app import serve
+    from services.rollout.config import RolloutConfig
+
+    cfg = load_config(RolloutConfig, args.config, overrides_from_args(args))
+    return asyncio.run(serve(cfg))

@@ -1,0 +1,77 @@
+"""Where finished GRPO groups go: the trajectory store (gRPC) or, in tests, a list.
+
+The store client already retries transient failures and honours backpressure hints; when the
+store still refuses for capacity (RESOURCE_EXHAUSTED), the sink waits and sends again, so the
+worker slows down instead of dropping a group (appends are idempotent, resending is safe).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from typing import Protocol
+
+from services.common.pb.r3flow.v1 import trajectory_pb2
+
+log = logging.getLogger(__name__)
+
+
+class TrajectorySink(Protocol):
+    async def send_group(self, trajs: list[trajectory_pb2.Trajectory]) -> None: ...
+
+    async def report_version(self, worker_id: str, version: int) -> None: ...
+
+
+class MemorySink:
+    """Keeps sent trajectories in memory (tests, dry runs)."""
+
+    def __init__(self) -> None:
+        self.trajectories: list[trajectory_pb2.Trajectory] = []
+        self.versions: list[int] = []
+
+    async def send_group(self, trajs: list[trajectory_pb2.Trajectory]) -> None:
+        self.trajectories.extend(trajs)
+
+    async def report_version(self, worker_id: str, version: int) -> None:
+        self.versions.append(version)
+
+
+class StoreSink:
+    """Appends each trajectory of a group to the store, waiting out backpressure."""
+
+    def __init__(self, client, backpressure_sleep_s: float = 1.0) -> None:  # noqa: ANN001
+        self.client = client
+        self.backpressure_sleep_s = backpressure_sleep_s
+        self.backpressure_waits = 0
+
+    async def send_group(self, trajs: list[trajectory_pb2.Trajectory]) -> None:
+        for traj in trajs:
+            await self._send(traj)
+
+    async def _send(self, traj: trajectory_pb2.Trajectory) -> None:
+        import grpc
+
+        while True:
+            try:
+                await asyncio.to_thread(self.client.append_trajectory, traj)
+                return
+            except grpc.RpcError as err:
+                if err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or \
+                        not _is_backpressure(err):
+                    raise
+                self.backpressure_waits += 1
+                log.warning("store backpressure on %s; waiting %.1fs",
+                            traj.trajectory_id, self.backpressure_sleep_s)
+                await asyncio.sleep(self.backpressure_sleep_s)
+
+    async def report_version(self, worker_id: str, version: int) -> None:
+        await asyncio.to_thread(self.client.register_worker, worker_id, socket.gethostname(),
+                                1, version)
+
+
+def _is_backpressure(err) -> bool:  # noqa: ANN001
+    """Backpressure refusals carry a retry hint; size-limit refusals do not (never retry)."""
+    from services.store.client import RETRY_AFTER_KEY
+
+    return any(k == RETRY_AFTER_KEY for k, _ in (err.trailing_metadata() or ()))

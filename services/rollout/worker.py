@@ -1,0 +1,189 @@
+"""The rollout worker: prompts -> GRPO groups of n samples on the engine -> rewards -> routing
+checks -> the store. Also the weight-update entry points (pause, load, resume, report).
+
+A group is sent only when all of its samples finished and passed the routing checks, so the
+store never holds a group that can not complete; a bad request fails its own group only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.common.pb.r3flow.v1 import trajectory_pb2
+from services.rollout.agent import AgentLoop, EnvironmentFactory, RolloutResult
+from services.rollout.config import RolloutConfig
+from services.rollout.dataset import PromptRecord, iterate_prompts
+from services.rollout.engine import RolloutEngine
+from services.rollout.segments import RoutingCheckError, check_routing
+from services.rollout.sink import TrajectorySink
+from services.rollout.trajectory_proto import RoutingLayout, TrajectoryMeta, trajectory_to_proto
+from services.rollout.verifiers import VerifierRegistry
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerSummary:
+    """Counts of one `run`; tokens are generated tokens (environment tokens excluded)."""
+
+    groups_ok: int = 0
+    groups_failed: int = 0
+    generated_tokens: int = 0
+    seconds: float = 0.0
+    errors: list[str] = field(default_factory=list)
+
+
+def load_environment_factory(path: str | None) -> EnvironmentFactory | None:
+    """`pkg.mod:factory` -> factory(record) -> Environment, or None for single-turn."""
+    if path is None:
+        return None
+    module_name, sep, attr = path.partition(":")
+    if not sep:
+        raise ValueError(f"environment: expected `pkg.mod:factory`, got {path!r}")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+class RolloutWorker:
+    """Drives one engine over a dataset; owns the group bookkeeping and the sink."""
+
+    def __init__(self, cfg: RolloutConfig, engine: RolloutEngine, sink: TrajectorySink | None,
+                 tokenizer: Any, env_factory: EnvironmentFactory | None = None) -> None:
+        self.cfg = cfg
+        self.engine = engine
+        self.sink = sink
+        self.tokenizer = tokenizer
+        self.env_factory = env_factory
+        self.verifiers = VerifierRegistry()
+        self.verifiers.get(cfg.verifier)  # an unknown default verifier fails at boot
+        self.loop = AgentLoop(engine, cfg.sampling, policy=cfg.partial_rollout_policy)
+        self.layout = RoutingLayout(engine.info.num_experts,
+                                    tuple(range(engine.info.num_layers)), cfg.routing_codec_mode)
+        self.metrics = engine.metrics
+        self.trainer_version: int | None = None
+        self._nonce = uuid.uuid4().hex[:8]
+        self._requests = asyncio.Semaphore(cfg.concurrency)
+
+    # ---- the main loop ---------------------------------------------------------------------
+    async def run(self, records: list[PromptRecord]) -> WorkerSummary:
+        """Roll out `epochs` passes (or `num_prompts` groups) over `records`."""
+        summary, t0 = WorkerSummary(), time.perf_counter()
+        max_groups = max(1, -(-self.cfg.concurrency // self.cfg.sampling.n))
+        slots = asyncio.Semaphore(max_groups)
+        tasks: set[asyncio.Task] = set()
+        prompts = iterate_prompts(records, self.cfg.epochs, self.cfg.num_prompts)
+        for seq, (epoch, rec) in enumerate(prompts):
+            await slots.acquire()
+            await self._wait_for_policy_lag()
+            task = asyncio.create_task(self._group_task(seq, epoch, rec, summary))
+            tasks.add(task)
+            task.add_done_callback(lambda t: (tasks.discard(t), slots.release()))
+        if tasks:
+            await asyncio.gather(*tasks)
+        summary.seconds = time.perf_counter() - t0
+        return summary
+
+    async def _group_task(self, seq: int, epoch: int, rec: PromptRecord,
+                          summary: WorkerSummary) -> None:
+        group_id = f"{self.cfg.worker_id}-{self._nonce}-g{seq}"
+        try:
+            trajs, tokens = await self.run_group(group_id, rec, seed=self.cfg.engine.seed + seq)
+        except ValueError as e:  # bad input or failed routing check: this group only
+            summary.groups_failed += 1
+            summary.errors.append(str(e))
+            outcome = "routing_check_failed" if isinstance(e, RoutingCheckError) else "error"
+            self.metrics["r3flow_rollout_trajectories_total"].labels(outcome).inc(
+                self.cfg.sampling.n)
+            log.error("group %s (prompt %s, epoch %d) failed: %s", group_id, rec.prompt_id,
+                      epoch, e)
+            return
+        if self.sink is not None and self.engine.cfg.capture_routing:
+            await self.sink.send_group(trajs)
+        summary.groups_ok += 1
+        summary.generated_tokens += tokens
+        self.metrics["r3flow_rollout_trajectories_total"].labels("ok").inc(len(trajs))
+
+    async def run_group(self, group_id: str, rec: PromptRecord, seed: int | None = None
+                        ) -> tuple[list[trajectory_pb2.Trajectory], int]:
+        """n samples of one prompt -> checked wire trajectories and generated-token count."""
+        verifier = self.verifiers.get(rec.verifier or self.cfg.verifier)
+        prompt_ids = rec.token_ids(self.tokenizer.encode)
+        self.engine.validate_prompt(f"{group_id} (prompt {rec.prompt_id})", prompt_ids)
+        n = self.cfg.sampling.n
+        results = await asyncio.gather(*[
+            self._sample(f"{group_id}-{i}", prompt_ids, rec,
+                         None if seed is None else seed * 1009 + i) for i in range(n)],
+            return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            raise failed[0]
+        trajs, tokens = [], 0
+        for i, res in enumerate(results):
+            meta = TrajectoryMeta(f"{group_id}-{i}", group_id, n, rec.prompt_id,
+                                  self.cfg.worker_id)
+            trajs.append(self._finish(meta, res, rec, verifier))
+            tokens += sum(sum(s.loss_mask) for s in res.state.segments)
+        return trajs, tokens
+
+    async def _sample(self, request_id: str, prompt_ids: list[int], rec: PromptRecord,
+                      seed: int | None) -> RolloutResult:
+        env = self.env_factory(rec) if self.env_factory is not None else None
+        async with self._requests:
+            return await self.loop.run(request_id, prompt_ids, seed=seed, env=env)
+
+    def _finish(self, meta: TrajectoryMeta, res: RolloutResult, rec: PromptRecord,
+                verifier: Any) -> trajectory_pb2.Trajectory:
+        """Reward, routing checks, wire message (RoutingCheckError on bad routing)."""
+        state = res.state
+        text = self.tokenizer.decode(state.response_ids, skip_special_tokens=True)
+        reward = float(verifier(text, rec.answer))
+        layout = None
+        if self.engine.cfg.capture_routing:
+            self._check(meta.trajectory_id, res)
+            layout = self.layout
+        return trajectory_to_proto(meta, state, reward=reward, finish_reason=res.finish_reason,
+                                   layout=layout)
+
+    def _check(self, trajectory_id: str, res: RolloutResult) -> None:
+        state = res.state
+        rows_TLK = state.all_rows()
+        expected = len(state.prompt_ids) + len(state.response_ids) - 1
+        try:
+            if rows_TLK is None:
+                raise RoutingCheckError(f"request {trajectory_id}: no routing captured")
+            check_routing(rows_TLK, num_experts=self.engine.info.num_experts,
+                          moe_layers=list(self.engine.info.moe_layers), expected_rows=expected,
+                          request_id=trajectory_id)
+        except RoutingCheckError:
+            self.metrics["r3flow_rollout_routing_check_failures_total"].inc()
+            raise
+
+    # ---- weight updates and policy lag -----------------------------------------------------
+    async def update_weights_from_file(self, path: str, version: int | None = None) -> int:
+        """Pause (in-flight requests are aborted, later resumed), load, resume, report."""
+        count = await self.engine.load_safetensors_file(path, version=version)
+        await self.report_version()
+        return count
+
+    async def update_weights_from_tensors(self, named: dict[str, Any],
+                                          version: int | None = None) -> int:
+        count = await self.engine.load_named_tensors(named, version=version)
+        await self.report_version()
+        return count
+
+    async def report_version(self) -> None:
+        """Tell the store which policy version this worker serves (RegisterWorker)."""
+        if self.sink is not None:
+            await self.sink.report_version(self.cfg.worker_id, self.engine.policy_version)
+
+    async def _wait_for_policy_lag(self) -> None:
+        """Hold new groups while the trainer is more than max_policy_lag versions ahead."""
+        lag = self.cfg.max_policy_lag
+        while lag is not None and self.trainer_version is not None and \
+                self.trainer_version - self.engine.policy_version > lag:
+            await asyncio.sleep(0.1)
