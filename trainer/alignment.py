@@ -135,3 +135,23 @@ def shard_context_parallel(x_BS: torch.Tensor, rank: int, size: int, seq_dim: in
         raise ValueError(f"context_parallel: seq len {n} not divisible by {2 * size}")
     chunks = x_BS.chunk(2 * size, dim=seq_dim)
     return torch.cat([chunks[rank], chunks[2 * size - 1 - rank]], dim=seq_dim)
+
+
+class InvalidRoutingError(ValueError):
+    """Replay ids that cannot be a top-k choice (duplicates such as all-zero rows, out of range)."""
+
+
+def check_routes(ids_BSLK: torch.Tensor, valid_BS: torch.Tensor, num_experts: int,
+                 hf_layers: Sequence[int]) -> None:
+    """Every real row holds K distinct ids < num_experts; the error names the layer and row."""
+    ids = ids_BSLK[valid_BS.bool()]  # [N, L, K]
+    if ids.numel() == 0:
+        return
+    srt = ids.sort(-1).values
+    dup = (srt[..., 1:] == srt[..., :-1]).any(-1) | (srt[..., -1] >= num_experts) | (srt[..., 0] < 0)
+    if dup.any():
+        row, m = (int(x) for x in dup.nonzero()[0])
+        raise InvalidRoutingError(
+            f"routing: MoE layer {m} (HF layer {hf_layers[m]}) has invalid ids "
+            f"{srt[row, m].tolist()} in {int(dup[:, m].sum())} rows (duplicates/all-zero routes "
+            f"or id >= {num_experts})")

@@ -21,7 +21,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from trainer.alignment import LayerMap, to_router_rows
+from trainer.alignment import LayerMap, check_routes, to_router_rows
 from trainer.batch import MicroBatch, Sample, split_microbatches
 from trainer.config import TrainerConfig
 from trainer.hf_mapping import export_hf_state_dict
@@ -84,6 +84,8 @@ class Trainer:
         if mode == ReplayMode.R3:
             if mb.routing_BSLK is None:
                 raise ValueError("replay.mode: r3 needs rollout routing on every sample")
+            check_routes(mb.routing_BSLK, mb.valid_rows_BS, self.arch.num_experts,
+                         self.arch.moe_layers)
             return to_router_rows(mb.routing_BSLK)
         return getattr(mb, "replay_rows", None) if mode == ReplayMode.R2 else None
 
