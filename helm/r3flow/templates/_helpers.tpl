@@ -114,3 +114,15 @@ app.kubernetes.io/component: {{ .component }}
 {{- define "r3flow.configFile" -}}
 {{ tpl (toYaml .config) .ctx }}
 {{- end }}
+
+{{/* The read-only model + dataset volume of rollout and trainer pods. */}}
+{{- define "r3flow.modelVolume" -}}
+- name: models
+  {{- if .Values.model.existingClaim }}
+  persistentVolumeClaim:
+    claimName: {{ .Values.model.existingClaim }}
+    readOnly: true
+  {{- else }}
+  emptyDir: {}
+  {{- end }}
+{{- end }}

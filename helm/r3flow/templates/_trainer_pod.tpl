@@ -43,11 +43,24 @@ spec:
         - name: config
           mountPath: /etc/r3flow
           readOnly: true
+        - name: models
+          mountPath: /models
+          readOnly: true
+        - name: checkpoints
+          mountPath: /checkpoints
         - name: shm
           mountPath: /dev/shm
         - name: tmp
           mountPath: /tmp
   volumes:
+    {{- include "r3flow.modelVolume" $ctx | nindent 4 }}
+    - name: checkpoints
+      {{- with $ctx.Values.trainer.checkpoints.existingClaim }}
+      persistentVolumeClaim:
+        claimName: {{ . }}
+      {{- else }}
+      emptyDir: {}
+      {{- end }}
     - name: config
       configMap:
         name: {{ include "r3flow.fullname" $ctx }}-trainer

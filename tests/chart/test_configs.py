@@ -1,0 +1,63 @@
+"""Config files rendered by the chart and shipped in k8s/ load with the components' own typed
+configs (extra keys are errors there), so a typo inside a config map fails here, not in a pod."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import yaml
+from conftest import find
+
+from services.common.config import load_config
+
+# ConfigMap data key -> (module, class) of the typed config that reads it.
+CONFIG_CLASSES = {
+    "store.yaml": ("services.store.config", "StoreConfig"),
+    "rollout.yaml": ("services.rollout.config", "RolloutConfig"),
+    "eval.yaml": ("services.rollout.config", "RolloutConfig"),
+    "train.yaml": ("trainer.config", "TrainerConfig"),
+}
+
+
+def config_files(docs: list[dict]) -> list[tuple[str, str, str]]:
+    """(ConfigMap name, data key, text) of every component config in `docs`."""
+    return [(cm["metadata"]["name"], key, text) for cm in find(docs, "ConfigMap")
+            for key, text in (cm.get("data") or {}).items() if key in CONFIG_CLASSES]
+
+
+def check_loads(name: str, key: str, text: str, tmp_path) -> object:
+    module_name, cls_name = CONFIG_CLASSES[key]
+    cls = getattr(importlib.import_module(module_name), cls_name)
+    path = tmp_path / f"{name}-{key}"
+    path.write_text(text)
+    return load_config(cls, path)
+
+
+@pytest.mark.parametrize("values", ["defaults", "production", "minimal"])
+def test_chart_configs_load(rendered, values, tmp_path):
+    files = config_files(rendered[values])
+    keys = {key for _, key, _ in files}
+    assert "store.yaml" in keys and "rollout.yaml" in keys
+    for name, key, text in files:
+        cfg = check_loads(name, key, text, tmp_path)
+        # In a pod the metrics server must listen beyond loopback or Prometheus cannot scrape it.
+        host = getattr(cfg, "metrics_host", None) or cfg.run.metrics_host  # type: ignore[attr-defined]
+        assert host == "0.0.0.0", f"{name}/{key}: metrics host {host}"
+
+
+def test_k8s_configs_load(k8s_specs, tmp_path):
+    files = [f for docs in k8s_specs.values() for f in config_files(docs)]
+    assert {"train.yaml", "eval.yaml"} <= {key for _, key, _ in files}
+    for name, key, text in files:
+        check_loads(name, key, text, tmp_path)
+
+
+def test_store_address_points_at_the_store_service(rendered):
+    docs = rendered["defaults"]
+    service = find(docs, "Service", "-store")[0]
+    port = next(p["port"] for p in service["spec"]["ports"] if p["name"] == "grpc")
+    address = f"{service['metadata']['name']}:{port}"
+    rollout = yaml.safe_load(find(docs, "ConfigMap", "-rollout")[0]["data"]["rollout.yaml"])
+    train = yaml.safe_load(find(docs, "ConfigMap", "-trainer")[0]["data"]["train.yaml"])
+    assert rollout["store"] == address and train["data"]["store"] == address

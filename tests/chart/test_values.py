@@ -1,0 +1,76 @@
+"""values.yaml is documented and typed: bad values fail helm lint/template naming the key."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import yaml
+from conftest import CHART, run_helm
+
+BAD_VALUES = {
+    # name: (values file text, text the error must contain)
+    "typo top-level": ("stor:\n  replicas: 2\n", "'stor'"),
+    "typo nested": ("store:\n  service:\n    grpcPrt: 50051\n", "grpcPrt"),
+    "string for integer": ('store:\n  replicas: "two"\n', "/store/replicas"),
+    "string for port": ('rollout:\n  metricsPort: "9400x"\n', "/rollout/metricsPort"),
+    "missing required": ("model:\n  path: null\n", "path"),
+    "empty required": ('model:\n  path: ""\n', "/model/path"),
+    "external redis without url": ("redis:\n  enabled: false\n", "/redis/external/url"),
+    "bad enum": ("redis:\n  appendfsync: sometimes\n", "/redis/appendfsync"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_VALUES))
+@pytest.mark.parametrize("command", ["lint", "template"])
+def test_bad_values_fail_naming_the_key(helm, tmp_path, case, command):
+    text, needle = BAD_VALUES[case]
+    values = tmp_path / "bad.yaml"
+    values.write_text(text)
+    args = ["lint", "--strict"] if command == "lint" else ["template", "x"]
+    proc = run_helm(helm, *args, str(CHART), "-f", str(values))
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, f"{case}: helm {command} accepted it:\n{output}"
+    assert needle in output, f"{case}: error does not name {needle!r}:\n{output}"
+
+
+def _documented_keys() -> set[str]:
+    """Dotted keys that have a `# --` comment directly above them in values.yaml."""
+    keys, stack, pending = set(), [], False
+    for line in (CHART / "values.yaml").read_text().splitlines():
+        if re.match(r"^\s*# -- ", line):
+            pending = True
+        elif m := re.match(r"^(\s*)([\"A-Za-z0-9_]+):", line):
+            stack = stack[: len(m.group(1)) // 2] + [m.group(2)]
+            if pending:
+                keys.add(".".join(stack))
+            pending = False
+    return keys
+
+
+def _leaf_keys(schema: dict, values: dict, prefix: str = "") -> set[str]:
+    """Keys the schema spells out (free-form maps count as one leaf)."""
+    out = set()
+    for key, value in values.items():
+        path = f"{prefix}{key}"
+        sub = schema.get("properties", {}).get(key, {})
+        if isinstance(value, dict) and "properties" in sub:
+            out |= _leaf_keys(sub, value, path + ".")
+        else:
+            out.add(path)
+    return out
+
+
+def test_every_value_is_documented_and_in_the_schema():
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    leaves = _leaf_keys(schema, values)
+    undocumented = leaves - _documented_keys()
+    assert not undocumented, f"values without a `# --` comment: {sorted(undocumented)}"
+    for path in leaves:
+        node = schema
+        for part in path.split("."):
+            assert part in node.get("properties", {}), f"{path}: not in values.schema.json"
+            node = node["properties"][part]
+        assert "type" in node, f"{path}: schema gives no type"
