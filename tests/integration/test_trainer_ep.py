@@ -1,0 +1,115 @@
+"""Two trainer ranks with expert parallel 2 over gloo (2 processes, real megatron-core).
+
+The test runs this file as a script once per rank; each rank writes its results as JSON.
+Each rank: builds the EP=2 model from the HF checkpoint (4 of 8 experts per rank), checks the
+gathered HF export equals the checkpoint, records its own routing (r2 pass), then takes an r2
+step and an r3 step replaying that routing on its own data shard.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_two_ranks_ep2_step_with_identical_grad_norms(tmp_path):
+    from services.rollout.tiny_moe import TinyMoeConfig, build_tiny_moe
+
+    model = build_tiny_moe(tmp_path / "tiny", TinyMoeConfig(num_layers=3, first_k_dense=1))
+    port, root = _free_port(), Path(__file__).resolve().parents[2]
+    procs = []
+    for rank in range(2):
+        env = os.environ | {"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                            "MASTER_PORT": str(port), "PYTHONPATH": str(root),
+                            "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen([sys.executable, __file__, str(model),
+                                       str(tmp_path / f"rank{rank}.json")], env=env, cwd=root))
+    try:
+        codes = [p.wait(timeout=200) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert codes == [0, 0]
+    res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert all(r["export_exact"] for r in res)
+    assert [r["local_experts"] for r in res] == [4, 4]
+    for key in ("grad_norm_r2", "grad_norm_r3"):
+        assert res[0][key] > 0
+        assert res[0][key] == pytest.approx(res[1][key], rel=1e-6), key
+    assert all(r["agreement_r3"] == 1.0 for r in res)
+    assert res[0]["loss_r3"] != res[1]["loss_r3"]  # each rank trained on its own shard
+
+
+# ---------------------------------------------------------------- worker (one per rank)
+def _samples(rank: int):
+    import numpy as np
+
+    from trainer.batch import Sample
+
+    rng = np.random.default_rng(100 + rank)
+    out = []
+    for i in range(4):
+        r = int(rng.integers(4, 9))
+        out.append(Sample(rng.integers(4, 100, 6 + r), 6, np.full(r, -3.0, np.float32),
+                          np.ones(r, bool), float(rng.random()), f"g{i % 2}"))
+    return out
+
+
+def _attach_recorded_routing(trainer, samples) -> None:
+    """Record the policy's routing (r2 pass) and store it as the samples' rollout routing."""
+    import torch
+
+    mbs = trainer.prepare(samples)
+    trainer.compute_logprobs(mbs, "r2")
+    for mb in mbs:
+        b, s = mb.tokens_BS.shape
+        rows_TLK = torch.stack(mb.replay_rows, 1)
+        rows_BSLK = rows_TLK.view(s, b, *rows_TLK.shape[1:]).transpose(0, 1)
+        for j, x in enumerate(mb.samples):
+            x.routing_TLK = rows_BSLK[j, :x.tokens.size - 1].numpy()
+
+
+def _worker(model_dir: str, out_path: str) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    from trainer.config import TrainerConfig
+    from trainer.engine import Trainer
+
+    rank = int(os.environ["RANK"])
+    cfg = TrainerConfig(model_dir=model_dir, model={"expert_parallel": 2},
+                        data={"micro_batch_size": 2}, optim={"lr": 1e-4})
+    tr = Trainer(cfg)
+    ref = load_file(str(Path(model_dir) / "model.safetensors"))
+    exported = tr.export_hf_state_dict()
+    exact = set(ref) == set(exported) and all(torch.equal(ref[k], exported[k]) for k in ref)
+    samples = _samples(rank)
+    r2 = tr.train_step(samples, "r2")
+    _attach_recorded_routing(tr, samples)
+    r3 = tr.train_step(samples, "r3")
+    local = len(tr.policy.module.decoder.layers[1].mlp.experts.local_experts)
+    Path(out_path).write_text(json.dumps({
+        "export_exact": exact, "local_experts": local, "grad_norm_r2": r2["grad_norm"],
+        "grad_norm_r3": r3["grad_norm"], "agreement_r3": r3["routing_agreement"],
+        "loss_r3": r3["loss"]}))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1], sys.argv[2])
