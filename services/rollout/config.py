@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator
 
 from services.common.config import StrictConfig
 
@@ -24,11 +24,12 @@ class EngineConfig(StrictConfig):
         True, description="enable_return_routed_experts; off only for baselines (nothing is sent)")
     policy_version: int = Field(0, ge=0, description="policy version of the weights at `model`")
 
-    @model_validator(mode="after")
-    def _block_multiple_of_32(self) -> EngineConfig:
-        if self.block_size % 32:
-            raise ValueError("block_size: must be a multiple of 32 (vLLM-CPU attention)")
-        return self
+    @field_validator("block_size")
+    @classmethod
+    def _block_multiple_of_32(cls, v: int) -> int:
+        if v % 32:
+            raise ValueError("must be a multiple of 32 (vLLM-CPU attention)")
+        return v
 
 
 class SamplingConfig(StrictConfig):
