@@ -1,0 +1,56 @@
+"""Typed configuration of the weight push (sender side; receivers take theirs from the plan)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from services.common.config import StrictConfig
+
+MiB = 1 << 20
+
+
+class WeightSyncConfig(StrictConfig):
+    """How the trainer pushes weights to the rollout engines."""
+
+    backend: Literal["gloo", "nccl"] = "gloo"
+    """gloo for CPU tensors, nccl for CUDA tensors (the same code path)."""
+    device: str = "cpu"
+    """Where the sender packs buckets: 'cpu' for gloo, 'cuda' / 'cuda:N' for nccl."""
+    wire_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    """Dtype of floating tensors on the wire; integer/bool tensors are sent as-is."""
+    bucket_bytes: int | None = Field(default=None, gt=0)
+    """Bucket size; default 256 MiB for nccl, 64 MiB for gloo."""
+    direct_min_bytes: int | None = Field(default=None, gt=0)
+    """A tensor at least this big that needs no cast is broadcast in place (default bucket/2)."""
+    inflight_buckets: int = Field(default=2, ge=1, le=8)
+    """Buckets in flight at once: packing bucket k+1 overlaps the broadcast of bucket k."""
+    advertise_addr: str = "127.0.0.1"
+    """Address receivers use to reach the sender's rendezvous store (the pod IP on k8s)."""
+    port: int = Field(default=0, ge=0, le=65535)
+    """Port of the rendezvous store; 0 picks a free one (published in each plan)."""
+    timeout_s: float = Field(default=120.0, gt=0)
+    """Longest wait for any one step of a push (join, a bucket, the acks)."""
+    heartbeat_interval_s: float = Field(default=0.25, gt=0)
+    """How often each receiver refreshes its heartbeat key."""
+    heartbeat_timeout_s: float = Field(default=3.0, gt=0)
+    """A member whose heartbeat is older than this is dead or stalled."""
+
+    @model_validator(mode="after")
+    def _check(self) -> WeightSyncConfig:
+        if self.heartbeat_timeout_s <= 2 * self.heartbeat_interval_s:
+            raise ValueError("heartbeat_timeout_s: must exceed 2 x heartbeat_interval_s")
+        if self.heartbeat_timeout_s >= self.timeout_s:
+            raise ValueError("heartbeat_timeout_s: must be below timeout_s")
+        if (self.backend == "nccl") != self.device.startswith("cuda"):
+            raise ValueError(f"device: {self.device!r} does not fit backend {self.backend!r}")
+        return self
+
+    def resolved_bucket_bytes(self) -> int:
+        if self.bucket_bytes is not None:
+            return self.bucket_bytes
+        return 256 * MiB if self.backend == "nccl" else 64 * MiB
+
+    def resolved_direct_min_bytes(self) -> int:
+        return self.direct_min_bytes or self.resolved_bucket_bytes() // 2

@@ -1,0 +1,220 @@
+"""The weight-sync group: membership from a `WeightSyncPlan`, the store keys of one push, a
+process group built without `init_process_group`, and waits that watch the members.
+
+The trainer's sender (rank 0) hosts a `TCPStore`; each push lives under the prefix
+`ws/v{version}/` and builds its own `ProcessGroupGloo` / `ProcessGroupNCCL` on a
+`PrefixStore`, so it never touches the trainer's default (megatron) group and members may
+change between pushes. Keys under a push prefix:
+
+  params        sender's timing settings (JSON), read by receivers at join
+  join/{r}      rank r is connected and heart-beating; go: every member joined
+  hb/{r}        "{beats}:{buckets verified}", refreshed by rank r's heartbeat thread
+  header/{k}    layout + checksums of bucket k (then an end header)
+  ack/{r}       "ok" or "fail: ..." once rank r has verified every bucket
+  errors, err/{r}  count of members that failed, and each one's reason
+  commit | abort   the sender's decision; receivers load only after commit
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from services.common.pb.r3flow.v1 import store_pb2
+
+BACKENDS = ("gloo", "nccl")
+
+
+class WeightSyncError(RuntimeError):
+    """A push failed; `members` names the group members held responsible (may be empty)."""
+
+    def __init__(self, message: str, *, version: int, members: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.version = version
+        self.members = members
+
+
+class WeightSyncAborted(WeightSyncError):
+    """The sender aborted the push (or vanished): the receiver discards what it staged."""
+
+
+class WaitTimeout(Exception):
+    """Internal: a wait ran past its deadline (the caller names the members)."""
+
+
+@dataclass(frozen=True)
+class Member:
+    """One receiving rank of the group (a rollout worker brings `world_size` of them)."""
+
+    rank: int
+    worker_id: str
+    local_rank: int
+    world_size: int
+
+    def __str__(self) -> str:
+        local = f"[{self.local_rank}]" if self.world_size > 1 else ""
+        return f"{self.worker_id}{local} (rank {self.rank})"
+
+
+def members_of(plan: store_pb2.WeightSyncPlan) -> list[Member]:
+    """Receiving ranks in plan order: rank 0 is the sender, workers follow."""
+    out: list[Member] = []
+    for info in plan.members:
+        size = max(1, info.world_size)
+        base = 1 + len(out)
+        out += [Member(base + i, info.worker_id, i, size) for i in range(size)]
+    return out
+
+
+def rank_in(plan: store_pb2.WeightSyncPlan, worker_id: str, local_rank: int = 0) -> Member:
+    """The member that (worker_id, local_rank) plays in `plan`; ValueError if absent."""
+    for m in members_of(plan):
+        if m.worker_id == worker_id and m.local_rank == local_rank:
+            return m
+    raise ValueError(f"worker_id: {worker_id!r} (local rank {local_rank}) is not a member "
+                     f"of weight-sync plan v{plan.version}")
+
+
+class Keys:
+    """Store keys of one push (relative to its prefix)."""
+
+    PARAMS, GO, COMMIT, ABORT, ERRORS = "params", "go", "commit", "abort", "errors"
+
+    @staticmethod
+    def prefix(version: int) -> str:
+        return f"ws/v{version}/"
+
+    @staticmethod
+    def join(rank: int) -> str:
+        return f"join/{rank}"
+
+    @staticmethod
+    def hb(rank: int) -> str:
+        return f"hb/{rank}"
+
+    @staticmethod
+    def ack(rank: int) -> str:
+        return f"ack/{rank}"
+
+    @staticmethod
+    def err(rank: int) -> str:
+        return f"err/{rank}"
+
+    @staticmethod
+    def header(index: int) -> str:
+        return f"header/{index}"
+
+
+def connect_store(addr: str, port: int, timeout_s: float, *, server: bool) -> dist.TCPStore:
+    """The sender hosts the store (port 0 picks a free port); receivers connect to it."""
+    return dist.TCPStore(addr, port, None, server, timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
+def push_store(root: dist.Store, version: int) -> dist.PrefixStore:
+    return dist.PrefixStore(Keys.prefix(version), root)
+
+
+def make_process_group(store: dist.Store, rank: int, size: int, backend: str,
+                       timeout_s: float, host: str = "") -> dist.ProcessGroup:
+    """A standalone gloo/NCCL group on `store`: no default group is created or used.
+
+    `host` is the address gloo binds to ("" = gloo's default: this host's name, or
+    GLOO_SOCKET_IFNAME)."""
+    if backend == "gloo":
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timedelta(seconds=timeout_s)
+        gloo = dist.ProcessGroupGloo
+        opts._devices = [gloo.create_device(hostname=host) if host
+                         else gloo.create_default_device()]
+        return dist.ProcessGroupGloo(store, rank, size, opts)
+    if backend == "nccl":
+        from torch.distributed import ProcessGroupNCCL
+
+        opts = ProcessGroupNCCL.Options()
+        # Our own waits detect a dead member and abort() the group well before this fires;
+        # NCCL's watchdog would otherwise tear the whole trainer process down.
+        opts._timeout = timedelta(seconds=timeout_s * 4 + 60)
+        return ProcessGroupNCCL(store, rank, size, opts)
+    raise ValueError(f"backend: {backend!r} is not one of {BACKENDS}")
+
+
+def broadcast(pg: dist.ProcessGroup, tensor: torch.Tensor) -> dist.Work:
+    """Async broadcast from rank 0 (the sender) into `tensor` on every rank."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    opts.rootTensor = 0
+    return pg.broadcast([tensor], opts)
+
+
+def discard(pg: dist.ProcessGroup | None) -> None:
+    """Abort a failed group without blocking: its destructor waits for in-flight ops to time
+    out, so the last reference is dropped on a daemon thread."""
+    if pg is None:
+        return
+    try:
+        pg.abort()
+    except RuntimeError:
+        pass  # abort is best effort; the group is dropped either way
+    holder = [pg]
+    del pg
+    threading.Thread(target=holder.clear, name="weight-sync-discard", daemon=True).start()
+
+
+def poll_until(ready: Callable[[], bool], check: Callable[[], None], deadline: float,
+               what: str = "") -> None:
+    """Spin (with backoff) until `ready()`; run `check()` every 50 ms; WaitTimeout at deadline."""
+    sleep, next_check = 2e-5, 0.0
+    while not ready():
+        now = time.monotonic()
+        if now >= next_check:
+            check()
+            next_check = now + 0.05
+        if now >= deadline:
+            raise WaitTimeout(f"timed out waiting for {what or 'the group'}")
+        time.sleep(sleep)
+        sleep = min(sleep * 2, 5e-3)
+
+
+def wait_work(work: dist.Work, check: Callable[[], None], deadline: float) -> None:
+    """Wait for a collective without blocking in C++ (so a dead peer cannot hang us)."""
+    poll_until(work.is_completed, check, deadline, "a broadcast")
+    work.wait()  # raises the backend's error; for NCCL, orders the current stream after it
+
+
+class Heartbeat:
+    """Receiver side: refreshes `hb/{rank}` on its own store connection every `interval_s`."""
+
+    def __init__(self, store: dist.Store, rank: int, interval_s: float) -> None:
+        self.store, self.key, self.interval_s = store, Keys.hb(rank), interval_s
+        self.progress = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="weight-sync-hb", daemon=True)
+
+    def start(self) -> Heartbeat:
+        self._beat(0)
+        self._thread.start()
+        return self
+
+    def _beat(self, n: int) -> None:
+        self.store.set(self.key, f"{n}:{self.progress}")
+
+    def _run(self) -> None:
+        n = 1
+        while not self._stop.wait(self.interval_s):
+            try:
+                self._beat(n)
+            except RuntimeError:
+                return  # the sender's store is gone: the main thread finds out by itself
+            n += 1
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)

@@ -1,0 +1,236 @@
+"""Rollout side: `WeightReceiver` joins the group of one plan, stages every bucket, verifies
+each tensor's checksum, acks, and hands the tensors to the caller only after the sender's
+commit. On abort (or any failure) the staged buffers are dropped and nothing is returned, so
+an engine never serves a mix of old and new weights."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from services.common.pb.r3flow.v1 import store_pb2
+from services.common.weight_sync import buckets as bk
+from services.common.weight_sync.group import (
+    Heartbeat,
+    Keys,
+    Member,
+    WaitTimeout,
+    WeightSyncAborted,
+    WeightSyncError,
+    broadcast,
+    connect_store,
+    discard,
+    make_process_group,
+    members_of,
+    poll_until,
+    push_store,
+    rank_in,
+    wait_work,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ReceivedWeights:
+    """A committed push. `named` are views into the receiver's staging buffers: load them
+    before the next `receive()` (which may reuse the buffers)."""
+
+    version: int
+    named: list[tuple[str, torch.Tensor]]
+    num_bytes: int
+    seconds: float
+
+    def as_dict(self) -> dict[str, torch.Tensor]:
+        return dict(self.named)
+
+
+@dataclass
+class _Staged:
+    """One bucket being received: its header, buffer and broadcast handle."""
+
+    index: int
+    entries: list[bk.TensorEntry]
+    bucket: torch.Tensor
+    work: dist.Work
+
+
+def _is_loopback(addr: str) -> bool:
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        return addr == "localhost"
+
+
+class WeightReceiver:
+    """One engine rank's end of the weight-sync group (kept for the engine's lifetime)."""
+
+    def __init__(self, worker_id: str, local_rank: int = 0, device: str | torch.device = "cpu",
+                 *, reuse_buffers: bool = True, connect_timeout_s: float = 60.0) -> None:
+        self.worker_id, self.local_rank = worker_id, local_rank
+        self.device = torch.device(device)
+        self.reuse_buffers = reuse_buffers
+        self.connect_timeout_s = connect_timeout_s
+        self._staging: list[torch.Tensor] = []
+        self._root: dist.TCPStore | None = None
+        self._root_addr: tuple[str, int] | None = None
+
+    def receive(self, plan: store_pb2.WeightSyncPlan,
+                on_bucket: Callable[[int], None] | None = None) -> ReceivedWeights:
+        """Take part in the push of `plan`; returns the weights once the sender committed.
+
+        Raises WeightSyncAborted when the push was aborted (nothing to load) and
+        WeightSyncError when this receiver failed. `on_bucket(k)` runs after bucket k verified.
+        """
+        member = rank_in(plan, self.worker_id, self.local_rank)
+        return _Receive(self, plan, member, on_bucket).run()
+
+    def root_store(self, addr: str, port: int) -> dist.TCPStore:
+        """The connection to the sender's store, reused while the sender stays the same."""
+        if self._root is None or self._root_addr != (addr, port):
+            self._root = connect_store(addr, port, self.connect_timeout_s, server=False)
+            self._root_addr = (addr, port)
+        return self._root
+
+    def staging(self, index: int, nbytes: int) -> torch.Tensor:
+        """Bucket `index`'s staging buffer (reused across pushes when big enough)."""
+        while len(self._staging) <= index:
+            self._staging.append(torch.empty(0, dtype=torch.uint8, device=self.device))
+        if self._staging[index].numel() < nbytes or not self.reuse_buffers:
+            self._staging[index] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return self._staging[index][:nbytes]
+
+
+class _Receive:
+    """State of one receive: store prefix, heartbeat, group, staged buckets."""
+
+    def __init__(self, rx: WeightReceiver, plan: store_pb2.WeightSyncPlan, member: Member,
+                 on_bucket: Callable[[int], None] | None) -> None:
+        self.rx, self.plan, self.member, self.on_bucket = rx, plan, member, on_bucket
+        self.version = plan.version
+        root = rx.root_store(plan.master_addr, plan.master_port)
+        self.store = push_store(root, plan.version)
+        self.params = json.loads(self.store.get(Keys.PARAMS))
+        self.heartbeat = Heartbeat(push_store(root.clone(), plan.version), member.rank,
+                                   self.params["heartbeat_interval_s"])
+        self.pg: dist.ProcessGroup | None = None
+        self.named: list[tuple[str, torch.Tensor]] = []
+        self.bad: list[str] = []
+        self.end: dict = {}
+
+    def run(self) -> ReceivedWeights:
+        t0 = time.perf_counter()
+        self.heartbeat.start()
+        try:
+            self._join()
+            nbytes = self._receive_all()
+            self._ack()
+            self._await_commit()
+        except WeightSyncAborted:
+            self._discard()
+            raise
+        except (RuntimeError, WaitTimeout) as e:
+            self._report(f"{type(e).__name__}: {e}")
+            self._discard()
+            raise WeightSyncError(f"weight sync v{self.version}: {self.member} failed: {e}",
+                                  version=self.version, members=(str(self.member),)) from e
+        finally:
+            self.heartbeat.stop()
+        self.pg = None
+        return ReceivedWeights(self.version, self.named, nbytes, time.perf_counter() - t0)
+
+    def _deadline(self) -> float:
+        # The sender decides (and names the culprit) first: it needs up to a heartbeat
+        # timeout past its own deadline to diagnose, so receivers wait a little longer.
+        grace = self.params["heartbeat_timeout_s"] + 1.0
+        return time.monotonic() + self.params["timeout_s"] + grace
+
+    def _check_abort(self) -> None:
+        try:
+            aborted = self.store.check([Keys.ABORT])
+        except RuntimeError as e:
+            raise WeightSyncAborted(f"weight sync v{self.version}: sender unreachable ({e})",
+                                    version=self.version) from e
+        if aborted:
+            reason = self.store.get(Keys.ABORT).decode()
+            raise WeightSyncAborted(f"weight sync v{self.version} aborted by the sender: "
+                                    f"{reason}", version=self.version)
+
+    def _wait_key(self, key: str) -> bytes:
+        poll_until(lambda: self.store.check([key]), self._check_abort, self._deadline(), key)
+        return self.store.get(key)
+
+    def _join(self) -> None:
+        self.store.set(Keys.join(self.member.rank), "1")
+        self._wait_key(Keys.GO)
+        host = self.plan.master_addr if _is_loopback(self.plan.master_addr) else ""
+        self.pg = make_process_group(self.store, self.member.rank,
+                                     len(members_of(self.plan)) + 1, self.plan.backend,
+                                     self.params["timeout_s"], host)
+
+    def _receive_all(self) -> int:
+        """Post bucket k+1 before verifying bucket k, so the link never idles on us."""
+        nbytes, cur = 0, self._post(0)
+        while cur is not None:
+            nxt = self._post(cur.index + 1)
+            self._finish(cur)
+            nbytes += cur.bucket.numel()
+            cur = nxt
+        if self.end["tensors"] != len(self.named) or self.end["bytes"] != nbytes:
+            raise WeightSyncError(f"weight sync v{self.version}: got {len(self.named)} tensors "
+                                  f"/ {nbytes} B, the sender announced {self.end}",
+                                  version=self.version)
+        return nbytes
+
+    def _post(self, index: int) -> _Staged | None:
+        """Read bucket `index`'s header and post its broadcast (None after the last one)."""
+        head = bk.decode_header(self._wait_key(Keys.header(index)))
+        if head.get("end"):
+            self.end = head
+            return None
+        bucket = self.rx.staging(index, head["nbytes"])
+        assert self.pg is not None
+        return _Staged(index, head["tensors"], bucket, broadcast(self.pg, bucket))
+
+    def _finish(self, staged: _Staged) -> None:
+        wait_work(staged.work, self._check_abort, self._deadline())
+        self.bad += bk.verify(staged.bucket, staged.entries)
+        self.named += [(e.name, bk.tensor_view(staged.bucket, e)) for e in staged.entries]
+        self.heartbeat.progress = staged.index + 1
+        if self.on_bucket is not None:
+            self.on_bucket(staged.index)
+
+    def _ack(self) -> None:
+        if self.bad:
+            shown = ", ".join(self.bad[:5])
+            msg = f"fail: checksum mismatch in {len(self.bad)} tensor(s): {shown}"
+        else:
+            msg = "ok"
+        self.store.set(Keys.ack(self.member.rank), msg)
+
+    def _await_commit(self) -> None:
+        poll_until(lambda: self.store.check([Keys.COMMIT]), self._check_abort, self._deadline(),
+                   "the commit")
+        if self.bad:  # the sender cannot have committed over our failed ack
+            raise WeightSyncError(f"weight sync v{self.version}: commit after a failed ack",
+                                  version=self.version)
+
+    def _report(self, reason: str) -> None:
+        """Tell the sender why we failed (best effort: its store may be gone)."""
+        try:
+            self.store.set(Keys.err(self.member.rank), reason)
+            self.store.add(Keys.ERRORS, 1)
+        except RuntimeError:
+            log.warning("weight sync v%d: could not report failure to the sender", self.version)
+
+    def _discard(self) -> None:
+        self.named, self.bad = [], []
+        discard(self.pg)
+        self.pg = None

@@ -1,0 +1,244 @@
+"""Trainer side: `WeightSender` hosts the rendezvous store, turns registered workers into a
+`WeightSyncPlan`, and pushes HF-named tensors to every member with a two-phase commit:
+stream checksummed buckets -> every member acks "verified" -> write `commit` (or `abort`)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from services.common.pb.r3flow.v1 import store_pb2
+from services.common.weight_sync import buckets as bk
+from services.common.weight_sync.config import WeightSyncConfig
+from services.common.weight_sync.group import (
+    Keys,
+    WaitTimeout,
+    WeightSyncError,
+    broadcast,
+    connect_store,
+    discard,
+    make_process_group,
+    members_of,
+    poll_until,
+    push_store,
+    wait_work,
+)
+from services.common.weight_sync.monitor import MemberMonitor
+
+log = logging.getLogger(__name__)
+
+
+class TransportError(RuntimeError):
+    """Internal: the backend failed a collective (the monitor finds out whose fault it is)."""
+
+
+@dataclass(frozen=True)
+class PushReport:
+    """What one successful push moved."""
+
+    version: int
+    members: tuple[str, ...]
+    num_tensors: int
+    num_buckets: int
+    num_bytes: int
+    seconds: float
+
+    @property
+    def gb_s(self) -> float:
+        return self.num_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+class WeightSender:
+    """Rank 0 of every weight-sync group; one per trainer process that exports weights."""
+
+    def __init__(self, cfg: WeightSyncConfig) -> None:
+        self.cfg = cfg
+        self.device = torch.device(cfg.device)
+        self.wire = bk.wire_dtype(cfg.wire_dtype)
+        self._root = connect_store(cfg.advertise_addr, cfg.port, cfg.timeout_s, server=True)
+        self._pool: list[torch.Tensor | None] = [None] * cfg.inflight_buckets
+        self._last_version: int | None = None
+
+    @property
+    def port(self) -> int:
+        return self._root.port
+
+    def plan(self, version: int, workers: Sequence[store_pb2.WorkerInfo]) -> store_pb2.WeightSyncPlan:
+        """The plan to publish (store `publish_weight_sync`) before calling `push`."""
+        if self._last_version is not None and version <= self._last_version:
+            raise ValueError(f"version: {version} must exceed the last push's {self._last_version}")
+        if not workers:
+            raise ValueError("workers: a weight-sync plan needs at least one member")
+        plan = store_pb2.WeightSyncPlan(
+            version=version, master_addr=self.cfg.advertise_addr, master_port=self.port,
+            members=list(workers), backend=self.cfg.backend, wire_dtype=self.cfg.wire_dtype,
+            bucket_bytes=self.cfg.resolved_bucket_bytes())
+        params = {"timeout_s": self.cfg.timeout_s,
+                  "heartbeat_interval_s": self.cfg.heartbeat_interval_s,
+                  "heartbeat_timeout_s": self.cfg.heartbeat_timeout_s}
+        push_store(self._root, version).set(Keys.PARAMS, json.dumps(params))
+        self._last_version = version
+        return plan
+
+    def push(self, plan: store_pb2.WeightSyncPlan,
+             named: Iterable[tuple[str, torch.Tensor]]) -> PushReport:
+        """Send `named` (streamed; may be a generator) to every member of `plan`.
+
+        Returns once every member verified every tensor and the commit key is written.
+        Raises WeightSyncError naming the failed member(s); then every receiver discards.
+        """
+        if plan.version != self._last_version or plan.master_port != self.port:
+            raise ValueError(f"plan: v{plan.version} was not made by this sender's plan()")
+        return _Push(self, plan).run(named)
+
+    def close(self) -> None:
+        self._pool = [None] * self.cfg.inflight_buckets
+        del self._root
+
+
+class _Push:
+    """State of one push: its store prefix, group, monitor and buckets in flight."""
+
+    def __init__(self, sender: WeightSender, plan: store_pb2.WeightSyncPlan) -> None:
+        self.s, self.cfg, self.version = sender, sender.cfg, plan.version
+        self.store = push_store(sender._root, plan.version)
+        self.members = members_of(plan)
+        self.monitor = MemberMonitor(self.store, self.members, self.version,
+                                     self.cfg.heartbeat_timeout_s)
+        self.pg: dist.ProcessGroup | None = None
+        self.inflight: deque[tuple[dist.Work, int | None, torch.Tensor]] = deque()
+
+    def run(self, named: Iterable[tuple[str, torch.Tensor]]) -> PushReport:
+        t0 = time.perf_counter()
+        try:
+            self._join()
+            tensors, nbuckets, nbytes = self._stream(named)
+            self._collect_acks()
+        except WeightSyncError as e:
+            self._abort(str(e))
+            raise
+        except (TransportError, WaitTimeout) as e:
+            err = self.monitor.diagnose(f"{type(e).__name__}: {e}")
+            self._abort(str(err))
+            raise err from e
+        except BaseException as e:  # e.g. the caller's tensor generator failed
+            self._abort(f"sender failed: {type(e).__name__}: {e}")
+            raise
+        self.store.set(Keys.COMMIT, "1")
+        self._close_group()
+        report = PushReport(self.version, tuple(str(m) for m in self.members), tensors,
+                            nbuckets, nbytes, time.perf_counter() - t0)
+        log.info("weight push v%d: %d tensors, %.1f MB in %.2f s (%.2f GB/s) to %d ranks",
+                 self.version, tensors, nbytes / 1e6, report.seconds, report.gb_s,
+                 len(self.members))
+        return report
+
+    def _deadline(self) -> float:
+        return time.monotonic() + self.cfg.timeout_s
+
+    def _join(self) -> None:
+        """Wait until every member is connected and heart-beating, then form the group."""
+        waiting = list(self.members)
+
+        def all_joined() -> bool:
+            waiting[:] = [m for m in waiting if not self.store.check([Keys.join(m.rank)])]
+            return not waiting
+
+        try:
+            poll_until(all_joined, self._no_errors, self._deadline(), "joins")
+        except WaitTimeout:
+            names = tuple(str(m) for m in waiting)
+            raise WeightSyncError(f"weight push v{self.version}: member(s) {', '.join(names)} "
+                                  f"did not join within {self.cfg.timeout_s} s",
+                                  version=self.version, members=names) from None
+        self.store.set(Keys.GO, "1")
+        try:
+            self.pg = make_process_group(self.store, 0, len(self.members) + 1,
+                                         self.cfg.backend, self.cfg.timeout_s,
+                                         self.cfg.advertise_addr)
+        except RuntimeError as e:
+            raise TransportError(str(e)) from e
+
+    def _no_errors(self) -> None:
+        if self.monitor.reported():
+            raise self.monitor.diagnose("a member failed while joining")
+
+    def _stream(self, named: Iterable[tuple[str, torch.Tensor]]) -> tuple[int, int, int]:
+        """Pack, checksum, announce and broadcast each bucket, `inflight_buckets` at a time."""
+        tensors = nbuckets = nbytes = 0
+        specs = bk.iter_buckets(named, self.cfg.resolved_bucket_bytes(), self.s.wire,
+                                self.s.device, self.cfg.resolved_direct_min_bytes())
+        for spec in specs:
+            slot = self._free_slot()
+            bucket = bk.fill(self._buffer(slot, spec), spec)
+            entries = bk.with_checksums(spec.entries, bk.checksums(bucket, spec.entries))
+            self.store.set(Keys.header(spec.index), bk.encode_header(spec.index, spec.nbytes,
+                                                                     entries))
+            assert self.pg is not None
+            self.inflight.append((broadcast(self.pg, bucket), slot, bucket))
+            tensors, nbuckets, nbytes = tensors + len(entries), nbuckets + 1, nbytes + spec.nbytes
+        while self.inflight:
+            self._retire_oldest()
+        self.store.set(Keys.header(nbuckets), bk.encode_end(nbuckets, tensors, nbytes))
+        return tensors, nbuckets, nbytes
+
+    def _free_slot(self) -> int:
+        while len(self.inflight) >= self.cfg.inflight_buckets:
+            self._retire_oldest()
+        busy = {slot for _, slot, _ in self.inflight}
+        return next(i for i in range(self.cfg.inflight_buckets) if i not in busy)
+
+    def _retire_oldest(self) -> None:
+        work, _, _ = self.inflight[0]
+        try:
+            wait_work(work, self.monitor.check, self._deadline())
+        except RuntimeError as e:
+            raise TransportError(str(e)) from e
+        self.inflight.popleft()
+
+    def _buffer(self, slot: int, spec: bk.BucketSpec) -> torch.Tensor:
+        """A pooled bucket buffer, or a one-off one for an oversized tensor."""
+        size = self.cfg.resolved_bucket_bytes()
+        if spec.direct is not None:
+            return spec.direct
+        if spec.nbytes > size:
+            return torch.empty(spec.nbytes, dtype=torch.uint8, device=self.s.device)
+        if self.s._pool[slot] is None:
+            self.s._pool[slot] = torch.empty(size, dtype=torch.uint8, device=self.s.device)
+        buf = self.s._pool[slot]
+        assert buf is not None
+        return buf
+
+    def _collect_acks(self) -> None:
+        """Every member verified every bucket, or the push fails naming who did not."""
+        keys = [Keys.ack(m.rank) for m in self.members]
+        try:
+            poll_until(lambda: self.store.check(keys), self.monitor.check, self._deadline(),
+                       "acks")
+        except WaitTimeout:
+            missing = [m for m in self.members if not self.store.check([Keys.ack(m.rank)])]
+            raise self.monitor.blame(missing, "no ack within timeout_s") from None
+        acks = self.store.multi_get(keys)
+        bad = [(m, a.decode()) for m, a in zip(self.members, acks, strict=True) if a != b"ok"]
+        if bad:
+            raise self.monitor.blame([m for m, _ in bad], "; ".join(why for _, why in bad))
+
+    def _abort(self, reason: str) -> None:
+        log.error("weight push v%d aborted: %s", self.version, reason)
+        try:
+            self.store.set(Keys.ABORT, reason)
+        except RuntimeError:
+            log.exception("could not write the abort key")
+        self.inflight.clear()
+        discard(self.pg)
+        self.pg = None
+
+    def _close_group(self) -> None:
+        self.pg = None  # no op in flight: the group is released at once

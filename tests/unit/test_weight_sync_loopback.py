@@ -1,0 +1,107 @@
+"""The whole push protocol in one process: sender on the main thread, receivers on threads,
+a real gloo group on 127.0.0.1 (fast; the multi-process faults are in tests/integration)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from services.common.pb.r3flow.v1 import store_pb2
+from services.common.weight_sync import (
+    WeightReceiver,
+    WeightSender,
+    WeightSyncAborted,
+    WeightSyncConfig,
+    WeightSyncError,
+)
+
+
+def _cfg(**kw) -> WeightSyncConfig:
+    base = dict(bucket_bytes=1 << 12, timeout_s=10, heartbeat_interval_s=0.05,
+                heartbeat_timeout_s=0.5)
+    return WeightSyncConfig(**(base | kw))
+
+
+def _weights(seed: int) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    named = [(f"model.layers.{i}.mlp.experts.{e}.up_proj.weight", torch.randn(24, 16, generator=g))
+             for i in range(2) for e in range(4)]
+    return named + [("lm_head.weight", torch.randn(200, 64, generator=g)),
+                    ("model.rotary.inv_freq", torch.arange(8, dtype=torch.int64))]
+
+
+def _run_receivers(plan, receivers, on_bucket=None):
+    results: dict[str, object] = {}
+
+    def run(rx: WeightReceiver) -> None:
+        try:
+            results[rx.worker_id] = rx.receive(plan, on_bucket=on_bucket)
+        except WeightSyncError as e:
+            results[rx.worker_id] = e
+
+    threads = [threading.Thread(target=run, args=(rx,)) for rx in receivers]
+    for t in threads:
+        t.start()
+    return threads, results
+
+
+def _workers(*ids: str) -> list[store_pb2.WorkerInfo]:
+    return [store_pb2.WorkerInfo(worker_id=i, host="127.0.0.1", world_size=1) for i in ids]
+
+
+@pytest.fixture
+def sender():
+    s = WeightSender(_cfg())
+    yield s
+    s.close()
+
+
+def test_two_receivers_get_identical_tensors_over_two_pushes(sender):
+    rxs = [WeightReceiver("a"), WeightReceiver("b")]
+    for version in (1, 2):
+        named = _weights(version)
+        plan = sender.plan(version, _workers("a", "b"))
+        threads, results = _run_receivers(plan, rxs)
+        report = sender.push(plan, iter(named))  # a generator is fine
+        for t in threads:
+            t.join()
+        assert report.num_tensors == len(named) and report.num_buckets > 3
+        for rx in rxs:
+            got = results[rx.worker_id].as_dict()
+            assert results[rx.worker_id].version == version
+            for name, t in named:
+                want = t.to(torch.bfloat16) if t.is_floating_point() else t
+                assert torch.equal(got[name], want), name
+
+
+def test_plan_versions_must_increase(sender):
+    sender.plan(5, _workers("a"))
+    with pytest.raises(ValueError, match="version"):
+        sender.plan(5, _workers("a"))
+
+
+def test_member_that_never_joins_is_named(sender):
+    sender.cfg.timeout_s = 1.0
+    plan = sender.plan(1, _workers("a", "ghost"))
+    threads, results = _run_receivers(plan, [WeightReceiver("a")])
+    with pytest.raises(WeightSyncError, match="ghost") as err:
+        sender.push(plan, _weights(0))
+    threads[0].join()
+    assert err.value.members == ("ghost (rank 2)",)
+    assert isinstance(results["a"], WeightSyncAborted)
+
+
+def test_failing_tensor_source_aborts_every_receiver(sender):
+    def broken():
+        yield from _weights(0)[:3]
+        raise RuntimeError("gather failed")
+
+    plan = sender.plan(1, _workers("a"))
+    threads, results = _run_receivers(plan, [WeightReceiver("a")])
+    with pytest.raises(RuntimeError, match="gather failed"):
+        sender.push(plan, broken())
+    threads[0].join()
+    assert isinstance(results["a"], WeightSyncAborted)
+    assert "gather failed" in str(results["a"])
