@@ -61,3 +61,11 @@ def test_store_address_points_at_the_store_service(rendered):
     rollout = yaml.safe_load(find(docs, "ConfigMap", "-rollout")[0]["data"]["rollout.yaml"])
     train = yaml.safe_load(find(docs, "ConfigMap", "-trainer")[0]["data"]["train.yaml"])
     assert rollout["store"] == address and train["data"]["store"] == address
+
+
+@pytest.mark.parametrize("values", ["defaults", "production"])
+def test_trainer_metrics_port_matches_the_scraped_port(rendered, values):
+    docs = rendered[values]
+    train = yaml.safe_load(find(docs, "ConfigMap", "-trainer")[0]["data"]["train.yaml"])
+    service = find(docs, "Service", "-trainer-metrics")[0]
+    assert train["run"]["metrics_port"] == service["spec"]["ports"][0]["targetPort"]
