@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from services.common.config import StrictConfig
 from trainer.loss import LossConfig
@@ -57,6 +57,10 @@ class RunConfig(StrictConfig):
     metrics_host: str = "127.0.0.1"
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus port (0 = any free)")
     push_weights_every: int = Field(1, ge=0, description="weight push every N steps (0 = never)")
+    launcher: Literal["local", "ray"] = Field(
+        "local", description="local: one in-process rank; ray: one Ray actor per device")
+    world_size: int = Field(1, ge=1, description="trainer ranks (ray launcher)")
+    store_ready_timeout_s: float = Field(60.0, gt=0, description="wait for the store at start")
 
 
 class TrainerConfig(StrictConfig):
@@ -69,3 +73,11 @@ class TrainerConfig(StrictConfig):
     replay: ReplayConfig = Field(default_factory=ReplayConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     run: RunConfig = Field(default_factory=RunConfig)
+
+    @model_validator(mode="after")
+    def _launcher_world(self) -> TrainerConfig:
+        if self.run.launcher == "local" and self.run.world_size != 1:
+            raise ValueError("run.world_size: the local launcher runs exactly 1 rank (use ray)")
+        if self.model.expert_parallel > self.run.world_size:
+            raise ValueError("model.expert_parallel: larger than run.world_size")
+        return self

@@ -1,0 +1,73 @@
+"""`r3flow train`: the megatron-core GRPO/PPO trainer with routing replay, fed by the store.
+
+Command-line flags override the config file (`--store` -> data.store, `--model` -> model_dir,
+`--replay` -> replay.mode, `--steps` -> run.steps, `--run-dir` -> run.run_dir,
+`--metrics-port` -> run.metrics_port). Heavy imports happen inside `run` (instant --help).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+
+log = logging.getLogger(__name__)
+
+_OVERRIDES = {"store": "data.store", "model": "model_dir", "replay": "replay.mode",
+              "steps": "run.steps", "run_dir": "run.run_dir", "metrics_port": "run.metrics_port"}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="TrainerConfig file (.toml/.yaml/.json)")
+    p.add_argument("--store", help="TrajectoryStore address host:port")
+    p.add_argument("--model", help="HF checkpoint directory (Qwen3-MoE)")
+    p.add_argument("--replay", choices=["r3", "r2", "off"], help="routing replay mode")
+    p.add_argument("--steps", type=int, help="optimizer steps (0 = until SIGTERM)")
+    p.add_argument("--run-dir", help="checkpoints and train_log.jsonl")
+    p.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (0 = free port)")
+
+
+def load(args: argparse.Namespace):
+    """TrainerConfig from --config plus flag overrides (ConfigError names a bad key)."""
+    from services.common.config import load_config
+    from trainer.config import TrainerConfig
+
+    overrides = {key: getattr(args, name) for name, key in _OVERRIDES.items()
+                 if getattr(args, name, None) is not None}
+    return load_config(TrainerConfig, args.config, overrides)
+
+
+def _ranks(cfg):
+    if cfg.run.launcher == "ray":
+        from trainer.ray_launch import RayRanks
+
+        return RayRanks(cfg, cfg.run.world_size)
+    from trainer.step import LocalRanks
+
+    return LocalRanks(cfg)
+
+
+def run(args: argparse.Namespace) -> int:
+    from prometheus_client import CollectorRegistry
+
+    from services.common.metrics import MetricsServer, create_metrics
+    from services.store.client import StoreClient
+    from trainer.step import TrainLoop
+
+    cfg = load(args)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    registry = CollectorRegistry()
+    metrics = create_metrics(registry, "trainer")
+    server = MetricsServer(registry, cfg.run.metrics_host, cfg.run.metrics_port).start()
+    log.info("trainer metrics on %s", server.url)
+    with StoreClient(cfg.data.store) as client:
+        client.wait_ready(cfg.run.store_ready_timeout_s)
+        ranks = _ranks(cfg)
+        loop = TrainLoop(cfg, ranks, client, metrics)
+        loop.resume()
+        history = loop.run(cfg.run.steps, stop=stop.is_set)
+    server.stop()
+    log.info("trained %d steps; policy version %d", len(history), loop.pos.policy_version)
+    return 0

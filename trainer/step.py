@@ -1,0 +1,175 @@
+"""The store-driven training loop, split into named steps:
+pull_batch -> (ranks) align_routing + train_step -> push_weights -> checkpoint (+ ack).
+
+Data position: groups are acked only once a checkpoint that contains their step is written, so
+a crashed trainer's un-acked groups are redelivered by the store after their lease and nothing
+is lost; a redelivered group whose id is in the checkpoint's trained set is acked, not retrained.
+Batches are split between data-parallel ranks by whole GRPO groups (advantages are per group)
+and every rank gets the same number of groups (EP all-to-all needs equal micro-batch counts).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from trainer.checkpoint import DataPosition
+from trainer.config import TrainerConfig
+
+log = logging.getLogger(__name__)
+
+
+class Ranks(Protocol):
+    """Calls a RankWorker method on every rank (in-process or Ray actors)."""
+
+    world_size: int
+
+    def call(self, method: str, per_rank_args: list[tuple]) -> list: ...
+
+
+class LocalRanks:
+    """A single in-process rank."""
+
+    world_size = 1
+
+    def __init__(self, cfg: TrainerConfig) -> None:
+        from trainer.worker import RankWorker
+
+        self.worker = RankWorker(cfg.model_dump_json())
+
+    def call(self, method: str, per_rank_args: list[tuple]) -> list:
+        return [getattr(self.worker, method)(*per_rank_args[0])]
+
+
+def reduce_metrics(per_rank: list[dict]) -> dict:
+    """Mean over ranks (max for *_max); dict values (per-layer agreement) averaged per key."""
+    out: dict = {}
+    for k, v in per_rank[0].items():
+        vals = [r[k] for r in per_rank]
+        if isinstance(v, dict):
+            out[k] = {kk: float(np.mean([x[kk] for x in vals])) for kk in v}
+        elif isinstance(v, int | float) and not isinstance(v, bool):
+            out[k] = float(np.max(vals)) if k.endswith("_max") else float(np.mean(vals))
+        else:
+            out[k] = v
+    return out
+
+
+class TrainLoop:
+    """Drives the ranks from the store; owns acks, metrics and the run log."""
+
+    def __init__(self, cfg: TrainerConfig, ranks: Ranks, client, metrics: dict | None = None,
+                 push_fn: Callable[[dict, int], None] | None = None) -> None:
+        if cfg.data.groups_per_step % ranks.world_size:
+            raise ValueError(f"data.groups_per_step: {cfg.data.groups_per_step} not divisible "
+                             f"by {ranks.world_size} ranks")
+        self.cfg, self.ranks, self.client = cfg, ranks, client
+        self.metrics, self.push_fn = metrics or {}, push_fn
+        self.pending_acks: list[str] = []
+        self.pos = DataPosition()
+        self.run_log = Path(cfg.run.run_dir) / "train_log.jsonl"
+        self.run_log.parent.mkdir(parents=True, exist_ok=True)
+
+    def resume(self) -> None:
+        """Restore every rank from the latest checkpoint, if any."""
+        got = self.ranks.call("resume", [()] * self.ranks.world_size)[0]
+        if got is not None:
+            self.pos = DataPosition(**got)
+            log.info("resumed at step %d, policy version %d", self.pos.step, self.pos.policy_version)
+
+    def pull_batch(self, stop: Callable[[], bool] = lambda: False) -> list:
+        """Lease `groups_per_step` groups (redelivered, already-trained groups are just acked);
+        an incomplete batch is returned only when `stop()` says so (its leases then expire)."""
+        d, groups = self.cfg.data, []
+        trained = set(self.pos.trained_group_ids)
+        while len(groups) < d.groups_per_step:
+            if stop():
+                return []
+            for g in self.client.pull(d.consumer, d.groups_per_step - len(groups),
+                                      lease_seconds=d.lease_seconds, wait_ms=d.wait_ms):
+                if g.group_id in trained:
+                    self.pending_acks.append(g.delivery_id)
+                else:
+                    groups.append(g)
+        return groups
+
+    def train_step(self, groups: list) -> dict:
+        """Scatter whole groups to the ranks; each aligns routing and steps; reduce metrics."""
+        n = self.ranks.world_size
+        shares = [[g.SerializeToString() for g in groups[r::n]] for r in range(n)]
+        metrics = reduce_metrics(self.ranks.call("train", [(s,) for s in shares]))
+        self.pos.step += 1
+        self.pos.policy_version = int(metrics["policy_version"])
+        self.pos.remember([g.group_id for g in groups])
+        self.pending_acks += [g.delivery_id for g in groups]
+        return metrics
+
+    def push_weights(self) -> None:
+        """Hand HF-named weights to the weight push (trainer.weight push lives elsewhere)."""
+        every = self.cfg.run.push_weights_every
+        if self.push_fn is None or not every or self.pos.step % every:
+            return
+        t0 = time.perf_counter()
+        weights = self.ranks.call("export_hf", [()] * self.ranks.world_size)[0]
+        self.push_fn(weights, self.pos.policy_version)
+        self._observe("r3flow_trainer_weight_push_seconds", time.perf_counter() - t0)
+
+    def checkpoint(self, force: bool = False) -> None:
+        """Save every rank's shard, then ack what it covers and publish the policy version."""
+        if not force and self.pos.step % self.cfg.run.checkpoint_every:
+            return
+        acks, self.pending_acks = self.pending_acks, []
+        self.pos.acked_delivery_ids = acks
+        self.ranks.call("save", [(asdict(self.pos),)] * self.ranks.world_size)
+        if acks:
+            self.client.ack(self.cfg.data.consumer, acks)
+        self.client.publish_policy_version(self.pos.policy_version)
+
+    def run(self, steps: int, stop: Callable[[], bool] = lambda: False) -> list[dict]:
+        """Take `steps` optimizer steps (0 = until `stop()`); returns their metrics."""
+        history = []
+        while (steps == 0 or len(history) < steps) and not stop():
+            groups = self.pull_batch(stop)
+            if not groups:
+                break
+            metrics = self.train_step(groups)
+            self.push_weights()
+            self.checkpoint()
+            self.record(metrics)
+            history.append(metrics)
+        if history:
+            self.checkpoint(force=True)
+        return history
+
+    # ------------------------------------------------------------------ observability
+    def _observe(self, name: str, value: float) -> None:
+        if name in self.metrics:
+            self.metrics[name].observe(value)
+
+    def record(self, m: dict) -> None:
+        """Export a step's metrics to Prometheus and append them to the JSONL run log."""
+        gauges = {"ppo_kl": "ppo_kl", "kl_ref": "kl_ref", "clip_ratio": "clip_ratio",
+                  "logprob_diff_mean": "logprob_diff_mean", "logprob_diff_max": "logprob_diff_max",
+                  "grad_norm": "grad_norm", "entropy": "entropy", "reward_mean": "reward_mean",
+                  "tokens_per_second": "tokens_per_second", "policy_version": "policy_version"}
+        for key, suffix in gauges.items():
+            g = self.metrics.get(f"r3flow_trainer_{suffix}")
+            if g is not None and key in m:
+                g.set(m[key])
+        agree = self.metrics.get("r3flow_trainer_routing_agreement_ratio")
+        if agree is not None and m.get("routing_agreement") is not None:
+            agree.labels(layer="all").set(m["routing_agreement"])
+            for layer, v in m.get("routing_agreement_by_layer", {}).items():
+                agree.labels(layer=str(layer)).set(v)
+        self._observe("r3flow_trainer_step_seconds", m.get("step_seconds", 0.0))
+        if "r3flow_trainer_steps_total" in self.metrics:
+            self.metrics["r3flow_trainer_steps_total"].inc()
+        with self.run_log.open("a") as f:
+            f.write(json.dumps({"step": self.pos.step, "time": time.time(), **m}) + "\n")
