@@ -25,6 +25,7 @@ import yaml
 from conftest import find
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common import dashboards as gen
 from services.store.redis_server import find_redis_executable, free_port
 
 PASSWORD = "chart-smoke-password"
@@ -63,6 +64,13 @@ def redis_server(tmp_path):
     yield port
     proc.terminate()
     proc.wait(timeout=10)
+
+
+def store_metrics_on_dashboards_and_alerts() -> set[str]:
+    exprs = [a.expr for a in gen.ALERTS] + [
+        q.expr for p in gen.TRAINING_PANELS + gen.PIPELINE_PANELS for q in p.queries]
+    names = {gen.catalog_name(m) for e in exprs for m in gen.metrics_in_expr(e)}
+    return {n for n in names if n and n.startswith("r3flow_store_")}
 
 
 def wait_serving(address: str, proc: subprocess.Popen, timeout_s: float = 60) -> int:
@@ -109,7 +117,9 @@ def test_rendered_store_command_serves_health(rendered, redis_server, tmp_path):
         base = f"http://127.0.0.1:{metrics_port}"
         assert urllib.request.urlopen(f"{base}/health", timeout=5).status == 200
         metrics = urllib.request.urlopen(f"{base}/metrics", timeout=5).read().decode()
-        assert "r3flow_store_backlog_tokens" in metrics
+        exported = set(re.findall(r"^# HELP (\S+)", metrics, re.MULTILINE))
+        missing = store_metrics_on_dashboards_and_alerts() - exported
+        assert not missing, f"dashboards/alerts use store metrics it does not export: {missing}"
         # It really talks to the Redis the chart's URL names (ours), not an embedded one.
         local = redis.Redis(port=redis_server, password=PASSWORD)
         assert local.info("clients")["connected_clients"] >= 2
