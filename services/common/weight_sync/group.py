@@ -153,18 +153,28 @@ def broadcast(pg: dist.ProcessGroup, tensor: torch.Tensor) -> dist.Work:
     return pg.broadcast([tensor], opts)
 
 
-def discard(pg: dist.ProcessGroup | None) -> None:
-    """Abort a failed group without blocking: its destructor waits for in-flight ops to time
-    out, so the last reference is dropped on a daemon thread."""
-    if pg is None:
-        return
-    try:
-        pg.abort()
-    except RuntimeError:
-        pass  # abort is best effort; the group is dropped either way
-    holder = [pg]
+def discard(pg: dist.ProcessGroup | None, works: list, linger_s: float) -> None:
+    """Abort a failed group without blocking the caller.
+
+    The destructors of a gloo group and of its pending works block until in-flight ops time
+    out, so a daemon thread keeps them (and `works`, which is emptied) alive for `linger_s`,
+    past the group's op timeout: whoever else drops a reference (an exception's traceback
+    frames, say) is then never the last one.
+    """
+    if pg is not None:
+        try:
+            pg.abort()
+        except RuntimeError:
+            pass  # abort is best effort; the group is dropped either way
+    holder: list = [pg, *works]
+    works.clear()
     del pg
-    threading.Thread(target=holder.clear, name="weight-sync-discard", daemon=True).start()
+
+    def linger() -> None:
+        time.sleep(linger_s)
+        holder.clear()
+
+    threading.Thread(target=linger, name="weight-sync-discard", daemon=True).start()
 
 
 def poll_until(ready: Callable[[], bool], check: Callable[[], None], deadline: float,

@@ -232,5 +232,5 @@ class _Receive:
 
     def _discard(self) -> None:
         self.named, self.bad = [], []
-        discard(self.pg)
+        discard(self.pg, [], linger_s=self.params["timeout_s"] + 10)
         self.pg = None

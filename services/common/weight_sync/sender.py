@@ -199,6 +199,8 @@ class _Push:
         work, _, _ = self.inflight[0]
         try:
             wait_work(work, self.monitor.check, self._deadline())
+        except WeightSyncError:
+            raise
         except RuntimeError as e:
             raise TransportError(str(e)) from e
         self.inflight.popleft()
@@ -236,8 +238,9 @@ class _Push:
             self.store.set(Keys.ABORT, reason)
         except RuntimeError:
             log.exception("could not write the abort key")
+        pending: list[object] = list(self.inflight)
         self.inflight.clear()
-        discard(self.pg)
+        discard(self.pg, pending, linger_s=self.cfg.timeout_s + 10)
         self.pg = None
 
     def _close_group(self) -> None:
