@@ -15,8 +15,10 @@ from pathlib import Path
 import pytest
 import redis
 
+from services.common.pb.r3flow.v1 import trajectory_pb2
 from services.store.client import StoreClient
 from services.store.redis_server import EmbeddedRedis, free_port
+from services.store.synthetic import small_group
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -24,8 +26,10 @@ REPO = Path(__file__).resolve().parents[2]
 class StoreProcess:
     """`python -m services.store.cli` (the `r3flow store` entry) as a child process."""
 
-    def __init__(self, redis_url: str, workdir: Path, **config: object) -> None:
+    def __init__(self, redis_url: str, workdir: Path, env: dict[str, str] | None = None,
+                 **config: object) -> None:
         self.redis_url = redis_url
+        self.env = env or {}
         self.port = free_port()
         self.metrics_port = free_port()
         self.config_path = workdir / f"store-{self.port}.json"
@@ -38,7 +42,7 @@ class StoreProcess:
         return f"127.0.0.1:{self.port}"
 
     def start(self, timeout_s: float = 30.0) -> StoreProcess:
-        env = {**os.environ, "REDIS_URL": self.redis_url, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, **self.env, "REDIS_URL": self.redis_url, "PYTHONUNBUFFERED": "1"}
         argv = [sys.executable, "-m", "services.store.cli", "--config", str(self.config_path),
                 "--listen", self.address, "--metrics-port", str(self.metrics_port)]
         with open(self.log_path, "ab") as log:
@@ -48,7 +52,8 @@ class StoreProcess:
                 client.wait_ready(timeout_s)
             except TimeoutError:
                 self.kill()
-                raise RuntimeError(f"store did not start: {self.log_path.read_text()[-2000:]}")
+                log = self.log_path.read_text()[-2000:]
+                raise RuntimeError(f"store did not start: {log}") from None
         return self
 
     def kill(self) -> None:
@@ -96,9 +101,42 @@ def store_process(store_redis: EmbeddedRedis,
     proc.stop()
 
 
+def crash_group(index: int, size: int = 4) -> list[trajectory_pb2.Trajectory]:
+    """Group `index` of the crash test: small trajectories, two segments (a partial rollout)."""
+    return small_group(f"crash-{index}", size, seed=index)
+
+
+def run_appender(address: str, client_index: int, groups: int) -> dict[str, int]:
+    """Append member `client_index` of every crash group, retrying through store restarts."""
+    accepted = duplicates = 0
+    with StoreClient(address, timeout_s=20, max_retries=12, max_backoff_s=2.0) as client:
+        for g in range(groups):
+            res = client.append_trajectory(crash_group(g)[client_index])
+            accepted += res.accepted
+            duplicates += res.duplicates
+        return {"accepted": accepted, "duplicates": duplicates, "retries": client.retries}
+
+
+def run_holder(address: str, consumer: str, lease_seconds: int) -> None:
+    """Pull one group, print its delivery id, then hang until killed (a crashed trainer)."""
+    with StoreClient(address) as client:
+        [group] = client.pull(consumer, 1, lease_seconds=lease_seconds, wait_ms=10_000)
+        print(group.delivery_id, group.group_id, flush=True)
+        time.sleep(3600)
+
+
 def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.02) -> None:  # noqa: ANN001
     deadline = time.monotonic() + timeout_s
     while not predicate():
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out waiting for {what}")
         time.sleep(interval_s)
+
+
+if __name__ == "__main__":
+    # Child-process entry points: `append ADDRESS CLIENT_INDEX GROUPS` | `hold ADDRESS CONSUMER LEASE`
+    mode, address, *rest = sys.argv[1:]
+    if mode == "append":
+        print(json.dumps(run_appender(address, int(rest[0]), int(rest[1]))), flush=True)
+    else:
+        run_holder(address, rest[0], int(rest[1]))
