@@ -38,3 +38,18 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = load_config(RolloutConfig, args.config, overrides_from_args(args))
     return asyncio.run(serve(cfg))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m services.rollout.cli ...` (same as `r3flow rollout ...`)."""
+    import logging
+
+    parser = argparse.ArgumentParser(prog="r3flow rollout", description=__doc__)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run(args)
+
+
+if __name__ == "__main__":  # engine processes re-import the main module: keep this guard
+    raise SystemExit(main())

@@ -37,6 +37,10 @@ class ModelInfo:
     moe_layers: tuple[int, ...]
     vocab_size: int
 
+    @property
+    def dense_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if i not in self.moe_layers)
+
 
 def moe_layer_ids(hf_config: Any) -> list[int]:
     """Hidden layers with a router (Qwen-MoE `mlp_only_layers`/`decoder_sparse_step`, DeepSeek

@@ -141,14 +141,20 @@ class RolloutState:
 
 
 def check_routing(ids_TLK: np.ndarray, *, num_experts: int, moe_layers: list[int],
-                  expected_rows: int, request_id: str) -> None:
-    """Row count, id range, distinct ids per row and no all-zero MoE layer block."""
+                  expected_rows: int, request_id: str, dense_layers: tuple[int, ...] = ()
+                  ) -> None:
+    """Row count, id range, distinct ids per row, no all-zero MoE layer block, and dense
+    layers all zero (a non-zero dense column means the layer map is off)."""
     if ids_TLK.ndim != 3:
         raise RoutingCheckError(f"request {request_id}: routing must be [rows, layers, topk], "
                                 f"got shape {ids_TLK.shape}")
     if ids_TLK.shape[0] != expected_rows:
         raise RoutingCheckError(f"request {request_id}: {ids_TLK.shape[0]} routing rows, "
                                 f"expected prompt + response - 1 = {expected_rows}")
+    for layer in dense_layers:
+        if ids_TLK[:, layer].any():
+            raise RoutingCheckError(f"request {request_id}: dense layer {layer} has routed "
+                                    "experts (layer map does not match the engine)")
     moe_TLK = ids_TLK[:, moe_layers].astype(np.int64)
     if moe_TLK.size and moe_TLK.max() >= num_experts:
         raise RoutingCheckError(f"request {request_id}: expert id {int(moe_TLK.max())} >= "

@@ -23,15 +23,21 @@ FINISH_REASONS = {
 
 @dataclass(frozen=True)
 class RoutingLayout:
-    """What every RoutedExperts chunk of this engine carries besides the ids."""
+    """Which engine layers go on the wire and how they are encoded.
+
+    vLLM reports a column for every hidden layer; dense layers' columns are all zero (checked
+    before sending) and would fail the codec's distinct-ids rule, so only the MoE layers are
+    sent, each chunk naming their engine indices in `layer_ids` for the trainer's layer map.
+    """
 
     num_experts: int
-    layer_ids: tuple[int, ...]  # engine hidden-layer index of every column (dense ones too)
+    layer_ids: tuple[int, ...]  # engine hidden-layer index of every column sent (MoE layers)
     mode: str = "canonical"
 
     def chunk(self, rows_TLK: np.ndarray, start_row: int):
-        return routing_to_proto(rows_TLK, self.num_experts, start_row=start_row,
-                                layer_ids=self.layer_ids, mode=self.mode)
+        """Encode engine rows [T, all layers, K] as one chunk of the MoE-layer columns."""
+        return routing_to_proto(rows_TLK[:, list(self.layer_ids)], self.num_experts,
+                                start_row=start_row, layer_ids=self.layer_ids, mode=self.mode)
 
 
 @dataclass(frozen=True)

