@@ -143,6 +143,8 @@ def test_sender_and_two_receivers_get_identical_tensors(rig):
     report = _push(sender, 1, engines)
     assert report.num_buckets > 4 and report.num_tensors == len(_weights(1))
     _assert_identical(_collect(results, 2), 1, ["engine-a", "engine-b"])
+    assert not _push(sender, 2, engines).new_group  # same members: group reused
+    _assert_identical(_collect(results, 2), 2, ["engine-a", "engine-b"])
 
 
 def test_killed_receiver_is_named_survivor_discards_then_group_reforms(rig):
@@ -161,7 +163,7 @@ def test_killed_receiver_is_named_survivor_discards_then_group_reforms(rig):
     assert b.proc.exitcode == -signal.SIGKILL
 
     c = start("engine-c")  # joins between pushes; no sender restart
-    _push(sender, 2, [a, c])
+    assert _push(sender, 2, [a, c]).new_group
     _assert_identical(_collect(results, 2), 2, ["engine-a", "engine-c"])
 
 

@@ -68,6 +68,7 @@ def test_two_receivers_get_identical_tensors_over_two_pushes(sender):
         for t in threads:
             t.join()
         assert report.num_tensors == len(named) and report.num_buckets > 3
+        assert report.new_group == (version == 1)  # same members: the group is reused
         for rx in rxs:
             got = results[rx.worker_id].as_dict()
             assert results[rx.worker_id].version == version

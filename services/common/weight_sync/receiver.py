@@ -81,6 +81,8 @@ class WeightReceiver:
         self._staging: list[torch.Tensor] = []
         self._root: dist.TCPStore | None = None
         self._root_addr: tuple[str, int] | None = None
+        # (version, group) of the last committed push, reused when the sender asks for it
+        self._group: tuple[int, dist.ProcessGroup] | None = None
 
     def receive(self, plan: store_pb2.WeightSyncPlan,
                 on_bucket: Callable[[int], None] | None = None) -> ReceivedWeights:
@@ -97,6 +99,7 @@ class WeightReceiver:
         if self._root is None or self._root_addr != (addr, port):
             self._root = connect_store(addr, port, self.connect_timeout_s, server=False)
             self._root_addr = (addr, port)
+            self._group = None  # a new sender never reuses an old group
         return self._root
 
     def staging(self, index: int, nbytes: int) -> torch.Tensor:
@@ -143,7 +146,8 @@ class _Receive:
                                   version=self.version, members=(str(self.member),)) from e
         finally:
             self.heartbeat.stop()
-        self.pg = None
+        assert self.pg is not None
+        self.rx._group = (self.version, self.pg)
         return ReceivedWeights(self.version, self.named, nbytes, time.perf_counter() - t0)
 
     def _deadline(self) -> float:
@@ -168,8 +172,14 @@ class _Receive:
         return self.store.get(key)
 
     def _join(self) -> None:
-        self.store.set(Keys.join(self.member.rank), "1")
-        self._wait_key(Keys.GO)
+        reuse, cached = self.params.get("reuse"), self.rx._group
+        can_reuse = reuse is not None and cached is not None and cached[0] == reuse
+        self.store.set(Keys.join(self.member.rank), f"reuse:{reuse}" if can_reuse else "new")
+        if self._wait_key(Keys.GO) == b"reuse":
+            assert cached is not None
+            self.pg = cached[1]
+            return
+        self.rx._group = None  # idle (no op in flight): dropped at once
         host = self.plan.master_addr if _is_loopback(self.plan.master_addr) else ""
         self.pg = make_process_group(self.store, self.member.rank,
                                      len(members_of(self.plan)) + 1, self.plan.backend,
@@ -232,5 +242,6 @@ class _Receive:
 
     def _discard(self) -> None:
         self.named, self.bad = [], []
+        self.rx._group = None
         discard(self.pg, [], linger_s=self.params["timeout_s"] + 10)
         self.pg = None

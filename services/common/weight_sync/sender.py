@@ -49,6 +49,8 @@ class PushReport:
     num_buckets: int
     num_bytes: int
     seconds: float
+    new_group: bool
+    """False when the previous push's group was reused (same members)."""
 
     @property
     def gb_s(self) -> float:
@@ -65,6 +67,10 @@ class WeightSender:
         self._root = connect_store(cfg.advertise_addr, cfg.port, cfg.timeout_s, server=True)
         self._pool: list[torch.Tensor | None] = [None] * cfg.inflight_buckets
         self._last_version: int | None = None
+        # The last good push's group, kept while membership does not change: NCCL
+        # communicator setup costs far more than a push (see docs/weight_sync.md).
+        self._group: CachedGroup | None = None
+        self._reuse: int | None = None
 
     @property
     def port(self) -> int:
@@ -80,9 +86,11 @@ class WeightSender:
             version=version, master_addr=self.cfg.advertise_addr, master_port=self.port,
             members=list(workers), backend=self.cfg.backend, wire_dtype=self.cfg.wire_dtype,
             bucket_bytes=self.cfg.resolved_bucket_bytes())
+        g = self._group
+        self._reuse = g.version if g is not None and g.signature == _signature(plan) else None
         params = {"timeout_s": self.cfg.timeout_s,
                   "heartbeat_interval_s": self.cfg.heartbeat_interval_s,
-                  "heartbeat_timeout_s": self.cfg.heartbeat_timeout_s}
+                  "heartbeat_timeout_s": self.cfg.heartbeat_timeout_s, "reuse": self._reuse}
         push_store(self._root, version).set(Keys.PARAMS, json.dumps(params))
         self._last_version = version
         return plan
@@ -100,19 +108,33 @@ class WeightSender:
 
     def close(self) -> None:
         self._pool = [None] * self.cfg.inflight_buckets
+        self._group = None
         del self._root
+
+
+def _signature(plan: store_pb2.WeightSyncPlan) -> tuple:
+    """What must not change for a group to be reused: the members, in order, and the backend."""
+    return (plan.backend, tuple((m.worker_id, max(1, m.world_size)) for m in plan.members))
+
+
+@dataclass(frozen=True)
+class CachedGroup:
+    signature: tuple
+    version: int
+    pg: dist.ProcessGroup
 
 
 class _Push:
     """State of one push: its store prefix, group, monitor and buckets in flight."""
 
     def __init__(self, sender: WeightSender, plan: store_pb2.WeightSyncPlan) -> None:
-        self.s, self.cfg, self.version = sender, sender.cfg, plan.version
+        self.s, self.cfg, self.version, self.plan = sender, sender.cfg, plan.version, plan
         self.store = push_store(sender._root, plan.version)
         self.members = members_of(plan)
         self.monitor = MemberMonitor(self.store, self.members, self.version,
                                      self.cfg.heartbeat_timeout_s)
         self.pg: dist.ProcessGroup | None = None
+        self.new_group = True
         self.inflight: deque[tuple[dist.Work, int | None, torch.Tensor]] = deque()
 
     def run(self, named: Iterable[tuple[str, torch.Tensor]]) -> PushReport:
@@ -132,9 +154,10 @@ class _Push:
             self._abort(f"sender failed: {type(e).__name__}: {e}")
             raise
         self.store.set(Keys.COMMIT, "1")
-        self._close_group()
+        assert self.pg is not None
+        self.s._group = CachedGroup(_signature(self.plan), self.version, self.pg)
         report = PushReport(self.version, tuple(str(m) for m in self.members), tensors,
-                            nbuckets, nbytes, time.perf_counter() - t0)
+                            nbuckets, nbytes, time.perf_counter() - t0, self.new_group)
         log.info("weight push v%d: %d tensors, %.1f MB in %.2f s (%.2f GB/s) to %d ranks",
                  self.version, tensors, nbytes / 1e6, report.seconds, report.gb_s,
                  len(self.members))
@@ -158,7 +181,19 @@ class _Push:
             raise WeightSyncError(f"weight push v{self.version}: member(s) {', '.join(names)} "
                                   f"did not join within {self.cfg.timeout_s} s",
                                   version=self.version, members=names) from None
-        self.store.set(Keys.GO, "1")
+        self._form_group()
+
+    def _form_group(self) -> None:
+        """Reuse the last group if every member still holds it, else build a new one."""
+        reuse, cached = self.s._reuse, self.s._group
+        joins = self.store.multi_get([Keys.join(m.rank) for m in self.members])
+        if reuse is not None and cached is not None and cached.version == reuse and all(
+                j == f"reuse:{reuse}".encode() for j in joins):
+            self.store.set(Keys.GO, "reuse")
+            self.pg, self.new_group = cached.pg, False
+            return
+        self.s._group = None  # idle (no op in flight): dropped at once
+        self.store.set(Keys.GO, "new")
         try:
             self.pg = make_process_group(self.store, 0, len(self.members) + 1,
                                          self.cfg.backend, self.cfg.timeout_s,
@@ -240,8 +275,6 @@ class _Push:
             log.exception("could not write the abort key")
         pending: list[object] = list(self.inflight)
         self.inflight.clear()
+        self.s._group = None
         discard(self.pg, pending, linger_s=self.cfg.timeout_s + 10)
         self.pg = None
-
-    def _close_group(self) -> None:
-        self.pg = None  # no op in flight: the group is released at once
