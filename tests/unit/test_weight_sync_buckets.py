@@ -99,6 +99,11 @@ def test_checksum_catches_a_flipped_byte_in_the_right_tensor():
     corrupt[entries[1].offset + 3] ^= 0x10
     assert bk.verify(corrupt, entries) == ["b"]
     assert bk.verify(sent, entries) == []
+    # the end-of-push form: per-bucket checksum tensors against the sender's lists
+    want = bk.split_sums([bk.checksum_tensor(sent, spec.entries)])
+    got = bk.split_sums([bk.checksum_tensor(corrupt, spec.entries)])
+    assert bk.mismatches([spec.entries], got, want) == ["b"]
+    assert bk.mismatches([spec.entries], want, want) == []
 
 
 def test_checksum_is_wrapping_int64_word_sum():
@@ -112,8 +117,9 @@ def test_header_roundtrip_and_end_marker():
     e = bk.TensorEntry("x.weight", torch.bfloat16, (2, 3), 64, 12, -5)
     head = bk.decode_header(bk.encode_header(4, 128, [e]))
     assert head["index"] == 4 and head["nbytes"] == 128 and head["tensors"] == [e]
-    end = bk.decode_header(bk.encode_end(5, 17, 1024))
-    assert end == {"end": True, "buckets": 5, "tensors": 17, "bytes": 1024}
+    end = bk.decode_header(bk.encode_end(5, 17, 1024, [[1, -2], [3]]))
+    assert end == {"end": True, "buckets": 5, "tensors": 17, "bytes": 1024,
+                   "sums": [[1, -2], [3]]}
 
 
 def test_bad_input_errors_name_the_field():

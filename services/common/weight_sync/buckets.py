@@ -152,13 +152,29 @@ def tensor_view(bucket_u8: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
     return raw.view(entry.dtype).view(entry.shape)
 
 
-def checksums(bucket_u8: torch.Tensor, entries: list[TensorEntry]) -> list[int]:
-    """sum64 of each entry's padded extent (one host sync per bucket)."""
-    if not entries:
-        return []
+def checksum_tensor(bucket_u8: torch.Tensor, entries: list[TensorEntry]) -> torch.Tensor:
+    """sum64 of each entry's padded extent, as an int64 tensor on the bucket's device (no
+    host sync: on GPU it queues behind the bucket's broadcast)."""
     sums = [bucket_u8[e.offset: e.offset + padded(e.nbytes)].view(torch.int64).sum()
             for e in entries]
-    return torch.stack(sums).tolist()
+    return torch.stack(sums) if sums else torch.zeros(0, dtype=torch.int64)
+
+
+def checksums(bucket_u8: torch.Tensor, entries: list[TensorEntry]) -> list[int]:
+    """sum64 of each entry's padded extent, on the host."""
+    return checksum_tensor(bucket_u8, entries).tolist()
+
+
+def split_sums(sums: list[torch.Tensor]) -> list[list[int]]:
+    """Per-bucket checksum tensors -> per-bucket lists of ints (one host sync in all)."""
+    if not sums:
+        return []
+    flat = torch.cat([s.cpu() for s in sums]).tolist()
+    out, start = [], 0
+    for s in sums:
+        out.append(flat[start: start + s.numel()])
+        start += s.numel()
+    return out
 
 
 def with_checksums(entries: list[TensorEntry], sums: list[int]) -> list[TensorEntry]:
@@ -167,15 +183,16 @@ def with_checksums(entries: list[TensorEntry], sums: list[int]) -> list[TensorEn
 
 
 def encode_header(index: int, nbytes: int, entries: list[TensorEntry]) -> bytes:
-    """The per-bucket header published before the bucket's broadcast."""
+    """The per-bucket header (layout) published before the bucket's broadcast."""
     return json.dumps({"index": index, "nbytes": nbytes,
                        "tensors": [e.to_json() for e in entries]}).encode()
 
 
-def encode_end(num_buckets: int, num_tensors: int, total_bytes: int) -> bytes:
-    """The header after the last bucket: tells the receiver the push is complete."""
+def encode_end(num_buckets: int, num_tensors: int, total_bytes: int,
+               sums: list[list[int]]) -> bytes:
+    """The header after the last bucket: totals and every tensor's checksum, per bucket."""
     return json.dumps({"end": True, "buckets": num_buckets, "tensors": num_tensors,
-                       "bytes": total_bytes}).encode()
+                       "bytes": total_bytes, "sums": sums}).encode()
 
 
 def decode_header(blob: bytes) -> dict:
@@ -190,3 +207,12 @@ def verify(bucket_u8: torch.Tensor, entries: list[TensorEntry]) -> list[str]:
     """Names of entries whose checksum does not match the bytes received."""
     got = checksums(bucket_u8, entries)
     return [e.name for e, s in zip(entries, got, strict=True) if s != e.checksum]
+
+
+def mismatches(entries: list[list[TensorEntry]], got: list[list[int]],
+               want: list[list[int]]) -> list[str]:
+    """Names of tensors whose received checksum differs from the sender's (per bucket)."""
+    if len(got) != len(want):
+        return [f"<{len(want)} buckets announced, {len(got)} received>"]
+    return [e.name for es, g, w in zip(entries, got, want, strict=True)
+            for e, a, b in zip(es, g, w, strict=True) if a != b]

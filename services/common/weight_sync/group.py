@@ -179,8 +179,11 @@ def discard(pg: dist.ProcessGroup | None, works: list, linger_s: float) -> None:
 
 def poll_until(ready: Callable[[], bool], check: Callable[[], None], deadline: float,
                what: str = "") -> None:
-    """Spin (with backoff) until `ready()`; run `check()` every 50 ms; WaitTimeout at deadline."""
-    sleep, next_check = 2e-5, 0.0
+    """Poll until `ready()`; run `check()` every 50 ms; WaitTimeout at the deadline.
+
+    Sleeps grow with the time already waited (at most 1/8 of it, 5 ms at most), so a short
+    wait overshoots by microseconds and a long one costs few wake-ups."""
+    start = next_check = time.monotonic()
     while not ready():
         now = time.monotonic()
         if now >= next_check:
@@ -188,8 +191,7 @@ def poll_until(ready: Callable[[], bool], check: Callable[[], None], deadline: f
             next_check = now + 0.05
         if now >= deadline:
             raise WaitTimeout(f"timed out waiting for {what or 'the group'}")
-        time.sleep(sleep)
-        sleep = min(sleep * 2, 5e-3)
+        time.sleep(min(5e-3, max(2e-5, (now - start) / 8)))
 
 
 def wait_work(work: dist.Work, check: Callable[[], None], deadline: float) -> None:

@@ -89,7 +89,8 @@ class WeightReceiver:
         """Take part in the push of `plan`; returns the weights once the sender committed.
 
         Raises WeightSyncAborted when the push was aborted (nothing to load) and
-        WeightSyncError when this receiver failed. `on_bucket(k)` runs after bucket k verified.
+        WeightSyncError when this receiver failed. `on_bucket(k)` runs after bucket k arrived
+        (gloo) or was queued (NCCL).
         """
         member = rank_in(plan, self.worker_id, self.local_rank)
         return _Receive(self, plan, member, on_bucket).run()
@@ -127,6 +128,9 @@ class _Receive:
         self.named: list[tuple[str, torch.Tensor]] = []
         self.bad: list[str] = []
         self.end: dict = {}
+        self.sums: list[torch.Tensor] = []
+        self.entries: list[list[bk.TensorEntry]] = []
+        self.host_blocking = plan.backend == "gloo"
 
     def run(self) -> ReceivedWeights:
         t0 = time.perf_counter()
@@ -186,17 +190,20 @@ class _Receive:
                                      self.params["timeout_s"], host)
 
     def _receive_all(self) -> int:
-        """Post bucket k+1 before verifying bucket k, so the link never idles on us."""
-        nbytes, cur = 0, self._post(0)
+        """Post bucket k+1 before finishing bucket k, so the link never idles on us; then
+        check every tensor against the checksums of the end header."""
+        nbytes, cur, last = 0, self._post(0), None
         while cur is not None:
             nxt = self._post(cur.index + 1)
             self._finish(cur)
-            nbytes += cur.bucket.numel()
-            cur = nxt
+            nbytes, last, cur = nbytes + cur.bucket.numel(), cur.work, nxt
+        if not self.host_blocking and last is not None:  # NCCL: one wait for the whole push
+            wait_work(last, self._check_abort, self._deadline())
         if self.end["tensors"] != len(self.named) or self.end["bytes"] != nbytes:
             raise WeightSyncError(f"weight sync v{self.version}: got {len(self.named)} tensors "
                                   f"/ {nbytes} B, the sender announced {self.end}",
                                   version=self.version)
+        self.bad = bk.mismatches(self.entries, bk.split_sums(self.sums), self.end["sums"])
         return nbytes
 
     def _post(self, index: int) -> _Staged | None:
@@ -210,8 +217,14 @@ class _Receive:
         return _Staged(index, head["tensors"], bucket, broadcast(self.pg, bucket))
 
     def _finish(self, staged: _Staged) -> None:
-        wait_work(staged.work, self._check_abort, self._deadline())
-        self.bad += bk.verify(staged.bucket, staged.entries)
+        """Bucket received (gloo: host waits, polled) or queued behind it (NCCL: stream
+        order): checksum it, expose its tensors as views."""
+        if self.host_blocking:
+            wait_work(staged.work, self._check_abort, self._deadline())
+        else:
+            staged.work.wait()
+        self.sums.append(bk.checksum_tensor(staged.bucket, staged.entries))
+        self.entries.append(staged.entries)
         self.named += [(e.name, bk.tensor_view(staged.bucket, e)) for e in staged.entries]
         self.heartbeat.progress = staged.index + 1
         if self.on_bucket is not None:
@@ -241,7 +254,7 @@ class _Receive:
             log.warning("weight sync v%d: could not report failure to the sender", self.version)
 
     def _discard(self) -> None:
-        self.named, self.bad = [], []
+        self.named, self.bad, self.sums, self.entries = [], [], [], []
         self.rx._group = None
         discard(self.pg, [], linger_s=self.params["timeout_s"] + 10)
         self.pg = None

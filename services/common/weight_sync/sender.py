@@ -4,11 +4,12 @@ stream checksummed buckets -> every member acks "verified" -> write `commit` (or
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -135,6 +136,8 @@ class _Push:
                                      self.cfg.heartbeat_timeout_s)
         self.pg: dist.ProcessGroup | None = None
         self.new_group = True
+        self.host_blocking = self.cfg.backend == "gloo"
+        self.last_work: dist.Work | None = None
         self.inflight: deque[tuple[dist.Work, int | None, torch.Tensor]] = deque()
 
     def run(self, named: Iterable[tuple[str, torch.Tensor]]) -> PushReport:
@@ -194,35 +197,35 @@ class _Push:
             return
         self.s._group = None  # idle (no op in flight): dropped at once
         self.store.set(Keys.GO, "new")
-        try:
+        with self._transport_errors():
             self.pg = make_process_group(self.store, 0, len(self.members) + 1,
                                          self.cfg.backend, self.cfg.timeout_s,
                                          self.cfg.advertise_addr)
-        except RuntimeError as e:
-            raise TransportError(str(e)) from e
 
     def _no_errors(self) -> None:
         if self.monitor.reported():
             raise self.monitor.diagnose("a member failed while joining")
 
     def _stream(self, named: Iterable[tuple[str, torch.Tensor]]) -> tuple[int, int, int]:
-        """Pack, checksum, announce and broadcast each bucket, `inflight_buckets` at a time."""
-        tensors = nbuckets = nbytes = 0
+        """Pack, announce and broadcast each bucket, `inflight_buckets` at a time; the
+        checksums follow in the end header (on GPU: one host sync for the whole push)."""
+        sums: list[torch.Tensor] = []
+        tensors = nbytes = 0
         specs = bk.iter_buckets(named, self.cfg.resolved_bucket_bytes(), self.s.wire,
                                 self.s.device, self.cfg.resolved_direct_min_bytes())
         for spec in specs:
             slot = self._free_slot()
             bucket = bk.fill(self._buffer(slot, spec), spec)
-            entries = bk.with_checksums(spec.entries, bk.checksums(bucket, spec.entries))
-            self.store.set(Keys.header(spec.index), bk.encode_header(spec.index, spec.nbytes,
-                                                                     entries))
+            sums.append(bk.checksum_tensor(bucket, spec.entries))
+            self.store.set(Keys.header(spec.index),
+                           bk.encode_header(spec.index, spec.nbytes, spec.entries))
             assert self.pg is not None
             self.inflight.append((broadcast(self.pg, bucket), slot, bucket))
-            tensors, nbuckets, nbytes = tensors + len(entries), nbuckets + 1, nbytes + spec.nbytes
-        while self.inflight:
-            self._retire_oldest()
-        self.store.set(Keys.header(nbuckets), bk.encode_end(nbuckets, tensors, nbytes))
-        return tensors, nbuckets, nbytes
+            tensors, nbytes = tensors + len(spec.entries), nbytes + spec.nbytes
+        self._drain()
+        self.store.set(Keys.header(len(sums)),
+                       bk.encode_end(len(sums), tensors, nbytes, bk.split_sums(sums)))
+        return tensors, len(sums), nbytes
 
     def _free_slot(self) -> int:
         while len(self.inflight) >= self.cfg.inflight_buckets:
@@ -231,14 +234,33 @@ class _Push:
         return next(i for i in range(self.cfg.inflight_buckets) if i not in busy)
 
     def _retire_oldest(self) -> None:
+        """Free the oldest bucket's buffer: gloo waits on the host (polled, so a dead member
+        cannot hang us); NCCL only orders the current stream after it (the host runs on)."""
         work, _, _ = self.inflight[0]
+        with self._transport_errors():
+            if self.host_blocking:
+                wait_work(work, self.monitor.check, self._deadline())
+            else:
+                work.wait()
+        self.last_work = work
+        self.inflight.popleft()
+
+    def _drain(self) -> None:
+        """Wait until every broadcast completed (NCCL runs them in order: the last one)."""
+        while self.inflight:
+            self._retire_oldest()
+        if not self.host_blocking and self.last_work is not None:
+            with self._transport_errors():
+                wait_work(self.last_work, self.monitor.check, self._deadline())
+
+    @contextlib.contextmanager
+    def _transport_errors(self) -> Iterator[None]:
         try:
-            wait_work(work, self.monitor.check, self._deadline())
+            yield
         except WeightSyncError:
             raise
         except RuntimeError as e:
             raise TransportError(str(e)) from e
-        self.inflight.popleft()
 
     def _buffer(self, slot: int, spec: bk.BucketSpec) -> torch.Tensor:
         """A pooled bucket buffer, or a one-off one for an oversized tensor."""
