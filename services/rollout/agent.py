@@ -39,6 +39,7 @@ class RolloutResult:
     state: RolloutState
     finish_reason: str
     calls: list[CallOutput] = field(default_factory=list)
+    reward: float | None = None  # set by the worker's verifier
 
 
 def call_seed(seed: int | None, call_index: int) -> int | None:

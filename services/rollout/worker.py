@@ -30,7 +30,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class GroupResult:
-    """A finished group: wire trajectories plus the raw per-sample bookkeeping."""
+    """A finished group: the raw per-sample bookkeeping, and the wire trajectories (empty when
+    the worker has no sink)."""
 
     trajectories: list[trajectory_pb2.Trajectory]
     results: list[RolloutResult]
@@ -74,6 +75,9 @@ class RolloutWorker:
         self.layout = RoutingLayout(engine.info.num_experts, engine.info.moe_layers,
                                     cfg.routing_codec_mode)
         self.metrics = engine.metrics
+        if sink is not None and not engine.cfg.capture_routing:
+            log.warning("engine.capture_routing is off: groups are not sent to the store "
+                        "(it requires routing for every segment)")
         self.trainer_version: int | None = None
         self._nonce = uuid.uuid4().hex[:8]
         self._requests = asyncio.Semaphore(cfg.concurrency)
@@ -135,7 +139,9 @@ class RolloutWorker:
         for i, res in enumerate(results):
             meta = TrajectoryMeta(f"{group_id}-{i}", group_id, n, rec.prompt_id,
                                   self.cfg.worker_id)
-            trajs.append(self._finish(meta, res, rec, verifier))
+            traj = self._finish(meta, res, rec, verifier)
+            if traj is not None:
+                trajs.append(traj)
             tokens += sum(sum(s.loss_mask) for s in res.state.segments)
         return GroupResult(trajs, list(results), tokens)
 
@@ -146,17 +152,19 @@ class RolloutWorker:
             return await self.loop.run(request_id, prompt_ids, seed=seed, env=env)
 
     def _finish(self, meta: TrajectoryMeta, res: RolloutResult, rec: PromptRecord,
-                verifier: Any) -> trajectory_pb2.Trajectory:
-        """Reward, routing checks, wire message (RoutingCheckError on bad routing)."""
+                verifier: Any) -> trajectory_pb2.Trajectory | None:
+        """Reward, routing checks (RoutingCheckError), and the wire message when there is a
+        sink to send it to (a dry run skips the encoding)."""
         state = res.state
         text = self.tokenizer.decode(state.response_ids, skip_special_tokens=True)
-        reward = float(verifier(text, rec.answer))
-        layout = None
+        res.reward = float(verifier(text, rec.answer))
         if self.engine.cfg.capture_routing:
             self._check(meta.trajectory_id, res)
-            layout = self.layout
-        return trajectory_to_proto(meta, state, reward=reward, finish_reason=res.finish_reason,
-                                   layout=layout)
+        if self.sink is None:
+            return None
+        layout = self.layout if self.engine.cfg.capture_routing else None
+        return trajectory_to_proto(meta, state, reward=res.reward,
+                                   finish_reason=res.finish_reason, layout=layout)
 
     def _check(self, trajectory_id: str, res: RolloutResult) -> None:
         state = res.state

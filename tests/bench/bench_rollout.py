@@ -1,0 +1,170 @@
+"""Rollout throughput: routing capture off vs on vs capture + encode + streaming to a live store.
+
+Same prompts, same seeds, same worker code path in all three modes (`make bench-rollout`):
+  off        engine without enable_return_routed_experts, nothing sent
+  capture    engine with routing capture and the worker's routing checks, nothing sent
+  streaming  capture + checks + codec encode + append to a live `r3flow store` (embedded redis)
+Both engines live in this process and the modes alternate round by round, so slow drift of a
+shared machine hits every mode alike; each figure is the median over rounds. Overheads are
+fractions of the capture-off throughput. Writes bench-results/rollout.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--prompts", type=int, default=16, help="GRPO groups per run")
+    p.add_argument("--n", type=int, default=4, help="samples per prompt")
+    p.add_argument("--max-tokens", type=int, default=128, help="generated tokens per sample")
+    p.add_argument("--concurrency", type=int, default=32, help="requests in the engine at once")
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds of the three modes")
+    p.add_argument("--out", default=str(ROOT / "bench-results" / "rollout.json"))
+    return p.parse_args()
+
+
+def make_dataset(path: Path, prompts: int) -> Path:
+    import random
+
+    rng = random.Random(0)
+    rows = [{"id": f"p{i}", "prompt_token_ids": [rng.randrange(4, 98)
+                                                  for _ in range(rng.randrange(32, 65))],
+             "answer": "0"} for i in range(prompts)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def start_store(workdir: Path) -> tuple[subprocess.Popen, str]:
+    from services.store.client import StoreClient
+    from services.store.redis_server import free_port
+
+    port = free_port()
+    log = open(workdir / "store.log", "ab")  # noqa: SIM115 (lives as long as the process)
+    proc = subprocess.Popen([sys.executable, "-m", "services.store.cli", "--listen",
+                             f"127.0.0.1:{port}", "--metrics-port", "0"],
+                            cwd=workdir, stdout=log, stderr=log,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    with StoreClient(f"127.0.0.1:{port}") as client:
+        client.wait_ready(60)
+    return proc, f"127.0.0.1:{port}"
+
+
+class Mode:
+    """One engine + worker configuration, run repeatedly on the same prompts."""
+
+    def __init__(self, name: str, engine, cfg, sink) -> None:  # noqa: ANN001
+        self.name, self.engine, self.cfg, self.sink = name, engine, cfg, sink
+        self.rates: list[float] = []
+
+    async def run_once(self, records) -> float:  # noqa: ANN001
+        from services.rollout.tiny_moe import build_tokenizer
+        from services.rollout.worker import RolloutWorker
+
+        worker = RolloutWorker(self.cfg, self.engine, self.sink, build_tokenizer())
+        t0 = time.perf_counter()
+        summary = await worker.run(records)
+        dt = time.perf_counter() - t0
+        assert summary.groups_failed == 0, summary.errors
+        rate = summary.generated_tokens / dt
+        self.rates.append(rate)
+        return rate
+
+
+async def bench(args: argparse.Namespace, workdir: Path) -> dict:
+    from prometheus_client import CollectorRegistry
+
+    from services.common.metrics import create_metrics
+    from services.rollout.config import RolloutConfig
+    from services.rollout.dataset import load_dataset
+    from services.rollout.engine import RolloutEngine
+    from services.rollout.sink import StoreSink
+    from services.rollout.tiny_moe import TinyMoeConfig, build_tiny_moe
+    from services.store.client import StoreClient
+
+    model = build_tiny_moe(workdir / "tiny-moe", TinyMoeConfig(num_layers=3, first_k_dense=1))
+    records = load_dataset(make_dataset(workdir / "prompts.jsonl", args.prompts))
+    store_proc, address = start_store(workdir)
+    client = StoreClient(address)
+    try:
+        modes = []
+        for name, capture in (("off", False), ("capture", True)):
+            cfg = RolloutConfig.model_validate({
+                "engine": {"model": str(model), "max_model_len": 512, "capture_routing": capture,
+                           "max_num_seqs": args.concurrency},
+                "dataset": str(workdir / "prompts.jsonl"), "concurrency": args.concurrency,
+                "sampling": {"n": args.n, "max_tokens": args.max_tokens, "ignore_eos": True}})
+            engine = RolloutEngine.start(cfg.engine, create_metrics(CollectorRegistry(), "rollout"))
+            modes.append(Mode(name, engine, cfg, None))
+        modes.append(Mode("streaming", modes[1].engine, modes[1].cfg, StoreSink(client)))
+        for mode in modes[:2]:  # warm-up: first steps of a fresh engine are slow
+            await mode.run_once(records[:2])
+            mode.rates.clear()
+        for r in range(args.rounds):
+            for mode in modes:
+                rate = await mode.run_once(records)
+                print(f"round {r} {mode.name:>9}: {rate:8.1f} tok/s", flush=True)
+        stats = client.stats()
+    finally:
+        client.close()
+        store_proc.terminate()
+        store_proc.wait(30)
+    for mode in modes[:2]:
+        mode.engine.shutdown()
+    return summarize(args, modes, stats)
+
+
+def summarize(args: argparse.Namespace, modes: list[Mode], stats) -> dict:  # noqa: ANN001
+    med = {m.name: statistics.median(m.rates) for m in modes}
+    return {
+        "tokens_per_s_off": round(med["off"], 1),
+        "tokens_per_s_capture": round(med["capture"], 1),
+        "tokens_per_s_streaming": round(med["streaming"], 1),
+        "capture_overhead": round(1 - med["capture"] / med["off"], 4),
+        "streaming_overhead": round(1 - med["streaming"] / med["off"], 4),
+        "runs_tokens_per_s": {m.name: [round(x, 1) for x in m.rates] for m in modes},
+        "store_trajectories_appended": int(stats.trajectories_appended),
+        "workload": {"prompts": args.prompts, "n": args.n, "max_tokens": args.max_tokens,
+                     "concurrency": args.concurrency, "rounds": args.rounds,
+                     "model": "tiny MoE: 3 layers (1 dense), 8 experts, top-2, hidden 128",
+                     "dtype": "float32"},
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                    "python": platform.python_version()},
+    }
+
+
+def main() -> int:
+    args = parse_args()
+    from services.rollout.cpu_shims import set_cpu_env_defaults
+
+    set_cpu_env_defaults()
+    with tempfile.TemporaryDirectory(prefix="bench-rollout-") as tmp:
+        result = asyncio.run(bench(args, Path(tmp)))
+    print(f"\n{'mode':<10} {'tokens/s':>10} {'overhead':>9}")
+    for key, over in (("off", None), ("capture", "capture_overhead"),
+                      ("streaming", "streaming_overhead")):
+        over_s = f"{result[over] * 100:8.1f}%" if over else f"{'-':>9}"
+        print(f"{key:<10} {result[f'tokens_per_s_{key}']:>10.1f} {over_s}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":  # vLLM engine processes re-import the main module
+    raise SystemExit(main())
