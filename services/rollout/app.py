@@ -1,4 +1,5 @@
-"""Process wiring of `r3flow rollout`: metrics server, engine, dataset, store, worker."""
+"""Process wiring of `r3flow rollout`: metrics server, engine, dataset, store, worker, and the
+background duties (registration renewal, trainer-version watch, weight-sync pushes)."""
 
 from __future__ import annotations
 
@@ -15,13 +16,27 @@ from services.rollout.config import RolloutConfig
 log = logging.getLogger(__name__)
 
 
-def _watch_trainer_version(client: Any, worker: Any, loop: asyncio.AbstractEventLoop,
-                           stop: threading.Event) -> None:
+def _watch_trainer_version(client: Any, worker: Any, loop: asyncio.AbstractEventLoop) -> None:
     """Thread body: mirror the store's published policy version into `worker.trainer_version`."""
     for version in client.watch_policy_version(-1):
-        if stop.is_set():
-            return
         loop.call_soon_threadsafe(setattr, worker, "trainer_version", version)
+
+
+def _watch_weight_sync(client: Any, worker: Any, loop: asyncio.AbstractEventLoop) -> None:
+    """Thread body: apply each weight-sync plan that names this worker, one at a time."""
+    for plan in client.watch_weight_sync(worker.cfg.worker_id, worker.engine.policy_version):
+        fut = asyncio.run_coroutine_threadsafe(worker.apply_weight_sync(plan), loop)
+        try:
+            fut.result()
+        except Exception:  # a failed push leaves the old weights serving: log, keep watching
+            log.exception("weight sync v%d failed", plan.version)
+
+
+async def _keep_registered(worker: Any, ttl_s: int | None) -> None:
+    """Renew RegisterWorker well inside its TTL (it also carries the current version)."""
+    while ttl_s:
+        await asyncio.sleep(max(1.0, ttl_s / 3))
+        ttl_s = await worker.report_version()
 
 
 def _open_store(cfg: RolloutConfig) -> Any:
@@ -31,6 +46,24 @@ def _open_store(cfg: RolloutConfig) -> Any:
                          max_retries=cfg.store_max_retries)
     client.wait_ready(cfg.store_timeout_s)
     return client
+
+
+def _guarded(target: Any, *args: Any) -> None:
+    """Thread body wrapper: a watch ends with the process (closed channel, closed loop)."""
+    try:
+        target(*args)
+    except Exception as e:  # noqa: BLE001 (logged, and the thread has nothing else to do)
+        log.info("%s stopped: %s", target.__name__, e)
+
+
+def _start_watchers(cfg: RolloutConfig, client: Any, worker: Any) -> None:
+    loop = asyncio.get_running_loop()
+    watchers = [_watch_weight_sync]
+    if cfg.max_policy_lag is not None:
+        watchers.append(_watch_trainer_version)
+    for target in watchers:  # daemon threads: they block in server streams until exit
+        threading.Thread(target=_guarded, name=target.__name__, daemon=True,
+                         args=(target, client, worker, loop)).start()
 
 
 async def serve(cfg: RolloutConfig) -> int:
@@ -52,21 +85,21 @@ async def serve(cfg: RolloutConfig) -> int:
                            health_fn=lambda: not engine.llm.errored).start()
     log.info("rollout metrics on %s", server.url)
     sink = StoreSink(client, cfg.backpressure_sleep_s) if client is not None else None
-    stop = threading.Event()
+    renew: asyncio.Task | None = None
     try:
         tokenizer = AutoTokenizer.from_pretrained(cfg.engine.model)
         worker = RolloutWorker(cfg, engine, sink, tokenizer, env_factory)
-        await worker.report_version()
-        if client is not None and cfg.max_policy_lag is not None:
-            threading.Thread(target=_watch_trainer_version, name="policy-watch", daemon=True,
-                             args=(client, worker, asyncio.get_running_loop(), stop)).start()
+        renew = asyncio.create_task(_keep_registered(worker, await worker.report_version()))
+        if client is not None:
+            _start_watchers(cfg, client, worker)
         summary = await worker.run(records)
         log.info("rollout done: %d groups ok, %d failed, %d tokens in %.1fs (%.1f tok/s)",
                  summary.groups_ok, summary.groups_failed, summary.generated_tokens,
                  summary.seconds, summary.generated_tokens / max(summary.seconds, 1e-9))
         return 0 if summary.groups_ok or not summary.groups_failed else 1
     finally:
-        stop.set()
+        if renew is not None:
+            renew.cancel()
         server.stop()
         engine.shutdown()
         if client is not None:

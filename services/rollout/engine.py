@@ -12,8 +12,10 @@ resume (then all of it runs on the new weights).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -191,16 +193,19 @@ class RolloutEngine:
                           finish_reason=str(c.finish_reason), policy_version=version,
                           request_id=request_id)
 
-    async def update_weights(self, method: str, *args: Any, version: int | None = None) -> int:
-        """Pause (aborting in-flight calls), run worker-extension `method(*args)`, reset the
-        prefix cache, set the new policy version, resume. Returns the tensors loaded."""
+    @contextlib.asynccontextmanager
+    async def pause_for_update(self, version: int | None = None) -> AsyncIterator[None]:
+        """Pause generation, aborting in-flight calls (their callers resume them as prompt +
+        generated), let the body load weights, then reset the prefix cache (its KV came from
+        the old weights), set the new policy version and resume. A failing body resumes on the
+        old version."""
         if version is not None and version <= self.policy_version:
             raise ValueError(f"version: {version} is not newer than {self.policy_version}")
         async with self._gate:
             t0 = time.perf_counter()
             await self.llm.pause_generation(mode="abort", clear_cache=True)
             try:
-                counts = await self.llm.collective_rpc(method, args=args)
+                yield
                 await self.llm.reset_prefix_cache()
                 self.policy_version = self.policy_version + 1 if version is None else version
             finally:
@@ -208,8 +213,13 @@ class RolloutEngine:
             dt = time.perf_counter() - t0
         self.metrics["r3flow_rollout_weight_sync_seconds"].observe(dt)
         self.metrics["r3flow_rollout_policy_version"].set(self.policy_version)
-        log.info("weights updated (%s, %s tensors) in %.2fs; policy version %d",
-                 method, counts, dt, self.policy_version)
+        log.info("weights updated in %.2fs; policy version %d", dt, self.policy_version)
+
+    async def update_weights(self, method: str, *args: Any, version: int | None = None) -> int:
+        """Run worker-extension `method(*args)` under `pause_for_update`; returns the number of
+        tensors it loaded."""
+        async with self.pause_for_update(version):
+            counts = await self.llm.collective_rpc(method, args=args)
         return int(counts[0])
 
     async def load_named_tensors(self, named: dict[str, Any], version: int | None = None) -> int:

@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 class TrajectorySink(Protocol):
     async def send_group(self, trajs: list[trajectory_pb2.Trajectory]) -> None: ...
 
-    async def report_version(self, worker_id: str, version: int) -> None: ...
+    async def report_version(self, worker_id: str, version: int) -> int | None: ...
 
 
 class MemorySink:
@@ -33,8 +33,9 @@ class MemorySink:
     async def send_group(self, trajs: list[trajectory_pb2.Trajectory]) -> None:
         self.trajectories.extend(trajs)
 
-    async def report_version(self, worker_id: str, version: int) -> None:
+    async def report_version(self, worker_id: str, version: int) -> int | None:
         self.versions.append(version)
+        return None
 
 
 class StoreSink:
@@ -65,9 +66,10 @@ class StoreSink:
                             traj.trajectory_id, self.backpressure_sleep_s)
                 await asyncio.sleep(self.backpressure_sleep_s)
 
-    async def report_version(self, worker_id: str, version: int) -> None:
-        await asyncio.to_thread(self.client.register_worker, worker_id, socket.gethostname(),
-                                1, version)
+    async def report_version(self, worker_id: str, version: int) -> int | None:
+        """RegisterWorker with this worker's policy version; returns the TTL in seconds."""
+        return await asyncio.to_thread(self.client.register_worker, worker_id,
+                                       socket.gethostname(), 1, version)
 
 
 def _is_backpressure(err) -> bool:  # noqa: ANN001

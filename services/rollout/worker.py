@@ -193,10 +193,24 @@ class RolloutWorker:
         await self.report_version()
         return count
 
-    async def report_version(self) -> None:
-        """Tell the store which policy version this worker serves (RegisterWorker)."""
-        if self.sink is not None:
-            await self.sink.report_version(self.cfg.worker_id, self.engine.policy_version)
+    async def apply_weight_sync(self, plan: Any) -> int:
+        """Receive a trainer push (a `WeightSyncPlan`) into the engine under pause/resume."""
+        if plan.version <= self.engine.policy_version:
+            log.warning("weight sync v%d ignored: engine already serves v%d", plan.version,
+                        self.engine.policy_version)
+            return 0
+        count = await self.engine.update_weights(
+            "receive_weights", plan.SerializeToString(), self.cfg.worker_id,
+            version=plan.version)
+        await self.report_version()
+        return count
+
+    async def report_version(self) -> int | None:
+        """Tell the store which policy version this worker serves (RegisterWorker); returns
+        the registration's TTL in seconds (None without a store)."""
+        if self.sink is None:
+            return None
+        return await self.sink.report_version(self.cfg.worker_id, self.engine.policy_version)
 
     async def _wait_for_policy_lag(self) -> None:
         """Hold new groups while the trainer is more than max_policy_lag versions ahead."""

@@ -80,6 +80,23 @@ class R3WorkerExtension:
         fn = getattr(importlib.import_module(module_name), attr)
         return self.load_named_tensors(fn(**kwargs))
 
+    def receive_weights(self, plan_bytes: bytes, worker_id: str) -> int:
+        """Join the weight-sync push described by a serialized `WeightSyncPlan` and load what
+        the trainer committed (nothing is loaded when the push aborts: that raises)."""
+        from services.common.pb.r3flow.v1 import store_pb2
+        from services.common.weight_sync import WeightReceiver
+
+        plan = store_pb2.WeightSyncPlan.FromString(plan_bytes)
+        rx = getattr(self, "r3flow_receiver", None)
+        if rx is None or rx.worker_id != worker_id:
+            # One receiver per engine rank for the engine's lifetime: it keeps the group and
+            # the staging buffers between pushes.
+            rx = WeightReceiver(worker_id, local_rank=getattr(self, "local_rank", 0),
+                                device=getattr(self, "device", "cpu"))
+            self.r3flow_receiver = rx
+        got = rx.receive(plan)
+        return self.load_named_tensors(got.named)
+
     def moe_reprepack_count(self) -> int:
         """How many MoE layer re-prepacks the CPU shim has done (0 off CPU)."""
         model = self.model_runner.get_model()

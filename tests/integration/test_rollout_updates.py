@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import threading
 import time
 
 import numpy as np
@@ -124,3 +125,36 @@ def test_greedy_after_update_equals_hf(harness, models):  # noqa: F811
     out = h.run(h.engine.generate("greedy-partial", PROMPT, greedy))
     assert out.token_ids == hf_greedy(mixed, PROMPT, 24)
     assert h.run(h.engine.llm.collective_rpc("moe_reprepack_count"))[0] > 0
+
+
+def test_weight_sync_push_from_trainer_sender(harness, models, store_process, tiny_moe_dir,  # noqa: F811
+                                              tmp_path):
+    """A trainer-side WeightSender push lands in the engine's workers via the extension."""
+    from services.common.weight_sync import WeightSender, WeightSyncConfig
+
+    base, _, _ = models
+    h = harness
+    pushed = perturbed(base, seed=3)
+    cfg = rollout_config(tiny_moe_dir, write_jsonl(tmp_path / "d.jsonl", [{"prompt": "x",
+                         "answer": "y"}]), worker_id="push-target")
+    client = StoreClient(store_process.address)
+    worker = RolloutWorker(cfg, h.engine, StoreSink(client), build_tokenizer())
+    h.run(worker.report_version())
+    sender = WeightSender(WeightSyncConfig(backend="gloo", wire_dtype="float32"))
+    target = [w for w in client.list_workers() if w.worker_id == "push-target"]
+    plan = sender.plan(h.engine.policy_version + 1, target)
+    reports = []
+    push = threading.Thread(target=lambda: reports.append(
+        sender.push(plan, list(pushed.state_dict().items()))))
+    push.start()
+    loaded = h.run(worker.apply_weight_sync(plan))
+    push.join(60)
+    sender.close()
+    assert reports and loaded == 80  # 2 MoE layers x 8 experts x 3 + the rest, per-expert names
+    assert h.engine.policy_version == plan.version
+    assert {w.worker_id: w.policy_version for w in client.list_workers()}["push-target"] == \
+        plan.version
+    out = h.run(h.engine.generate("greedy-pushed", PROMPT,
+                                  CallParams(max_tokens=24, temperature=0.0, ignore_eos=True)))
+    assert out.token_ids == hf_greedy(pushed, PROMPT, 24)
+    client.close()
