@@ -70,8 +70,16 @@ class TrajectoryStoreCore:
         self.metrics = create_metrics(registry or CollectorRegistry(), "store")
         self.version_changed = threading.Condition()
         self._scripts = {name: client.register_script(getattr(lua, name)) for name in
-                         ("BEGIN", "SEGMENT", "FINISH", "RELEASE", "TIMEOUT", "SET_MAX")}
+                         ("RELEASE", "TIMEOUT", "SET_MAX")}
+        self._sha: dict[str, str] = {}
+        self._load_scripts()
         self.ensure_stream()
+
+    def _load_scripts(self) -> None:
+        # Append scripts run as EVALSHA inside pipelines: redis-py's Script objects would add a
+        # SCRIPT EXISTS round trip to every pipeline.
+        self._sha = {name: self.r.script_load(getattr(lua, name))
+                     for name in ("BEGIN", "SEGMENT", "FINISH")}
 
     # ---- setup -------------------------------------------------------------------------
     def ensure_stream(self) -> None:
@@ -131,13 +139,16 @@ class TrajectoryStoreCore:
             return None
         write: Write
         if kind == "begin":
-            gid = req.begin.group_id
-            group = groups.get(gid) or self._load_group(gid)
-            groups[gid] = group
+            group = self._group_of(req.begin.group_id, groups)
             write = validate.validate_begin(req, group, self.limits)
             group.size, group.members = write.group_size, group.members + 1
         elif kind == "segment":
-            write = validate.validate_segment(req, state, self.limits)
+            group = self._group_of(state, groups) if req.sequence_number == 1 else GroupState()
+            write = validate.validate_segment(req, state, self.limits, group.validated_prompts)
+            if write.prompt_field:
+                group.validated_prompts.add(write.prompt_field)
+                if write.prompt_field in group.stored_prompts:
+                    write.prompt_chunk = b""  # already in Redis: don't send it again
         else:
             write = validate.validate_finish(req, state)
         validate.advance(state, write)
@@ -156,23 +167,38 @@ class TrajectoryStoreCore:
                          layout=validate.Layout.decode(layout.decode()) if layout else None,
                          group_id=gid.decode())
 
+    def _group_of(self, ref: TrajState | str, groups: dict[str, GroupState]) -> GroupState:
+        gid = ref.group_id if isinstance(ref, TrajState) else ref
+        if gid not in groups:
+            groups[gid] = self._load_group(gid)
+        return groups[gid]
+
     def _load_group(self, gid: str) -> GroupState:
         with self.r.pipeline(transaction=False) as p:
             p.hget(self.keys.group(gid), "size")
             p.scard(self.keys.group_members(gid))
             p.exists(self.keys.group_done(gid))
-            size, members, done = p.execute()
-        return GroupState(size=int(size or 0), members=int(members), closed=bool(done))
+            p.hkeys(self.keys.group(gid))
+            size, members, done, fields = p.execute()
+        # A prompt field in Redis stays there while any member trajectory exists.
+        prompts = {f.decode() for f in fields if f.startswith(b"p:")}
+        return GroupState(size=int(size or 0), members=int(members), closed=bool(done),
+                          stored_prompts=prompts, validated_prompts=set(prompts))
 
     def _commit(self, writes: list[Write]) -> AppendResult:
         result = AppendResult()
         # One pipeline: a stream's scripts cost one round trip. A refused begin makes the
         # scripts after it answer 'missing'; the first error is raised, the rest are no-ops
         # or valid writes that a retry sees as duplicates.
-        with self.r.pipeline(transaction=False) as p:
-            for w in writes:
-                self._queue_write(p, w)
-            replies = p.execute()
+        for _ in range(2):
+            with self.r.pipeline(transaction=False) as p:
+                for w in writes:
+                    self._queue_write(p, w)
+                replies = p.execute(raise_on_error=False)
+            if not any(isinstance(x, redis.exceptions.NoScriptError) for x in replies):
+                break
+            # Redis restarted and lost its script cache; re-running is safe (idempotent).
+            self._load_scripts()
         for w, reply in zip(writes, replies, strict=True):
             self._account(w, reply, result)
         return result
@@ -180,24 +206,24 @@ class TrajectoryStoreCore:
     def _queue_write(self, p: redis.client.Pipeline, w: Write) -> None:
         k, tid = self.keys, w.trajectory_id
         if isinstance(w, validate.BeginWrite):
-            self._scripts["BEGIN"](
-                keys=[k.traj(tid), k.traj_done(tid), k.group(w.group_id),
-                      k.group_members(w.group_id), k.group_done(w.group_id), k.stats,
-                      k.open_groups],
-                args=[tid, w.header, w.group_size, w.prompt_len, self.cfg.max_backlog_tokens,
-                      self.cfg.max_inflight_trajectories, time.time(), w.group_id], client=p)
+            keys = [k.traj(tid), k.traj_done(tid), k.group(w.group_id),
+                    k.group_members(w.group_id), k.group_done(w.group_id), k.stats,
+                    k.open_groups]
+            args = [tid, w.header, w.group_size, w.prompt_len, self.cfg.max_backlog_tokens,
+                    self.cfg.max_inflight_trajectories, time.time(), w.group_id]
+            p.evalsha(self._sha["BEGIN"], len(keys), *keys, *args)
         elif isinstance(w, validate.SegmentWrite):
             gid = w.group_id
-            self._scripts["SEGMENT"](
-                keys=[k.traj(tid), k.traj_done(tid), k.group(gid), k.stats],
-                args=[w.seq, w.start_row, w.rows, w.tokens, w.payload, w.policy_version,
-                      w.layout.encode(), w.prompt_field, w.prompt_chunk], client=p)
+            keys = [k.traj(tid), k.traj_done(tid), k.group(gid), k.stats]
+            args = [w.seq, w.start_row, w.rows, w.tokens, w.payload, w.policy_version,
+                    w.layout.encode(), w.prompt_field, w.prompt_chunk]
+            p.evalsha(self._sha["SEGMENT"], len(keys), *keys, *args)
         else:
             gid = w.group_id
-            self._scripts["FINISH"](
-                keys=[k.traj(tid), k.traj_done(tid), k.group(gid), k.stats, k.ready,
-                      k.open_groups],
-                args=[w.seq, w.payload, w.num_segments, int(w.aborted), gid], client=p)
+            keys = [k.traj(tid), k.traj_done(tid), k.group(gid), k.stats, k.ready,
+                    k.open_groups]
+            args = [w.seq, w.payload, w.num_segments, int(w.aborted), gid]
+            p.evalsha(self._sha["FINISH"], len(keys), *keys, *args)
 
     def _account(self, w: Write, reply: object, result: AppendResult) -> None:
         if isinstance(reply, Exception):

@@ -83,7 +83,13 @@ local layout = redis.call('HGET', KEYS[1], 'layout')
 if layout and layout ~= ARGV[7] then return {'conflict', 0} end
 local new_prompt = 0
 if ARGV[8] ~= '' then
-  new_prompt = redis.call('HSETNX', KEYS[3], ARGV[8], ARGV[9])
+  -- An empty chunk means the store saw this field in Redis before; it cannot have vanished
+  -- while this trajectory exists, but a missing chunk must never be referenced.
+  if ARGV[9] ~= '' then
+    new_prompt = redis.call('HSETNX', KEYS[3], ARGV[8], ARGV[9])
+  elseif redis.call('HEXISTS', KEYS[3], ARGV[8]) == 0 then
+    return {'conflict', 0}
+  end
   redis.call('HSET', KEYS[1], 'pkey', ARGV[8])
 end
 redis.call('HSET', KEYS[1], 's:' .. (seq - 1), ARGV[5], 'next', seq + 1, 'nseg', seq,

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
+from collections.abc import Container
+from dataclasses import dataclass, field
 
 from services.common.pb.r3flow.v1 import store_pb2, trajectory_pb2
 from services.common.wire import routing_from_proto
@@ -63,6 +64,8 @@ class GroupState:
     size: int = 0               # 0 = group not created yet
     members: int = 0
     closed: bool = False        # released and acked, or dropped
+    stored_prompts: set[str] = field(default_factory=set)     # prompt fields in Redis
+    validated_prompts: set[str] = field(default_factory=set)  # ... plus ones seen this stream
 
 
 @dataclass(frozen=True)
@@ -170,9 +173,13 @@ def _check_prompt(prompt_token_ids: object, limits: Limits) -> None:
         raise ValueError("begin.prompt_token_ids: negative token id")
 
 
-def validate_segment(req: store_pb2.AppendRequest, state: TrajState,
-                     limits: Limits) -> SegmentWrite:
-    """Check a segment's tokens, per-token fields and routing rows against the trajectory."""
+def validate_segment(req: store_pb2.AppendRequest, state: TrajState, limits: Limits,
+                     known_prompts: Container[str] = frozenset()) -> SegmentWrite:
+    """Check a segment's tokens, per-token fields and routing rows against the trajectory.
+
+    `known_prompts`: group prompt-chunk fields already validated; a chunk with the same content
+    hash is not decoded again (in a GRPO group n-1 of n prompt chunks are such repeats).
+    """
     seg, j = req.segment, req.sequence_number - 1
     if seg.index != j:
         raise ValueError(f"segment.index: {seg.index}, but sequence_number "
@@ -184,8 +191,36 @@ def validate_segment(req: store_pb2.AppendRequest, state: TrajState,
     if seg.policy_version < 0:
         raise ValueError(f"segment.policy_version: {seg.policy_version} < 0")
     expected = state.prompt_len + n - 1 if j == 0 else n
-    chunks = _check_routing(seg, state, expected)
-    return _segment_write(req, state, chunks, n)
+    prompt_chunk, prompt_field = _prompt_chunk(seg, state)
+    chunks = _check_routing(seg, state, expected, trust_first=prompt_field in known_prompts)
+    write = SegmentWrite(req.trajectory_id, state.group_id, req.sequence_number, state.rows,
+                         chunks.rows, n, seg.policy_version, chunks.layout, b"",
+                         raw_bytes=chunks.raw_bytes, encoded_bytes=chunks.encoded_bytes)
+    if not prompt_field:
+        write.payload = seg.SerializeToString()
+    else:
+        write.prompt_chunk, write.prompt_field = prompt_chunk, prompt_field
+        write.encoded_bytes -= len(seg.routing[0].data)
+        rest = trajectory_pb2.Segment()
+        rest.CopyFrom(seg)
+        del rest.routing[0]
+        write.payload = rest.SerializeToString()
+    return write
+
+
+def _prompt_chunk(seg: trajectory_pb2.Segment, state: TrajState) -> tuple[bytes, str]:
+    """(serialized chunk, group hash field) of segment 0's prompt rows [0, P), if sent apart.
+
+    The prompt rows are identical across a GRPO group unless routing had near-ties, so they
+    are keyed by content: equal chunks share one copy, a differing one gets its own.
+    """
+    if seg.index != 0 or not seg.routing:
+        return b"", ""
+    first = seg.routing[0]
+    if first.start_row != 0 or not first.shape or first.shape[0] != state.prompt_len:
+        return b"", ""
+    blob = first.SerializeToString(deterministic=True)
+    return blob, "p:" + hashlib.sha1(blob).hexdigest()
 
 
 def _check_tokens(seg: trajectory_pb2.Segment) -> int:
@@ -213,22 +248,27 @@ class _Chunks:
     encoded_bytes: int = 0
 
 
-def _check_routing(seg: trajectory_pb2.Segment, state: TrajState, expected: int) -> _Chunks:
+def _check_routing(seg: trajectory_pb2.Segment, state: TrajState, expected: int,
+                   trust_first: bool = False) -> _Chunks:
     if not seg.routing:
         raise ValueError(f"segment.routing: missing; rows [{state.rows}, {state.rows + expected})"
                          " are required")
     layout, row, raw = state.layout, state.rows, 0
     for c, chunk in enumerate(seg.routing):
         name = f"segment.routing[{c}]"
-        ids_TLK = routing_from_proto(chunk, name)
+        if c == 0 and trust_first:  # byte-identical to a chunk that passed these checks
+            rows, size = chunk.shape[0], chunk.shape[0] * chunk.shape[1] * chunk.shape[2]
+        else:
+            ids_TLK = routing_from_proto(chunk, name)
+            rows, size = ids_TLK.shape[0], ids_TLK.size
         if chunk.start_row != row:
             raise ValueError(f"{name}.start_row: {chunk.start_row}, expected {row} "
                              "(chunks must continue the trajectory's rows without gaps)")
-        if ids_TLK.shape[0] == 0:
+        if rows == 0:
             raise ValueError(f"{name}.shape: chunk has no rows")
         layout = _check_layout(chunk, layout, name)
-        row += ids_TLK.shape[0]
-        raw += ids_TLK.size
+        row += rows
+        raw += size
     got = row - state.rows
     if got != expected:
         raise ValueError(
@@ -249,28 +289,6 @@ def _check_layout(chunk: object, layout: Layout | None, name: str) -> Layout:
             raise ValueError(f"{name}.{label}: {getattr(here, attr)}, but the trajectory has "
                              f"{getattr(layout, attr)} ({attr} must not change)")
     return layout
-
-
-def _segment_write(req: store_pb2.AppendRequest, state: TrajState, chunks: _Chunks,
-                   n: int) -> SegmentWrite:
-    seg = req.segment
-    write = SegmentWrite(req.trajectory_id, state.group_id, req.sequence_number, state.rows,
-                         chunks.rows, n, seg.policy_version, chunks.layout, b"",
-                         raw_bytes=chunks.raw_bytes, encoded_bytes=chunks.encoded_bytes)
-    first = seg.routing[0]
-    if seg.index == 0 and first.start_row == 0 and first.shape[0] == state.prompt_len:
-        # The prompt rows are identical across a GRPO group unless routing had near-ties, so
-        # they are keyed by content: equal chunks share one copy, a differing one gets its own.
-        write.prompt_chunk = first.SerializeToString(deterministic=True)
-        write.prompt_field = "p:" + hashlib.sha1(write.prompt_chunk).hexdigest()
-        write.encoded_bytes -= len(first.data)
-        rest = trajectory_pb2.Segment()
-        rest.CopyFrom(seg)
-        del rest.routing[0]
-        write.payload = rest.SerializeToString()
-    else:
-        write.payload = seg.SerializeToString()
-    return write
 
 
 def validate_finish(req: store_pb2.AppendRequest, state: TrajState) -> FinishWrite:
