@@ -17,6 +17,10 @@ from services.common.pb.r3flow.v1 import trajectory_pb2
 log = logging.getLogger(__name__)
 
 
+class StoreRejected(ValueError):
+    """The store refused a trajectory as invalid; the message names the trajectory."""
+
+
 class TrajectorySink(Protocol):
     async def send_group(self, trajs: list[trajectory_pb2.Trajectory]) -> None: ...
 
@@ -58,6 +62,9 @@ class StoreSink:
                 await asyncio.to_thread(self.client.append_trajectory, traj)
                 return
             except grpc.RpcError as err:
+                if err.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise StoreRejected(f"store rejected {traj.trajectory_id}: "
+                                        f"{err.details()}") from None
                 if err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or \
                         not _is_backpressure(err):
                     raise

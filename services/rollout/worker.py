@@ -106,7 +106,9 @@ class RolloutWorker:
         group_id = f"{self.cfg.worker_id}-{self._nonce}-g{seq}"
         try:
             group = await self.run_group(group_id, rec, seed=self.cfg.engine.seed + seq)
-        except ValueError as e:  # bad input or failed routing check: this group only
+            if self.sink is not None and self.engine.cfg.capture_routing:
+                await self.sink.send_group(group.trajectories)
+        except ValueError as e:  # bad input, failed routing check, store refusal: this group
             summary.groups_failed += 1
             summary.errors.append(f"group {group_id} (prompt {rec.prompt_id}): {e}")
             outcome = "routing_check_failed" if isinstance(e, RoutingCheckError) else "error"
@@ -115,8 +117,6 @@ class RolloutWorker:
             log.error("group %s (prompt %s, epoch %d) failed: %s", group_id, rec.prompt_id,
                       epoch, e)
             return
-        if self.sink is not None and self.engine.cfg.capture_routing:
-            await self.sink.send_group(group.trajectories)
         summary.groups_ok += 1
         summary.generated_tokens += group.generated_tokens
         self.metrics["r3flow_rollout_trajectories_total"].labels("ok").inc(len(group.results))
