@@ -119,3 +119,29 @@ def apply_cpu_shims() -> bool:
     _patch_torch_cuda()
     _patch_megatron()
     return True
+
+
+@contextlib.contextmanager
+def cuda_tensor_type_names():
+    """While megatron builds its optimizer, CPU tensors report CUDA type names.
+
+    megatron.core.optimizer.optimizer.Float16OptimizerWithFloat16Params.__init__ sorts params by
+    `Tensor.type()` in ('torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor', 'torch.cuda.
+    FloatTensor') and rejects anything else (bf16 training on CPU). No-op when CUDA exists.
+    """
+    if torch.cuda.is_available():
+        yield
+        return
+    original = torch.Tensor.type
+
+    def type_name(self, dtype=None, *args, **kwargs):
+        if dtype is None and not args and not kwargs:
+            name = original(self)
+            return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+        return original(self, dtype, *args, **kwargs)
+
+    torch.Tensor.type = type_name  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original  # type: ignore[method-assign]

@@ -24,6 +24,7 @@ import torch
 from trainer.alignment import LayerMap, check_routes, to_router_rows
 from trainer.batch import MicroBatch, Sample, split_microbatches
 from trainer.config import TrainerConfig
+from trainer.cpu_shims import cuda_tensor_type_names
 from trainer.hf_mapping import export_hf_state_dict
 from trainer.loss import group_advantages, logprob_diff, ppo_loss, sft_loss, token_logprobs
 from trainer.model import BuiltModel, build_model, init_parallel
@@ -41,10 +42,11 @@ def _optimizer(built: BuiltModel, cfg: TrainerConfig):
     bf16, o = cfg.model.dtype == "bf16", cfg.optim
     ddp = DDP(built.config, DistributedDataParallelConfig(
         use_distributed_optimizer=False, grad_reduce_in_fp32=True), built.module)
-    opt = get_megatron_optimizer(OptimizerConfig(
-        optimizer="adam", lr=o.lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
-        adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad, bf16=bf16,
-        params_dtype=torch.bfloat16 if bf16 else torch.float32), [ddp])
+    with cuda_tensor_type_names():  # no-op on GPUs
+        opt = get_megatron_optimizer(OptimizerConfig(
+            optimizer="adam", lr=o.lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
+            adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad, bf16=bf16,
+            params_dtype=torch.bfloat16 if bf16 else torch.float32), [ddp])
     built.config.finalize_model_grads_func = finalize_model_grads
     built.config.no_sync_func = ddp.no_sync
     return ddp, opt
