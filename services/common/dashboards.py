@@ -159,6 +159,10 @@ TRAINING_PANELS = (
     Panel("step seconds", _quantiles(_m("r3flow_trainer_step_seconds")), "s"),
     _gauge("trained tokens/s", _m("r3flow_trainer_tokens_per_second")),
     Panel("policy version (trainer)", (_q(f"max({TRAINER_VERSION})", "trainer"),)),
+    Panel("captured routing failing checks (rollout)", (_q(
+        "sum by (pod) (rate(r3flow_rollout_routing_check_failures_total[5m])) * 60",
+        "{{pod}} / min"),), "short",
+        "row count, id range or all-zero checks failed on engine routing; should stay at 0"),
 )
 
 _RAW, _ENC = _m("r3flow_store_routing_raw_bytes_total"), _m(
@@ -187,6 +191,9 @@ PIPELINE_PANELS = (
           "s"),
     Panel("weight sync seconds (rollout)", _quantiles(_m("r3flow_rollout_weight_sync_seconds")),
           "s"),
+    Panel("finished trajectories by outcome", (_q(
+        "sum by (outcome) (rate(r3flow_rollout_trajectories_total[5m])) * 60",
+        "{{outcome}} / min"),)),
     Panel("policy version per rollout pod", (
         _q(f"max by (pod) ({ROLLOUT_VERSION})", "{{pod}}"),
         _q(f"max({TRAINER_VERSION})", "trainer"),
