@@ -1,0 +1,64 @@
+"""Trajectory protos -> samples (routing decoded, assembled, layer-mapped) -> micro-batches."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from trainer.alignment import LayerMap
+from trainer.batch import make_microbatch, sample_from_trajectory, split_microbatches
+
+
+def _traj(seed=0, segments=(4, 3), prompt=8):
+    from services.store.synthetic import build_trajectory
+
+    rng = np.random.default_rng(seed)
+    rows = prompt + sum(segments) - 1
+    ids = np.stack([rng.permutation(8)[:2] for _ in range(rows * 3)]).reshape(rows, 3, 2)
+    t = build_trajectory("t0", "g0", 1, prompt_ids_TLK=ids[:prompt].astype(np.uint8),
+                         response_ids_TLK=ids[prompt:].astype(np.uint8),
+                         segment_lengths=list(segments), num_experts=8, seed=seed)
+    return t, ids
+
+
+def test_partial_rollout_segments_assemble_to_all_rows_and_map_layers():
+    traj, ids = _traj()
+    s = sample_from_trajectory(traj, LayerMap.build((1, 2), (0, 1, 2)), num_experts=8)
+    assert s.tokens.size == 15 and s.prompt_len == 8 and s.rollout_logprobs.size == 7
+    assert s.routing_TLK.shape == (14, 2, 2)
+    assert np.array_equal(np.sort(s.routing_TLK, -1), np.sort(ids[:, 1:], -1))
+
+
+def test_duplicated_segment_prefix_is_rejected():
+    traj, _ = _traj()
+    seg1 = traj.segments[1]
+    dup = type(seg1.routing[0])()
+    dup.CopyFrom(traj.segments[0].routing[-1])
+    seg1.routing.insert(0, dup)  # a resumed request that re-sent the earlier segment's rows
+    with pytest.raises(ValueError, match="duplicated"):
+        sample_from_trajectory(traj, LayerMap.build((1, 2), (0, 1, 2)), num_experts=8)
+
+
+def test_microbatch_labels_mask_and_logprobs_line_up():
+    traj, _ = _traj()
+    s = sample_from_trajectory(traj, LayerMap.build((1, 2), (0, 1, 2)), num_experts=8)
+    s.loss_mask[2] = False  # an environment token
+    mb = make_microbatch([s], pad_multiple=8)
+    assert mb.tokens_BS.shape == (1, 16)
+    resp = mb.loss_mask_BS[0].nonzero()[:, 0].tolist()
+    assert resp == [7, 8, 10, 11, 12, 13]  # positions P-1 .. P+R-2, minus the masked token
+    assert torch.equal(mb.labels_BS[0, 7:14], torch.from_numpy(s.tokens[8:15]))
+    assert mb.old_logprobs_BS[0, 7] == pytest.approx(float(s.rollout_logprobs[0]))
+    assert mb.valid_rows_BS[0].sum() == 14 and mb.routing_BSLK.shape == (1, 16, 2, 2)
+    assert mb.num_tokens == 6
+
+
+def test_split_sorts_by_length():
+    samples = []
+    for seed, segs in enumerate([(4, 3), (2, 1), (6, 5)]):
+        traj, _ = _traj(seed, segs)
+        samples.append(sample_from_trajectory(traj, None, num_experts=8))
+    mbs = split_microbatches(samples, 2, pad_multiple=4)
+    assert [mb.tokens_BS.shape for mb in mbs] == [(2, 16), (1, 20)]
+    assert all(mb.routing_BSLK is None for mb in mbs)

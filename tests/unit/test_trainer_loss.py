@@ -1,0 +1,82 @@
+"""GRPO advantages, PPO-clip loss, k3 KL, entropy and the logprob-diff metric."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from trainer.loss import (
+    LossConfig,
+    group_advantages,
+    logprob_diff,
+    ppo_loss,
+    sft_loss,
+    token_entropy,
+    token_logprobs,
+)
+
+
+def test_group_advantages_are_normalised_per_group():
+    adv = group_advantages([1.0, 0.0, 5.0, 5.0, 2.0], ["a", "a", "b", "b", "c"])
+    assert adv[0] == pytest.approx(1.0, abs=1e-4) and adv[1] == pytest.approx(-1.0, abs=1e-4)
+    assert adv[2] == adv[3] == 0.0 and adv[4] == 0.0  # no spread, no signal
+    centred = group_advantages([3.0, 1.0], ["a", "a"], std_normalize=False)
+    assert centred.tolist() == [1.0, -1.0]
+
+
+def _setup(b=2, s=5, v=7, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(b, s, v, generator=g, requires_grad=True)
+    labels = torch.randint(0, v, (b, s), generator=g)
+    mask = torch.ones(b, s)
+    mask[0, 0] = 0
+    return logits, labels, mask
+
+
+def test_ppo_loss_on_policy_equals_minus_mean_advantage_and_has_no_clip():
+    logits, labels, mask = _setup()
+    adv = torch.full_like(mask, 0.5)
+    old = token_logprobs(logits, labels).detach()
+    out = ppo_loss(logits, labels, mask, adv, old, None, LossConfig())
+    assert out.tokens == 9 and out.clipped == 0 and out.ppo_kl == pytest.approx(0, abs=1e-6)
+    assert float(out.loss) / out.tokens == pytest.approx(-0.5)
+    out.loss.backward()
+    assert logits.grad is not None and logits.grad[0, 0].abs().sum() == 0  # masked position
+
+
+def test_ppo_clip_counts_clipped_tokens_and_stops_their_gradient():
+    logits, labels, mask = _setup()
+    lp = token_logprobs(logits, labels).detach()
+    old = lp - 1.0  # ratio e > 1 + clip_high everywhere
+    out = ppo_loss(logits, labels, mask, torch.ones_like(mask), old, None, LossConfig())
+    assert out.clipped == out.tokens
+    out.loss.backward()
+    assert logits.grad.abs().sum() == 0  # positive advantage, ratio above the clip: no gradient
+    assert out.ppo_kl == pytest.approx(-1.0 * out.tokens, rel=1e-5)
+
+
+def test_k3_kl_to_reference_is_zero_at_equality_and_positive_otherwise():
+    logits, labels, mask = _setup()
+    lp = token_logprobs(logits, labels).detach()
+    cfg = LossConfig(kl_coef=0.1)
+    same = ppo_loss(logits, labels, mask, torch.zeros_like(mask), lp, lp, cfg)
+    assert same.kl_ref == pytest.approx(0.0, abs=1e-6)
+    other = ppo_loss(logits, labels, mask, torch.zeros_like(mask), lp, lp - 0.3, cfg)
+    assert other.kl_ref / other.tokens == pytest.approx(math.exp(-0.3) + 0.3 - 1, rel=1e-4)
+
+
+def test_entropy_sft_and_logprob_diff():
+    uniform = torch.zeros(1, 1, 8)
+    assert float(token_entropy(uniform)) == pytest.approx(math.log(8))
+    logits, labels, mask = _setup()
+    loss, n = sft_loss(logits, labels, mask)
+    assert n == 9 and float(loss) > 0
+    a = torch.tensor([[0.0, -1.0, -2.0]])
+    b = torch.tensor([[0.5, -1.0, -5.0]])
+    mean, mx = logprob_diff(a, b, torch.tensor([[1.0, 1.0, 0.0]]))
+    assert mean == pytest.approx(0.25) and mx == pytest.approx(0.5)
+    assert logprob_diff(a, b, torch.zeros(1, 3)) == (0.0, 0.0)
+    assert np.isfinite(mean)
