@@ -59,10 +59,12 @@ class EngineHarness:
 
     def close(self) -> None:
         self.engine.shutdown()
-        # Collect the AsyncLLM now: its __del__ shuts down again and fails at interpreter exit.
+        # Let the cancelled output handler finish and collect the AsyncLLM now: its __del__
+        # shuts down again and fails noisily if it only runs at interpreter exit.
+        self.loop.run_until_complete(asyncio.sleep(0.1))
         del self.engine
-        gc.collect()
         self.loop.close()
+        gc.collect()
 
 
 @pytest.fixture(scope="module")
