@@ -144,7 +144,7 @@ class InvalidRoutingError(ValueError):
 def check_routes(ids_BSLK: torch.Tensor, valid_BS: torch.Tensor, num_experts: int,
                  hf_layers: Sequence[int]) -> None:
     """Every real row holds K distinct ids < num_experts; the error names the layer and row."""
-    ids = ids_BSLK[valid_BS.bool()]  # [N, L, K]
+    ids = ids_BSLK[valid_BS.bool().to(ids_BSLK.device)]  # [N, L, K]
     if ids.numel() == 0:
         return
     srt = ids.sort(-1).values

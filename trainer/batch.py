@@ -87,6 +87,13 @@ class MicroBatch:
     def num_tokens(self) -> int:
         return int(self.loss_mask_BS.sum().item())
 
+    def to(self, device: torch.device) -> MicroBatch:
+        """Move the model inputs and loss tensors (not routing: RouterReplay moves its ids)."""
+        for name in ("tokens_BS", "position_ids_BS", "labels_BS", "loss_mask_BS",
+                     "old_logprobs_BS", "advantages_BS", "valid_rows_BS"):
+            setattr(self, name, getattr(self, name).to(device))
+        return self
+
 
 def _pad_len(n: int, multiple: int) -> int:
     return (n + multiple - 1) // multiple * multiple

@@ -72,6 +72,8 @@ class Trainer:
             self.reference.module.requires_grad_(False)
             self.ref_replay = ModelReplay(self.reference.replays, recompute=False)
         self.policy_version = 0
+        self.device = torch.device("cuda", torch.cuda.current_device()) \
+            if torch.cuda.is_available() else torch.device("cpu")
         self._layer_maps: dict[tuple[int, ...], LayerMap] = {}
 
     # ------------------------------------------------------------------ routing
@@ -161,7 +163,8 @@ class Trainer:
         for s, a in zip(samples, adv, strict=True):
             s.advantage = float(a)
         d = self.cfg.data
-        return split_microbatches(samples, d.micro_batch_size, d.pad_multiple)
+        return [mb.to(self.device) for mb in
+                split_microbatches(samples, d.micro_batch_size, d.pad_multiple)]
 
     def old_policy_pass(self, mbs: Sequence[MicroBatch], mode: ReplayMode) -> dict:
         """Old-policy logprobs (+ agreement in r3), reference logprobs; returns metrics."""
@@ -218,7 +221,8 @@ class Trainer:
     def sft_step(self, samples: Sequence[Sample]) -> dict:
         """Supervised step: cross-entropy on the response tokens (loss_mask), natural routing."""
         d = self.cfg.data
-        mbs = split_microbatches(samples, d.micro_batch_size, d.pad_multiple)
+        mbs = [mb.to(self.device) for mb in
+               split_microbatches(samples, d.micro_batch_size, d.pad_multiple)]
         total, acc = float(sum(mb.num_tokens for mb in mbs)), {"loss": 0.0}
 
         def loss_fn(mb, logits):

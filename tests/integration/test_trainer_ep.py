@@ -97,7 +97,7 @@ def _worker(model_dir: str, out_path: str) -> None:
     tr = Trainer(cfg)
     ref = load_file(str(Path(model_dir) / "model.safetensors"))
     exported = tr.export_hf_state_dict()
-    exact = set(ref) == set(exported) and all(torch.equal(ref[k], exported[k]) for k in ref)
+    exact = set(ref) == set(exported) and all(torch.equal(ref[k], exported[k].cpu()) for k in ref)
     samples = _samples(rank)
     r2 = tr.train_step(samples, "r2")
     _attach_recorded_routing(tr, samples)
