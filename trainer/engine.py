@@ -127,6 +127,19 @@ class Trainer:
         model.module.train()
         return out
 
+    def sample_logprobs(self, samples: Sequence[Sample], replay: ReplayMode | str
+                        ) -> list[np.ndarray]:
+        """Trainer logprob of every response token of each sample (input order), no grad."""
+        d = self.cfg.data
+        mbs = [mb.to(self.device) for mb in
+               split_microbatches(samples, d.micro_batch_size, d.pad_multiple)]
+        by_id = {}
+        for mb, lp in zip(mbs, self.compute_logprobs(mbs, replay), strict=True):
+            for b, s in enumerate(mb.samples):
+                p, n = s.prompt_len, s.tokens.size
+                by_id[id(s)] = lp[b, p - 1:n - 1].float().cpu().numpy()
+        return [by_id[id(s)] for s in samples]
+
     def _forward_step(self, mode: ReplayMode, loss_fn, data_iter, model):
         mb = next(data_iter)
         rows = self._rows(mb, mode)

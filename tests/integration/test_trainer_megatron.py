@@ -178,6 +178,15 @@ def test_r3_replays_exactly_the_rollout_routing(trainer, hf, model_dir):
         assert diff.max() < 1e-4  # rollout logprobs = HF with the same forced routing
 
 
+def test_sample_logprobs_follow_input_order(trainer, hf, model_dir):
+    reload(trainer, model_dir)
+    samples = make_samples(hf, n=5, routing="random", seed=11)
+    lps = trainer.sample_logprobs(samples, "r3")
+    for s, lp in zip(samples, lps, strict=True):
+        assert lp.shape == s.rollout_logprobs.shape
+        assert np.abs(lp - s.rollout_logprobs).max() < 1e-4
+
+
 def test_r3_agreement_is_one_for_natural_rollout_routing(trainer, hf, model_dir):
     reload(trainer, model_dir)
     mbs = trainer.prepare(make_samples(hf, seed=2))
