@@ -54,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
     from services.common.metrics import MetricsServer, create_metrics
     from services.store.client import StoreClient
     from trainer.step import TrainLoop
+    from trainer.weight_push import StoreWeightPush
 
     cfg = load(args)
     stop = threading.Event()
@@ -65,7 +66,8 @@ def run(args: argparse.Namespace) -> int:
     with StoreClient(cfg.data.store) as client:
         client.wait_ready(cfg.run.store_ready_timeout_s)
         ranks = _ranks(cfg)
-        loop = TrainLoop(cfg, ranks, client, metrics)
+        push = StoreWeightPush(client, cfg.weight_sync) if cfg.run.push_weights_every else None
+        loop = TrainLoop(cfg, ranks, client, metrics, push_fn=push)
         loop.resume()
         history = loop.run(cfg.run.steps, stop=stop.is_set)
     server.stop()

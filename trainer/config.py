@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from services.common.config import StrictConfig
+from services.common.weight_sync.config import WeightSyncConfig
 from trainer.loss import LossConfig
 from trainer.model import ModelConfig
 from trainer.replay import ReplayMode
@@ -73,6 +74,8 @@ class TrainerConfig(StrictConfig):
     replay: ReplayConfig = Field(default_factory=ReplayConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     run: RunConfig = Field(default_factory=RunConfig)
+    weight_sync: WeightSyncConfig = Field(
+        default_factory=WeightSyncConfig, description="weight push to the rollout engines")
 
     @model_validator(mode="after")
     def _launcher_world(self) -> TrainerConfig:

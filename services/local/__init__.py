@@ -1,0 +1,1 @@
+"""`r3flow local`: the whole system as local processes (embedded Redis, store, rollout, trainer)."""

@@ -1,0 +1,88 @@
+"""`r3flow local` configuration, and the component configs it renders for its children.
+
+The children get exactly the config files a Kubernetes deployment would mount, written into the
+run folder, so the local run exercises the same `r3flow store|rollout|train` commands.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from services.common.config import StrictConfig
+from services.local.tasks import TaskConfig
+from services.rollout.tiny_moe import TinyMoeConfig
+
+
+class GrpoConfig(StrictConfig):
+    """The RL phase."""
+
+    steps: int = Field(20, ge=1, description="GRPO optimizer steps")
+    group_size: int = Field(8, ge=2, description="samples per prompt (a GRPO group)")
+    groups_per_step: int = Field(4, ge=1, description="groups per optimizer step")
+    max_tokens: int = Field(6, ge=1, description="generated tokens per sample")
+    temperature: float = Field(1.0, gt=0)
+    lr: float = Field(1e-3, gt=0)
+    kl_coef: float = Field(0.0, ge=0, description="KL to the reference model (0 = no reference)")
+    max_policy_lag: int = Field(1, ge=0, description="store drops groups older than this")
+    dtype: Literal["fp32", "bf16"] = Field("bf16", description="trainer and engine dtype")
+    compare_off: bool = Field(True, description="also measure |logprob diff| without replay")
+
+
+class LocalConfig(StrictConfig):
+    """Everything `r3flow local` decides."""
+
+    runs_dir: str = Field("runs", description="parent of the per-run folders")
+    replay: Literal["r3", "r2", "off"] = "r3"
+    workers: int = Field(1, ge=1, le=4, description="rollout worker processes")
+    seed: int = 0
+    model: TinyMoeConfig = Field(default_factory=TinyMoeConfig)
+    task: TaskConfig = Field(default_factory=lambda: TaskConfig(max_operand=19))
+    warm_start_steps: int = Field(60, ge=0, description="supervised steps before GRPO")
+    warm_start_lr: float = Field(3e-3, gt=0)
+    grpo: GrpoConfig = Field(default_factory=GrpoConfig)
+    trainer_launcher: Literal["local", "ray"] = Field("ray", description="ray: a Ray actor rank")
+    timeout_s: float = Field(1800.0, gt=0, description="give up on the whole run after this")
+
+
+def store_config(cfg: LocalConfig, run_dir: Path) -> dict:
+    return {"max_policy_lag": cfg.grpo.max_policy_lag}
+
+
+def rollout_config(cfg: LocalConfig, run_dir: Path, model_dir: Path, worker: int) -> dict:
+    g = cfg.grpo
+    return {
+        "engine": {"model": str(model_dir), "max_model_len": 64, "seed": cfg.seed + worker,
+                   "dtype": "bfloat16" if g.dtype == "bf16" else "float32",
+                   "max_num_seqs": 32},
+        "sampling": {"n": g.group_size, "max_tokens": g.max_tokens, "temperature": g.temperature},
+        "dataset": str(run_dir / "data" / "rl.jsonl"),
+        "verifier": "services.local.tasks:digit_reward",
+        "concurrency": 4 * g.group_size,
+        "worker_id": f"rollout-{worker}",
+        "epochs": 1000,
+        "max_policy_lag": g.max_policy_lag,
+    }
+
+
+def trainer_config(cfg: LocalConfig, run_dir: Path, model_dir: Path) -> dict:
+    g = cfg.grpo
+    return {
+        "model_dir": str(model_dir),
+        "model": {"dtype": g.dtype},
+        "optim": {"lr": g.lr, "clip_grad": 1.0},
+        "loss": {"kl_coef": g.kl_coef},
+        "replay": {"mode": cfg.replay},
+        "data": {"groups_per_step": g.groups_per_step, "micro_batch_size": 16,
+                 "lease_seconds": 120, "wait_ms": 2000},
+        "run": {"run_dir": str(run_dir / "trainer"), "steps": g.steps, "checkpoint_every": 1,
+                "push_weights_every": 1, "launcher": cfg.trainer_launcher},
+    }
+
+
+def warm_start_config(cfg: LocalConfig, run_dir: Path, init_dir: Path, out_dir: Path) -> dict:
+    return {"model_dir": str(init_dir), "out_dir": str(out_dir),
+            "sft_path": str(run_dir / "data" / "sft.jsonl"), "steps": cfg.warm_start_steps,
+            "lr": cfg.warm_start_lr, "seed": cfg.seed}

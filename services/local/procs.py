@@ -1,0 +1,112 @@
+"""Child-process supervision for `r3flow local`: start, log to files, stop by pid.
+
+Every child runs in its own session (process group) so that stopping it also stops what it
+spawned (vLLM's EngineCore, Ray workers); children are only ever signalled by their own pid/pgid.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago on `host`."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    log_path: Path
+    proc: subprocess.Popen | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None, f"{self.name} not started"
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+@dataclass
+class Supervisor:
+    """Owns the children of one local run; `stop_all` ends each by pid (process group)."""
+
+    log_dir: Path
+    env: dict[str, str] = field(default_factory=dict)
+    children: list[Child] = field(default_factory=list)
+
+    def start(self, name: str, args: list[str]) -> Child:
+        argv = [sys.executable, "-m", "services.cli", *args]
+        child = Child(name, argv, self.log_dir / f"{name}.log")
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        out = child.log_path.open("ab")
+        env = {**os.environ, **self.env}
+        child.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                      stdin=subprocess.DEVNULL, start_new_session=True)
+        out.close()
+        self.children.append(child)
+        log.info("started %s (pid %d): %s", name, child.pid, " ".join(args))
+        return child
+
+    def check(self) -> None:
+        """Raise if a child died unexpectedly, with the tail of its log."""
+        for c in self.children:
+            if c.proc is not None and c.proc.poll() not in (None, 0):
+                raise RuntimeError(f"{c.name} exited with {c.proc.returncode}; last log lines:\n"
+                                   + tail(c.log_path))
+
+    def stop(self, child: Child, timeout_s: float = 15.0) -> None:
+        if not child.alive():
+            return
+        _signal_group(child.pid, signal.SIGTERM)
+        try:
+            child.proc.wait(timeout=timeout_s)  # type: ignore[union-attr]
+        except subprocess.TimeoutExpired:
+            _signal_group(child.pid, signal.SIGKILL)
+            child.proc.wait(timeout=5)  # type: ignore[union-attr]
+
+    def stop_all(self) -> None:
+        for child in reversed(self.children):
+            self.stop(child)
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)  # the child is its own session leader: pgid == pid
+    except ProcessLookupError:
+        pass
+
+
+def tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except FileNotFoundError:
+        return "(no log)"
+
+
+def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.2,
+             supervisor: Supervisor | None = None) -> None:
+    """Poll `predicate` until true; TimeoutError naming `what`; re-raise child deaths early."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        if supervisor is not None:
+            supervisor.check()
+        time.sleep(interval_s)
+    raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")

@@ -1,0 +1,103 @@
+"""Run report for `r3flow local`: per-step table lines and the PNG of the run's curves.
+
+Reads the trainer's JSONL run log (one object per step); the PNG shows the same quantities as
+the Grafana "R3 training health" dashboard: reward, ppo_kl, kl_ref, rollout/train logprob |diff|
+(with the replay-off comparison of the same batch), routing agreement and tokens/s.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+# (column title, JSONL key, format)
+TABLE_COLUMNS = [
+    ("step", "step", "{:>4d}"),
+    ("reward", "reward_mean", "{:>7.3f}"),
+    ("ppo_kl", "ppo_kl", "{:>9.2e}"),
+    ("kl_ref", "kl_ref", "{:>9.2e}"),
+    ("|Δlp| r3", "logprob_diff_mean", "{:>9.2e}"),
+    ("|Δlp| off", "logprob_diff_mean_off", "{:>9.2e}"),
+    ("agree", "routing_agreement", "{:>6.3f}"),
+    ("tok/s", "tokens_per_s", "{:>7.0f}"),
+]
+
+
+def read_log(path: Path) -> list[dict]:
+    """Step records from a JSONL run log (non-step records are skipped)."""
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            rec = json.loads(line)
+            if "step" in rec and rec.get("kind", "grpo") == "grpo":
+                rows.append(rec)
+    return rows
+
+
+def table_header() -> str:
+    widths = [len(fmt.format(0 if "d" in fmt else 0.0)) for _, _, fmt in TABLE_COLUMNS]
+    return "  ".join(t.rjust(w) for (t, _, _), w in zip(TABLE_COLUMNS, widths, strict=True))
+
+
+def table_row(rec: dict) -> str:
+    cells = []
+    for _, key, fmt in TABLE_COLUMNS:
+        value = rec.get(key)
+        width = len(fmt.format(0 if "d" in fmt else 0.0))
+        cells.append("-".rjust(width) if value is None else fmt.format(value))
+    return "  ".join(cells)
+
+
+def mean_of(rows: list[dict], key: str) -> float:
+    vals = [r[key] for r in rows if r.get(key) is not None and math.isfinite(r[key])]
+    return sum(vals) / len(vals) if vals else float("nan")
+
+
+def plot_report(rows: list[dict], out_png: Path, title: str) -> Path:
+    """Six panels of the run's curves, written to `out_png`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in rows]
+    panels = [
+        ("reward (mean)", [("reward_mean", "reward")]),
+        ("ppo_kl / kl_ref", [("ppo_kl", "ppo_kl"), ("kl_ref", "kl_ref")]),
+        ("rollout vs train logprob |diff|", [("logprob_diff_mean", "r3 (replayed)"),
+                                             ("logprob_diff_mean_off", "off (same batch)")]),
+        ("routing agreement", [("routing_agreement", "natural router vs replayed")]),
+        ("tokens / s", [("tokens_per_s", "trained tokens/s")]),
+        ("grad norm", [("grad_norm", "grad norm")]),
+    ]
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    for ax, (name, series) in zip(axes.flat, panels, strict=True):
+        for key, label in series:
+            ys = [r.get(key, float("nan")) for r in rows]
+            ax.plot(steps, ys, marker=".", label=label)
+        ax.set_title(name)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if len(series) > 1:
+            ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=90)
+    plt.close(fig)
+    return out_png
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Headline figures: reward rise (last 5 vs first 5 steps) and the r3-vs-off |diff| ratio."""
+    first, last = rows[:5], rows[-5:]
+    out = {"reward_first5": mean_of(first, "reward_mean"), "reward_last5": mean_of(last, "reward_mean")}
+    out["reward_gain"] = out["reward_last5"] - out["reward_first5"]
+    out["logprob_diff_mean"] = mean_of(rows, "logprob_diff_mean")
+    out["logprob_diff_mean_off"] = mean_of(rows, "logprob_diff_mean_off")
+    off = out["logprob_diff_mean_off"]
+    out["logprob_diff_ratio_vs_off"] = out["logprob_diff_mean"] / off if off and off > 0 else None
+    out["routing_agreement"] = mean_of(rows, "routing_agreement")
+    return out

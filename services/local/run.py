@@ -1,0 +1,184 @@
+"""One local run: the same processes the Helm chart starts, on this machine.
+
+Named steps: `prepare` (model, data, configs) -> `warm_start` (supervised, same trainer) ->
+`start_services` (redis-server, store, rollout workers) -> `train` (GRPO through `r3flow train`,
+weights pushed to the workers after every step) -> `finish` (stop workers, account for every
+trajectory, write summary and report).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from services.local import report
+from services.local.accounting import Accounting, scrape_counter
+from services.local.config import (
+    LocalConfig,
+    rollout_config,
+    store_config,
+    trainer_config,
+    warm_start_config,
+)
+from services.local.procs import Supervisor, free_port, tail, wait_for
+
+log = logging.getLogger(__name__)
+
+CHILD_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
+             "VLLM_CPU_OMP_THREADS_BIND": "auto", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
+             "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false",
+             "VLLM_LOGGING_LEVEL": "WARNING", "PYTHONUNBUFFERED": "1"}
+
+
+def new_run_dir(runs_dir: str) -> Path:
+    """A fresh folder per run, so a second run never trips over the first one's leftovers."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = Path(runs_dir) / f"local-{stamp}-{os.getpid()}"
+    path.mkdir(parents=True)
+    return path
+
+
+def write_json(path: Path, data: dict) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2))
+    return path
+
+
+class LocalRun:
+    """Owns the run folder, the children and the report of one `r3flow local`."""
+
+    def __init__(self, cfg: LocalConfig) -> None:
+        self.cfg = cfg
+        self.dir = new_run_dir(cfg.runs_dir)
+        self.sup = Supervisor(self.dir / "logs", env=CHILD_ENV)
+        self.redis = None
+        self.store_addr = ""
+        self.metrics_urls: dict[str, str] = {}
+        self.started = time.monotonic()
+
+    # ------------------------------------------------------------------ steps
+    def prepare(self) -> Path:
+        from services.local.tasks import write_datasets
+        from services.rollout.tiny_moe import build_tiny_moe
+
+        write_json(self.dir / "config.json", self.cfg.model_dump(mode="json"))
+        write_datasets(self.cfg.task, self.dir / "data")
+        return build_tiny_moe(self.dir / "model-init", self.cfg.model)
+
+    def warm_start(self, init_dir: Path) -> Path:
+        out = self.dir / "model-warm"
+        if self.cfg.warm_start_steps == 0:
+            return init_dir
+        conf = write_json(self.dir / "configs" / "warm_start.json",
+                          warm_start_config(self.cfg, self.dir, init_dir, out))
+        argv = [sys.executable, "-m", "services.local.warm_start", "--config", str(conf)]
+        log_path = self.dir / "logs" / "warm_start.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        bar = tqdm(total=self.cfg.warm_start_steps, desc="warm start (SFT)", unit="step")
+        with log_path.open("w") as err:
+            proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True,
+                                    env={**os.environ, **CHILD_ENV}, start_new_session=True)
+            for line in proc.stdout:  # type: ignore[union-attr]
+                if line.startswith("{"):
+                    rec = json.loads(line)
+                    if rec.get("kind") == "sft":
+                        bar.update(1)
+                        bar.set_postfix(loss=f"{rec['loss']:.3f}")
+        bar.close()
+        if proc.wait() != 0:
+            raise RuntimeError("warm start failed:\n" + tail(log_path))
+        return out
+
+    def start_services(self, model_dir: Path) -> None:
+        from services.store.client import StoreClient
+        from services.store.redis_server import EmbeddedRedis
+
+        self.redis = EmbeddedRedis(self.dir / "redis").start()
+        port, mport = free_port(), free_port()
+        self.store_addr = f"127.0.0.1:{port}"
+        conf = write_json(self.dir / "configs" / "store.json", store_config(self.cfg, self.dir))
+        self.sup.start("store", ["store", "--config", str(conf), "--listen", self.store_addr,
+                                 "--metrics-port", str(mport), "--redis-url", self.redis.url])
+        self.metrics_urls["store"] = f"http://127.0.0.1:{mport}/metrics"
+        with StoreClient(self.store_addr, timeout_s=5, max_retries=2) as client:
+            client.wait_ready(60)
+        for w in range(self.cfg.workers):
+            self._start_rollout(model_dir, w)
+
+    def _start_rollout(self, model_dir: Path, w: int) -> None:
+        mport = free_port()
+        conf = write_json(self.dir / "configs" / f"rollout-{w}.json",
+                          rollout_config(self.cfg, self.dir, model_dir, w))
+        self.sup.start(f"rollout-{w}", ["rollout", "--config", str(conf), "--store",
+                                        self.store_addr, "--metrics-port", str(mport)])
+        self.metrics_urls[f"rollout-{w}"] = f"http://127.0.0.1:{mport}/metrics"
+
+    def train(self, model_dir: Path) -> list[dict]:
+        mport = free_port()
+        conf = write_json(self.dir / "configs" / "trainer.json",
+                          trainer_config(self.cfg, self.dir, model_dir))
+        trainer = self.sup.start("trainer", ["train", "--config", str(conf), "--store",
+                                             self.store_addr, "--metrics-port", str(mport)])
+        self.metrics_urls["trainer"] = f"http://127.0.0.1:{mport}/metrics"
+        self.print_endpoints()
+        return self._follow(trainer)
+
+    def _follow(self, trainer) -> list[dict]:
+        """Print a table row per step as the trainer logs it; wait for the trainer to exit."""
+        log_path = self.dir / "trainer" / "train_log.jsonl"
+        steps = self.cfg.grpo.steps
+        bar = tqdm(total=steps, desc=f"GRPO ({self.cfg.replay})", unit="step")
+        tqdm.write(report.table_header())
+        seen: list[dict] = []
+        deadline = self.started + self.cfg.timeout_s
+        while trainer.alive() and time.monotonic() < deadline:
+            self.sup.check()
+            rows = report.read_log(log_path)
+            for rec in rows[len(seen):]:
+                tqdm.write(report.table_row(rec))
+                bar.update(1)
+            seen = rows
+            time.sleep(0.5)
+        bar.close()
+        if trainer.alive():
+            raise TimeoutError(f"run exceeded timeout_s={self.cfg.timeout_s:.0f}")
+        if trainer.proc.returncode != 0:
+            raise RuntimeError(f"trainer exited with {trainer.proc.returncode}:\n"
+                               + tail(trainer.log_path, 30))
+        rows = report.read_log(log_path)
+        for rec in rows[len(seen):]:
+            tqdm.write(report.table_row(rec))
+        return rows
+
+    def print_endpoints(self) -> None:
+        tqdm.write(f"store gRPC on {self.store_addr} (loopback, no TLS: local mode)")
+        for name, url in self.metrics_urls.items():
+            tqdm.write(f"metrics: {name:<10} {url}")
+
+    def finish(self, rows: list[dict]) -> dict:
+        """Stop the workers, account for every trajectory, write summary + report."""
+        produced = sum(scrape_counter(url, "r3flow_rollout_trajectories_total", outcome="sent")
+                       for name, url in self.metrics_urls.items() if name.startswith("rollout"))
+        for child in self.sup.children:
+            if child.name.startswith("rollout"):
+                self.sup.stop(child)
+        acct = Accounting.collect(self.store_addr, produced, rows, self.cfg.grpo.group_size)
+        summary = {"run_dir": str(self.dir), "replay": self.cfg.replay, "steps": len(rows),
+                   "wall_seconds": round(time.monotonic() - self.started, 1),
+                   **report.summarize(rows), "trajectories": acct.as_dict()}
+        write_json(self.dir / "summary.json", summary)
+        report.plot_report(rows, self.dir / "report.png",
+                           f"r3flow local — replay={self.cfg.replay}, {len(rows)} GRPO steps")
+        return summary
+
+    def close(self) -> None:
+        self.sup.stop_all()
+        if self.redis is not None:
+            self.redis.stop()

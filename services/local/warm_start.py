@@ -1,0 +1,110 @@
+"""Supervised warm start of the tiny MoE through the megatron-core Trainer (natural routing).
+
+`python -m services.local.warm_start --config warm.json` reads an SFT JSONL file of
+{"prompt", "answer"} pairs, takes `steps` cross-entropy steps on prompt+answer+EOS (loss on the
+answer and EOS only) with `trainer.engine.Trainer.sft_step`, then writes an HF checkpoint
+(exported weights + the initial model's config and tokenizer) that the rollout workers and the
+GRPO trainer both start from. Progress goes to stdout as JSON lines for `r3flow local`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from pydantic import Field
+
+from services.common.config import StrictConfig, load_config
+
+
+class WarmStartConfig(StrictConfig):
+    """Supervised warm start before GRPO."""
+
+    model_dir: str = Field("", description="initial HF checkpoint (random init)")
+    out_dir: str = Field("", description="where the warm-started HF checkpoint is written")
+    sft_path: str = Field("", description="JSONL of {prompt, answer}")
+    steps: int = Field(150, ge=0, description="SFT optimizer steps")
+    batch_size: int = Field(64, ge=1, description="examples per step")
+    micro_batch_size: int = Field(64, ge=1)
+    lr: float = Field(3e-3, gt=0)
+    seed: int = 0
+
+
+def tokenize_examples(model_dir: str, path: str) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, answer ids + EOS) per JSONL row, with the model's own tokenizer."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    out = []
+    for line in Path(path).read_text().splitlines():
+        row = json.loads(line)
+        prompt = tok(row["prompt"], add_special_tokens=False)["input_ids"]
+        answer = tok(row["answer"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        out.append((prompt, answer))
+    return out
+
+
+def to_sample(prompt: list[int], answer: list[int]):
+    from trainer.batch import Sample
+
+    r = len(answer)
+    return Sample(np.asarray(prompt + answer, np.int64), len(prompt), np.zeros(r, np.float32),
+                  np.ones(r, bool))
+
+
+def trainer_config(cfg: WarmStartConfig):
+    from trainer.config import TrainerConfig
+
+    return TrainerConfig.model_validate({
+        "model_dir": cfg.model_dir, "optim": {"lr": cfg.lr, "clip_grad": 1.0},
+        "replay": {"mode": "off", "check_agreement": False},
+        "data": {"micro_batch_size": cfg.micro_batch_size},
+    })
+
+
+def save_hf(trainer, src_dir: str, out_dir: str) -> Path:
+    """Exported HF weights + the source checkpoint's config/tokenizer files."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    weights = {k: v.detach().float().contiguous() for k, v in trainer.export_hf_state_dict().items()}
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    for f in Path(src_dir).iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
+            shutil.copy(f, out / f.name)
+    return out
+
+
+def run(cfg: WarmStartConfig) -> Path:
+    from trainer.engine import Trainer
+
+    examples = tokenize_examples(cfg.model_dir, cfg.sft_path)
+    trainer = Trainer(trainer_config(cfg))
+    rng = random.Random(cfg.seed)
+    for step in range(1, cfg.steps + 1):
+        t0 = time.perf_counter()
+        batch = [to_sample(*examples[rng.randrange(len(examples))]) for _ in range(cfg.batch_size)]
+        m = trainer.sft_step(batch)
+        print(json.dumps({"kind": "sft", "step": step, "steps": cfg.steps, "loss": m["loss"],
+                          "seconds": time.perf_counter() - t0}), flush=True)
+    return save_hf(trainer, cfg.model_dir, cfg.out_dir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m services.local.warm_start", description=__doc__)
+    p.add_argument("--config", required=True, help="WarmStartConfig file (.json/.toml/.yaml)")
+    args = p.parse_args(argv)
+    out = run(load_config(WarmStartConfig, args.config))
+    print(json.dumps({"kind": "sft_done", "out_dir": str(out)}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
