@@ -5,8 +5,10 @@ Same prompts, same seeds, same worker code path in all three modes (`make bench-
   capture    engine with routing capture and the worker's routing checks, nothing sent
   streaming  capture + checks + codec encode + append to a live `r3flow store` (embedded redis)
 Both engines live in this process and the modes alternate round by round, so slow drift of a
-shared machine hits every mode alike; each figure is the median over rounds. Overheads are
-fractions of the capture-off throughput. Writes bench-results/rollout.json.
+shared machine hits every mode alike; throughputs are medians over rounds, overheads are
+1 - median of the per-round ratio to capture-off (fractions of the capture-off throughput),
+from wall time and, for shared machines, from the CPU seconds of the worker's own processes.
+Writes bench-results/rollout.json.
 """
 
 from __future__ import annotations
@@ -29,11 +31,11 @@ sys.path.insert(0, str(ROOT))
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--prompts", type=int, default=16, help="GRPO groups per run")
+    p.add_argument("--prompts", type=int, default=32, help="GRPO groups per run")
     p.add_argument("--n", type=int, default=4, help="samples per prompt")
     p.add_argument("--max-tokens", type=int, default=128, help="generated tokens per sample")
     p.add_argument("--concurrency", type=int, default=32, help="requests in the engine at once")
-    p.add_argument("--rounds", type=int, default=3, help="alternating rounds of the three modes")
+    p.add_argument("--rounds", type=int, default=7, help="alternating rounds of the three modes")
     p.add_argument("--out", default=str(ROOT / "bench-results" / "rollout.json"))
     return p.parse_args()
 
@@ -64,25 +66,42 @@ def start_store(workdir: Path) -> tuple[subprocess.Popen, str]:
     return proc, f"127.0.0.1:{port}"
 
 
+def worker_cpu_seconds() -> float:
+    """CPU seconds used so far by this process and its children (engine core, vLLM worker);
+    the store runs on other machines in production and is not counted."""
+    import psutil
+
+    me = psutil.Process()
+    total = 0.0
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
+
+
 class Mode:
     """One engine + worker configuration, run repeatedly on the same prompts."""
 
     def __init__(self, name: str, engine, cfg, sink) -> None:  # noqa: ANN001
         self.name, self.engine, self.cfg, self.sink = name, engine, cfg, sink
-        self.rates: list[float] = []
+        self.rates: list[float] = []      # generated tokens per wall second
+        self.cpu_rates: list[float] = []  # generated tokens per worker CPU second
 
-    async def run_once(self, records) -> float:  # noqa: ANN001
+    async def run_once(self, records) -> tuple[float, float]:  # noqa: ANN001
         from services.rollout.tiny_moe import build_tokenizer
         from services.rollout.worker import RolloutWorker
 
         worker = RolloutWorker(self.cfg, self.engine, self.sink, build_tokenizer())
-        t0 = time.perf_counter()
+        cpu0, t0 = worker_cpu_seconds(), time.perf_counter()
         summary = await worker.run(records)
-        dt = time.perf_counter() - t0
+        dt, cpu = time.perf_counter() - t0, worker_cpu_seconds() - cpu0
         assert summary.groups_failed == 0, summary.errors
-        rate = summary.generated_tokens / dt
-        self.rates.append(rate)
-        return rate
+        self.rates.append(summary.generated_tokens / dt)
+        self.cpu_rates.append(summary.generated_tokens / cpu)
+        return self.rates[-1], self.cpu_rates[-1]
 
 
 async def bench(args: argparse.Namespace, workdir: Path) -> dict:
@@ -114,10 +133,12 @@ async def bench(args: argparse.Namespace, workdir: Path) -> dict:
         for mode in modes[:2]:  # warm-up: first steps of a fresh engine are slow
             await mode.run_once(records[:2])
             mode.rates.clear()
+            mode.cpu_rates.clear()
         for r in range(args.rounds):
             for mode in modes:
-                rate = await mode.run_once(records)
-                print(f"round {r} {mode.name:>9}: {rate:8.1f} tok/s", flush=True)
+                rate, cpu_rate = await mode.run_once(records)
+                print(f"round {r} {mode.name:>9}: {rate:8.1f} tok/s  {cpu_rate:8.1f} tok/cpu-s",
+                      flush=True)
         stats = client.stats()
     finally:
         client.close()
@@ -128,15 +149,32 @@ async def bench(args: argparse.Namespace, workdir: Path) -> dict:
     return summarize(args, modes, stats)
 
 
+def paired_overhead(mode: list[float], off: list[float]) -> float:
+    """1 - median over rounds of mode/off measured in the same round (drift cancels)."""
+    return round(1 - statistics.median(m / o for m, o in zip(mode, off, strict=True)), 4)
+
+
 def summarize(args: argparse.Namespace, modes: list[Mode], stats) -> dict:  # noqa: ANN001
+    by = {m.name: m for m in modes}
     med = {m.name: statistics.median(m.rates) for m in modes}
+    cpu = {m.name: statistics.median(m.cpu_rates) for m in modes}
     return {
         "tokens_per_s_off": round(med["off"], 1),
         "tokens_per_s_capture": round(med["capture"], 1),
         "tokens_per_s_streaming": round(med["streaming"], 1),
-        "capture_overhead": round(1 - med["capture"] / med["off"], 4),
-        "streaming_overhead": round(1 - med["streaming"] / med["off"], 4),
+        "capture_overhead": paired_overhead(by["capture"].rates, by["off"].rates),
+        "streaming_overhead": paired_overhead(by["streaming"].rates, by["off"].rates),
+        # On a shared machine wall time swings with other tenants' load; CPU seconds of the
+        # worker's own processes swing less, so these are the figures to compare there.
+        "tokens_per_cpu_s_off": round(cpu["off"], 1),
+        "tokens_per_cpu_s_capture": round(cpu["capture"], 1),
+        "tokens_per_cpu_s_streaming": round(cpu["streaming"], 1),
+        "capture_overhead_cpu": paired_overhead(by["capture"].cpu_rates, by["off"].cpu_rates),
+        "streaming_overhead_cpu": paired_overhead(by["streaming"].cpu_rates,
+                                                  by["off"].cpu_rates),
         "runs_tokens_per_s": {m.name: [round(x, 1) for x in m.rates] for m in modes},
+        "runs_tokens_per_cpu_s": {m.name: [round(x, 1) for x in m.cpu_rates] for m in modes},
+        "load_average_1m_at_end": round(os.getloadavg()[0], 2),
         "store_trajectories_appended": int(stats.trajectories_appended),
         "workload": {"prompts": args.prompts, "n": args.n, "max_tokens": args.max_tokens,
                      "concurrency": args.concurrency, "rounds": args.rounds,
@@ -154,11 +192,13 @@ def main() -> int:
     set_cpu_env_defaults()
     with tempfile.TemporaryDirectory(prefix="bench-rollout-") as tmp:
         result = asyncio.run(bench(args, Path(tmp)))
-    print(f"\n{'mode':<10} {'tokens/s':>10} {'overhead':>9}")
-    for key, over in (("off", None), ("capture", "capture_overhead"),
-                      ("streaming", "streaming_overhead")):
-        over_s = f"{result[over] * 100:8.1f}%" if over else f"{'-':>9}"
-        print(f"{key:<10} {result[f'tokens_per_s_{key}']:>10.1f} {over_s}")
+    print(f"\n{'mode':<10} {'tokens/s':>10} {'overhead':>9} {'tok/cpu-s':>10} {'overhead':>9}")
+    for key in ("off", "capture", "streaming"):
+        over = "" if key == "off" else f"{key}_overhead"
+        wall = f"{result[over] * 100:8.1f}%" if over else f"{'-':>9}"
+        cpu = f"{result[over + '_cpu'] * 100:8.1f}%" if over else f"{'-':>9}"
+        print(f"{key:<10} {result[f'tokens_per_s_{key}']:>10.1f} {wall} "
+              f"{result[f'tokens_per_cpu_s_{key}']:>10.1f} {cpu}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
