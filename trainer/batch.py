@@ -59,7 +59,8 @@ def sample_from_trajectory(traj, layer_map: LayerMap | None, num_experts: int,
                     traj.group_id, policy_version=min(s.policy_version for s in traj.segments))
     if layer_map is not None:
         if decode is None:
-            from services.common.wire import routing_from_proto as decode
+            from services.common.wire import routing_from_proto
+            decode = routing_from_proto
         rows = sample.tokens.size - 1
         chunks = _decode_chunks(traj, decode)
         if any(int(c.ids_TLK.max(initial=0)) >= num_experts for c in chunks):
@@ -82,6 +83,10 @@ class MicroBatch:
     routing_BSLK: torch.Tensor | None  # padded, last row of each sample filled
     valid_rows_BS: torch.Tensor  # bool: rows that carry real engine routing
     samples: list[Sample] = field(default_factory=list)
+    # Filled by the trainer's passes: old-policy / reference logprobs, R2-recorded routing.
+    train_old_lp: torch.Tensor | None = None
+    ref_lp: torch.Tensor | None = None
+    replay_rows: list[torch.Tensor] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -102,9 +107,8 @@ def _pad_len(n: int, multiple: int) -> int:
 def make_microbatch(samples: Sequence[Sample], pad_multiple: int = 8) -> MicroBatch:
     """Right-pad `samples` into one micro-batch."""
     b, s = len(samples), _pad_len(max(x.tokens.size for x in samples), pad_multiple)
-    z = dict(dtype=torch.float32)
     tokens, labels = torch.zeros(b, s, dtype=torch.long), torch.zeros(b, s, dtype=torch.long)
-    mask, old, adv = torch.zeros(b, s, **z), torch.zeros(b, s, **z), torch.zeros(b, s, **z)
+    mask, old, adv = (torch.zeros(b, s, dtype=torch.float32) for _ in range(3))
     valid = torch.zeros(b, s, dtype=torch.bool)
     for i, x in enumerate(samples):
         n, p, r = x.tokens.size, x.prompt_len, x.tokens.size - x.prompt_len
@@ -116,8 +120,9 @@ def make_microbatch(samples: Sequence[Sample], pad_multiple: int = 8) -> MicroBa
         adv[i, resp] = x.advantage
         valid[i, :n - 1] = True
     routing = None
-    if all(x.routing_TLK is not None for x in samples):
-        routing = torch.from_numpy(pack_routing([pad_last_row(x.routing_TLK) for x in samples], s))
+    per_sample = [x.routing_TLK for x in samples if x.routing_TLK is not None]
+    if len(per_sample) == len(samples):
+        routing = torch.from_numpy(pack_routing([pad_last_row(r) for r in per_sample], s))
     pos = torch.arange(s).unsqueeze(0).expand(b, s).contiguous()
     return MicroBatch(tokens, pos, labels, mask, old, adv, routing, valid, list(samples))
 

@@ -51,7 +51,7 @@ def _patch_torch_cuda() -> None:
     # uses a side stream (torch.cuda.Stream / current_stream / stream) for D2H copies.
     # A class (not a lambda) so annotations like `torch.cuda.Stream | None` still evaluate.
     stream = _NullStream()
-    torch.cuda.current_device = lambda: _CPU  # type: ignore[assignment]
+    torch.cuda.current_device = lambda: _CPU  # type: ignore[assignment, return-value]
     torch.cuda.Stream = _NullStream  # type: ignore[assignment, misc]
     torch.cuda.current_stream = lambda *a, **k: stream  # type: ignore[assignment]
     torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()  # type: ignore[assignment]

@@ -17,6 +17,7 @@ import logging
 import time
 from collections.abc import Sequence
 from functools import partial
+from typing import Any
 
 import numpy as np
 import torch
@@ -91,7 +92,7 @@ class Trainer:
             check_routes(mb.routing_BSLK, mb.valid_rows_BS, self.arch.num_experts,
                          self.arch.moe_layers)
             return to_router_rows(mb.routing_BSLK)
-        return getattr(mb, "replay_rows", None) if mode == ReplayMode.R2 else None
+        return mb.replay_rows if mode == ReplayMode.R2 else None
 
     def _drive(self, ctl: ModelReplay, rows: list[torch.Tensor] | None, record: bool) -> None:
         if rows is not None:
@@ -122,7 +123,7 @@ class Trainer:
             self.agreement.valid_T = mb.valid_rows_BS.t().reshape(-1)
             out.append(token_logprobs(self._logits(model.module, mb), mb.labels_BS))
             if mode == ReplayMode.R2 and rows is None and not reference:
-                mb.replay_rows = ctl.recorded()  # type: ignore[attr-defined]
+                mb.replay_rows = ctl.recorded()
             ctl.end_step()
         model.module.train()
         return out
@@ -187,13 +188,13 @@ class Trainer:
         old = self.compute_logprobs(mbs, mode)
         self.agreement.enabled = False
         for mb, lp in zip(mbs, old, strict=True):
-            mb.train_old_lp = lp  # type: ignore[attr-defined]
+            mb.train_old_lp = lp
             if self.reference is not None:
-                mb.ref_lp = self.compute_logprobs([mb], mode, reference=True)[0]  # type: ignore
+                mb.ref_lp = self.compute_logprobs([mb], mode, reference=True)[0]
         diffs = [logprob_diff(mb.old_logprobs_BS, lp, mb.loss_mask_BS) for mb, lp in
                  zip(mbs, old, strict=True)]
         w = np.array([mb.num_tokens for mb in mbs], dtype=np.float64)
-        metrics = {"logprob_diff_mean": float(np.dot([d[0] for d in diffs], w) / max(w.sum(), 1)),
+        metrics: dict[str, Any] = {"logprob_diff_mean": float(np.dot([d[0] for d in diffs], w) / max(w.sum(), 1)),
                    "logprob_diff_max": max(d[1] for d in diffs)}
         if check:
             metrics["routing_agreement"] = self.agreement.overall()
@@ -203,8 +204,9 @@ class Trainer:
 
     def _ppo_loss_fn(self, total_tokens: float, n_mb: int, acc: dict, mb: MicroBatch, logits):
         old = mb.old_logprobs_BS if self.cfg.data.old_logprobs == "rollout" else mb.train_old_lp
+        assert old is not None, "old-policy pass must run before the update"
         sums = ppo_loss(logits, mb.labels_BS, mb.loss_mask_BS, mb.advantages_BS, old,
-                        getattr(mb, "ref_lp", None), self.cfg.loss)
+                        mb.ref_lp, self.cfg.loss)
         for k in ("ppo_kl", "kl_ref", "clipped", "entropy"):
             acc[k] = acc.get(k, 0.0) + getattr(sums, k)
         loss = sums.loss / max(total_tokens, 1.0) * n_mb  # the schedule divides by n_mb

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -123,8 +124,8 @@ def _layer_to_megatron(sd: dict, a: MoeArch, i: int, ep_rank: int, ep_size: int)
     hf, mc = f"model.layers.{i}", f"decoder.layers.{i}"
     out = {f"{mc}.{m}.weight": sd[f"{hf}.{h}.weight"] for h, m in _ATTN.items()
            if f"{hf}.{h}.weight" in sd}
-    out[f"{mc}.self_attention.linear_qkv.weight"] = qkv_to_megatron(
-        *(sd[f"{hf}.self_attn.{p}_proj.weight"] for p in "qkv"), a)
+    q, k, v = (sd[f"{hf}.self_attn.{p}_proj.weight"] for p in "qkv")
+    out[f"{mc}.self_attention.linear_qkv.weight"] = qkv_to_megatron(q, k, v, a)
     if i not in a.moe_layers:
         return out | _mlp_to_megatron(sd, f"{hf}.mlp", f"{mc}.mlp")
     for local, e in enumerate(_local_experts(a, ep_rank, ep_size)):
@@ -170,7 +171,7 @@ def expert_param_names(a: MoeArch, num_local: int) -> list[str]:
             for i in a.moe_layers for e in range(num_local) for j in (1, 2)]
 
 
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+def _unwrap(model: Any) -> Any:
     while hasattr(model, "module"):
         model = model.module
     return model

@@ -12,7 +12,7 @@ import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import Field
@@ -41,9 +41,9 @@ class ModelConfig(StrictConfig):
 class BuiltModel:
     """A megatron GPTModel with the handles the trainer needs."""
 
-    module: torch.nn.Module
+    module: Any  # megatron GPTModel
     arch: MoeArch
-    config: object  # megatron TransformerConfig
+    config: Any  # megatron TransformerConfig
     routers: list  # TopKRouter modules, in MoE layer order
     replays: list  # their RouterReplay instances, same order
 

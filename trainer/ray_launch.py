@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import socket
 from pathlib import Path
+from typing import Any
 
 from trainer.config import TrainerConfig
 
@@ -66,7 +67,8 @@ class RayRanks:
         actor_cls = ray.remote(num_cpus=1, num_gpus=gpus)(RankActor)
         port, cfg_json = _free_port(), cfg.model_dump_json()
         self.world_size = world_size
-        self.actors = [actor_cls.remote(r, world_size, port, cfg_json) for r in range(world_size)]
+        self.actors: list[Any] = [actor_cls.remote(r, world_size, port, cfg_json)
+                                  for r in range(world_size)]
         ray.get([a.call.remote("policy_version") for a in self.actors])  # all ranks built
 
     def call(self, method: str, per_rank_args: list[tuple]) -> list:

@@ -127,7 +127,7 @@ class AgreementMonitor:
         """Raise RoutingAgreementError naming the worst layer below `floor`."""
         bad = {h: r for h, r in self.per_layer().items() if r < floor}
         if bad:
-            h = min(bad, key=bad.get)
+            h = min(bad, key=lambda layer: bad[layer])
             m = self.hf_layers.index(h)
             raise RoutingAgreementError(
                 f"routing agreement {bad[h]:.3f} < floor {floor} at MoE layer {m} (HF layer {h});"

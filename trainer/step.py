@@ -87,7 +87,8 @@ class TrainLoop:
     def pull_batch(self, stop: Callable[[], bool] = lambda: False) -> list:
         """Lease `groups_per_step` groups (redelivered, already-trained groups are just acked);
         an incomplete batch is returned only when `stop()` says so (its leases then expire)."""
-        d, groups = self.cfg.data, []
+        d = self.cfg.data
+        groups: list = []
         trained = set(self.pos.trained_group_ids)
         while len(groups) < d.groups_per_step:
             if stop():
@@ -134,7 +135,7 @@ class TrainLoop:
 
     def run(self, steps: int, stop: Callable[[], bool] = lambda: False) -> list[dict]:
         """Take `steps` optimizer steps (0 = until `stop()`); returns their metrics."""
-        history = []
+        history: list[dict] = []
         while (steps == 0 or len(history) < steps) and not stop():
             groups = self.pull_batch(stop)
             if not groups:

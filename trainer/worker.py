@@ -48,7 +48,8 @@ class RankWorker:
         layer_ids = _engine_layer_ids(groups)
         if layer_ids is None and mode == ReplayMode.R3:
             raise ValueError("replay.mode: r3 but the pulled groups carry no routing")
-        lmap = self.trainer.layer_map(layer_ids) if mode == ReplayMode.R3 else None
+        lmap = self.trainer.layer_map(layer_ids) \
+            if mode == ReplayMode.R3 and layer_ids is not None else None
         samples = []
         for g in groups:
             for t in g.trajectories:
