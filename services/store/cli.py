@@ -47,6 +47,7 @@ def run(args: argparse.Namespace) -> int:
                                   socket_connect_timeout=2, health_check_interval=10)
     registry = CollectorRegistry()
     try:
+        _wait_for_redis(client, url)
         core = TrajectoryStoreCore(client, cfg, registry)
         server = StoreServer(cfg, core, os.environ.get(cfg.auth_token_env) or None).start()
         metrics = MetricsServer(registry, cfg.metrics_host, cfg.metrics_port,
@@ -60,6 +61,24 @@ def run(args: argparse.Namespace) -> int:
         if embedded:
             embedded.stop()
     return 0
+
+
+def _wait_for_redis(client, url: str, timeout_s: float = 60.0) -> None:  # noqa: ANN001
+    """Redis may come up after the store (Kubernetes starts pods in any order)."""
+    import time
+
+    import redis
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            client.ping()
+            return
+        except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError) as e:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"redis_url: {url} unreachable for {timeout_s:.0f}s: {e}") from e
+            log.info("waiting for redis at %s: %s", url, e)
+            time.sleep(1.0)
 
 
 def _wait_for_signal() -> None:

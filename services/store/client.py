@@ -122,6 +122,11 @@ class StoreClient:
         """Append a complete trajectory (begin, segments, finish) in one retried stream."""
         return self.append(trajectory_requests(traj))
 
+    def append_trajectories(self, trajs: Sequence[trajectory_pb2.Trajectory]
+                            ) -> store_pb2.AppendResponse:
+        """Append several complete trajectories (e.g. a finished GRPO group) in one stream."""
+        return self.append([req for t in trajs for req in trajectory_requests(t)])
+
     def append(self, requests: Sequence[store_pb2.AppendRequest]) -> store_pb2.AppendResponse:
         """Stream `requests` (re-sent whole on transient failure; the store dedups)."""
         reqs = list(requests)

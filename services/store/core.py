@@ -1,8 +1,6 @@
 """TrajectoryStoreCore: the store's logic over a Redis client, with no gRPC in sight.
 
-Append: a whole client stream is validated against the stored state before its first message
-is committed; each message is then committed by one Lua script (services/store/lua.py), so a
-crash leaves Redis at a message boundary and a retried stream only re-applies what is missing.
+Append: services/store/append.py (validate a whole stream, then commit it by Lua scripts).
 Pull/ack: complete groups are entries of a Redis Stream read by one consumer group; a pull
 first claims entries whose lease expired, then reads new ones.
 """
@@ -20,30 +18,13 @@ from prometheus_client import CollectorRegistry
 
 from services.common.metrics import create_metrics
 from services.common.pb.r3flow.v1 import store_pb2
-from services.store import lua, validate
+from services.store import lua
+from services.store.append import Appender, AppendResult
 from services.store.assemble import Delivery, assemble_group
 from services.store.config import StoreConfig
-from services.store.errors import CapacityError
 from services.store.keys import CONSUMER_GROUP, Keys
-from services.store.validate import GroupState, TrajState, Write
 
 log = logging.getLogger(__name__)
-
-_COMMIT_ERRORS = {  # Lua result -> (field, meaning) for writes that lost a race
-    "group_size": "begin.group_size: group size changed concurrently",
-    "group_full": "begin.group_id: group filled up concurrently",
-    "group_done": "begin.group_id: group was released or dropped",
-    "gap": "sequence_number: earlier messages of this trajectory are missing",
-    "missing": "sequence_number: trajectory has no stored begin",
-    "conflict": "sequence_number: trajectory changed concurrently (another stream wrote it)",
-}
-
-
-@dataclass
-class AppendResult:
-    accepted: int = 0
-    duplicates: int = 0
-    policy_version: int = 0
 
 
 @dataclass
@@ -66,20 +47,12 @@ class TrajectoryStoreCore:
         self.r = client
         self.cfg = config
         self.keys = Keys(config.key_prefix)
-        self.limits = validate.Limits(config.max_tokens_per_trajectory, config.max_group_size)
         self.metrics = create_metrics(registry or CollectorRegistry(), "store")
         self.version_changed = threading.Condition()
         self._scripts = {name: client.register_script(getattr(lua, name)) for name in
                          ("RELEASE", "TIMEOUT", "SET_MAX")}
-        self._sha: dict[str, str] = {}
-        self._load_scripts()
+        self.appender = Appender(client, config, self.keys, self._metric)
         self.ensure_stream()
-
-    def _load_scripts(self) -> None:
-        # Append scripts run as EVALSHA inside pipelines: redis-py's Script objects would add a
-        # SCRIPT EXISTS round trip to every pipeline.
-        self._sha = {name: self.r.script_load(getattr(lua, name))
-                     for name in ("BEGIN", "SEGMENT", "FINISH")}
 
     # ---- setup -------------------------------------------------------------------------
     def ensure_stream(self) -> None:
@@ -94,165 +67,11 @@ class TrajectoryStoreCore:
         m = self.metrics[name]
         return m.labels(*labels) if labels else m
 
-    # ---- append ------------------------------------------------------------------------
     def append(self, requests: Iterable[store_pb2.AppendRequest]) -> AppendResult:
-        """Validate the whole stream, then commit it message by message (see module doc)."""
-        try:
-            writes, duplicates = self._validate_stream(requests)
-        except ValueError:
-            self._metric("r3flow_store_rejections_total", "invalid_argument").inc()
-            raise
-        result = self._commit(writes)
-        result.duplicates += duplicates
-        self._metric("r3flow_store_appends_total", "duplicate").inc(result.duplicates)
+        """Validate a whole Append stream, then commit it (services/store/append.py)."""
+        result = self.appender.append(requests)
         result.policy_version = self.policy_version()
         return result
-
-    def _validate_stream(self, requests: Iterable[store_pb2.AppendRequest]
-                         ) -> tuple[list[Write], int]:
-        states: dict[str, TrajState] = {}
-        groups: dict[str, GroupState] = {}
-        writes: list[Write] = []
-        duplicates = buffered = 0
-        for req in requests:
-            buffered += req.ByteSize()
-            if buffered > self.cfg.max_stream_bytes:
-                raise ValueError(f"stream: over max_stream_bytes={self.cfg.max_stream_bytes}; "
-                                 "send fewer trajectories per Append stream")
-            try:
-                write = self._validate_one(req, states, groups)
-            except ValueError as e:
-                raise ValueError(f"{e} [trajectory_id={req.trajectory_id!r} "
-                                 f"sequence_number={req.sequence_number}]") from None
-            if write is None:
-                duplicates += 1
-            else:
-                writes.append(write)
-        return writes, duplicates
-
-    def _validate_one(self, req: store_pb2.AppendRequest, states: dict[str, TrajState],
-                      groups: dict[str, GroupState]) -> Write | None:
-        kind = validate.check_envelope(req)
-        state = states.get(req.trajectory_id) or self._load_state(req.trajectory_id)
-        states[req.trajectory_id] = state
-        if not validate.check_order(req, state):
-            return None
-        write: Write
-        if kind == "begin":
-            group = self._group_of(req.begin.group_id, groups)
-            write = validate.validate_begin(req, group, self.limits)
-            group.size, group.members = write.group_size, group.members + 1
-        elif kind == "segment":
-            group = self._group_of(state, groups) if req.sequence_number == 1 else GroupState()
-            write = validate.validate_segment(req, state, self.limits, group.validated_prompts)
-            if write.prompt_field:
-                group.validated_prompts.add(write.prompt_field)
-                if write.prompt_field in group.stored_prompts:
-                    write.prompt_chunk = b""  # already in Redis: don't send it again
-        else:
-            write = validate.validate_finish(req, state)
-        validate.advance(state, write)
-        return write
-
-    def _load_state(self, tid: str) -> TrajState:
-        fields = ("next", "state", "plen", "rows", "tokens", "nseg", "layout", "gid")
-        with self.r.pipeline(transaction=False) as p:
-            p.hmget(self.keys.traj(tid), fields)
-            p.exists(self.keys.traj_done(tid))
-            (nxt, st, plen, rows, tokens, nseg, layout, gid), tomb = p.execute()
-        if nxt is None:
-            return TrajState(done=bool(tomb))
-        return TrajState(next_seq=int(nxt), done=st != b"open", prompt_len=int(plen),
-                         rows=int(rows), tokens=int(tokens), num_segments=int(nseg),
-                         layout=validate.Layout.decode(layout.decode()) if layout else None,
-                         group_id=gid.decode())
-
-    def _group_of(self, ref: TrajState | str, groups: dict[str, GroupState]) -> GroupState:
-        gid = ref.group_id if isinstance(ref, TrajState) else ref
-        if gid not in groups:
-            groups[gid] = self._load_group(gid)
-        return groups[gid]
-
-    def _load_group(self, gid: str) -> GroupState:
-        with self.r.pipeline(transaction=False) as p:
-            p.hget(self.keys.group(gid), "size")
-            p.scard(self.keys.group_members(gid))
-            p.exists(self.keys.group_done(gid))
-            p.hkeys(self.keys.group(gid))
-            size, members, done, fields = p.execute()
-        # A prompt field in Redis stays there while any member trajectory exists.
-        prompts = {f.decode() for f in fields if f.startswith(b"p:")}
-        return GroupState(size=int(size or 0), members=int(members), closed=bool(done),
-                          stored_prompts=prompts, validated_prompts=set(prompts))
-
-    def _commit(self, writes: list[Write]) -> AppendResult:
-        result = AppendResult()
-        # One pipeline: a stream's scripts cost one round trip. A refused begin makes the
-        # scripts after it answer 'missing'; the first error is raised, the rest are no-ops
-        # or valid writes that a retry sees as duplicates.
-        for _ in range(2):
-            with self.r.pipeline(transaction=False) as p:
-                for w in writes:
-                    self._queue_write(p, w)
-                replies = p.execute(raise_on_error=False)
-            if not any(isinstance(x, redis.exceptions.NoScriptError) for x in replies):
-                break
-            # Redis restarted and lost its script cache; re-running is safe (idempotent).
-            self._load_scripts()
-        for w, reply in zip(writes, replies, strict=True):
-            self._account(w, reply, result)
-        return result
-
-    def _queue_write(self, p: redis.client.Pipeline, w: Write) -> None:
-        k, tid = self.keys, w.trajectory_id
-        if isinstance(w, validate.BeginWrite):
-            keys = [k.traj(tid), k.traj_done(tid), k.group(w.group_id),
-                    k.group_members(w.group_id), k.group_done(w.group_id), k.stats,
-                    k.open_groups]
-            args = [tid, w.header, w.group_size, w.prompt_len, self.cfg.max_backlog_tokens,
-                    self.cfg.max_inflight_trajectories, time.time(), w.group_id]
-            p.evalsha(self._sha["BEGIN"], len(keys), *keys, *args)
-        elif isinstance(w, validate.SegmentWrite):
-            gid = w.group_id
-            keys = [k.traj(tid), k.traj_done(tid), k.group(gid), k.stats]
-            args = [w.seq, w.start_row, w.rows, w.tokens, w.payload, w.policy_version,
-                    w.layout.encode(), w.prompt_field, w.prompt_chunk]
-            p.evalsha(self._sha["SEGMENT"], len(keys), *keys, *args)
-        else:
-            gid = w.group_id
-            keys = [k.traj(tid), k.traj_done(tid), k.group(gid), k.stats, k.ready,
-                    k.open_groups]
-            args = [w.seq, w.payload, w.num_segments, int(w.aborted), gid]
-            p.evalsha(self._sha["FINISH"], len(keys), *keys, *args)
-
-    def _account(self, w: Write, reply: object, result: AppendResult) -> None:
-        if isinstance(reply, Exception):
-            raise reply
-        code = (reply[0] if isinstance(reply, list) else reply).decode()  # type: ignore[union-attr]
-        if code == "dup":
-            result.duplicates += 1
-            return
-        if code in ("backlog", "inflight"):
-            self._refuse(code)
-        if code != "ok":
-            raise ValueError(f"{_COMMIT_ERRORS[code]} [trajectory_id={w.trajectory_id!r} "
-                             f"sequence_number={w.seq}]")
-        result.accepted += 1
-        kind = {validate.BeginWrite: "begin", validate.SegmentWrite: "segment"}.get(
-            type(w), "finish")
-        self._metric("r3flow_store_appends_total", kind).inc()
-        if isinstance(w, validate.SegmentWrite):
-            new_prompt = int(reply[1])  # type: ignore[index]
-            encoded = w.encoded_bytes + (len(w.prompt_chunk) if new_prompt else 0)
-            self._metric("r3flow_store_routing_raw_bytes_total").inc(w.raw_bytes)
-            self._metric("r3flow_store_routing_encoded_bytes_total").inc(encoded)
-
-    def _refuse(self, code: str) -> None:
-        self._metric("r3flow_store_rejections_total", code).inc()
-        limit = "max_backlog_tokens" if code == "backlog" else "max_inflight_trajectories"
-        value = getattr(self.cfg, limit)
-        raise CapacityError(f"begin: store over {limit}={value}; retry later", reason=code,
-                            retry_after_ms=self.cfg.backpressure_retry_ms)
 
     # ---- pull / ack ----------------------------------------------------------------------
     def pull(self, consumer: str, max_groups: int, lease_seconds: int = 0,

@@ -7,8 +7,10 @@ Baseline in the same run: the same payloads uncompressed (uint8 routing + int32 
 float32 logprobs) written by 4 processes with redis-py pipelines and read back by one reader.
 
 Each side runs against its own fresh embedded redis-server (AOF everysec) in two timed phases:
-write (all clients at once), then drain. tokens/s = tokens / (write s + drain s). Memory is
-Redis INFO used_memory after the write phase minus before, per token. Trajectory protos
+write (all clients at once), then drain. tokens/s = tokens / (write s + drain s); the sides
+run interleaved `--repeats` times and the best run of each is compared (the machine is shared).
+Memory is Redis INFO used_memory (less AOF and client buffers) after the write phase minus
+before, per token. Trajectory protos
 (routing encoded by the codec) are built before the clock starts: encoding is the rollout
 worker's work, overlapped with generation; its cost is printed separately.
 Legend: T = routing rows, L = layers, K = top-k.
@@ -71,6 +73,23 @@ def _save_group(seed: int, data: Path) -> None:
     members = group_arrays(seed)
     np.savez(data / f"{seed}.npz", **{f"{i}:{k}": v for i, m in enumerate(members)
                                       for k, v in m.items()})
+    # The rollout worker's side (routing encode) is done once, here, off the clock.
+    t0 = time.process_time()
+    blobs = [to_trajectory(f"s{seed}m{i}", f"s{seed}", a).SerializeToString()
+             for i, a in enumerate(members)]
+    (data / f"{seed}.encode_s").write_text(str(time.process_time() - t0))
+    (data / f"{seed}.pb").write_bytes(b"".join(len(b).to_bytes(4, "little") + b for b in blobs))
+
+
+def load_trajectories(data: Path, seed: int) -> list:  # noqa: ANN201 (protobuf type)
+    from services.common.pb.r3flow.v1 import trajectory_pb2
+
+    raw, out, pos = (data / f"{seed}.pb").read_bytes(), [], 0
+    while pos < len(raw):
+        n = int.from_bytes(raw[pos:pos + 4], "little")
+        out.append(trajectory_pb2.Trajectory.FromString(raw[pos + 4:pos + 4 + n]))
+        pos += 4 + n
+    return out
 
 
 def load_group(data: Path, seed: int) -> list[dict[str, np.ndarray]]:
@@ -109,24 +128,19 @@ def raw_payload(a: dict[str, np.ndarray]) -> bytes:
 def store_client(idx: int, groups: int, data: Path, address: str, ready, go, out) -> None:  # noqa: ANN001
     from services.store.client import StoreClient
 
-    t0 = time.perf_counter()
-    trajs = [to_trajectory(f"c{idx}g{g}m{i}", f"c{idx}g{g}", a)
-             for g in range(groups) for i, a in enumerate(load_group(data, 1000 * idx + g))]
-    build_s = time.perf_counter() - t0
+    groups_of_trajs = [load_trajectories(data, 1000 * idx + g) for g in range(groups)]
     with StoreClient(address, timeout_s=120) as client:
         ready.put(idx)
         go.wait()
         start = time.time()
-        for traj in trajs:
-            client.append_trajectory(traj)
-        out.put({"start": start, "end": time.time(), "build_s": build_s})
+        for trajs in groups_of_trajs:  # one Append stream per finished group
+            client.append_trajectories(trajs)
+        out.put({"start": start, "end": time.time()})
 
 
 def raw_client(idx: int, groups: int, data: Path, url: str, ready, go, out) -> None:  # noqa: ANN001
-    t0 = time.perf_counter()
     payloads = [(f"raw:c{idx}g{g}m{i}", raw_payload(a))
                 for g in range(groups) for i, a in enumerate(load_group(data, 1000 * idx + g))]
-    build_s = time.perf_counter() - t0
     r = redis.Redis.from_url(url)
     ready.put(idx)
     go.wait()
@@ -137,11 +151,11 @@ def raw_client(idx: int, groups: int, data: Path, url: str, ready, go, out) -> N
                 p.set(key, blob)
                 p.rpush("raw:queue", key)
             p.execute()
-    out.put({"start": start, "end": time.time(), "build_s": build_s})
+    out.put({"start": start, "end": time.time()})
 
 
-def run_writers(target, groups: int, data: Path, arg: str) -> tuple[float, float]:  # noqa: ANN001
-    """Start CLIENTS processes, release them together; returns (write seconds, build s)."""
+def run_writers(target, groups: int, data: Path, arg: str) -> float:  # noqa: ANN001
+    """Start CLIENTS processes, release them together; returns the write phase's seconds."""
     ctx = mp.get_context("spawn")
     ready, out, go = ctx.Queue(), ctx.Queue(), ctx.Event()
     procs = [ctx.Process(target=target, args=(i, groups, data, arg, ready, go, out))
@@ -155,8 +169,7 @@ def run_writers(target, groups: int, data: Path, arg: str) -> tuple[float, float
     for p in procs:
         p.join()
         assert p.exitcode == 0, f"writer exited with {p.exitcode}"
-    span = max(r["end"] for r in results) - min(r["start"] for r in results)
-    return span, max(r["build_s"] for r in results)
+    return max(r["end"] for r in results) - min(r["start"] for r in results)
 
 
 # ---- drain -------------------------------------------------------------------------------
@@ -188,7 +201,16 @@ def drain_raw(url: str, n_trajs: int) -> float:
 
 
 def used_memory(url: str) -> int:
-    return int(redis.Redis.from_url(url).info("memory")["used_memory"])
+    """INFO used_memory minus transient buffers (pending AOF writes, client I/O buffers)."""
+    info = redis.Redis.from_url(url).info("memory")
+    transient = info["mem_aof_buffer"] + info["mem_clients_normal"]
+    return int(info["used_memory"]) - int(transient)
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (contention-independent cost)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # ---- the two sides -------------------------------------------------------------------------
@@ -205,69 +227,82 @@ def bench_store(groups: int, data: Path, workdir: Path) -> dict[str, float]:
             from services.store.client import StoreClient
 
             StoreClient(f"127.0.0.1:{port}").wait_ready(60)
-            mem0 = used_memory(server.url)
-            write_s, build_s = run_writers(store_client, groups, data, f"127.0.0.1:{port}")
+            mem0, cpu0 = used_memory(server.url), cpu_seconds(proc.pid)
+            write_s = run_writers(store_client, groups, data, f"127.0.0.1:{port}")
             mem = used_memory(server.url) - mem0
             drain_s = drain_store(f"127.0.0.1:{port}", CLIENTS * groups)
+            store_cpu = cpu_seconds(proc.pid) - cpu0
         finally:
             proc.kill()
             proc.wait()
-    return {"write_s": write_s, "drain_s": drain_s, "mem_bytes": mem, "build_s": build_s}
+    return {"write_s": write_s, "drain_s": drain_s, "mem_bytes": mem,
+            "store_process_cpu_s": store_cpu}
 
 
 def bench_raw(groups: int, data: Path, workdir: Path) -> dict[str, float]:
     with EmbeddedRedis(workdir / "raw-redis") as server:
         mem0 = used_memory(server.url)
-        write_s, build_s = run_writers(raw_client, groups, data, server.url)
+        write_s = run_writers(raw_client, groups, data, server.url)
         mem = used_memory(server.url) - mem0
         drain_s = drain_raw(server.url, CLIENTS * groups * GROUP)
-    return {"write_s": write_s, "drain_s": drain_s, "mem_bytes": mem, "build_s": build_s}
+    return {"write_s": write_s, "drain_s": drain_s, "mem_bytes": mem}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--groups-per-client", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="interleaved runs per side; the best of each is reported")
     parser.add_argument("--out", default=str(REPO / "bench-results/store.json"))
     args = parser.parse_args()
     tokens = CLIENTS * args.groups_per_client * GROUP * TOKENS_PER_TRAJ
+    runs: dict[str, list[dict[str, float]]] = {"raw": [], "store": []}
     with tempfile.TemporaryDirectory() as tmp:
         data = generate_data(args.groups_per_client, Path(tmp))
-        raw = bench_raw(args.groups_per_client, data, Path(tmp))
-        store = bench_store(args.groups_per_client, data, Path(tmp))
-    result = summarize(tokens, store, raw)
+        encode_s = sum(float(f.read_text()) for f in data.glob("*.encode_s"))
+        for i in range(args.repeats):
+            runs["raw"].append(bench_raw(args.groups_per_client, data, Path(tmp) / f"r{i}"))
+            runs["store"].append(bench_store(args.groups_per_client, data, Path(tmp) / f"s{i}"))
+    result = summarize(tokens, runs, encode_s)
     print_table(result)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
 
 
-def summarize(tokens: int, store: dict[str, float], raw: dict[str, float]) -> dict[str, object]:
-    def rate(side: dict[str, float]) -> float:
-        return tokens / (side["write_s"] + side["drain_s"])
-
+def summarize(tokens: int, runs: dict[str, list[dict[str, float]]],
+              encode_s: float) -> dict[str, object]:
+    rates = {side: [tokens / (r["write_s"] + r["drain_s"]) for r in rs]
+             for side, rs in runs.items()}
+    best = {side: max(rs) for side, rs in rates.items()}
+    mem = {side: rs[-1]["mem_bytes"] / tokens for side, rs in runs.items()}
+    store_cpu = min(r["store_process_cpu_s"] for r in runs["store"])
     return {
-        "tokens": tokens, "clients": CLIENTS, "group_size": GROUP,
+        "tokens": tokens, "clients": CLIENTS, "group_size": GROUP, "repeats": len(rates["raw"]),
         "shape": {"prompt": PROMPT, "response": RESPONSE, "layers": LAYERS, "topk": TOPK,
                   "num_experts": EXPERTS, "generator": "skewed"},
-        "store_tokens_per_s": rate(store), "raw_tokens_per_s": rate(raw),
-        "throughput_ratio": rate(store) / rate(raw),
-        "store_bytes_per_token": store["mem_bytes"] / tokens,
-        "raw_bytes_per_token": raw["mem_bytes"] / tokens,
-        "bytes_per_token_ratio": store["mem_bytes"] / raw["mem_bytes"],
-        "store": store, "raw": raw, "cpu_count": os.cpu_count()}
+        "store_tokens_per_s": best["store"], "raw_tokens_per_s": best["raw"],
+        "throughput_ratio": best["store"] / best["raw"],
+        "store_tokens_per_s_runs": rates["store"], "raw_tokens_per_s_runs": rates["raw"],
+        "store_bytes_per_token": mem["store"], "raw_bytes_per_token": mem["raw"],
+        "bytes_per_token_ratio": mem["store"] / mem["raw"],
+        "store_process_cpu_us_per_token": 1e6 * store_cpu / tokens,
+        "encode_cpu_us_per_token": 1e6 * encode_s / tokens,
+        "runs": runs, "cpu_count": os.cpu_count(), "load_avg_1m": os.getloadavg()[0]}
 
 
 def print_table(r: dict) -> None:  # noqa: ANN001
-    print(f"{'side':<8}{'write s':>10}{'drain s':>10}{'tokens/s':>14}{'bytes/token':>14}")
+    print(f"{'side':<8}{'best tokens/s':>15}{'all runs (tokens/s)':>40}{'bytes/token':>13}")
     for side in ("raw", "store"):
-        s = r[side]
-        print(f"{side:<8}{s['write_s']:>10.2f}{s['drain_s']:>10.2f}"
-              f"{r[side + '_tokens_per_s']:>14,.0f}{r[side + '_bytes_per_token']:>14,.1f}")
+        runs = ", ".join(f"{x:,.0f}" for x in r[side + "_tokens_per_s_runs"])
+        print(f"{side:<8}{r[side + '_tokens_per_s']:>15,.0f}{runs:>40}"
+              f"{r[side + '_bytes_per_token']:>13,.1f}")
     print(f"throughput_ratio {r['throughput_ratio']:.3f} (target >= 0.5)   "
           f"bytes_per_token_ratio {r['bytes_per_token_ratio']:.3f} (target <= 0.5)   "
           f"tokens {r['tokens']:,}")
-    print(f"(proto build incl. codec encode, before the clock: {r['store']['build_s']:.1f}s "
-          "per client)")
+    print(f"store process CPU {r['store_process_cpu_us_per_token']:.2f} us/token; routing encode "
+          f"(worker side, off the clock) {r['encode_cpu_us_per_token']:.2f} us/token; "
+          f"load average {r['load_avg_1m']:.1f} on {r['cpu_count']} CPUs")
 
 
 if __name__ == "__main__":
