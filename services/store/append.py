@@ -44,7 +44,7 @@ class Appender:
 
     def __init__(self, client: redis.Redis, config: StoreConfig, keys: Keys,
                  metric: Callable[..., Any]) -> None:
-        self.r = client
+        self.r: Any = client  # redis-py's annotations mix sync and async replies
         self.cfg = config
         self.keys = keys
         self.limits = validate.Limits(config.max_tokens_per_trajectory, config.max_group_size)
@@ -165,7 +165,7 @@ class Appender:
             self._account(w, reply, result)
         return result
 
-    def _queue_write(self, p: redis.client.Pipeline, w: Write) -> None:
+    def _queue_write(self, p: Any, w: Write) -> None:
         k, tid = self.keys, w.trajectory_id
         if isinstance(w, validate.BeginWrite):
             keys = [k.traj(tid), k.traj_done(tid), k.group(w.group_id),
@@ -208,6 +208,8 @@ class Appender:
             encoded = w.encoded_bytes + (len(w.prompt_chunk) if new_prompt else 0)
             self._metric("r3flow_store_routing_raw_bytes_total").inc(w.raw_bytes)
             self._metric("r3flow_store_routing_encoded_bytes_total").inc(encoded)
+        elif isinstance(w, validate.FinishWrite) and w.aborted:
+            self._metric("r3flow_store_dropped_total", "aborted").inc()
 
     def _refuse(self, code: str) -> None:
         self._metric("r3flow_store_rejections_total", code).inc()

@@ -7,8 +7,7 @@ is put back as the first chunk of segment 0, so trainers see exactly what the wo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import redis
+from typing import Any
 
 from services.common.pb.r3flow.v1 import routing_pb2, store_pb2, trajectory_pb2
 from services.store.keys import Keys
@@ -30,7 +29,7 @@ class Delivery:
                                      delivery_count=self.delivery_count)
 
 
-def assemble_group(r: redis.Redis, keys: Keys, gid: str, delivery_id: str,
+def assemble_group(r: Any, keys: Keys, gid: str, delivery_id: str,
                    delivery_count: int) -> Delivery | None:
     """The group's trainable trajectories (aborted ones left out); None if its keys are gone."""
     members = sorted(m.decode() for m in r.smembers(keys.group_members(gid)))

@@ -24,7 +24,7 @@ class StoreConfig(StrictConfig):
 
     listen: str = Field("127.0.0.1:50051", description="gRPC listen address (loopback by default)")
     redis_url: str | None = Field(None, description="external Redis; unset = embedded redis-server")
-    redis: EmbeddedRedisConfig = Field(default_factory=EmbeddedRedisConfig)
+    redis: EmbeddedRedisConfig = Field(default_factory=EmbeddedRedisConfig)  # type: ignore[arg-type]
     key_prefix: str = Field("r3f:", description="prefix of every Redis key the store owns")
     metrics_host: str = Field("127.0.0.1", description="bind address of /metrics and /health")
     metrics_port: int = Field(0, ge=0, description="port of /metrics and /health (0 = any free)")

@@ -3,6 +3,8 @@ and the latest weight-sync plan, the rendezvous of the trainer -> rollout weight
 
 from __future__ import annotations
 
+from typing import Any
+
 import redis
 
 from services.common.pb.r3flow.v1 import store_pb2
@@ -14,7 +16,7 @@ class ControlPlane:
     """RegisterWorker / ListWorkers / PublishWeightSync / latest plan."""
 
     def __init__(self, client: redis.Redis, keys: Keys, worker_ttl_seconds: int) -> None:
-        self.r = client
+        self.r: Any = client  # redis-py's annotations mix sync and async replies
         self.keys = keys
         self.ttl = worker_ttl_seconds
         self._set_plan = client.register_script(lua.SET_PLAN)

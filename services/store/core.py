@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis
 from prometheus_client import CollectorRegistry
@@ -44,7 +45,7 @@ class TrajectoryStoreCore:
 
     def __init__(self, client: redis.Redis, config: StoreConfig,
                  registry: CollectorRegistry | None = None) -> None:
-        self.r = client
+        self.r: Any = client  # redis-py's annotations mix sync and async replies
         self.cfg = config
         self.keys = Keys(config.key_prefix)
         self.metrics = create_metrics(registry or CollectorRegistry(), "store")
@@ -63,8 +64,8 @@ class TrajectoryStoreCore:
             if "BUSYGROUP" not in str(e):
                 raise
 
-    def _metric(self, name: str, *labels: str):  # noqa: ANN202 (prometheus child type)
-        m = self.metrics[name]
+    def _metric(self, name: str, *labels: str) -> Any:
+        m: Any = self.metrics[name]
         return m.labels(*labels) if labels else m
 
     def append(self, requests: Iterable[store_pb2.AppendRequest]) -> AppendResult:

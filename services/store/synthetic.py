@@ -33,9 +33,10 @@ def build_trajectory(tid: str, group_id: str, group_size: int, *, prompt_ids_TLK
     P, L = prompt_ids_TLK.shape[0], prompt_ids_TLK.shape[1]
     if response_ids_TLK.shape[0] != sum(segment_lengths) - 1:
         raise ValueError("response_ids_TLK: need sum(segment_lengths) - 1 rows")
+    prompt_ids: list[int] = np.asarray(rng.integers(0, 50_000, size=P)).tolist()
     traj = trajectory_pb2.Trajectory(
         trajectory_id=tid, group_id=group_id, group_size=group_size, worker_id=worker_id,
-        prompt_id=group_id, prompt_token_ids=rng.integers(0, 50_000, P).tolist(),
+        prompt_id=group_id, prompt_token_ids=prompt_ids,
         reward=float(rng.random()), finish_reason=trajectory_pb2.FINISH_REASON_STOP)
     traj.reward_components["correct"] = traj.reward
     all_TLK = np.concatenate([prompt_ids_TLK, response_ids_TLK])
@@ -65,7 +66,7 @@ def small_group(group_id: str, group_size: int = 4, *, prompt_len: int = 8,
     """A GRPO group of small random trajectories sharing one prompt (and its routing)."""
     rng = np.random.default_rng(seed)
     prompt_TLK = random_routing(prompt_len, layers, topk, num_experts, rng)
-    out = []
+    out: list[trajectory_pb2.Trajectory] = []
     for i in range(group_size):
         resp_TLK = random_routing(sum(segment_lengths) - 1, layers, topk, num_experts, rng)
         traj = build_trajectory(
