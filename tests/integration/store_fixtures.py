@@ -23,12 +23,17 @@ from services.store.synthetic import small_group
 REPO = Path(__file__).resolve().parents[2]
 
 
-class StoreProcess:
-    """`python -m services.store.cli` (the `r3flow store` entry) as a child process."""
+STORE_MODULE = [sys.executable, "-m", "services.store.cli"]  # = `r3flow store`, fewer imports
+R3FLOW_STORE = [str(Path(sys.executable).parent / "r3flow"), "store"]
 
-    def __init__(self, redis_url: str, workdir: Path, env: dict[str, str] | None = None,
-                 **config: object) -> None:
+
+class StoreProcess:
+    """The store as a child process; `redis_url=None` lets it start its embedded redis."""
+
+    def __init__(self, redis_url: str | None, workdir: Path, env: dict[str, str] | None = None,
+                 entry: list[str] = STORE_MODULE, **config: object) -> None:
         self.redis_url = redis_url
+        self.entry = entry
         self.env = env or {}
         self.port = free_port()
         self.metrics_port = free_port()
@@ -42,8 +47,11 @@ class StoreProcess:
         return f"127.0.0.1:{self.port}"
 
     def start(self, timeout_s: float = 30.0) -> StoreProcess:
-        env = {**os.environ, **self.env, "REDIS_URL": self.redis_url, "PYTHONUNBUFFERED": "1"}
-        argv = [sys.executable, "-m", "services.store.cli", "--config", str(self.config_path),
+        env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
+        env.pop("REDIS_URL", None)
+        if self.redis_url:
+            env["REDIS_URL"] = self.redis_url
+        argv = [*self.entry, "--config", str(self.config_path),
                 "--listen", self.address, "--metrics-port", str(self.metrics_port)]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=log)
