@@ -20,7 +20,7 @@ TABLE_COLUMNS = [
     ("|Δlp| r3", "logprob_diff_mean", "{:>9.2e}"),
     ("|Δlp| off", "logprob_diff_mean_off", "{:>9.2e}"),
     ("agree", "routing_agreement", "{:>6.3f}"),
-    ("tok/s", "tokens_per_s", "{:>7.0f}"),
+    ("tok/s", "tokens_per_second", "{:>7.0f}"),
 ]
 
 
@@ -70,7 +70,7 @@ def plot_report(rows: list[dict], out_png: Path, title: str) -> Path:
         ("rollout vs train logprob |diff|", [("logprob_diff_mean", "r3 (replayed)"),
                                              ("logprob_diff_mean_off", "off (same batch)")]),
         ("routing agreement", [("routing_agreement", "natural router vs replayed")]),
-        ("tokens / s", [("tokens_per_s", "trained tokens/s")]),
+        ("tokens / s", [("tokens_per_second", "trained tokens/s")]),
         ("grad norm", [("grad_norm", "grad norm")]),
     ]
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))

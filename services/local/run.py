@@ -164,7 +164,7 @@ class LocalRun:
 
     def finish(self, rows: list[dict]) -> dict:
         """Stop the workers, account for every trajectory, write summary + report."""
-        produced = sum(scrape_counter(url, "r3flow_rollout_trajectories_total", outcome="sent")
+        produced = sum(scrape_counter(url, "r3flow_rollout_trajectories_total", outcome="ok")
                        for name, url in self.metrics_urls.items() if name.startswith("rollout"))
         for child in self.sup.children:
             if child.name.startswith("rollout"):
