@@ -50,7 +50,7 @@ def apply_cpu_shims() -> bool:
     cls = ufm.UnquantizedFusedMoEMethod
     if getattr(cls._setup_kernel, "__r3flow_shim__", False):
         return True
-    cls._setup_kernel = _reprepack_on_update(cls._setup_kernel, ufm)
+    cls._setup_kernel = _reprepack_on_update(cls._setup_kernel, ufm)  # type: ignore[method-assign]
     log.info("cpu_shims: UnquantizedFusedMoEMethod._setup_kernel re-prepacks on weight updates")
     return True
 

@@ -144,11 +144,10 @@ class RolloutEngine:
     def _sampling_params(self, p: CallParams) -> Any:
         from vllm import SamplingParams
 
-        extra = {"routed_experts_prompt_start": p.routed_prompt_start} \
-            if self.cfg.capture_routing else {}
+        start = p.routed_prompt_start if self.cfg.capture_routing else 0
         return SamplingParams(n=1, max_tokens=p.max_tokens, temperature=p.temperature,
                               top_p=p.top_p, seed=p.seed, ignore_eos=p.ignore_eos, logprobs=0,
-                              detokenize=False, **extra)
+                              detokenize=False, routed_experts_prompt_start=start)
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: CallParams
                        ) -> CallOutput:

@@ -134,8 +134,8 @@ class RolloutState:
 
     def all_rows(self) -> np.ndarray | None:
         """Every routing row of the trajectory in order, or None when not captured."""
-        parts = [s.rows_TLK for s in self.segments]
-        if not parts or any(p is None for p in parts):
+        parts = [s.rows_TLK for s in self.segments if s.rows_TLK is not None]
+        if not parts or len(parts) != len(self.segments):
             return None
         return np.concatenate(parts, axis=0)
 

@@ -95,7 +95,8 @@ class RolloutWorker:
             await self._wait_for_policy_lag()
             task = asyncio.create_task(self._group_task(seq, epoch, rec, summary))
             tasks.add(task)
-            task.add_done_callback(lambda t: (tasks.discard(t), slots.release()))
+            task.add_done_callback(tasks.discard)
+            task.add_done_callback(lambda _: slots.release())
         if tasks:
             await asyncio.gather(*tasks)
         summary.seconds = time.perf_counter() - t0
@@ -135,15 +136,16 @@ class RolloutWorker:
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
             raise failed[0]
+        done = [r for r in results if isinstance(r, RolloutResult)]
         trajs, tokens = [], 0
-        for i, res in enumerate(results):
+        for i, res in enumerate(done):
             meta = TrajectoryMeta(f"{group_id}-{i}", group_id, n, rec.prompt_id,
                                   self.cfg.worker_id)
             traj = self._finish(meta, res, rec, verifier)
             if traj is not None:
                 trajs.append(traj)
             tokens += sum(sum(s.loss_mask) for s in res.state.segments)
-        return GroupResult(trajs, list(results), tokens)
+        return GroupResult(trajs, done, tokens)
 
     async def _sample(self, request_id: str, prompt_ids: list[int], rec: PromptRecord,
                       seed: int | None) -> RolloutResult:
