@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 from tqdm import tqdm
@@ -61,6 +62,7 @@ class LocalRun:
         self.redis = None
         self.store_addr = ""
         self.metrics_urls: dict[str, str] = {}
+        self._last_scrape = 0.0
         self.started = time.monotonic()
 
     # ------------------------------------------------------------------ steps
@@ -145,6 +147,8 @@ class LocalRun:
                 tqdm.write(report.table_row(rec))
                 bar.update(1)
             seen = rows
+            if rows and time.monotonic() - self._last_scrape > 5:
+                self.snapshot_metrics()
             time.sleep(0.5)
         bar.close()
         if trainer.alive():
@@ -157,6 +161,19 @@ class LocalRun:
             tqdm.write(report.table_row(rec))
         return rows
 
+    def snapshot_metrics(self) -> None:
+        """Keep the latest /metrics text of every live child under metrics/ (for the report and
+        for checking that every dashboard/alert metric is really exported)."""
+        self._last_scrape = time.monotonic()
+        out = self.dir / "metrics"
+        out.mkdir(exist_ok=True)
+        for name, url in self.metrics_urls.items():
+            try:
+                text = urllib.request.urlopen(url, timeout=5).read().decode()
+            except OSError:
+                continue  # a child that already exited keeps its last snapshot
+            (out / f"{name}.prom").write_text(text)
+
     def print_endpoints(self) -> None:
         tqdm.write(f"store gRPC on {self.store_addr} (loopback, no TLS: local mode)")
         for name, url in self.metrics_urls.items():
@@ -164,6 +181,7 @@ class LocalRun:
 
     def finish(self, rows: list[dict]) -> dict:
         """Stop the workers, account for every trajectory, write summary + report."""
+        self.snapshot_metrics()
         produced = sum(scrape_counter(url, "r3flow_rollout_trajectories_total", outcome="ok")
                        for name, url in self.metrics_urls.items() if name.startswith("rollout"))
         for child in self.sup.children:
