@@ -28,11 +28,13 @@ class StoreConfig(StrictConfig):
     key_prefix: str = Field("r3f:", description="prefix of every Redis key the store owns")
     metrics_host: str = Field("127.0.0.1", description="bind address of /metrics and /health")
     metrics_port: int = Field(0, ge=0, description="port of /metrics and /health (0 = any free)")
-    grpc_workers: int = Field(64, ge=2, description="server threads; each open watch holds one")
+    grpc_workers: int = Field(
+        256, ge=2, description="server threads; each open Watch* stream and each waiting Pull "
+        "holds one, so size it above 2 x rollout workers + trainers")
     max_message_bytes: int = Field(64 << 20, ge=1024, description="largest AppendRequest")
     max_pull_message_bytes: int = Field(512 << 20, ge=1024, description="largest PulledGroup")
     max_stream_bytes: int = Field(
-        1 << 30, ge=1024, description="bytes one Append stream may buffer before it is committed")
+        256 << 20, ge=1024, description="bytes one Append stream may buffer before it is committed")
     max_tokens_per_trajectory: int = Field(262_144, ge=2, description="prompt + response tokens")
     max_group_size: int = Field(1024, ge=1, description="largest GRPO group")
     max_inflight_trajectories: int = Field(
