@@ -30,7 +30,7 @@ from rollout_fixtures import (  # noqa: F401
 
 from services.rollout.dataset import PromptRecord
 from services.rollout.engine import CallParams
-from services.rollout.sink import StoreSink
+from services.rollout.sink import MemorySink, StoreSink
 from services.rollout.tiny_moe import build_tokenizer
 from services.rollout.worker import RolloutWorker
 from services.store.client import StoreClient
@@ -38,9 +38,10 @@ from services.store.client import StoreClient
 PROMPT = list(range(10, 40))
 
 
-async def _update_when_generating(h, worker, group_task, named, min_tokens=10):  # noqa: ANN001
+async def _update_when_generating(h, worker, group_id, group_task, named,  # noqa: ANN001
+                                  min_tokens=10):
     """Wait until every sample has `min_tokens` tokens, then update the weights mid-flight."""
-    rids = [f"g-partial-{i}#0" for i in range(worker.cfg.sampling.n)]
+    rids = [f"{group_id}-{i}#0" for i in range(worker.cfg.sampling.n)]
     deadline = time.monotonic() + 60
     while min(h.engine.progress(r) for r in rids) < min_tokens:
         assert not group_task.done(), "group finished before the update"
@@ -71,7 +72,7 @@ def test_partial_rollout_keeps_each_segments_routing(
 
     async def scenario():
         task = asyncio.create_task(worker.run_group("g-partial", rec, seed=3))
-        return await _update_when_generating(h, worker, task, new.state_dict())
+        return await _update_when_generating(h, worker, "g-partial", task, new.state_dict())
 
     group = h.run(scenario())
     assert h.engine.policy_version == v0 + 1
@@ -106,6 +107,35 @@ def test_partial_rollout_keeps_each_segments_routing(
     assert h.metric("r3flow_rollout_resumes_total") >= 2
     assert h.metric("r3flow_rollout_policy_version") == v0 + 1
     client.close()
+
+
+def test_replace_policy_for_comparison_takes_new_routing_everywhere(
+        harness, models, tiny_moe_dir, tmp_path):  # noqa: F811
+    """`replace` (verl #6029's fix that verl #6046 replaced) overwrites segment 0's rows with
+    the resumed call's routing: the earlier tokens lose the routing they were sampled under."""
+    base, new, _ = models
+    h = harness
+    h.run(h.engine.load_named_tensors(base.state_dict()))
+    cfg = rollout_config(tiny_moe_dir, write_jsonl(tmp_path / "d.jsonl", [{"prompt": "x",
+                         "answer": "y"}]), partial_rollout_policy="replace",
+                         sampling={"n": 1, "max_tokens": 300, "ignore_eos": True})
+    worker = RolloutWorker(cfg, h.engine, MemorySink(), build_tokenizer())
+    rec = PromptRecord("p0", "y", prompt_token_ids=tuple(PROMPT))
+
+    async def scenario():
+        task = asyncio.create_task(worker.run_group("g-replace", rec, seed=4))
+        return await _update_when_generating(h, worker, "g-replace", task, new.state_dict())
+
+    group = h.run(scenario())
+    (res,), (traj,) = group.results, group.trajectories
+    assert [c.finish_reason for c in res.calls] == ["abort", "length"]
+    rows = trajectory_rows(traj)
+    tokens = PROMPT + res.state.response_ids
+    assert rows.shape[0] == len(tokens) - 1
+    n0 = len(res.calls[0].token_ids)
+    assert np.array_equal(rows, hf_topk_TLK(new, tokens)[:-1])  # all rows: the new policy's
+    assert not np.array_equal(rows[:len(PROMPT) + n0 - 1],
+                              canonical(res.calls[0].routing_TLK)[:, 1:])
 
 
 def test_greedy_after_update_equals_hf(harness, models):  # noqa: F811
