@@ -81,6 +81,4 @@ class TrainerConfig(StrictConfig):
     def _launcher_world(self) -> TrainerConfig:
         if self.run.launcher == "local" and self.run.world_size != 1:
             raise ValueError("run.world_size: the local launcher runs exactly 1 rank (use ray)")
-        if self.model.expert_parallel > self.run.world_size:
-            raise ValueError("model.expert_parallel: larger than run.world_size")
         return self

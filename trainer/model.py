@@ -64,12 +64,13 @@ def init_parallel(cfg: ModelConfig) -> None:
 
     on_cpu = apply_cpu_shims()
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
         rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
         if not on_cpu:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-        dist.init_process_group("gloo" if on_cpu else "nccl", rank=rank, world_size=world)
+        # One rank: a private port, and no MASTER_* written to os.environ (children inherit it).
+        init = "env://" if world > 1 else f"tcp://127.0.0.1:{_free_port()}"
+        dist.init_process_group("gloo" if on_cpu else "nccl", init_method=init, rank=rank,
+                                world_size=world)
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(expert_model_parallel_size=cfg.expert_parallel)
     elif ps.get_expert_model_parallel_world_size() != cfg.expert_parallel:
