@@ -1,0 +1,95 @@
+"""Load an HF MoE causal LM for training, and shard it with FSDP2 (`fully_shard`).
+
+Process groups: as the megatron backend, RANK/WORLD_SIZE/MASTER_* from the environment (a 1-rank
+world when unset), gloo on CPU and NCCL on GPUs. FSDP2 with gloo on CPU works in torch 2.13
+(checked: all-gather, reduce-scatter, DTensor grad-norm clipping). Each decoder layer is one FSDP
+unit plus the root; routers sit inside their layer's unit, so their hooks see full weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_process_group() -> tuple[int, int]:
+    """(rank, world size); initialises torch.distributed from the environment if needed."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        gpu = torch.cuda.is_available()
+        if gpu:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        dist.init_process_group("nccl" if gpu else "gloo", rank=rank, world_size=world)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _reset_rotary_buffers(model: torch.nn.Module) -> None:
+    """Recompute non-persistent RoPE buffers: transformers 5 may leave them uninitialised when
+    the model is loaded while a process group exists (seen with 5.24; they are not in the
+    checkpoint)."""
+    for mod in model.modules():
+        if type(mod).__name__.endswith("RotaryEmbedding") and hasattr(mod, "inv_freq"):
+            fresh = type(mod)(mod.config)
+            for name in ("inv_freq", "original_inv_freq"):
+                if hasattr(mod, name):
+                    getattr(mod, name).copy_(getattr(fresh, name))
+
+
+def load_model(model_dir: str | Path, attn_implementation: str = "sdpa") -> torch.nn.Module:
+    """The HF causal LM in `model_dir`, fp32 parameters (bf16 compute comes from FSDP2)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=torch.float32, attn_implementation=attn_implementation)
+    with torch.no_grad():
+        _reset_rotary_buffers(model)
+    if torch.cuda.is_available():
+        model = model.cuda()
+    return model
+
+
+def shard(model: torch.nn.Module, layers, bf16: bool, reshard_after_forward: bool) -> None:
+    """FSDP2 in place: every decoder layer, then the root; bf16 compute with fp32 grads."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if bf16 else MixedPrecisionPolicy()
+    for layer in layers:
+        fully_shard(layer, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and persistent buffers as full tensors (collective under FSDP2)."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for k, v in model.state_dict().items():
+        v = v.full_tensor() if isinstance(v, DTensor) else v
+        out[k] = v.detach().float().cpu().clone() if v.is_floating_point() else v.cpu().clone()
+    return out
+
+
+def export_hf(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Checkpoint-named weights (what save_pretrained writes: transformers' reverse of its
+    load-time conversions, e.g. fused 3-D experts back to one tensor per expert)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    sd = revert_weight_conversion(model, full_state_dict(model))
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}

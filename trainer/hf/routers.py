@@ -1,0 +1,232 @@
+"""Routing replay for HF transformers MoE routers through forward hooks (no patched classes).
+
+In transformers 5.x every supported MoE block calls its router module `gate` and uses what it
+returns, `(router_logits, top_k_weights, top_k_index)`, to combine the experts. A forward hook on
+the router may return a replacement output (PyTorch's documented hook contract), so in REPLAY the
+hook swaps `top_k_index` for the replayed ids and recomputes `top_k_weights` from the live
+`router_logits` with the router's own normalisation; the weights stay a differentiable function
+of the router weight, so the router keeps getting gradients. Two families:
+  * softmax top-k (Qwen2-MoE, Qwen3-MoE, OLMoE): softmax(logits, fp32) -> gather -> renorm if
+    `norm_topk_prob` -> cast to the logits dtype;
+  * grouped sigmoid (DeepSeek-V3): sigmoid(logits) -> gather (scores WITHOUT
+    `e_score_correction_bias`: the bias only steers selection) -> renorm if `norm_topk_prob`
+    (+1e-20 as upstream) -> * `routed_scaling_factor`. Group-limited selection (n_group,
+    topk_group) is selection only, so replayed ids need no group constraint.
+RECORD keeps the router's own choice (R2 old-policy pass). The router still computes its own
+top-k in REPLAY; that choice is what the agreement check compares against.
+Row order is the router's: hidden [B, S, H] flattened batch-major (t = b*S + s); packed samples
+are B=1. Under sequence parallelism each rank's router sees only its slice of the sequence, so
+`replay_forward` takes the full rows and keeps this rank's slice.
+Legend: T router tokens, E experts, K top-k, H hidden, B batch rows, S sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+import torch
+
+from trainer.alignment import shard_sequence_parallel
+from trainer.replay import AgreementMonitor
+
+
+def softmax_topk_weights(router: torch.nn.Module, logits_TE: torch.Tensor,
+                         ids_TK: torch.Tensor) -> torch.Tensor:
+    """Qwen2/Qwen3-MoE/OLMoE gate weights of `ids_TK` (fp32, cast by the caller)."""
+    w_TK = torch.softmax(logits_TE, dim=-1, dtype=torch.float).gather(-1, ids_TK)
+    if router.norm_topk_prob:
+        w_TK = w_TK / w_TK.sum(dim=-1, keepdim=True)
+    return w_TK
+
+
+def grouped_sigmoid_weights(router: torch.nn.Module, logits_TE: torch.Tensor,
+                            ids_TK: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V3 gate weights of `ids_TK`: unbiased sigmoid scores, renorm, scale."""
+    w_TK = logits_TE.float().sigmoid().gather(-1, ids_TK)
+    if router.norm_topk_prob:
+        w_TK = w_TK / (w_TK.sum(dim=-1, keepdim=True) + 1e-20)
+    return w_TK * router.routed_scaling_factor
+
+
+WeightFn = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+
+# Router classes whose forward we have read (transformers 5.24). Anything else is refused: a
+# router with another normalisation would be replayed with silently wrong gate weights.
+ROUTER_FAMILIES: dict[str, tuple[str, WeightFn]] = {
+    "Qwen2MoeTopKRouter": ("softmax_topk", softmax_topk_weights),
+    "Qwen3MoeTopKRouter": ("softmax_topk", softmax_topk_weights),
+    "OlmoeTopKRouter": ("softmax_topk", softmax_topk_weights),
+    "DeepseekV3TopkRouter": ("grouped_sigmoid", grouped_sigmoid_weights),
+}
+
+
+@dataclass(frozen=True)
+class RouterHandle:
+    """One MoE layer's router in an HF model."""
+
+    hf_layer: int
+    module: torch.nn.Module
+    family: str
+    weights: WeightFn
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.module.num_experts)
+
+    @property
+    def top_k(self) -> int:
+        return int(self.module.top_k)
+
+
+def decoder_layers(model: torch.nn.Module) -> Sequence[torch.nn.Module]:
+    """The decoder layers of an HF causal LM (`model.model.layers`)."""
+    inner = getattr(model, "model", model)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise ValueError(f"model: {type(model).__name__} has no `model.layers` decoder stack")
+    return layers
+
+
+def find_routers(model: torch.nn.Module) -> list[RouterHandle]:
+    """Routers of every MoE layer in order; ValueError for a router family we do not know."""
+    out = []
+    for i, layer in enumerate(decoder_layers(model)):
+        mlp = getattr(layer, "mlp", None)
+        gate = getattr(mlp, "gate", None)
+        if gate is None or not hasattr(mlp, "experts"):
+            continue  # dense layer
+        name = type(gate).__name__
+        if name not in ROUTER_FAMILIES:
+            raise ValueError(f"router: {name} at layer {i} is not a supported router family "
+                             f"(supported: {sorted(ROUTER_FAMILIES)})")
+        family, fn = ROUTER_FAMILIES[name]
+        out.append(RouterHandle(i, gate, family, fn))
+    if not out:
+        raise ValueError(f"model: {type(model).__name__} has no MoE layers")
+    return out
+
+
+class ReplayAction(StrEnum):
+    NATURAL = "natural"  # the router's own top-k
+    REPLAY = "replay"  # replace the ids, recompute the gate weights
+    RECORD = "record"  # the router's own top-k, kept for a later replay (R2)
+
+
+class HFAgreementMonitor(AgreementMonitor):
+    """Routing agreement for HF routers: same counters, per-layer/overall/check (and error) as
+    trainer.replay.AgreementMonitor; fed by the replay hook, which already holds the router's
+    own top-k, instead of megatron router hooks (so the megatron constructor is not used)."""
+
+    def __init__(self, hf_layers: tuple[int, ...], top_k: int) -> None:  # noqa: D107
+        self.hf_layers, self.top_k = hf_layers, top_k
+        self.valid_T: torch.Tensor | None = None
+        self.enabled = True
+        self.agree = [0] * len(hf_layers)
+        self.total = [0] * len(hf_layers)
+        self._handles: list = []
+
+    @torch.no_grad()
+    def observe(self, m: int, own_TK: torch.Tensor, replay_TK: torch.Tensor) -> None:
+        """Count replayed ids of MoE layer m that the router's own top-k also holds."""
+        if not self.enabled:
+            return
+        own_TE = torch.zeros(own_TK.shape[0], int(max(own_TK.max(), replay_TK.max())) + 1,
+                             dtype=torch.bool, device=own_TK.device)
+        own_TE.scatter_(1, own_TK, True)
+        hits_T = own_TE.gather(1, replay_TK).sum(-1)
+        valid = self.valid_T if self.valid_T is not None else torch.ones_like(hits_T)
+        valid = valid.to(hits_T.device).bool()
+        if valid.shape[0] != hits_T.shape[0]:
+            raise ValueError(f"agreement: {valid.shape[0]} valid flags for {hits_T.shape[0]} "
+                             f"router tokens at MoE layer {m}")
+        self.agree[m] += int(hits_T[valid].sum())
+        self.total[m] += int(valid.sum()) * self.top_k
+
+
+class HFModelReplay:
+    """Replay control for ONE model's routers (policy or reference), through forward hooks.
+
+    Same driving API as trainer.replay.ModelReplay: `replay_forward(rows)` per micro-batch,
+    `record()` / `recorded()` for R2, `natural()`, `end_step()`. Ids stay set until `end_step`, so
+    an activation-checkpointing recompute in backward re-runs the router with the same ids
+    (`after_forward` has nothing to switch, unlike megatron's FIFO).
+    """
+
+    def __init__(self, routers: Sequence[RouterHandle],
+                 monitor: HFAgreementMonitor | None = None) -> None:
+        self.routers, self.monitor = list(routers), monitor
+        self.action = ReplayAction.NATURAL
+        self._ids: list[torch.Tensor | None] = [None] * len(self.routers)
+        self._recorded: list[torch.Tensor | None] = [None] * len(self.routers)
+        self._handles = [r.module.register_forward_hook(self._hook(m))
+                         for m, r in enumerate(self.routers)]
+
+    def replay_forward(self, rows_per_layer: Sequence[torch.Tensor], sp_rank: int = 0,
+                       sp_size: int = 1) -> None:
+        """Replay these ids ([T, K] per MoE layer, router order) in the next forwards; under
+        sequence parallelism the rows are the whole sequence and this rank keeps its slice."""
+        if len(rows_per_layer) != len(self.routers):
+            raise ValueError(f"routing: {len(rows_per_layer)} layers for "
+                             f"{len(self.routers)} MoE layers")
+        for m, ids in enumerate(rows_per_layer):
+            self._ids[m] = shard_sequence_parallel(ids.long(), sp_rank, sp_size)
+        self.action = ReplayAction.REPLAY
+
+    def after_forward(self) -> None:
+        """Nothing to switch: the ids stay set for a recompute until `end_step`."""
+
+    def record(self) -> None:
+        """The next forward records the router's own top-k (R2 old-policy pass)."""
+        self.action = ReplayAction.RECORD
+
+    def recorded(self) -> list[torch.Tensor]:
+        """Ids recorded by the last forward, one [T, K] per MoE layer."""
+        if any(t is None for t in self._recorded):
+            raise RuntimeError("replay: nothing recorded (record() before the forward)")
+        return [t for t in self._recorded if t is not None]
+
+    def natural(self) -> None:
+        """Route with the model's own routers."""
+        self.action = ReplayAction.NATURAL
+
+    def end_step(self) -> None:
+        """Drop ids and recordings; back to natural routing."""
+        self.action = ReplayAction.NATURAL
+        self._ids = [None] * len(self.routers)
+        self._recorded = [None] * len(self.routers)
+
+    def remove(self) -> None:
+        """Detach the hooks (the model routes naturally afterwards)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def _hook(self, m: int):
+        router = self.routers[m]
+
+        def hook(module, inputs, outputs):
+            if self.action == ReplayAction.NATURAL:
+                return None
+            logits_TE, weights_TK, own_TK = outputs
+            if self.action == ReplayAction.RECORD:
+                self._recorded[m] = own_TK.detach().clone()
+                return None
+            ids_TK = self._replay_ids(m, logits_TE)
+            if self.monitor is not None:
+                self.monitor.observe(m, own_TK, ids_TK)
+            new_TK = router.weights(module, logits_TE, ids_TK).to(weights_TK.dtype)
+            return logits_TE, new_TK, ids_TK
+        return hook
+
+    def _replay_ids(self, m: int, logits_TE: torch.Tensor) -> torch.Tensor:
+        ids_TK = self._ids[m]
+        if ids_TK is None:
+            raise RuntimeError(f"replay: no ids set for MoE layer {m}")
+        if ids_TK.shape[0] != logits_TE.shape[0]:
+            raise ValueError(f"routing: MoE layer {m} (HF layer {self.routers[m].hf_layer}) has "
+                             f"{ids_TK.shape[0]} replay rows for {logits_TE.shape[0]} tokens")
+        if ids_TK.device != logits_TE.device:
+            ids_TK = self._ids[m] = ids_TK.to(logits_TE.device)
+        return ids_TK
