@@ -115,8 +115,8 @@ class AgreementMonitor:
         self.total = [0] * len(self.total)
 
     def per_layer(self) -> dict[int, float]:
-        """HF layer index -> agreement ratio (layers that saw no replayed tokens are left out)."""
-        return {h: a / t for h, a, t in zip(self.hf_layers, self.agree, self.total, strict=True)
+        """MoE layer index -> agreement ratio (layers that saw no replayed tokens are left out)."""
+        return {m: a / t for m, (a, t) in enumerate(zip(self.agree, self.total, strict=True))
                 if t}
 
     def overall(self) -> float | None:
@@ -125,13 +125,13 @@ class AgreementMonitor:
 
     def check(self, floor: float) -> None:
         """Raise RoutingAgreementError naming the worst layer below `floor`."""
-        bad = {h: r for h, r in self.per_layer().items() if r < floor}
+        bad = {m: r for m, r in self.per_layer().items() if r < floor}
         if bad:
-            h = min(bad, key=lambda layer: bad[layer])
-            m = self.hf_layers.index(h)
+            m = min(bad, key=lambda layer: bad[layer])
             raise RoutingAgreementError(
-                f"routing agreement {bad[h]:.3f} < floor {floor} at MoE layer {m} (HF layer {h});"
-                f" all below floor: {sorted(bad)} - misaligned layer map, row offset or bad ids?")
+                f"routing agreement {bad[m]:.3f} < floor {floor} at MoE layer {m} (HF layer "
+                f"{self.hf_layers[m]}); MoE layers below floor: {sorted(bad)} - misaligned "
+                "layer map, row offset or bad ids?")
 
     def remove(self) -> None:
         for h in self._handles:
