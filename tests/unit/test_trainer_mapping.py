@@ -106,3 +106,14 @@ def test_trainer_config_names_bad_keys(tmp_path):
         load_config(TrainerConfig, None, {"run.world_size": 2})
     cfg = load_config(TrainerConfig, None, {"replay.mode": "r2", "run.steps": 3})
     assert cfg.replay.mode == "r2" and cfg.run.steps == 3 and np.isfinite(cfg.optim.lr)
+
+
+def test_example_config_loads():
+    from pathlib import Path
+
+    from services.common.config import load_config
+    from trainer.config import TrainerConfig
+
+    path = Path(__file__).resolve().parents[2] / "trainer/configs/tiny_r3.toml"
+    cfg = load_config(TrainerConfig, path, {"data.store": "127.0.0.1:1"})
+    assert cfg.replay.mode == "r3" and cfg.data.store == "127.0.0.1:1"
