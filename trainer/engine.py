@@ -185,8 +185,10 @@ class Trainer:
         check = mode == ReplayMode.R3 and self.cfg.replay.check_agreement
         self.agreement.reset()
         self.agreement.enabled = check
-        old = self.compute_logprobs(mbs, mode)
-        self.agreement.enabled = False
+        try:
+            old = self.compute_logprobs(mbs, mode)
+        finally:
+            self.agreement.enabled = False
         for mb, lp in zip(mbs, old, strict=True):
             mb.train_old_lp = lp
             if self.reference is not None:
