@@ -113,6 +113,15 @@ def hf_topk_TLK(model: Any, ids: list[int]) -> np.ndarray:
     return np.sort(torch.stack(per_layer, dim=1).numpy(), axis=-1)
 
 
+def hf_token_logprobs(model: Any, ids: list[int], prompt_len: int) -> np.ndarray:
+    """log p(token_t | tokens_<t) of every response token under the HF model."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    lsm = torch.log_softmax(logits, dim=-1)
+    pos = torch.arange(prompt_len - 1, len(ids) - 1)
+    return lsm[pos, torch.tensor(ids[prompt_len:])].numpy()
+
+
 def hf_greedy(model: Any, prompt: list[int], n: int) -> list[int]:
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,

@@ -11,6 +11,7 @@ import pytest
 from rollout_fixtures import (  # noqa: F401
     harness,
     hf_model,
+    hf_token_logprobs,
     hf_topk_TLK,
     pull_all,
     rollout_config,
@@ -71,6 +72,9 @@ def test_stored_routing_equals_hf_teacher_forced_topk(setup, tmp_path):
         assert ids_TLK.shape == (len(tokens) - 1, 2, 2)  # MoE layers 1 and 2 (0 is dense)
         assert np.array_equal(ids_TLK, hf_topk_TLK(base, tokens)[:-1])
         assert all(list(c.layer_ids) == [1, 2] for s in traj.segments for c in s.routing)
+        logprobs = [lp for s in traj.segments for lp in s.logprobs]  # sampled-token logprobs
+        hf_lp = hf_token_logprobs(base, tokens, len(traj.prompt_token_ids))
+        assert np.abs(np.array(logprobs) - hf_lp).max() < 1e-3
         assert traj.segments[0].policy_version == h.engine.policy_version
         assert traj.finish_reason in (trajectory_pb2.FINISH_REASON_STOP,
                                       trajectory_pb2.FINISH_REASON_LENGTH)
