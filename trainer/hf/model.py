@@ -29,13 +29,14 @@ def init_process_group() -> tuple[int, int]:
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
         rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
         gpu = torch.cuda.is_available()
         if gpu:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-        dist.init_process_group("nccl" if gpu else "gloo", rank=rank, world_size=world)
+        # One rank: a private port, and no MASTER_* written to os.environ (children inherit it).
+        init = "env://" if world > 1 else f"tcp://127.0.0.1:{_free_port()}"
+        dist.init_process_group("nccl" if gpu else "gloo", init_method=init, rank=rank,
+                                world_size=world)
     return dist.get_rank(), dist.get_world_size()
 
 
