@@ -103,6 +103,7 @@ class RolloutEngine:
         self._gate = asyncio.Lock()
         self._progress: dict[str, int] = {}
         metrics["r3flow_rollout_policy_version"].set(self.policy_version)
+        log.info("engine ready: %s", self.info)
 
     @classmethod
     def start(cls, cfg: EngineConfig, metrics: dict[str, Any]) -> RolloutEngine:
@@ -112,10 +113,10 @@ class RolloutEngine:
         from services.rollout.cpu_shims import set_cpu_env_defaults
 
         set_cpu_env_defaults()
-        t0 = time.perf_counter()
-        llm = AsyncLLM.from_engine_args(engine_args(cfg))
-        log.info("engine for %s ready in %.1fs", cfg.model, time.perf_counter() - t0)
-        return cls(cfg, llm, metrics)
+        log.info("starting the engine for %s", cfg.model)
+        # No local names the AsyncLLM: vLLM keeps a traceback of an import it caught during
+        # start, which pins this frame; a local would keep the engine alive until exit.
+        return cls(cfg, AsyncLLM.from_engine_args(engine_args(cfg)), metrics)
 
     def shutdown(self) -> None:
         self.llm.shutdown()
