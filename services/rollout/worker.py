@@ -27,6 +27,8 @@ from services.rollout.verifiers import VerifierRegistry
 
 log = logging.getLogger(__name__)
 
+MAX_KEPT_ERRORS = 100  # a long run keeps the first messages; every failure is logged and counted
+
 
 @dataclass
 class GroupResult:
@@ -40,7 +42,8 @@ class GroupResult:
 
 @dataclass
 class WorkerSummary:
-    """Counts of one `run`; tokens are generated tokens (environment tokens excluded)."""
+    """Counts of one `run`; tokens are generated tokens (environment tokens excluded); `errors`
+    holds the first MAX_KEPT_ERRORS failure messages."""
 
     groups_ok: int = 0
     groups_failed: int = 0
@@ -111,7 +114,8 @@ class RolloutWorker:
                 await self.sink.send_group(group.trajectories)
         except ValueError as e:  # bad input, failed routing check, store refusal: this group
             summary.groups_failed += 1
-            summary.errors.append(f"group {group_id} (prompt {rec.prompt_id}): {e}")
+            if len(summary.errors) < MAX_KEPT_ERRORS:
+                summary.errors.append(f"group {group_id} (prompt {rec.prompt_id}): {e}")
             outcome = "routing_check_failed" if isinstance(e, RoutingCheckError) else "error"
             self.metrics["r3flow_rollout_trajectories_total"].labels(outcome).inc(
                 self.cfg.sampling.n)
