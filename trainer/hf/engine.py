@@ -29,7 +29,13 @@ from trainer.config import TrainerConfig
 from trainer.hf.config import HFBackendConfig
 from trainer.hf.model import export_hf, init_process_group, load_model, shard
 from trainer.hf.packing import hf_router_rows, pack_microbatches, response_logprobs
-from trainer.hf.routers import HFAgreementMonitor, HFModelReplay, decoder_layers, find_routers
+from trainer.hf.routers import (
+    HFAgreementMonitor,
+    HFModelReplay,
+    RoutingArch,
+    decoder_layers,
+    find_routers,
+)
 from trainer.loss import group_advantages, logprob_diff, ppo_loss, sft_loss, token_logprobs
 from trainer.replay import ReplayMode
 
@@ -51,8 +57,9 @@ class HFTrainer:
         self.sharded = self._use_fsdp()
         self.model = self._build(trainable=True)
         self.routers = find_routers(self.model)
-        self.moe_layers = tuple(r.hf_layer for r in self.routers)
-        self.num_experts, self.top_k = self.routers[0].num_experts, self.routers[0].top_k
+        self.arch = RoutingArch.of(self.routers)
+        self.moe_layers, self.num_experts, self.top_k = (
+            self.arch.moe_layers, self.arch.num_experts, self.arch.top_k)
         self.agreement = HFAgreementMonitor(self.moe_layers, self.top_k)
         self.agreement.enabled = False
         self.replay = HFModelReplay(self.routers, self.agreement)

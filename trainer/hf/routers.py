@@ -80,6 +80,24 @@ class RouterHandle:
         return int(self.module.top_k)
 
 
+@dataclass(frozen=True)
+class RoutingArch:
+    """The routing facts of a model that alignment needs (as megatron's MoeArch has them)."""
+
+    num_experts: int
+    top_k: int
+    moe_layers: tuple[int, ...]  # HF layer index of each MoE layer
+
+    @classmethod
+    def of(cls, routers: Sequence[RouterHandle]) -> RoutingArch:
+        """From a model's routers; every MoE layer must have the same E and K."""
+        shapes = {(r.num_experts, r.top_k) for r in routers}
+        if len(shapes) != 1:
+            raise ValueError(f"router: MoE layers differ in (num_experts, top_k): {shapes}")
+        (e, k), = shapes
+        return cls(e, k, tuple(r.hf_layer for r in routers))
+
+
 def decoder_layers(model: torch.nn.Module) -> Sequence[torch.nn.Module]:
     """The decoder layers of an HF causal LM (`model.model.layers`)."""
     inner = getattr(model, "model", model)

@@ -1,0 +1,117 @@
+"""`r3flow train --backend hf`: the store-driven loop (trainer.step.TrainLoop) on HFTrainer ranks.
+
+Everything but the rank's trainer is the megatron backend's: config, store pull/ack, metrics and
+run log, weight push, checkpoint layout (trainer.checkpoint, one file per rank; under FSDP2 each
+rank saves its own parameter shards). HF-only knobs (trainer.hf.config.HFBackendConfig) come from
+`--hf-config FILE` when the CLI offers it, else defaults. The CLI runs one in-process rank
+(`run.launcher: local`); multi-rank FSDP2 is HFTrainer's (every rank a process with RANK/
+WORLD_SIZE/MASTER_* set), but no launcher drives several HF ranks from the store yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+from collections.abc import Iterator
+from dataclasses import asdict
+
+import torch
+
+from trainer.checkpoint import CheckpointManager, DataPosition
+from trainer.config import TrainerConfig
+from trainer.hf.config import HFBackendConfig
+from trainer.worker import RankWorker
+
+log = logging.getLogger(__name__)
+
+
+class _LocalShards:
+    """This rank's parameters as plain tensors (FSDP2 DTensor -> local shard) for checkpoints."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, p in self.module.named_parameters():
+            yield name, p.to_local() if hasattr(p, "to_local") else p
+
+
+class HFRankWorker(RankWorker):
+    """RankWorker (routing alignment, train, export) around an HFTrainer."""
+
+    def __init__(self, cfg_json: str, hf_json: str = "{}") -> None:  # noqa: D107
+        from trainer.hf.engine import HFTrainer
+
+        self.cfg = TrainerConfig.model_validate_json(cfg_json)
+        self.hf = HFBackendConfig.model_validate_json(hf_json)
+        self.trainer = HFTrainer(self.cfg, self.hf)  # type: ignore[assignment]
+        self.ckpt = CheckpointManager(self.cfg.run.run_dir)
+
+    def save(self, pos: dict) -> str:
+        shards = _LocalShards(self.trainer.model)
+        return str(self.ckpt.save(shards, self.trainer.optimizer, DataPosition(**pos)))  # type: ignore[arg-type]
+
+    def resume(self) -> dict | None:
+        """Load the latest checkpoint if there is one; returns its data position."""
+        if self.ckpt.latest() is None:
+            return None
+        shards = _LocalShards(self.trainer.model)
+        pos = self.ckpt.load(shards, self.trainer.optimizer)  # type: ignore[arg-type]
+        self.trainer.policy_version = pos.policy_version
+        return asdict(pos)
+
+
+class HFLocalRanks:
+    """One in-process HF rank (trainer.step.Ranks)."""
+
+    world_size = 1
+
+    def __init__(self, cfg: TrainerConfig, hf: HFBackendConfig) -> None:
+        self.worker = HFRankWorker(cfg.model_dump_json(), hf.model_dump_json())
+
+    def call(self, method: str, per_rank_args: list[tuple]) -> list:
+        return [getattr(self.worker, method)(*per_rank_args[0])]
+
+
+def load_hf_config(args: argparse.Namespace) -> HFBackendConfig:
+    """HFBackendConfig from `args.hf_config` (a file) when given, else defaults."""
+    from services.common.config import load_config
+
+    path = getattr(args, "hf_config", None)
+    return load_config(HFBackendConfig, path, {}) if path else HFBackendConfig()
+
+
+def run_hf(cfg: TrainerConfig, args: argparse.Namespace) -> int:
+    """The `r3flow train` loop with the HF/FSDP2 backend; returns the exit code."""
+    from prometheus_client import CollectorRegistry
+
+    from services.common.metrics import MetricsServer, create_metrics
+    from services.store.client import StoreClient
+    from trainer.step import TrainLoop
+    from trainer.weight_push import StoreWeightPush
+
+    if cfg.run.launcher != "local":
+        raise ValueError("run.launcher: the hf backend supports only 'local' (one in-process "
+                         "rank) for now")
+    hf = load_hf_config(args)
+    log.info("hf backend config: %s", hf.model_dump_json())
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    registry = CollectorRegistry()
+    server = MetricsServer(registry, cfg.run.metrics_host, cfg.run.metrics_port).start()
+    log.info("trainer metrics on %s", server.url)
+    try:
+        with StoreClient(cfg.data.store) as client:
+            client.wait_ready(cfg.run.store_ready_timeout_s)
+            ranks = HFLocalRanks(cfg, hf)
+            push = StoreWeightPush(client, cfg.weight_sync) if cfg.run.push_weights_every else None
+            loop = TrainLoop(cfg, ranks, client, create_metrics(registry, "trainer"), push)
+            loop.resume()
+            history = loop.run(cfg.run.steps, stop=stop.is_set)
+    finally:
+        server.stop()
+    log.info("trained %d steps (hf backend); policy version %d", len(history),
+             loop.pos.policy_version)
+    return 0
