@@ -40,7 +40,10 @@ def _send_receive(named, bucket_bytes=4096, wire=torch.bfloat16, direct_min=1 <<
         head = bk.decode_header(bk.encode_header(spec.index, spec.nbytes, entries))
         received = sent.clone()
         assert bk.verify(received, head["tensors"]) == []
-        out.update({e.name: bk.tensor_view(received, e) for e in head["tensors"]})
+        views = bk.bucket_views(received, head["tensors"])
+        assert all(torch.equal(v, bk.tensor_view(received, e))
+                   for v, e in zip(views, head["tensors"], strict=True))
+        out.update({e.name: v for e, v in zip(head["tensors"], views, strict=True)})
     return specs, out
 
 
@@ -111,6 +114,15 @@ def test_checksum_is_wrapping_int64_word_sum():
     entry = bk.TensorEntry("t", torch.int64, (4,), 0, 32)
     [s] = bk.checksums(t.view(torch.uint8), [entry])
     assert s == (3 * 2**62 + 1) % 2**64 - 2**64  # wrapped into a signed int64
+
+
+def test_gpu_segment_sums_equal_per_tensor_sums():
+    """The prefix-sum form used on CUDA gives the same wrapped sums (run here on CPU)."""
+    spec = next(bk.iter_buckets(_model()[:3] + _model()[4:], 1 << 20, torch.bfloat16, CPU,
+                                1 << 30))
+    sent = bk.fill(torch.randint(0, 255, (1 << 20,), dtype=torch.uint8), spec)
+    assert len(spec.entries) > 5
+    assert bk._segment_sums(sent, spec.entries).tolist() == bk.checksums(sent, spec.entries)
 
 
 def test_header_roundtrip_and_end_marker():

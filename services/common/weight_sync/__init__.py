@@ -12,7 +12,6 @@ gloo (CPU) or NCCL (GPU) group, rendezvous through a `WeightSyncPlan`, two-phase
 See docs/weight_sync.md.
 """
 
-from services.common.weight_sync.config import WeightSyncConfig
 from services.common.weight_sync.group import (
     Member,
     WeightSyncAborted,
@@ -22,6 +21,17 @@ from services.common.weight_sync.group import (
 )
 from services.common.weight_sync.receiver import ReceivedWeights, WeightReceiver
 from services.common.weight_sync.sender import PushReport, WeightSender
+
+
+def __getattr__(name: str):
+    # Imported on first use: the transport itself needs torch only (the GPU bench machines
+    # have no pydantic); the typed config is for the services.
+    if name == "WeightSyncConfig":
+        from services.common.weight_sync.config import WeightSyncConfig
+
+        return WeightSyncConfig
+    raise AttributeError(name)
+
 
 __all__ = [
     "Member",

@@ -7,8 +7,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from services.common.config import StrictConfig
-
-MiB = 1 << 20
+from services.common.weight_sync.buckets import default_bucket_bytes
 
 
 class WeightSyncConfig(StrictConfig):
@@ -48,9 +47,7 @@ class WeightSyncConfig(StrictConfig):
         return self
 
     def resolved_bucket_bytes(self) -> int:
-        if self.bucket_bytes is not None:
-            return self.bucket_bytes
-        return 256 * MiB if self.backend == "nccl" else 64 * MiB
+        return self.bucket_bytes or default_bucket_bytes(self.backend)
 
     def resolved_direct_min_bytes(self) -> int:
         return self.direct_min_bytes or self.resolved_bucket_bytes() // 2

@@ -194,10 +194,39 @@ def poll_until(ready: Callable[[], bool], check: Callable[[], None], deadline: f
         time.sleep(min(5e-3, max(2e-5, (now - start) / 8)))
 
 
-def wait_work(work: dist.Work, check: Callable[[], None], deadline: float) -> None:
-    """Wait for a collective without blocking in C++ (so a dead peer cannot hang us)."""
-    poll_until(work.is_completed, check, deadline, "a broadcast")
-    work.wait()  # raises the backend's error; for NCCL, orders the current stream after it
+def wait_keys(store: dist.Store, keys: list[str], check: Callable[[], None], deadline: float,
+              what: str = "") -> None:
+    """Block until every key is set, in 50 ms slices (the store wakes us the moment the last
+    one is set) with `check()` between slices; WaitTimeout at the deadline."""
+    while True:
+        try:
+            store.wait(keys, timedelta(milliseconds=50))
+            return
+        except dist.DistStoreError:
+            pass  # a slice ran out (a lost connection raises another error)
+        check()
+        if time.monotonic() >= deadline:
+            raise WaitTimeout(f"timed out waiting for {what or ', '.join(keys)}")
+
+
+def wait_work(work: dist.Work, check: Callable[[], None], deadline: float,
+              gloo: bool) -> None:
+    """Wait for a collective without blocking for long in C++ (so a dead peer cannot hang
+    us): gloo blocks in slices of 50 ms (it wakes the moment the op ends), NCCL is polled."""
+    if not gloo:
+        poll_until(work.is_completed, check, deadline, "a broadcast")
+        work.wait()  # NCCL: orders the current stream after the op
+        return
+    while True:
+        try:
+            work.wait(timedelta(milliseconds=50))
+            return
+        except RuntimeError:
+            if work.is_completed():
+                raise  # the op itself failed (a peer died, gloo's own timeout)
+        check()
+        if time.monotonic() >= deadline:
+            raise WaitTimeout("timed out waiting for a broadcast") from None
 
 
 class Heartbeat:

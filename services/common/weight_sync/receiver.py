@@ -29,24 +29,36 @@ from services.common.weight_sync.group import (
     discard,
     make_process_group,
     members_of,
-    poll_until,
     push_store,
     rank_in,
+    wait_keys,
     wait_work,
 )
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
 class ReceivedWeights:
-    """A committed push. `named` are views into the receiver's staging buffers: load them
-    before the next `receive()` (which may reuse the buffers)."""
+    """A committed push. `named` are views into the receiver's staging buffers, built on
+    first use: load them before the next `receive()` (which may reuse the buffers)."""
 
-    version: int
-    named: list[tuple[str, torch.Tensor]]
-    num_bytes: int
-    seconds: float
+    def __init__(self, version: int, buckets: list[tuple[torch.Tensor, list[bk.TensorEntry]]],
+                 num_bytes: int, seconds: float) -> None:
+        self.version, self.num_bytes, self.seconds = version, num_bytes, seconds
+        self._buckets = buckets
+        self._named: list[tuple[str, torch.Tensor]] | None = None
+
+    @property
+    def named(self) -> list[tuple[str, torch.Tensor]]:
+        """(HF name, tensor in the wire dtype) in the sender's order."""
+        if self._named is None:
+            self._named = [(e.name, view) for bucket, entries in self._buckets
+                           for e, view in zip(entries, bk.bucket_views(bucket, entries),
+                                              strict=True)]
+        return self._named
+
+    def __len__(self) -> int:
+        return sum(len(entries) for _, entries in self._buckets)
 
     def as_dict(self) -> dict[str, torch.Tensor]:
         return dict(self.named)
@@ -125,10 +137,11 @@ class _Receive:
         self.heartbeat = Heartbeat(push_store(root.clone(), plan.version), member.rank,
                                    self.params["heartbeat_interval_s"])
         self.pg: dist.ProcessGroup | None = None
-        self.named: list[tuple[str, torch.Tensor]] = []
+        self.ntensors = 0
         self.bad: list[str] = []
         self.end: dict = {}
         self.sums: list[torch.Tensor] = []
+        self.buckets: list[torch.Tensor] = []
         self.entries: list[list[bk.TensorEntry]] = []
         self.host_blocking = plan.backend == "gloo"
 
@@ -152,7 +165,8 @@ class _Receive:
             self.heartbeat.stop()
         assert self.pg is not None
         self.rx._group = (self.version, self.pg)
-        return ReceivedWeights(self.version, self.named, nbytes, time.perf_counter() - t0)
+        return ReceivedWeights(self.version, list(zip(self.buckets, self.entries, strict=True)),
+                               nbytes, time.perf_counter() - t0)
 
     def _deadline(self) -> float:
         # The sender decides (and names the culprit) first: it needs up to a heartbeat
@@ -172,8 +186,12 @@ class _Receive:
                                     f"{reason}", version=self.version)
 
     def _wait_key(self, key: str) -> bytes:
-        poll_until(lambda: self.store.check([key]), self._check_abort, self._deadline(), key)
-        return self.store.get(key)
+        try:
+            wait_keys(self.store, [key], self._check_abort, self._deadline())
+            return self.store.get(key)
+        except dist.DistNetworkError as e:
+            raise WeightSyncAborted(f"weight sync v{self.version}: sender unreachable ({e})",
+                                    version=self.version) from e
 
     def _join(self) -> None:
         reuse, cached = self.params.get("reuse"), self.rx._group
@@ -190,17 +208,26 @@ class _Receive:
                                      self.params["timeout_s"], host)
 
     def _receive_all(self) -> int:
-        """Post bucket k+1 before finishing bucket k, so the link never idles on us; then
+        """Keep the link busy (gloo: bucket k+1 is posted before bucket k is finished), then
         check every tensor against the checksums of the end header."""
-        nbytes, cur, last = 0, self._post(0), None
-        while cur is not None:
-            nxt = self._post(cur.index + 1)
-            self._finish(cur)
-            nbytes, last, cur = nbytes + cur.bucket.numel(), cur.work, nxt
-        if not self.host_blocking and last is not None:  # NCCL: one wait for the whole push
-            wait_work(last, self._check_abort, self._deadline())
-        if self.end["tensors"] != len(self.named) or self.end["bytes"] != nbytes:
-            raise WeightSyncError(f"weight sync v{self.version}: got {len(self.named)} tensors "
+        if self.host_blocking:
+            staged, cur = [], self._post(0)
+            while cur is not None:
+                nxt = self._post(cur.index + 1)
+                self._finish(cur)
+                staged.append(cur)
+                cur = nxt
+        else:  # NCCL: post every bucket first (the host never waits on the GPU), then finish
+            staged = []
+            while (cur := self._post(len(staged))) is not None:
+                staged.append(cur)
+            for cur in staged:
+                self._finish(cur)
+            if staged:  # one wait for the whole push (NCCL runs them in order)
+                wait_work(staged[-1].work, self._check_abort, self._deadline(), gloo=False)
+        nbytes = sum(st.bucket.numel() for st in staged)
+        if self.end["tensors"] != self.ntensors or self.end["bytes"] != nbytes:
+            raise WeightSyncError(f"weight sync v{self.version}: got {self.ntensors} tensors "
                                   f"/ {nbytes} B, the sender announced {self.end}",
                                   version=self.version)
         self.bad = bk.mismatches(self.entries, bk.split_sums(self.sums), self.end["sums"])
@@ -220,12 +247,13 @@ class _Receive:
         """Bucket received (gloo: host waits, polled) or queued behind it (NCCL: stream
         order): checksum it, expose its tensors as views."""
         if self.host_blocking:
-            wait_work(staged.work, self._check_abort, self._deadline())
+            wait_work(staged.work, self._check_abort, self._deadline(), gloo=True)
         else:
             staged.work.wait()
         self.sums.append(bk.checksum_tensor(staged.bucket, staged.entries))
         self.entries.append(staged.entries)
-        self.named += [(e.name, bk.tensor_view(staged.bucket, e)) for e in staged.entries]
+        self.buckets.append(staged.bucket)
+        self.ntensors += len(staged.entries)
         self.heartbeat.progress = staged.index + 1
         if self.on_bucket is not None:
             self.on_bucket(staged.index)
@@ -239,8 +267,7 @@ class _Receive:
         self.store.set(Keys.ack(self.member.rank), msg)
 
     def _await_commit(self) -> None:
-        poll_until(lambda: self.store.check([Keys.COMMIT]), self._check_abort, self._deadline(),
-                   "the commit")
+        self._wait_key(Keys.COMMIT)
         if self.bad:  # the sender cannot have committed over our failed ack
             raise WeightSyncError(f"weight sync v{self.version}: commit after a failed ack",
                                   version=self.version)
@@ -254,7 +281,7 @@ class _Receive:
             log.warning("weight sync v%d: could not report failure to the sender", self.version)
 
     def _discard(self) -> None:
-        self.named, self.bad, self.sums, self.entries = [], [], [], []
+        self.bad, self.sums, self.entries, self.buckets = [], [], [], []
         self.rx._group = None
         discard(self.pg, [], linger_s=self.params["timeout_s"] + 10)
         self.pg = None

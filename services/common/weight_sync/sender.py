@@ -11,13 +11,13 @@ import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from services.common.pb.r3flow.v1 import store_pb2
 from services.common.weight_sync import buckets as bk
-from services.common.weight_sync.config import WeightSyncConfig
 from services.common.weight_sync.group import (
     Keys,
     WaitTimeout,
@@ -27,11 +27,14 @@ from services.common.weight_sync.group import (
     discard,
     make_process_group,
     members_of,
-    poll_until,
     push_store,
+    wait_keys,
     wait_work,
 )
 from services.common.weight_sync.monitor import MemberMonitor
+
+if TYPE_CHECKING:  # the sender only reads attributes: the GPU bench runs without pydantic
+    from services.common.weight_sync.config import WeightSyncConfig
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +68,8 @@ class WeightSender:
         self.cfg = cfg
         self.device = torch.device(cfg.device)
         self.wire = bk.wire_dtype(cfg.wire_dtype)
+        self.bucket_bytes = cfg.bucket_bytes or bk.default_bucket_bytes(cfg.backend)
+        self.direct_min_bytes = cfg.direct_min_bytes or self.bucket_bytes // 2
         self._root = connect_store(cfg.advertise_addr, cfg.port, cfg.timeout_s, server=True)
         self._pool: list[torch.Tensor | None] = [None] * cfg.inflight_buckets
         self._last_version: int | None = None
@@ -86,7 +91,7 @@ class WeightSender:
         plan = store_pb2.WeightSyncPlan(
             version=version, master_addr=self.cfg.advertise_addr, master_port=self.port,
             members=list(workers), backend=self.cfg.backend, wire_dtype=self.cfg.wire_dtype,
-            bucket_bytes=self.cfg.resolved_bucket_bytes())
+            bucket_bytes=self.bucket_bytes)
         g = self._group
         self._reuse = g.version if g is not None and g.signature == _signature(plan) else None
         params = {"timeout_s": self.cfg.timeout_s,
@@ -171,16 +176,11 @@ class _Push:
 
     def _join(self) -> None:
         """Wait until every member is connected and heart-beating, then form the group."""
-        waiting = list(self.members)
-
-        def all_joined() -> bool:
-            waiting[:] = [m for m in waiting if not self.store.check([Keys.join(m.rank)])]
-            return not waiting
-
+        keys = [Keys.join(m.rank) for m in self.members]
         try:
-            poll_until(all_joined, self._no_errors, self._deadline(), "joins")
+            wait_keys(self.store, keys, self._no_errors, self._deadline(), "joins")
         except WaitTimeout:
-            names = tuple(str(m) for m in waiting)
+            names = tuple(str(m) for m in self.members if not self.store.check([Keys.join(m.rank)]))
             raise WeightSyncError(f"weight push v{self.version}: member(s) {', '.join(names)} "
                                   f"did not join within {self.cfg.timeout_s} s",
                                   version=self.version, members=names) from None
@@ -211,16 +211,17 @@ class _Push:
         checksums follow in the end header (on GPU: one host sync for the whole push)."""
         sums: list[torch.Tensor] = []
         tensors = nbytes = 0
-        specs = bk.iter_buckets(named, self.cfg.resolved_bucket_bytes(), self.s.wire,
-                                self.s.device, self.cfg.resolved_direct_min_bytes())
+        specs = bk.iter_buckets(named, self.s.bucket_bytes, self.s.wire, self.s.device,
+                                self.s.direct_min_bytes)
         for spec in specs:
             slot = self._free_slot()
             bucket = bk.fill(self._buffer(slot, spec), spec)
-            sums.append(bk.checksum_tensor(bucket, spec.entries))
             self.store.set(Keys.header(spec.index),
                            bk.encode_header(spec.index, spec.nbytes, spec.entries))
             assert self.pg is not None
             self.inflight.append((broadcast(self.pg, bucket), slot, bucket))
+            # summed while it is on the wire (both only read the buffer)
+            sums.append(bk.checksum_tensor(bucket, spec.entries))
             tensors, nbytes = tensors + len(spec.entries), nbytes + spec.nbytes
         self._drain()
         self.store.set(Keys.header(len(sums)),
@@ -239,7 +240,7 @@ class _Push:
         work, _, _ = self.inflight[0]
         with self._transport_errors():
             if self.host_blocking:
-                wait_work(work, self.monitor.check, self._deadline())
+                wait_work(work, self.monitor.check, self._deadline(), self.host_blocking)
             else:
                 work.wait()
         self.last_work = work
@@ -251,7 +252,8 @@ class _Push:
             self._retire_oldest()
         if not self.host_blocking and self.last_work is not None:
             with self._transport_errors():
-                wait_work(self.last_work, self.monitor.check, self._deadline())
+                wait_work(self.last_work, self.monitor.check, self._deadline(),
+                          self.host_blocking)
 
     @contextlib.contextmanager
     def _transport_errors(self) -> Iterator[None]:
@@ -264,7 +266,7 @@ class _Push:
 
     def _buffer(self, slot: int, spec: bk.BucketSpec) -> torch.Tensor:
         """A pooled bucket buffer, or a one-off one for an oversized tensor."""
-        size = self.cfg.resolved_bucket_bytes()
+        size = self.s.bucket_bytes
         if spec.direct is not None:
             return spec.direct
         if spec.nbytes > size:
@@ -279,8 +281,7 @@ class _Push:
         """Every member verified every bucket, or the push fails naming who did not."""
         keys = [Keys.ack(m.rank) for m in self.members]
         try:
-            poll_until(lambda: self.store.check(keys), self.monitor.check, self._deadline(),
-                       "acks")
+            wait_keys(self.store, keys, self.monitor.check, self._deadline(), "acks")
         except WaitTimeout:
             missing = [m for m in self.members if not self.store.check([Keys.ack(m.rank)])]
             raise self.monitor.blame(missing, "no ack within timeout_s") from None
