@@ -8,6 +8,7 @@ only re-applies what is missing.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -21,6 +22,8 @@ from services.store.config import StoreConfig
 from services.store.errors import CapacityError
 from services.store.keys import Keys
 from services.store.validate import GroupState, TrajState, Write
+
+log = logging.getLogger(__name__)
 
 _COMMIT_ERRORS = {  # Lua result -> (field, meaning) for writes that lost a race
     "group_size": "begin.group_size: group size changed concurrently",
@@ -47,8 +50,12 @@ class Appender:
         self.r: Any = client  # redis-py's annotations mix sync and async replies
         self.cfg = config
         self.keys = keys
-        self.limits = validate.Limits(config.max_tokens_per_trajectory, config.max_group_size)
+        self.limits = validate.Limits(config.max_tokens_per_trajectory, config.max_group_size,
+                                      decode_routing=config.routing_validation == "decode")
         self._metric = metric
+        if not self.limits.decode_routing:
+            log.warning("routing_validation=header: routing ids are not range/duplicate "
+                        "checked before they are stored")
         self._sha: dict[str, str] = {}
         self._load_scripts()
 

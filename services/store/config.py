@@ -36,6 +36,10 @@ class StoreConfig(StrictConfig):
     max_stream_bytes: int = Field(
         256 << 20, ge=1024, description="bytes one Append stream may buffer before it is committed")
     max_tokens_per_trajectory: int = Field(262_144, ge=2, description="prompt + response tokens")
+    routing_validation: Literal["decode", "header"] = Field(
+        "decode", description="decode: every routing chunk is decoded before it is stored "
+        "(ids < num_experts, distinct ids per row); header: codec, CRC-32, shape and header "
+        "only (~4x less store CPU; ids are then first checked by the trainer's decode)")
     max_group_size: int = Field(1024, ge=1, description="largest GRPO group")
     max_inflight_trajectories: int = Field(
         100_000, ge=1, description="begun, not yet finished trajectories")

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import hashlib
 import math
+import zlib
 from collections.abc import Container
 from dataclasses import dataclass, field
 
-from services.common.pb.r3flow.v1 import store_pb2, trajectory_pb2
+from services.common import routing
+from services.common.pb.r3flow.v1 import routing_pb2, store_pb2, trajectory_pb2
 from services.common.wire import routing_from_proto
 
 MAX_ID_CHARS = 256
@@ -72,6 +74,7 @@ class GroupState:
 class Limits:
     max_tokens_per_trajectory: int
     max_group_size: int
+    decode_routing: bool = True  # False: header + CRC checks only (see StoreConfig)
 
 
 @dataclass
@@ -192,7 +195,8 @@ def validate_segment(req: store_pb2.AppendRequest, state: TrajState, limits: Lim
         raise ValueError(f"segment.policy_version: {seg.policy_version} < 0")
     expected = state.prompt_len + n - 1 if j == 0 else n
     prompt_chunk, prompt_field = _prompt_chunk(seg, state)
-    chunks = _check_routing(seg, state, expected, trust_first=prompt_field in known_prompts)
+    chunks = _check_routing(seg, state, expected, limits.decode_routing,
+                            trust_first=prompt_field in known_prompts)
     write = SegmentWrite(req.trajectory_id, state.group_id, req.sequence_number, state.rows,
                          chunks.rows, n, seg.policy_version, chunks.layout, b"",
                          raw_bytes=chunks.raw_bytes, encoded_bytes=chunks.encoded_bytes)
@@ -249,7 +253,7 @@ class _Chunks:
 
 
 def _check_routing(seg: trajectory_pb2.Segment, state: TrajState, expected: int,
-                   trust_first: bool = False) -> _Chunks:
+                   decode: bool, trust_first: bool = False) -> _Chunks:
     if not seg.routing:
         raise ValueError(f"segment.routing: missing; rows [{state.rows}, {state.rows + expected})"
                          " are required")
@@ -258,9 +262,11 @@ def _check_routing(seg: trajectory_pb2.Segment, state: TrajState, expected: int,
         name = f"segment.routing[{c}]"
         if c == 0 and trust_first:  # byte-identical to a chunk that passed these checks
             rows, size = chunk.shape[0], chunk.shape[0] * chunk.shape[1] * chunk.shape[2]
-        else:
+        elif decode:
             ids_TLK = routing_from_proto(chunk, name)
             rows, size = ids_TLK.shape[0], ids_TLK.size
+        else:
+            rows, size = _check_chunk_header(chunk, name)
         if chunk.start_row != row:
             raise ValueError(f"{name}.start_row: {chunk.start_row}, expected {row} "
                              "(chunks must continue the trajectory's rows without gaps)")
@@ -276,6 +282,29 @@ def _check_routing(seg: trajectory_pb2.Segment, state: TrajState, expected: int,
             "R response tokens has P+R-1 rows: segment 0 carries P+n0-1, later segments n_j)")
     assert layout is not None
     return _Chunks(layout, got, raw, sum(len(ch.data) for ch in seg.routing))
+
+
+def _check_chunk_header(chunk: routing_pb2.RoutedExperts, name: str) -> tuple[int, int]:
+    """Everything `routing_from_proto` checks except the payload decode (ids < E, distinct)."""
+    if chunk.codec != routing_pb2.ROUTING_CODEC_R3C:
+        raise ValueError(f"{name}.codec: unsupported codec {chunk.codec}")
+    if len(chunk.shape) != 3:
+        raise ValueError(f"{name}.shape: expected [rows, layers, topk], got {list(chunk.shape)}")
+    if zlib.crc32(chunk.data) != chunk.checksum:
+        raise ValueError(f"{name}.checksum: CRC-32 of data does not match")
+    if len(chunk.layer_ids) != chunk.shape[1]:
+        raise ValueError(f"{name}.layer_ids: {len(chunk.layer_ids)} entries for "
+                         f"{chunk.shape[1]} layers")
+    try:
+        hdr = routing.peek_header(chunk.data)
+    except ValueError as e:
+        raise ValueError(f"{name}.data: {e}") from None
+    if list(hdr.shape) != list(chunk.shape):
+        raise ValueError(f"{name}.shape: says {list(chunk.shape)}, data holds {list(hdr.shape)}")
+    if hdr.num_experts != chunk.num_experts:
+        raise ValueError(f"{name}.num_experts: says {chunk.num_experts}, data holds "
+                         f"{hdr.num_experts}")
+    return hdr.tokens, hdr.tokens * hdr.layers * hdr.topk
 
 
 def _check_layout(chunk: object, layout: Layout | None, name: str) -> Layout:

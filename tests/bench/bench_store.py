@@ -132,10 +132,10 @@ def store_client(idx: int, groups: int, data: Path, address: str, ready, go, out
     with StoreClient(address, timeout_s=120) as client:
         ready.put(idx)
         go.wait()
-        start = time.time()
+        start, cpu0 = time.time(), time.process_time()
         for trajs in groups_of_trajs:  # one Append stream per finished group
             client.append_trajectories(trajs)
-        out.put({"start": start, "end": time.time()})
+        out.put({"start": start, "end": time.time(), "cpu": time.process_time() - cpu0})
 
 
 def raw_client(idx: int, groups: int, data: Path, url: str, ready, go, out) -> None:  # noqa: ANN001
@@ -144,18 +144,18 @@ def raw_client(idx: int, groups: int, data: Path, url: str, ready, go, out) -> N
     r = redis.Redis.from_url(url)
     ready.put(idx)
     go.wait()
-    start = time.time()
+    start, cpu0 = time.time(), time.process_time()
     for k in range(0, len(payloads), GROUP):  # one pipeline per group, like one Append batch
         with r.pipeline(transaction=False) as p:
             for key, blob in payloads[k:k + GROUP]:
                 p.set(key, blob)
                 p.rpush("raw:queue", key)
             p.execute()
-    out.put({"start": start, "end": time.time()})
+    out.put({"start": start, "end": time.time(), "cpu": time.process_time() - cpu0})
 
 
-def run_writers(target, groups: int, data: Path, arg: str) -> float:  # noqa: ANN001
-    """Start CLIENTS processes, release them together; returns the write phase's seconds."""
+def run_writers(target, groups: int, data: Path, arg: str) -> tuple[float, float]:  # noqa: ANN001
+    """Start CLIENTS processes, release them together; returns (wall s, clients' CPU s)."""
     ctx = mp.get_context("spawn")
     ready, out, go = ctx.Queue(), ctx.Queue(), ctx.Event()
     procs = [ctx.Process(target=target, args=(i, groups, data, arg, ready, go, out))
@@ -169,25 +169,26 @@ def run_writers(target, groups: int, data: Path, arg: str) -> float:  # noqa: AN
     for p in procs:
         p.join()
         assert p.exitcode == 0, f"writer exited with {p.exitcode}"
-    return max(r["end"] for r in results) - min(r["start"] for r in results)
+    wall = max(r["end"] for r in results) - min(r["start"] for r in results)
+    return wall, sum(r["cpu"] for r in results)
 
 
 # ---- drain -------------------------------------------------------------------------------
-def drain_store(address: str, n_groups: int) -> float:
+def drain_store(address: str, n_groups: int) -> tuple[float, float]:
     from services.store.client import StoreClient
 
-    t0, seen = time.perf_counter(), 0
+    t0, cpu0, seen = time.perf_counter(), time.process_time(), 0
     with StoreClient(address, timeout_s=120) as client:
         while seen < n_groups:
             groups = client.pull("bench", max_groups=4, lease_seconds=600, wait_ms=1000)
             assert all(len(g.trajectories) == GROUP for g in groups)
             client.ack("bench", [g.delivery_id for g in groups])
             seen += len(groups)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - cpu0
 
 
-def drain_raw(url: str, n_trajs: int) -> float:
-    r, t0, seen = redis.Redis.from_url(url), time.perf_counter(), 0
+def drain_raw(url: str, n_trajs: int) -> tuple[float, float]:
+    r, t0, cpu0, seen = redis.Redis.from_url(url), time.perf_counter(), time.process_time(), 0
     while seen < n_trajs:
         keys = r.lpop("raw:queue", GROUP) or []
         with r.pipeline(transaction=False) as p:
@@ -197,7 +198,7 @@ def drain_raw(url: str, n_trajs: int) -> float:
             blobs = p.execute()[::2]
         assert all(len(b) == len(blobs[0]) for b in blobs)
         seen += len(keys)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - cpu0
 
 
 def used_memory(url: str) -> int:
@@ -214,11 +215,13 @@ def cpu_seconds(pid: int) -> float:
 
 
 # ---- the two sides -------------------------------------------------------------------------
-def bench_store(groups: int, data: Path, workdir: Path) -> dict[str, float]:
+def bench_store(groups: int, data: Path, workdir: Path,
+                routing_validation: str = "decode") -> dict[str, float]:
     with EmbeddedRedis(workdir / "store-redis") as server:
         port = free_port()
         cfg = workdir / "store.json"
-        cfg.write_text(json.dumps({"max_backlog_tokens": 1 << 40, "max_policy_lag": None}))
+        cfg.write_text(json.dumps({"max_backlog_tokens": 1 << 40, "max_policy_lag": None,
+                                   "routing_validation": routing_validation}))
         env = {**os.environ, "REDIS_URL": server.url, "PYTHONPATH": str(REPO)}
         proc = subprocess.Popen([sys.executable, "-m", "services.store.cli", "--config", str(cfg),
                                  "--listen", f"127.0.0.1:{port}", "--log-level", "WARNING"],
@@ -228,24 +231,29 @@ def bench_store(groups: int, data: Path, workdir: Path) -> dict[str, float]:
 
             StoreClient(f"127.0.0.1:{port}").wait_ready(60)
             mem0, cpu0 = used_memory(server.url), cpu_seconds(proc.pid)
-            write_s = run_writers(store_client, groups, data, f"127.0.0.1:{port}")
+            redis0 = cpu_seconds(server.pid)  # type: ignore[arg-type]
+            write_s, client_cpu = run_writers(store_client, groups, data, f"127.0.0.1:{port}")
             mem = used_memory(server.url) - mem0
-            drain_s = drain_store(f"127.0.0.1:{port}", CLIENTS * groups)
+            drain_s, drain_cpu = drain_store(f"127.0.0.1:{port}", CLIENTS * groups)
             store_cpu = cpu_seconds(proc.pid) - cpu0
+            redis_cpu = cpu_seconds(server.pid) - redis0  # type: ignore[arg-type]
         finally:
             proc.kill()
             proc.wait()
     return {"write_s": write_s, "drain_s": drain_s, "mem_bytes": mem,
-            "store_process_cpu_s": store_cpu}
+            "store_process_cpu_s": store_cpu,
+            "total_cpu_s": client_cpu + drain_cpu + store_cpu + redis_cpu}
 
 
 def bench_raw(groups: int, data: Path, workdir: Path) -> dict[str, float]:
     with EmbeddedRedis(workdir / "raw-redis") as server:
-        mem0 = used_memory(server.url)
-        write_s = run_writers(raw_client, groups, data, server.url)
+        mem0, redis0 = used_memory(server.url), cpu_seconds(server.pid)  # type: ignore[arg-type]
+        write_s, client_cpu = run_writers(raw_client, groups, data, server.url)
         mem = used_memory(server.url) - mem0
-        drain_s = drain_raw(server.url, CLIENTS * groups * GROUP)
-    return {"write_s": write_s, "drain_s": drain_s, "mem_bytes": mem}
+        drain_s, drain_cpu = drain_raw(server.url, CLIENTS * groups * GROUP)
+        redis_cpu = cpu_seconds(server.pid) - redis0  # type: ignore[arg-type]
+    return {"write_s": write_s, "drain_s": drain_s, "mem_bytes": mem,
+            "total_cpu_s": client_cpu + drain_cpu + redis_cpu}
 
 
 def main() -> None:
@@ -256,13 +264,15 @@ def main() -> None:
     parser.add_argument("--out", default=str(REPO / "bench-results/store.json"))
     args = parser.parse_args()
     tokens = CLIENTS * args.groups_per_client * GROUP * TOKENS_PER_TRAJ
-    runs: dict[str, list[dict[str, float]]] = {"raw": [], "store": []}
+    runs: dict[str, list[dict[str, float]]] = {"raw": [], "store": [], "store_header": []}
     with tempfile.TemporaryDirectory() as tmp:
         data = generate_data(args.groups_per_client, Path(tmp))
         encode_s = sum(float(f.read_text()) for f in data.glob("*.encode_s"))
         for i in range(args.repeats):
             runs["raw"].append(bench_raw(args.groups_per_client, data, Path(tmp) / f"r{i}"))
             runs["store"].append(bench_store(args.groups_per_client, data, Path(tmp) / f"s{i}"))
+            runs["store_header"].append(bench_store(args.groups_per_client, data,
+                                                    Path(tmp) / f"h{i}", "header"))
     result = summarize(tokens, runs, encode_s)
     print_table(result)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -277,6 +287,7 @@ def summarize(tokens: int, runs: dict[str, list[dict[str, float]]],
     best = {side: max(rs) for side, rs in rates.items()}
     mem = {side: rs[-1]["mem_bytes"] / tokens for side, rs in runs.items()}
     store_cpu = min(r["store_process_cpu_s"] for r in runs["store"])
+    cpu = {side: min(r["total_cpu_s"] for r in rs) / tokens for side, rs in runs.items()}
     return {
         "tokens": tokens, "clients": CLIENTS, "group_size": GROUP, "repeats": len(rates["raw"]),
         "shape": {"prompt": PROMPT, "response": RESPONSE, "layers": LAYERS, "topk": TOPK,
@@ -284,22 +295,40 @@ def summarize(tokens: int, runs: dict[str, list[dict[str, float]]],
         "store_tokens_per_s": best["store"], "raw_tokens_per_s": best["raw"],
         "throughput_ratio": best["store"] / best["raw"],
         "store_tokens_per_s_runs": rates["store"], "raw_tokens_per_s_runs": rates["raw"],
+        # Same store with routing_validation="header" (no payload decode): not the default.
+        "store_header_tokens_per_s": best["store_header"],
+        "store_header_tokens_per_s_runs": rates["store_header"],
+        "store_header_throughput_ratio": best["store_header"] / best["raw"],
+        "store_header_bytes_per_token": mem["store_header"],
+        "store_header_total_cpu_us_per_token": 1e6 * cpu["store_header"],
         "store_bytes_per_token": mem["store"], "raw_bytes_per_token": mem["raw"],
         "bytes_per_token_ratio": mem["store"] / mem["raw"],
         "store_process_cpu_us_per_token": 1e6 * store_cpu / tokens,
+        # All processes of a side (clients, drain, store, redis): CPU-s per token does not
+        # depend on what else the shared machine runs; raw/store estimates the throughput
+        # ratio on an otherwise idle machine whose cores are all busy.
+        "store_total_cpu_us_per_token": 1e6 * cpu["store"],
+        "raw_total_cpu_us_per_token": 1e6 * cpu["raw"],
+        "cpu_cost_ratio_raw_over_store": cpu["raw"] / cpu["store"],
         "encode_cpu_us_per_token": 1e6 * encode_s / tokens,
         "runs": runs, "cpu_count": os.cpu_count(), "load_avg_1m": os.getloadavg()[0]}
 
 
 def print_table(r: dict) -> None:  # noqa: ANN001
-    print(f"{'side':<8}{'best tokens/s':>15}{'all runs (tokens/s)':>40}{'bytes/token':>13}")
-    for side in ("raw", "store"):
+    print(f"{'side':<13}{'best tokens/s':>15}{'all runs (tokens/s)':>40}{'bytes/token':>13}")
+    for side in ("raw", "store", "store_header"):
         runs = ", ".join(f"{x:,.0f}" for x in r[side + "_tokens_per_s_runs"])
-        print(f"{side:<8}{r[side + '_tokens_per_s']:>15,.0f}{runs:>40}"
+        print(f"{side:<13}{r[side + '_tokens_per_s']:>15,.0f}{runs:>40}"
               f"{r[side + '_bytes_per_token']:>13,.1f}")
+    print(f"store_header = routing_validation='header' (not the default): ratio "
+          f"{r['store_header_throughput_ratio']:.3f}")
     print(f"throughput_ratio {r['throughput_ratio']:.3f} (target >= 0.5)   "
           f"bytes_per_token_ratio {r['bytes_per_token_ratio']:.3f} (target <= 0.5)   "
           f"tokens {r['tokens']:,}")
+    print(f"CPU us/token, all processes: raw {r['raw_total_cpu_us_per_token']:.2f}, store "
+          f"{r['store_total_cpu_us_per_token']:.2f} (raw/store "
+          f"{r['cpu_cost_ratio_raw_over_store']:.3f}), store_header "
+          f"{r['store_header_total_cpu_us_per_token']:.2f}")
     print(f"store process CPU {r['store_process_cpu_us_per_token']:.2f} us/token; routing encode "
           f"(worker side, off the clock) {r['encode_cpu_us_per_token']:.2f} us/token; "
           f"load average {r['load_avg_1m']:.1f} on {r['cpu_count']} CPUs")

@@ -186,3 +186,36 @@ def test_finish_rules(mutate, field: str) -> None:  # noqa: ANN001
 def test_layout_round_trips_through_its_redis_encoding() -> None:
     layout = validate.Layout(48, 8, 128, tuple(range(1, 49)))
     assert validate.Layout.decode(layout.encode()) == layout
+
+
+HEADER_ONLY = Limits(max_tokens_per_trajectory=64, max_group_size=16, decode_routing=False)
+
+
+@pytest.mark.parametrize("mutate, field", [
+    (lambda s: setattr(s.routing[0], "checksum", s.routing[0].checksum ^ 1),
+     "segment.routing[0].checksum"),
+    (lambda s: s.routing[0].shape.__setitem__(2, 1), "segment.routing[0].shape"),
+    (lambda s: setattr(s.routing[0], "num_experts", 9), "segment.routing[0].num_experts"),
+    (lambda s: (setattr(s.routing[0], "data", b"junk"), _set_checksum(s.routing[0])),
+     "segment.routing[0].data"),
+])
+def test_header_only_validation_still_checks_envelope_of_chunks(mutate, field: str) -> None:  # noqa: ANN001
+    reqs = _requests()
+    state = _state_after(reqs[:2])
+    mutate(reqs[2].segment)
+    with pytest.raises(ValueError) as err:
+        validate.validate_segment(reqs[2], state, HEADER_ONLY)
+    assert str(err.value).startswith(field), err.value
+
+
+def test_header_only_validation_does_not_decode_payloads() -> None:
+    """The documented trade-off: a corrupted payload with a fresh CRC passes header checks."""
+    reqs = _requests()
+    state = _state_after(reqs[:2])
+    chunk = reqs[2].segment.routing[0]
+    chunk.data = chunk.data[:32] + bytes(len(chunk.data) - 32)
+    _set_checksum(chunk)
+    write = validate.validate_segment(reqs[2], state, HEADER_ONLY)
+    assert write.rows == 3
+    with pytest.raises(ValueError, match=r"^segment.routing\[0\].data"):
+        validate.validate_segment(reqs[2], state, LIMITS)
