@@ -137,6 +137,10 @@ def build_model(hf_dir: str | Path, cfg: ModelConfig, load_weights: bool = True)
     module = GPTModel(config=tcfg, transformer_layer_spec=spec, vocab_size=arch.vocab_size,
                       max_sequence_length=arch.max_positions, position_embedding_type="rope",
                       rotary_base=int(arch.rope_theta), share_embeddings_and_output_weights=False)
+    if cfg.dtype == "bf16":
+        # What megatron's Float16Module does to the weights: norms too (the local spec builds
+        # them in fp32), so every layer runs in bf16 like the rollout engine's bf16 weights.
+        module = module.bfloat16()
     if torch.cuda.is_available():
         module = module.cuda()
     routers = _routers(module)
