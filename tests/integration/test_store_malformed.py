@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import struct
 import zlib
 from collections.abc import Callable, Iterator
 
@@ -51,6 +52,26 @@ def _recrc(chunk) -> None:  # noqa: ANN001
     chunk.checksum = zlib.crc32(chunk.data)
 
 
+def _crc32c(data: bytes) -> int:
+    crc = 0xFFFFFFFF
+    for byte in data:
+        crc ^= byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 & -(crc & 1))
+    return ~crc & 0xFFFFFFFF
+
+
+def _ids_beyond_experts(seg) -> None:  # noqa: ANN001
+    """A well-formed blob of ids in [0, 16) whose header (and CRC-32C) claims 8 experts."""
+    ids = random_routing(3, 2, 2, 16, np.random.default_rng(3))
+    ids[0, 0] = [14, 15]
+    blob = bytearray(routing_to_proto(ids, 16, start_row=11, layer_ids=[0, 1]).data)
+    struct.pack_into("<H", blob, 8, 8)                      # num_experts u16 at offset 8
+    struct.pack_into("<I", blob, 28, _crc32c(bytes(blob[:28] + blob[32:])))
+    seg.routing[0].data = bytes(blob)
+    _recrc(seg.routing[0])
+
+
 def _second_member_other_size(reqs: Reqs) -> Reqs:
     other = trajectory_requests(small_group("m", 2, seed=5)[1])
     other[0].begin.group_size = 3
@@ -95,6 +116,7 @@ CASES: list[tuple[str, Callable[[Reqs], Reqs], str]] = [
      "segment.routing[0].num_experts"),
     ("layer_ids count", _seg(1, lambda s: s.routing[0].layer_ids.append(9)),
      "segment.routing[0].layer_ids"),
+    ("ids >= num_experts", _seg(1, _ids_beyond_experts), "segment.routing[0].data"),
     ("corrupt data", _seg(1, lambda s: (s.routing[0].__setattr__("data", b"\xff" * 12),
                                         _recrc(s.routing[0]))), "segment.routing[0]."),
     ("layers change", _seg(1, lambda s: s.routing[0].CopyFrom(_chunk(3, 11, layers=3))),
