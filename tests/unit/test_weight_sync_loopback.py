@@ -106,3 +106,21 @@ def test_failing_tensor_source_aborts_every_receiver(sender):
     threads[0].join()
     assert isinstance(results["a"], WeightSyncAborted)
     assert "gather failed" in str(results["a"])
+
+
+def test_repeated_layout_and_changed_layout_deliver_exact_tensors(sender):
+    """A list input reuses the last push's layout while names/shapes/dtypes repeat; a change
+    (new tensor, new shape) lays the buckets out again. Receivers see exact tensors always."""
+    rx = WeightReceiver("a")
+    grown = _weights(3) + [("extra.bias", torch.randn(5))]
+    reshaped = [(n, t.reshape(-1)) for n, t in _weights(4)]
+    for version, named in enumerate([_weights(1), _weights(2), grown, reshaped], start=1):
+        plan = sender.plan(version, _workers("a"))
+        threads, results = _run_receivers(plan, [rx])
+        sender.push(plan, named)
+        threads[0].join()
+        got = results["a"]
+        assert [n for n, _ in got.named] == [n for n, _ in named]
+        for (name, t), (_, r) in zip(named, got.named, strict=True):
+            want = t.to(torch.bfloat16) if t.is_floating_point() else t
+            assert torch.equal(r, want), (version, name)

@@ -108,7 +108,7 @@ class BucketSpec:
         self.nbytes = padded(offset + nbytes)
 
 
-def _sendable_in_place(tensor: torch.Tensor, wire: torch.dtype, device: torch.device) -> bool:
+def sendable_in_place(tensor: torch.Tensor, wire: torch.dtype, device: torch.device) -> bool:
     return (tensor.is_contiguous() and tensor.dtype == dtype_on_wire(tensor.dtype, wire)
             and tensor.device == device and tensor.nbytes % 8 == 0
             and tensor.data_ptr() % 8 == 0)
@@ -130,13 +130,13 @@ def iter_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
             raise TypeError(f"weights[{name!r}]: expected a torch.Tensor, got {type(tensor)}")
         size = padded(tensor.numel() * dtype_on_wire(tensor.dtype, wire).itemsize)
         alone = size >= bucket_bytes or (
-            size >= direct_min_bytes and _sendable_in_place(tensor, wire, device))
+            size >= direct_min_bytes and sendable_in_place(tensor, wire, device))
         if cur.entries and (alone or aligned(cur.nbytes) + size > bucket_bytes):
             yield cur
             cur = BucketSpec(cur.index + 1)
         cur.add(name, tensor, wire)
         if alone:
-            if _sendable_in_place(tensor, wire, device):
+            if sendable_in_place(tensor, wire, device):
                 cur.direct = tensor.detach().reshape(-1).view(torch.uint8)
             yield cur
             cur = BucketSpec(cur.index + 1)
@@ -177,29 +177,40 @@ def bucket_views(bucket_u8: torch.Tensor, entries: list[TensorEntry]) -> list[to
     return [part.view(e.shape) for part, e in zip(parts[1::2], entries, strict=True)]
 
 
-def checksum_tensor(bucket_u8: torch.Tensor, entries: list[TensorEntry]) -> torch.Tensor:
+def checksum_tensor(bucket_u8: torch.Tensor, entries: list[TensorEntry],
+                    bounds: torch.Tensor | None = None) -> torch.Tensor:
     """sum64 of each entry's padded extent, as an int64 tensor on the bucket's device (no
-    host sync: on GPU it queues behind the bucket's broadcast)."""
+    host sync: on GPU it queues behind the bucket's broadcast). `bounds` may be passed in
+    (from `word_bounds`) when the layout repeats."""
     if not entries:
         return torch.zeros(0, dtype=torch.int64, device=bucket_u8.device)
     if bucket_u8.is_cuda and len(entries) > 1:
-        return _segment_sums(bucket_u8, entries)
+        return _segment_sums(bucket_u8, entries if bounds is None else bounds)
     sums = [bucket_u8[e.offset: e.offset + padded(e.nbytes)].view(torch.int64).sum()
             for e in entries]
     return torch.stack(sums)
 
 
-def _segment_sums(bucket_u8: torch.Tensor, entries: list[TensorEntry]) -> torch.Tensor:
-    """All entries' sums in three kernels (a per-tensor sum costs ~20 us of launches each):
+def word_bounds(entries: list[TensorEntry], device: torch.device) -> torch.Tensor:
+    """[start, end) of each entry's padded extent in 8-byte words, on `device`."""
+    bounds = torch.tensor([[e.offset // 8, (e.offset + padded(e.nbytes)) // 8]
+                           for e in entries], dtype=torch.int64)
+    if device.type == "cuda":
+        # from pinned memory: a pageable host->device copy would wait for the stream (that
+        # is, for the bucket's broadcast) and stall the host
+        bounds = bounds.pin_memory().to(device, non_blocking=True)
+    return bounds
+
+
+def _segment_sums(bucket_u8: torch.Tensor,
+                  entries_or_bounds: list[TensorEntry] | torch.Tensor) -> torch.Tensor:
+    """All entries' sums in a few kernels (a per-tensor sum costs ~20 us of launches each):
     a wrapping prefix sum over the words, differenced at the extents' ends."""
     words = bucket_u8.view(torch.int64)  # bucket sizes are whole words
     prefix = torch.cat([words.new_zeros(1), words.cumsum(0)])
-    # from pinned memory: a pageable host->device copy would wait for the stream (that is,
-    # for the bucket's broadcast) and stall the host
-    bounds = torch.tensor([[e.offset // 8, (e.offset + padded(e.nbytes)) // 8]
-                           for e in entries])
-    if words.is_cuda:
-        bounds = bounds.pin_memory().to(words.device, non_blocking=True)
+    bounds = entries_or_bounds
+    if not isinstance(bounds, torch.Tensor):
+        bounds = word_bounds(bounds, words.device)
     return prefix[bounds[:, 1]] - prefix[bounds[:, 0]]
 
 

@@ -72,6 +72,7 @@ class _Staged:
     entries: list[bk.TensorEntry]
     bucket: torch.Tensor
     work: dist.Work
+    bounds: torch.Tensor | None
 
 
 def _is_loopback(addr: str) -> bool:
@@ -91,6 +92,7 @@ class WeightReceiver:
         self.reuse_buffers = reuse_buffers
         self.connect_timeout_s = connect_timeout_s
         self._staging: list[torch.Tensor] = []
+        self._layouts: dict[int, tuple[bytes, tuple]] = {}
         self._root: dist.TCPStore | None = None
         self._root_addr: tuple[str, int] | None = None
         # (version, group) of the last committed push, reused when the sender asks for it
@@ -114,6 +116,22 @@ class WeightReceiver:
             self._root_addr = (addr, port)
             self._group = None  # a new sender never reuses an old group
         return self._root
+
+    def layout(self, index: int, header: bytes
+               ) -> tuple[int, list[bk.TensorEntry], torch.Tensor | None] | None:
+        """(nbytes, entries, checksum bounds) of a bucket header, None for the end header;
+        decoded once while the sender's layout repeats (the Python work per tensor is what
+        limits a push at NCCL speed)."""
+        cached = self._layouts.get(index)
+        if cached is not None and cached[0] == header:
+            return cached[1]
+        head = bk.decode_header(header)
+        if head.get("end"):
+            return None
+        entries = head["tensors"]
+        bounds = bk.word_bounds(entries, self.device) if self.device.type == "cuda" else None
+        self._layouts[index] = (header, (head["nbytes"], entries, bounds))
+        return self._layouts[index][1]
 
     def staging(self, index: int, nbytes: int) -> torch.Tensor:
         """Bucket `index`'s staging buffer (reused across pushes when big enough)."""
@@ -235,13 +253,15 @@ class _Receive:
 
     def _post(self, index: int) -> _Staged | None:
         """Read bucket `index`'s header and post its broadcast (None after the last one)."""
-        head = bk.decode_header(self._wait_key(Keys.header(index)))
-        if head.get("end"):
-            self.end = head
+        raw = self._wait_key(Keys.header(index))
+        layout = self.rx.layout(index, raw)
+        if layout is None:
+            self.end = bk.decode_header(raw)
             return None
-        bucket = self.rx.staging(index, head["nbytes"])
+        nbytes, entries, bounds = layout
+        bucket = self.rx.staging(index, nbytes)
         assert self.pg is not None
-        return _Staged(index, head["tensors"], bucket, broadcast(self.pg, bucket))
+        return _Staged(index, entries, bucket, broadcast(self.pg, bucket), bounds)
 
     def _finish(self, staged: _Staged) -> None:
         """Bucket received (gloo: host waits, polled) or queued behind it (NCCL: stream
@@ -250,7 +270,7 @@ class _Receive:
             wait_work(staged.work, self._check_abort, self._deadline(), gloo=True)
         else:
             staged.work.wait()
-        self.sums.append(bk.checksum_tensor(staged.bucket, staged.entries))
+        self.sums.append(bk.checksum_tensor(staged.bucket, staged.entries, staged.bounds))
         self.entries.append(staged.entries)
         self.buckets.append(staged.bucket)
         self.ntensors += len(staged.entries)

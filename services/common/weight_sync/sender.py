@@ -31,6 +31,7 @@ from services.common.weight_sync.group import (
     wait_keys,
     wait_work,
 )
+from services.common.weight_sync.layout import BucketLayout, LaidBucket, stream_layout
 from services.common.weight_sync.monitor import MemberMonitor
 
 if TYPE_CHECKING:  # the sender only reads attributes: the GPU bench runs without pydantic
@@ -77,6 +78,7 @@ class WeightSender:
         # communicator setup costs far more than a push (see docs/weight_sync.md).
         self._group: CachedGroup | None = None
         self._reuse: int | None = None
+        self._layout: BucketLayout | None = None  # the last pushed sequence's buckets
 
     @property
     def port(self) -> int:
@@ -114,7 +116,7 @@ class WeightSender:
 
     def close(self) -> None:
         self._pool = [None] * self.cfg.inflight_buckets
-        self._group = None
+        self._group, self._layout = None, None
         del self._root
 
 
@@ -211,22 +213,46 @@ class _Push:
         checksums follow in the end header (on GPU: one host sync for the whole push)."""
         sums: list[torch.Tensor] = []
         tensors = nbytes = 0
-        specs = bk.iter_buckets(named, self.s.bucket_bytes, self.s.wire, self.s.device,
-                                self.s.direct_min_bytes)
-        for spec in specs:
+        for laid, sources in self._buckets(named):
             slot = self._free_slot()
-            bucket = bk.fill(self._buffer(slot, spec), spec)
-            self.store.set(Keys.header(spec.index),
-                           bk.encode_header(spec.index, spec.nbytes, spec.entries))
+            bucket = self._pack(laid, sources, slot)
+            self.store.set(Keys.header(laid.index), laid.header)
             assert self.pg is not None
             self.inflight.append((broadcast(self.pg, bucket), slot, bucket))
             # summed while it is on the wire (both only read the buffer)
-            sums.append(bk.checksum_tensor(bucket, spec.entries))
-            tensors, nbytes = tensors + len(spec.entries), nbytes + spec.nbytes
+            sums.append(bk.checksum_tensor(bucket, laid.entries, laid.bounds))
+            tensors, nbytes = tensors + len(laid.entries), nbytes + laid.nbytes
         self._drain()
         self.store.set(Keys.header(len(sums)),
                        bk.encode_end(len(sums), tensors, nbytes, bk.split_sums(sums)))
         return tensors, len(sums), nbytes
+
+    def _buckets(self, named: Iterable[tuple[str, torch.Tensor]]
+                 ) -> Iterator[tuple[LaidBucket, list[torch.Tensor]]]:
+        """A sequence reuses the last push's layout when it fits; a generator streams."""
+        s = self.s
+        if not isinstance(named, Sequence):
+            yield from stream_layout(named, s.bucket_bytes, s.wire, s.device, s.direct_min_bytes)
+            return
+        if s._layout is None or not s._layout.matches(named):
+            s._layout = BucketLayout(named, s.bucket_bytes, s.wire, s.device, s.direct_min_bytes)
+        for laid in s._layout:
+            yield laid, laid.sources(named)
+
+    def _pack(self, laid: LaidBucket, sources: list[torch.Tensor], slot: int) -> torch.Tensor:
+        """The bucket to broadcast: the tensor itself (direct) or packed into a buffer."""
+        if laid.direct:
+            return sources[0].detach().reshape(-1).view(torch.uint8)
+        if laid.nbytes > self.s.bucket_bytes:  # an oversized tensor: a one-off buffer
+            bucket = torch.empty(laid.nbytes, dtype=torch.uint8, device=self.s.device)
+            views = bk.bucket_views(bucket, laid.entries)
+        else:
+            bucket = self._pool_buffer(slot)[: laid.nbytes]
+            views = laid.views.get(slot) or laid.views.setdefault(
+                slot, bk.bucket_views(bucket, laid.entries))
+        with torch.no_grad():  # one multi-tensor launch on GPU, not one copy per tensor
+            torch._foreach_copy_(views, sources)
+        return bucket
 
     def _free_slot(self) -> int:
         while len(self.inflight) >= self.cfg.inflight_buckets:
@@ -264,17 +290,11 @@ class _Push:
         except RuntimeError as e:
             raise TransportError(str(e)) from e
 
-    def _buffer(self, slot: int, spec: bk.BucketSpec) -> torch.Tensor:
-        """A pooled bucket buffer, or a one-off one for an oversized tensor."""
-        size = self.s.bucket_bytes
-        if spec.direct is not None:
-            return spec.direct
-        if spec.nbytes > size:
-            return torch.empty(spec.nbytes, dtype=torch.uint8, device=self.s.device)
-        if self.s._pool[slot] is None:
-            self.s._pool[slot] = torch.empty(size, dtype=torch.uint8, device=self.s.device)
+    def _pool_buffer(self, slot: int) -> torch.Tensor:
         buf = self.s._pool[slot]
-        assert buf is not None
+        if buf is None:
+            buf = torch.empty(self.s.bucket_bytes, dtype=torch.uint8, device=self.s.device)
+            self.s._pool[slot] = buf
         return buf
 
     def _collect_acks(self) -> None:
