@@ -64,7 +64,7 @@ def test_two_receivers_get_identical_tensors_over_two_pushes(sender):
         named = _weights(version)
         plan = sender.plan(version, _workers("a", "b"))
         threads, results = _run_receivers(plan, rxs)
-        report = sender.push(plan, iter(named))  # a generator is fine
+        report = sender.push(plan, iter(named) if version == 1 else dict(named))
         for t in threads:
             t.join()
         assert report.num_tensors == len(named) and report.num_buckets > 3

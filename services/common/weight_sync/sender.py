@@ -9,7 +9,7 @@ import json
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import ItemsView, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -104,8 +104,11 @@ class WeightSender:
         return plan
 
     def push(self, plan: store_pb2.WeightSyncPlan,
-             named: Iterable[tuple[str, torch.Tensor]]) -> PushReport:
-        """Send `named` (streamed; may be a generator) to every member of `plan`.
+             named: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
+             ) -> PushReport:
+        """Send `named` to every member of `plan`. A list / dict / dict.items() reuses the
+        last push's bucket layout when names, shapes and dtypes repeat; a generator streams
+        (tensors are packed as they come, nothing is cached).
 
         Returns once every member verified every tensor and the commit key is written.
         Raises WeightSyncError naming the failed member(s); then every receiver discards.
@@ -147,7 +150,7 @@ class _Push:
         self.last_work: dist.Work | None = None
         self.inflight: deque[tuple[dist.Work, int | None, torch.Tensor]] = deque()
 
-    def run(self, named: Iterable[tuple[str, torch.Tensor]]) -> PushReport:
+    def run(self, named) -> PushReport:
         t0 = time.perf_counter()
         try:
             self._join()
@@ -208,7 +211,7 @@ class _Push:
         if self.monitor.reported():
             raise self.monitor.diagnose("a member failed while joining")
 
-    def _stream(self, named: Iterable[tuple[str, torch.Tensor]]) -> tuple[int, int, int]:
+    def _stream(self, named) -> tuple[int, int, int]:
         """Pack, announce and broadcast each bucket, `inflight_buckets` at a time; the
         checksums follow in the end header (on GPU: one host sync for the whole push)."""
         sums: list[torch.Tensor] = []
@@ -227,10 +230,13 @@ class _Push:
                        bk.encode_end(len(sums), tensors, nbytes, bk.split_sums(sums)))
         return tensors, len(sums), nbytes
 
-    def _buckets(self, named: Iterable[tuple[str, torch.Tensor]]
-                 ) -> Iterator[tuple[LaidBucket, list[torch.Tensor]]]:
+    def _buckets(self, named) -> Iterator[tuple[LaidBucket, list[torch.Tensor]]]:
         """A sequence reuses the last push's layout when it fits; a generator streams."""
         s = self.s
+        if isinstance(named, Mapping):
+            named = list(named.items())
+        elif isinstance(named, ItemsView):  # dict.items(): sized and re-iterable, not streamed
+            named = list(named)
         if not isinstance(named, Sequence):
             yield from stream_layout(named, s.bucket_bytes, s.wire, s.device, s.direct_min_bytes)
             return
