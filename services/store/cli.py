@@ -37,6 +37,7 @@ def run(args: argparse.Namespace) -> int:
     from services.store.server import StoreServer
 
     cfg = load_config(StoreConfig, args.config, _overrides(args))
+    stop = _stop_on_signals()  # before serving: a SIGTERM right after startup is still graceful
     embedded = None
     if cfg.redis_url is None:
         rc = cfg.redis
@@ -49,12 +50,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         _wait_for_redis(client, url)
         core = TrajectoryStoreCore(client, cfg, registry)
-        server = StoreServer(cfg, core, os.environ.get(cfg.auth_token_env) or None).start()
+        server = StoreServer(cfg, core, os.environ.get(cfg.auth_token_env) or None)
         metrics = MetricsServer(registry, cfg.metrics_host, cfg.metrics_port,
                                 health_fn=lambda: server.redis_ok).start()
+        server.start()  # gRPC health turns SERVING only now, with /metrics already up
         log.info("store ready: grpc port %d, metrics %s, redis %s", server.port, metrics.url,
                  "embedded " + url if embedded else url)
-        _wait_for_signal()
+        stop.wait()
         server.stop()
         metrics.stop()
     finally:
@@ -81,11 +83,11 @@ def _wait_for_redis(client, url: str, timeout_s: float = 60.0) -> None:  # noqa:
             time.sleep(1.0)
 
 
-def _wait_for_signal() -> None:
+def _stop_on_signals() -> threading.Event:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    return stop
 
 
 def main(argv: list[str] | None = None) -> int:
