@@ -231,7 +231,7 @@ def test_sequence_parallel_slices_replay_rows(model):
 def test_agreement_one_for_own_routing_and_caught_when_shifted(model):
     x = tokens(seed=13)
     routers = find_routers(model)
-    mon = HFAgreementMonitor(tuple(r.hf_layer for r in routers), K)
+    mon = HFAgreementMonitor(tuple(r.hf_layer for r in routers), K, E)
     ctl = HFModelReplay(routers, mon)
     own = natural_rows(model, x)
     try:

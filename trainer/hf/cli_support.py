@@ -41,7 +41,7 @@ class _LocalShards:
 class HFRankWorker(RankWorker):
     """RankWorker (routing alignment, train, export) around an HFTrainer."""
 
-    def __init__(self, cfg_json: str, hf_json: str = "{}") -> None:  # noqa: D107
+    def __init__(self, cfg_json: str, hf_json: str = "{}") -> None:
         from trainer.hf.engine import HFTrainer
 
         self.cfg = TrainerConfig.model_validate_json(cfg_json)

@@ -60,7 +60,7 @@ class HFTrainer:
         self.arch = RoutingArch.of(self.routers)
         self.moe_layers, self.num_experts, self.top_k = (
             self.arch.moe_layers, self.arch.num_experts, self.arch.top_k)
-        self.agreement = HFAgreementMonitor(self.moe_layers, self.top_k)
+        self.agreement = HFAgreementMonitor(self.moe_layers, self.top_k, self.num_experts)
         self.agreement.enabled = False
         self.replay = HFModelReplay(self.routers, self.agreement)
         o = cfg.optim
@@ -112,11 +112,24 @@ class HFTrainer:
 
     def _rows(self, mb: MicroBatch, mode: ReplayMode) -> list[torch.Tensor] | None:
         if mode == ReplayMode.R3:
+            return self._r3_rows(mb)
+        return mb.replay_rows if mode == ReplayMode.R2 else None
+
+    def _r3_rows(self, mb: MicroBatch) -> list[torch.Tensor]:
+        """Rollout routing of `mb` in router order, validated and moved to the device ONCE per
+        micro-batch (kept on the micro-batch): per-pass checks and pageable copies would each
+        stall the GPU queue."""
+        rows = getattr(mb, "_hf_r3_rows", None)
+        if rows is None:
             if mb.routing_BSLK is None:
                 raise ValueError("replay.mode: r3 needs rollout routing on every sample")
             check_routes(mb.routing_BSLK, mb.valid_rows_BS, self.num_experts, self.moe_layers)
-            return hf_router_rows(mb.routing_BSLK)
-        return mb.replay_rows if mode == ReplayMode.R2 else None
+            ids = mb.routing_BSLK
+            if self.device.type == "cuda":
+                ids = ids.pin_memory().to(self.device, non_blocking=True)
+            rows = hf_router_rows(ids)
+            mb._hf_r3_rows = rows  # type: ignore[attr-defined]
+        return rows
 
     @staticmethod
     def _drive(ctl: HFModelReplay, rows: list[torch.Tensor] | None, record: bool) -> None:
