@@ -13,7 +13,7 @@ Blob format, little-endian, version 1 (32-byte header, then the payload):
     28 CRC-32C of bytes [0, 28) and the payload
     32 payload: one rANS stream; the model is documented in routing_core.c
 Size on any input: the information floor log2 C(E, K) bits per row (log2 E!/(E-K)! in exact
-mode) + 0.0001% + one bit per layer (inputs of >= 64 tokens, so <= 1.6%) + 68 bytes; far
+mode) + 0.001% + one bit per layer (inputs of >= 64 tokens, so <= 1.6%) + 68 bytes; far
 below the floor on skewed or repetitive routing.
 """
 
@@ -23,6 +23,7 @@ import ctypes
 import math
 import struct
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -86,8 +87,8 @@ def _exact_floor_bits_per_row(num_experts: int, topk: int) -> float:
     return math.log2(math.perm(num_experts, topk))
 
 
-def _load_library() -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(_build.ensure_built()))
+def _load_library(path: Path | None = None) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path or _build.ensure_built()))
     p, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
     lib.r3_encode.argtypes = [p, i32, i64, i64, i32, i32, i32, ctypes.POINTER(p), p]
     lib.r3_encode.restype = i64

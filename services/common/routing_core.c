@@ -79,7 +79,10 @@ enum {
 #define PER_LAYER_MIN_TOKENS 64
 #define FIRST_REBUILD 16
 #define REBUILD_STEP 4096
-#define ABORT_CHECK_ROW 1024
+/* Rows (both rebuild rows, so the cost tally is current) at which an adaptive attempt that
+ * still costs more than the fallback is abandoned: learning costs are front-loaded, so it
+ * rarely catches up, and giving up early saves the encoder the wasted pass. */
+#define ABORT_CHECK(t) ((t) == 256 || (t) == 1024)
 #define HALVE_ABOVE (1u << 16)
 #define PERM_COUNTING_MAX 512
 #define GUESS_MANT_BITS 6
@@ -918,6 +921,14 @@ static void perm_rebuild(Model *m)
 
 /* Encoder: adds the code length of everything coded since the last call, from count deltas
  * (cheaper than summing per symbol). */
+static void model_snapshot(Model *m)
+{
+    if (!m->cost) return;
+    memcpy(m->snap, m->cnt, (size_t)m->K * m->A * sizeof(uint32_t));
+    memcpy(m->flag_snap, m->flag_cnt, sizeof(m->flag_snap));
+}
+
+/* Idempotent: counted symbols are snapshotted, so a second call adds nothing. */
 static void model_account(Model *m)
 {
     if (!m->cost) return;
@@ -928,13 +939,7 @@ static void model_account(Model *m)
     }
     for (int f = 0; f < 2; f++)
         m->cost_acc += (uint64_t)(m->flag_cnt[f] - m->flag_snap[f]) * m->flag_cost[f];
-}
-
-static void model_snapshot(Model *m)
-{
-    if (!m->cost) return;
-    memcpy(m->snap, m->cnt, (size_t)m->K * m->A * sizeof(uint32_t));
-    memcpy(m->flag_snap, m->flag_cnt, sizeof(m->flag_snap));
+    model_snapshot(m);
 }
 
 static void model_rebuild(Model *m, const Codec *cd)
@@ -1239,10 +1244,8 @@ FORCE_INLINE int enc_adaptive_impl(Enc *e, const Codec *cd, Model *m, const Inpu
         if (rc) return rc;
         if (t == m->next_rebuild) {
             model_account(m);
-            /* Learning costs are front-loaded, so a model still behind here rarely catches
-             * up (ABORT_CHECK_ROW is a rebuild row, so the tally is current). */
             uint64_t cost = m->cost_acc + nfresh * perm_cost;
-            if (t == ABORT_CHECK_ROW && cost > (uint64_t)t * cd->fallback_q12) return 0;
+            if (ABORT_CHECK(t) && cost > (uint64_t)t * cd->fallback_q12) return 0;
             model_rebuild(m, cd);
             enc_load(in, t - 1, layer, K, row); /* the popularity order changed */
             pop_bitmap(K, W, E, m->inv, row, pos, prev_pbm);
@@ -1315,7 +1318,7 @@ static int enc_adaptive_k8(Enc *e, const Codec *cd, Model *m, const Input *in, i
         if (t == m->next_rebuild) {
             model_account(m);
             uint64_t cost = m->cost_acc + nfresh * perm_cost;
-            if (t == ABORT_CHECK_ROW && cost > (uint64_t)t * cd->fallback_q12) return 0;
+            if (ABORT_CHECK(t) && cost > (uint64_t)t * cd->fallback_q12) return 0;
             model_rebuild(m, cd);
             enc_load(in, t - 1, layer, 8, row); /* the popularity order changed */
             sorted_positions8(cd, m, row, &prev_s);

@@ -6,7 +6,11 @@ Legend: ids_TLK is (tokens T, layers L, topk K); E = num_experts.
 from __future__ import annotations
 
 import math
+import platform
+import shutil
 import struct
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -135,6 +139,28 @@ def test_encoding_is_deterministic_and_dtype_independent():
     assert routing.encode(ids_TLK[:, :, ::-1], 128, mode="exact") != routing.encode(
         ids_TLK, 128, mode="exact"
     )
+
+
+def test_portable_build_writes_the_same_bytes(tmp_path, monkeypatch):
+    """The SSE4 fast paths (sorting network, CRC instruction) and plain C share one format."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None or platform.machine() != "x86_64":
+        pytest.skip("needs an x86-64 C compiler")
+    portable = tmp_path / "core_portable.so"
+    source = Path(routing.__file__).with_name("routing_core.c")
+    cmd = [compiler, "-O1", "-march=x86-64", "-std=c99", "-shared", "-fPIC", "-o", portable]
+    subprocess.run([*map(str, cmd), str(source)], check=True)
+    cases = [
+        (make_ids(9, 300, 3, 8, 128, skewed=True), 128),
+        (make_ids(9, 70, 2, 5, 300, False), 300),
+    ]
+    blobs = [routing.encode(ids, e, mode) for ids, e in cases for mode in routing.MODES]
+    monkeypatch.setattr(routing, "_LIB", routing._load_library(portable))
+    assert [routing.encode(ids, e, mode) for ids, e in cases for mode in routing.MODES] == blobs
+    for blob, (ids, _), mode in zip(
+        blobs, [c for c in cases for _ in routing.MODES], routing.MODES * 2, strict=True
+    ):
+        np.testing.assert_array_equal(routing.decode(blob), expected(ids, mode))
 
 
 # ----------------------------------------------------------------------------- validation
