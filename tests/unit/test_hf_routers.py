@@ -265,3 +265,27 @@ def test_unknown_router_family_is_refused():
     lm.model.layers = torch.nn.ModuleList([Layer()])
     with pytest.raises(ValueError, match="Linear at layer 0 is not a supported router family"):
         find_routers(lm)
+
+
+def test_gradient_checkpointing_recompute_replays_the_same_ids(model):
+    x = tokens(seed=14)
+    rows = random_rows(len(moe_blocks(model)), x.numel(), seed=15)
+    probe = torch.randn(*x.shape, V, generator=torch.Generator().manual_seed(16))
+    grads = []
+    model.train()
+    try:
+        for ckpt in (False, True):
+            if ckpt:
+                model.gradient_checkpointing_enable()
+            model.zero_grad(set_to_none=True)
+            ctl = HFModelReplay(find_routers(model))
+            ctl.replay_forward(rows)  # ids stay set through backward's recompute
+            (model(input_ids=x, use_cache=False).logits * probe).sum().backward()
+            ctl.remove()
+            grads.append([r.module.weight.grad.clone() for r in find_routers(model)])
+    finally:
+        model.gradient_checkpointing_disable()
+        model.zero_grad(set_to_none=True)
+        model.eval()
+    for plain_g, ckpt_g in zip(*grads, strict=True):
+        torch.testing.assert_close(ckpt_g, plain_g, atol=1e-6, rtol=1e-5)
