@@ -423,12 +423,6 @@ FORCE_INLINE int bitmaps_equal(const uint64_t *a, const uint64_t *b, int W)
     return d == 0;
 }
 
-/* Rows live in zero-padded MAX_K arrays, so a fixed-size compare (two vector ops) works. */
-FORCE_INLINE int rows_equal(const uint16_t *a, const uint16_t *b)
-{
-    return memcmp(a, b, MAX_K * sizeof(uint16_t)) == 0;
-}
-
 #if HAVE_SORT8
 /* Rows of 8 (the common top-8) as 8 u16 lanes of one SSE register. Bitonic sort: 6
  * compare-exchange stages of shuffle + min + max + blend, no branches. */
