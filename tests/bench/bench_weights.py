@@ -237,7 +237,8 @@ def run(args: argparse.Namespace) -> dict:
     c = moe_config(size_mb * MB, args.device)
     named = make_weights(c, dev.type if not cuda else "cuda", getattr(torch, args.source_dtype))
     cfg = sender_config(backend="nccl" if cuda else "gloo", device=str(dev),
-                        wire_dtype=args.wire_dtype, bucket_bytes=bucket, timeout_s=300)
+                        wire_dtype=args.wire_dtype, bucket_bytes=bucket, timeout_s=300,
+                        inflight_buckets=args.inflight)
     sender = WeightSender(cfg)
     raw_store = connect_store("127.0.0.1", 0, 120, server=True)
     ctx = mp.get_context("spawn")
@@ -263,7 +264,7 @@ def sender_config(**fields):
         from services.common.weight_sync import WeightSyncConfig
     except ImportError:
         print("pydantic not installed: using an unvalidated namespace for WeightSyncConfig")
-        defaults = dict(direct_min_bytes=None, inflight_buckets=2, advertise_addr="127.0.0.1",
+        defaults = dict(direct_min_bytes=None, advertise_addr="127.0.0.1",
                         port=0, heartbeat_interval_s=0.25, heartbeat_timeout_s=3.0)
         return SimpleNamespace(**(defaults | fields))
     return WeightSyncConfig(**fields)
@@ -291,7 +292,7 @@ def _measure(args, c, named, sender, raw_pg, cmds, replies, dev, bucket) -> dict
         "device": args.device, "backend": "nccl" if args.device == "cuda" else "gloo",
         "machine": _machine(args.device), "torch": torch.__version__,
         "model": c, "num_tensors": report.num_tensors, "num_buckets": report.num_buckets,
-        "bucket_bytes": bucket, "wire_dtype": args.wire_dtype, "source_dtype": args.source_dtype,
+        "bucket_bytes": bucket, "inflight_buckets": args.inflight, "wire_dtype": args.wire_dtype, "source_dtype": args.source_dtype,
         "push_bytes": nbytes, "repeats": args.repeats,
         "push_s": push_s, "raw_all_at_once_s": raw_all_s, "raw_one_by_one_s": raw_seq_s,
         "raw_s": raw_s, "push_s_median": push_med, "raw_s_median": raw_med,
@@ -331,6 +332,7 @@ def main() -> int:
     ap.add_argument("--bucket-mb", type=int, default=0, help="MiB (default 64 cpu / 256 cuda)")
     ap.add_argument("--wire-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--source-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--inflight", type=int, default=2, help="WeightSyncConfig.inflight_buckets")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default="")
     args = ap.parse_args()

@@ -207,7 +207,9 @@ def _segment_sums(bucket_u8: torch.Tensor,
     """All entries' sums in a few kernels (a per-tensor sum costs ~20 us of launches each):
     a wrapping prefix sum over the words, differenced at the extents' ends."""
     words = bucket_u8.view(torch.int64)  # bucket sizes are whole words
-    prefix = torch.cat([words.new_zeros(1), words.cumsum(0)])
+    prefix = words.new_empty(words.numel() + 1)
+    prefix[0] = 0
+    torch.cumsum(words, 0, out=prefix[1:])
     bounds = entries_or_bounds
     if not isinstance(bounds, torch.Tensor):
         bounds = word_bounds(bounds, words.device)

@@ -79,6 +79,7 @@ class WeightSender:
         self._group: CachedGroup | None = None
         self._reuse: int | None = None
         self._layout: BucketLayout | None = None  # the last pushed sequence's buckets
+        self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     @property
     def port(self) -> int:
@@ -148,7 +149,8 @@ class _Push:
         self.new_group = True
         self.host_blocking = self.cfg.backend == "gloo"
         self.last_work: dist.Work | None = None
-        self.inflight: deque[tuple[dist.Work, int | None, torch.Tensor]] = deque()
+        # (broadcast, pool slot, bucket, event after its checksum on the side stream)
+        self.inflight: deque[tuple[dist.Work, int | None, torch.Tensor, object]] = deque()
 
     def run(self, named) -> PushReport:
         t0 = time.perf_counter()
@@ -221,9 +223,11 @@ class _Push:
             bucket = self._pack(laid, sources, slot)
             self.store.set(Keys.header(laid.index), laid.header)
             assert self.pg is not None
-            self.inflight.append((broadcast(self.pg, bucket), slot, bucket))
+            work = broadcast(self.pg, bucket)
             # summed while it is on the wire (both only read the buffer)
-            sums.append(bk.checksum_tensor(bucket, laid.entries, laid.bounds))
+            summed, event = self._checksum(bucket, laid)
+            sums.append(summed)
+            self.inflight.append((work, slot, bucket, event))
             tensors, nbytes = tensors + len(laid.entries), nbytes + laid.nbytes
         self._drain()
         self.store.set(Keys.header(len(sums)),
@@ -263,20 +267,32 @@ class _Push:
     def _free_slot(self) -> int:
         while len(self.inflight) >= self.cfg.inflight_buckets:
             self._retire_oldest()
-        busy = {slot for _, slot, _ in self.inflight}
+        busy = {entry[1] for entry in self.inflight}
         return next(i for i in range(self.cfg.inflight_buckets) if i not in busy)
 
     def _retire_oldest(self) -> None:
         """Free the oldest bucket's buffer: gloo waits on the host (polled, so a dead member
         cannot hang us); NCCL only orders the current stream after it (the host runs on)."""
-        work, _, _ = self.inflight[0]
+        work, _, _, event = self.inflight[0]
         with self._transport_errors():
             if self.host_blocking:
                 wait_work(work, self.monitor.check, self._deadline(), self.host_blocking)
             else:
                 work.wait()
+                if event is not None:  # the slot's checksum (side stream) read it too
+                    torch.cuda.current_stream(self.s.device).wait_event(event)
         self.last_work = work
         self.inflight.popleft()
+
+    def _checksum(self, bucket: torch.Tensor, laid: LaidBucket) -> tuple[torch.Tensor, object]:
+        """On CUDA the sums run on a side stream, so they do not hold up the next pack."""
+        side = self.s._side
+        if side is None:
+            return bk.checksum_tensor(bucket, laid.entries, laid.bounds), None
+        side.wait_stream(torch.cuda.current_stream(self.s.device))  # after the pack
+        with torch.cuda.stream(side):
+            summed = bk.checksum_tensor(bucket, laid.entries, laid.bounds)
+        return summed, side.record_event()
 
     def _drain(self) -> None:
         """Wait until every broadcast completed (NCCL runs them in order: the last one)."""
@@ -286,6 +302,8 @@ class _Push:
             with self._transport_errors():
                 wait_work(self.last_work, self.monitor.check, self._deadline(),
                           self.host_blocking)
+        if self.s._side is not None:  # the sums are read on the current stream next
+            torch.cuda.current_stream(self.s.device).wait_stream(self.s._side)
 
     @contextlib.contextmanager
     def _transport_errors(self) -> Iterator[None]:
