@@ -120,11 +120,12 @@ class TrajectoryStoreCore:
             lease_ms = int(lease or 1000 * self.cfg.lease_seconds)
             if len(claimed) >= count or p["time_since_delivered"] < lease_ms:
                 continue
-            # XCLAIM re-checks the idle time, so two pullers never both win one entry.
+            # XCLAIM re-checks the idle time, so two pullers never both win one entry; without
+            # JUSTID it also counts the delivery.
             got = self.r.xclaim(self.keys.ready, CONSUMER_GROUP, consumer, lease_ms,
-                                [p["message_id"]], justid=True)
-            if got:
-                claimed.append((_s(got[0]), int(p["times_delivered"]) + 1))
+                                [p["message_id"]])
+            if got and got[0] and got[0][0]:
+                claimed.append((_s(got[0][0]), int(p["times_delivered"]) + 1))
         if claimed:
             self.r.hincrby(self.keys.stats, "redeliveries", len(claimed))
             self._metric("r3flow_store_redeliveries_total").inc(len(claimed))

@@ -117,7 +117,8 @@ def crash_group(index: int, size: int = 4) -> list[trajectory_pb2.Trajectory]:
 def run_appender(address: str, client_index: int, groups: int) -> dict[str, int]:
     """Append member `client_index` of every crash group, retrying through store restarts."""
     accepted = duplicates = 0
-    with StoreClient(address, timeout_s=20, max_retries=12, max_backoff_s=2.0) as client:
+    # Patient: a restart on a loaded 2-core machine can take tens of seconds.
+    with StoreClient(address, timeout_s=20, max_retries=60, max_backoff_s=1.0) as client:
         for g in range(groups):
             res = client.append_trajectory(crash_group(g)[client_index])
             accepted += res.accepted

@@ -199,3 +199,14 @@ def test_workers_and_weight_sync_plans(core: TrajectoryStoreCore) -> None:
     assert control.latest_weight_sync().master_port == 1234
     time.sleep(1.1)
     assert control.list_workers() == []
+
+
+def test_delivery_count_grows_with_each_redelivery(core: TrajectoryStoreCore) -> None:
+    append_all(core, small_group("g", 1))
+    counts = []
+    for consumer in ("a", "b", "c"):
+        [d] = core.pull(consumer, 1, lease_seconds=1)
+        counts.append(d.delivery_count)
+        time.sleep(1.05)
+    assert counts == [1, 2, 3]
+    assert core.stats().counters["redeliveries"] == 2
