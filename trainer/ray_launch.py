@@ -8,6 +8,7 @@ On a laptop/CI box Ray runs locally, bound to 127.0.0.1, dashboard off, auth dis
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from pathlib import Path
@@ -23,6 +24,8 @@ def _free_port() -> int:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
+
+log = logging.getLogger(__name__)
 
 class RankActor:
     """Ray actor body: sets this rank's distributed env, then builds a RankWorker."""
@@ -41,17 +44,26 @@ class RankActor:
         return None if method == "export_hf" and self.rank else out
 
 
-def init_local_ray(num_cpus: int) -> None:
+def init_local_ray(num_cpus: int, attempts: int = 3) -> None:
     """Start a local Ray (127.0.0.1, no dashboard, auth off) unless one is running."""
     import ray
 
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(address="local", include_dashboard=False, num_cpus=num_cpus,
-             _node_ip_address="127.0.0.1", log_to_driver=True,
-             runtime_env={"env_vars": {"PYTHONPATH": str(REPO), "RAY_AUTH_MODE": "disabled",
-                                       "OMP_NUM_THREADS": "1"}})
+    for attempt in range(1, attempts + 1):
+        try:
+            ray.init(address="local", include_dashboard=False, num_cpus=num_cpus,
+                     _node_ip_address="127.0.0.1", log_to_driver=True,
+                     runtime_env={"env_vars": {"PYTHONPATH": str(REPO),
+                                               "RAY_AUTH_MODE": "disabled",
+                                               "OMP_NUM_THREADS": "1"}})
+            return
+        except RuntimeError as e:  # GCS start timed out: seen on a loaded 2-core machine
+            ray.shutdown()
+            if attempt == attempts:
+                raise
+            log.warning("ray.init attempt %d/%d failed (%s); retrying", attempt, attempts, e)
 
 
 class RayRanks:
