@@ -56,7 +56,8 @@ def sample_from_trajectory(traj, layer_map: LayerMap | None, num_experts: int,
     prompt = np.asarray(traj.prompt_token_ids, np.int64)
     sample = Sample(np.concatenate([prompt, np.asarray(tokens, np.int64)]), prompt.size,
                     np.asarray(logprobs, np.float32), mask.astype(bool), float(traj.reward),
-                    traj.group_id, policy_version=min(s.policy_version for s in traj.segments))
+                    traj.group_id,
+                    policy_version=min((s.policy_version for s in traj.segments), default=0))
     if layer_map is not None:
         if decode is None:
             from services.common.wire import routing_from_proto
