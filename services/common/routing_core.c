@@ -6,7 +6,8 @@
  *
  * Blob = 32-byte header + payload (format in routing.py). The payload is ONE rANS stream with
  * four interleaved 64-bit states and 32-bit words: 32 bytes of final states, then the words.
- * Layers are coded in order; each is either
+ * Blocks of up to 65,536 tokens are coded in order, and within a block the layers; each
+ * (block, layer) is either
  *   - fallback: each row's colex rank among the C(E,K) subsets (+ its Lehmer permutation index
  *     in exact mode), coded near-uniformly -- within 0.001% of the information floor; or
  *   - adaptive: per row a "repeats the previous token's row" flag, else the row's K gaps in the
@@ -77,6 +78,9 @@ enum {
 #define LUT_BITS_SMALL 7 /* ... and 2^7 below LUT_SMALL_ROWS rows, where rebuilds dominate */
 #define LUT_SMALL_ROWS 4096
 #define PER_LAYER_MIN_TOKENS 64
+/* Tokens are coded in blocks (each layer of a block with a fresh model), so the encoder's
+ * record buffer stays bounded (~20 MB) however long the input is. */
+#define BLOCK_TOKENS (1 << 16)
 #define FIRST_REBUILD 16
 #define REBUILD_STEP 4096
 /* Rows (both rebuild rows, so the cost tally is current) at which an adaptive attempt that
@@ -1418,7 +1422,15 @@ int64_t r3_encode(const void *ids, int32_t itemsize, int64_t tokens, int64_t lay
     hd.coding = per_layer_coding(tokens, &cd);
     if (!rc && hd.coding) rc = model_alloc(&m, &cd, 1, tokens * layers >= RCP_MIN_ROWS, tokens);
     for (int s = 0; s < NSTATES; s++) e.x[s] = RANS_L;
-    for (int64_t l = layers - 1; l >= 0 && !rc; l--) rc = enc_layer(&e, &cd, &m, &in, l, hd.coding);
+    /* rANS is LIFO: the last block's last layer is coded first. */
+    for (int64_t b = (tokens - 1) / BLOCK_TOKENS; b >= 0 && !rc; b--) {
+        Input blk = in;
+        blk.ids = (const uint8_t *)ids + (size_t)(b * BLOCK_TOKENS * layers * K * itemsize);
+        blk.tokens = tokens - b * BLOCK_TOKENS < BLOCK_TOKENS ? tokens - b * BLOCK_TOKENS
+                                                              : BLOCK_TOKENS;
+        for (int64_t l = layers - 1; l >= 0 && !rc; l--)
+            rc = enc_layer(&e, &cd, &m, &blk, l, hd.coding);
+    }
     if (!rc) rc = enc_finish(&e, &hd, out);
     free(e.words);
     free(e.rec);
@@ -1802,16 +1814,22 @@ static int dec_payload(Dec *d, Codec *cd, const Header *hd, const Output *o)
         if (*xs[s] < RANS_L || *xs[s] >> 63) dec_fail(d, BAD_FINAL);
     }
     if (hd->coding) rc = model_alloc(&m, cd, 0, 0, hd->tokens);
-    for (int64_t l = 0; l < hd->layers && !rc && !d->bad; l++) {
-        if (hd->coding && dec_raw(d, &d->x0, 1)) {
-            dec_layer_adaptive(d, cd, &m, o, l);
-            continue;
+    for (int64_t b = 0; b * BLOCK_TOKENS < hd->tokens && !rc && !d->bad; b++) {
+        Output blk = *o;
+        blk.out = (uint8_t *)o->out + (size_t)(b * BLOCK_TOKENS * o->layers * cd->K * o->itemsize);
+        blk.tokens = o->tokens - b * BLOCK_TOKENS < BLOCK_TOKENS ? o->tokens - b * BLOCK_TOKENS
+                                                                  : BLOCK_TOKENS;
+        for (int64_t l = 0; l < hd->layers && !rc && !d->bad; l++) {
+            if (hd->coding && dec_raw(d, &d->x0, 1)) {
+                dec_layer_adaptive(d, cd, &m, &blk, l);
+                continue;
+            }
+            if (!guessed && hd->tokens * hd->layers >= GUESS_MIN_ROWS) {
+                guessed = 1;
+                if ((rc = guess_init(cd))) break;
+            }
+            dec_layer_fallback(d, cd, &blk, l);
         }
-        if (!guessed && hd->tokens * hd->layers >= GUESS_MIN_ROWS) {
-            guessed = 1;
-            if ((rc = guess_init(cd))) break;
-        }
-        dec_layer_fallback(d, cd, o, l);
     }
     model_free(&m);
     uint64_t ends = (d->x0 ^ RANS_L) | (d->x1 ^ RANS_L) | (d->x2 ^ RANS_L) | (d->x3 ^ RANS_L);

@@ -105,6 +105,15 @@ def test_extreme_shapes_roundtrip(experts, topk, mode):
     assert len(blob) <= 1.03 * floor_bytes(ids_TLK, experts, mode) + 68
 
 
+@pytest.mark.parametrize("mode", routing.MODES)
+def test_inputs_longer_than_one_block_roundtrip(mode):
+    """Tokens are coded in blocks of 65,536 (bounded encoder memory); cross a boundary."""
+    ids_TLK = make_ids(13, 65_536 + 70, 1, 3, 40, skewed=True)
+    blob = routing.encode(ids_TLK, 40, mode=mode)
+    np.testing.assert_array_equal(routing.decode(blob), expected(ids_TLK, mode))
+    assert len(blob) <= 1.03 * floor_bytes(ids_TLK, 40, mode) + 68
+
+
 def test_skewed_routing_beats_the_floor_and_repeats_are_nearly_free():
     ids_TLK = make_ids(3, 2048, 4, 8, 128, skewed=True)
     blob = routing.encode(ids_TLK, 128)
