@@ -711,7 +711,7 @@ typedef struct {
     uint32_t *ecnt;  /* [E] expert popularity */
     uint16_t *perm;  /* [E] popularity position -> expert */
     uint16_t *inv;   /* [E] expert -> popularity position */
-    uint64_t *rcp;   /* [2^15 + 1] encoder: reciprocal of each frequency in use (0 = not yet) */
+    uint64_t *rcp;   /* [2^15 + 1] encoder, large inputs: reciprocal of each frequency used */
     uint8_t *rshift; /* [2^15 + 1] its shift */
     uint64_t rcp_done[(MODEL_TOTAL >> 6) + 1];
     int64_t next_rebuild;
@@ -1621,8 +1621,8 @@ FORCE_INLINE void set_expert(int W, int e, uint64_t *lo, uint64_t *hi, uint64_t 
     }
 }
 
-/* Mirror of enc_gaps: experts in popularity order in
- * ex, their bitmap in bm. Returns 0 if the stream went bad. */
+/* Mirror of enc_gaps: the row's experts (in popularity order) in ex, their bitmap in bm.
+ * Returns 0 if the stream went bad. */
 FORCE_INLINE int dec_gaps(Dec *d, const Codec *cd, Model *m, int K, int W, uint16_t *ex,
                           uint64_t *bm)
 {
