@@ -31,11 +31,11 @@ sys.path.insert(0, str(ROOT))
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--prompts", type=int, default=32, help="GRPO groups per run")
+    p.add_argument("--prompts", type=int, default=8, help="GRPO groups per run")
     p.add_argument("--n", type=int, default=4, help="samples per prompt")
     p.add_argument("--max-tokens", type=int, default=128, help="generated tokens per sample")
     p.add_argument("--concurrency", type=int, default=32, help="requests in the engine at once")
-    p.add_argument("--rounds", type=int, default=7, help="alternating rounds of the three modes")
+    p.add_argument("--rounds", type=int, default=15, help="alternating rounds of the three modes")
     p.add_argument("--out", default=str(ROOT / "bench-results" / "rollout.json"))
     return p.parse_args()
 
@@ -172,6 +172,8 @@ def summarize(args: argparse.Namespace, modes: list[Mode], stats) -> dict:  # no
         "capture_overhead_cpu": paired_overhead(by["capture"].cpu_rates, by["off"].cpu_rates),
         "streaming_overhead_cpu": paired_overhead(by["streaming"].cpu_rates,
                                                   by["off"].cpu_rates),
+        # Other tenants only ever slow a run down: the best run is the least disturbed one.
+        "tokens_per_s_best": {m.name: round(max(m.rates), 1) for m in modes},
         "runs_tokens_per_s": {m.name: [round(x, 1) for x in m.rates] for m in modes},
         "runs_tokens_per_cpu_s": {m.name: [round(x, 1) for x in m.cpu_rates] for m in modes},
         "load_average_1m_at_end": round(os.getloadavg()[0], 2),
