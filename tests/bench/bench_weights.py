@@ -238,7 +238,8 @@ def run(args: argparse.Namespace) -> dict:
     named = make_weights(c, dev.type if not cuda else "cuda", getattr(torch, args.source_dtype))
     cfg = sender_config(backend="nccl" if cuda else "gloo", device=str(dev),
                         wire_dtype=args.wire_dtype, bucket_bytes=bucket, timeout_s=300,
-                        inflight_buckets=args.inflight)
+                        inflight_buckets=args.inflight,
+                        direct_min_bytes=int(args.direct_min_mb * (1 << 20)) or None)
     sender = WeightSender(cfg)
     raw_store = connect_store("127.0.0.1", 0, 120, server=True)
     ctx = mp.get_context("spawn")
@@ -292,7 +293,8 @@ def _measure(args, c, named, sender, raw_pg, cmds, replies, dev, bucket) -> dict
         "device": args.device, "backend": "nccl" if args.device == "cuda" else "gloo",
         "machine": _machine(args.device), "torch": torch.__version__,
         "model": c, "num_tensors": report.num_tensors, "num_buckets": report.num_buckets,
-        "bucket_bytes": bucket, "inflight_buckets": args.inflight, "wire_dtype": args.wire_dtype, "source_dtype": args.source_dtype,
+        "bucket_bytes": bucket, "inflight_buckets": args.inflight,
+        "direct_min_mb": args.direct_min_mb, "wire_dtype": args.wire_dtype, "source_dtype": args.source_dtype,
         "push_bytes": nbytes, "repeats": args.repeats,
         "push_s": push_s, "raw_all_at_once_s": raw_all_s, "raw_one_by_one_s": raw_seq_s,
         "raw_s": raw_s, "push_s_median": push_med, "raw_s_median": raw_med,
@@ -333,6 +335,8 @@ def main() -> int:
     ap.add_argument("--wire-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--source-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--inflight", type=int, default=2, help="WeightSyncConfig.inflight_buckets")
+    ap.add_argument("--direct-min-mb", type=float, default=0,
+                    help="WeightSyncConfig.direct_min_bytes in MiB (0: the default, bucket/2)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default="")
     args = ap.parse_args()

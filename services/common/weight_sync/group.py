@@ -223,7 +223,10 @@ def wait_work(work: dist.Work, check: Callable[[], None], deadline: float,
             return
         except RuntimeError:
             if work.is_completed():
-                raise  # the op itself failed (a peer died, gloo's own timeout)
+                # it ended just after the slice ran out (then this returns), or it failed
+                # (a peer died, gloo's own timeout: then this raises that error)
+                work.wait()
+                return
         check()
         if time.monotonic() >= deadline:
             raise WaitTimeout("timed out waiting for a broadcast") from None
