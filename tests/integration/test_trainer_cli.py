@@ -64,7 +64,7 @@ def make_group(hf, group_id: str, size: int, seed: int):
 
 def _train(cfg_path: Path, steps: int) -> subprocess.CompletedProcess:
     env = os.environ | {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "trainer", "--config",
+    return subprocess.run([sys.executable, "-m", "services.cli", "train", "--config",
                            str(cfg_path), "--steps", str(steps)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=240)
 
