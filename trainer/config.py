@@ -32,6 +32,9 @@ class ReplayConfig(StrictConfig):
         0.5, ge=0, le=1, description="minimum per-layer fraction of replayed ids the trainer's "
         "router also picks; below it the step fails (chance level is top_k/num_experts)")
     check_agreement: bool = Field(True, description="compute and enforce routing agreement")
+    compare_off: bool = Field(
+        False, description="also compute the batch's logprobs with natural routing and log "
+        "logprob_diff_mean_off / _max_off (one extra forward pass per step)")
 
 
 class DataConfig(StrictConfig):

@@ -180,6 +180,15 @@ class Trainer:
         return [mb.to(self.device) for mb in
                 split_microbatches(samples, d.micro_batch_size, d.pad_multiple)]
 
+    @staticmethod
+    def _diff_metrics(mbs: Sequence[MicroBatch], lps: Sequence[torch.Tensor], suffix: str) -> dict:
+        """Token-weighted mean and max |rollout - trainer| logprob over the trained tokens."""
+        diffs = [logprob_diff(mb.old_logprobs_BS, lp, mb.loss_mask_BS)
+                 for mb, lp in zip(mbs, lps, strict=True)]
+        w = np.array([mb.num_tokens for mb in mbs], dtype=np.float64)
+        return {f"logprob_diff_mean{suffix}": float(np.dot([d[0] for d in diffs], w) / max(w.sum(), 1)),
+                f"logprob_diff_max{suffix}": max(d[1] for d in diffs)}
+
     def old_policy_pass(self, mbs: Sequence[MicroBatch], mode: ReplayMode) -> dict:
         """Old-policy logprobs (+ agreement in r3), reference logprobs; returns metrics."""
         check = mode == ReplayMode.R3 and self.cfg.replay.check_agreement
@@ -193,11 +202,10 @@ class Trainer:
             mb.train_old_lp = lp
             if self.reference is not None:
                 mb.ref_lp = self.compute_logprobs([mb], mode, reference=True)[0]
-        diffs = [logprob_diff(mb.old_logprobs_BS, lp, mb.loss_mask_BS) for mb, lp in
-                 zip(mbs, old, strict=True)]
-        w = np.array([mb.num_tokens for mb in mbs], dtype=np.float64)
-        metrics: dict[str, Any] = {"logprob_diff_mean": float(np.dot([d[0] for d in diffs], w) / max(w.sum(), 1)),
-                   "logprob_diff_max": max(d[1] for d in diffs)}
+        metrics: dict[str, Any] = self._diff_metrics(mbs, old, "")
+        if self.cfg.replay.compare_off and mode != ReplayMode.OFF:
+            # Same batch, same weights, natural routing: what replay bought on this step.
+            metrics |= self._diff_metrics(mbs, self.compute_logprobs(mbs, ReplayMode.OFF), "_off")
         if check:
             metrics["routing_agreement"] = self.agreement.overall()
             metrics["routing_agreement_by_layer"] = self.agreement.per_layer()
@@ -230,6 +238,7 @@ class Trainer:
         metrics |= {"clip_ratio": acc.get("clipped", 0.0) / max(total, 1.0),
                     "loss": acc.get("loss", 0.0), "grad_norm": grad_norm,
                     "reward_mean": float(np.mean([s.reward for s in samples])),
+                    "trajectories": len(samples),
                     "step_seconds": dt, "tokens": total,
                     "tokens_per_second": sum(s.tokens.size for s in samples) / dt,
                     "policy_version": self.policy_version, "replay": mode.value}

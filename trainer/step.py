@@ -55,8 +55,10 @@ def reduce_metrics(per_rank: list[dict]) -> dict:
         vals = [r[k] for r in per_rank]
         if isinstance(v, dict):
             out[k] = {kk: float(np.mean([x[kk] for x in vals])) for kk in v}
+        elif k == "trajectories":
+            out[k] = int(sum(vals))
         elif isinstance(v, int | float) and not isinstance(v, bool):
-            out[k] = float(np.max(vals)) if k.endswith("_max") else float(np.mean(vals))
+            out[k] = float(np.max(vals)) if "_max" in k else float(np.mean(vals))
         else:
             out[k] = v
     return out

@@ -1,6 +1,7 @@
 """Where every trajectory of a local run went: trained, dropped (by reason) or left over.
 
-Sources are independent where possible: `produced` from the rollout workers' own counters,
+Sources are independent where possible: `produced` from the store's count of complete
+trajectories (cross-checked against the workers' own counters, which can only lag it),
 `trained` from groups the trainer acked, drops from the store's counters, `unused at end` from
 draining the store after the trainer stopped. The remainder (trajectories of groups that were
 still incomplete when the workers stopped) is reported, not hidden.
@@ -30,24 +31,27 @@ def scrape_counter(url: str, name: str, **labels: str) -> float:
 
 @dataclass
 class Accounting:
-    produced: int
-    stored_complete: int
+    produced: int  # complete trajectories the store received from the workers
+    workers_reported: int  # the workers' own `ok` counters, read just before they stopped
     trained: int
     dropped: dict[str, int]
     unused_at_end: int
     in_incomplete_groups: int
+    max_in_flight: int  # trajectories the workers may have had open at once
 
     @property
     def balanced(self) -> bool:
-        accounted = self.trained + sum(self.dropped.values()) + self.unused_at_end
-        return accounted + self.in_incomplete_groups == self.produced
+        """The remainder can only be trajectories of groups the workers had not finished when
+        they stopped: never negative, and never more than the workers can hold in flight."""
+        return (0 <= self.in_incomplete_groups <= self.max_in_flight
+                and self.workers_reported <= self.produced)
 
     def as_dict(self) -> dict:
         return {**asdict(self), "balanced": self.balanced}
 
     @classmethod
-    def collect(cls, store_addr: str, produced: float, rows: list[dict],
-                group_size: int) -> Accounting:
+    def collect(cls, store_addr: str, workers_reported: float, group_size: int,
+                max_in_flight: int) -> Accounting:
         from services.store.client import StoreClient
 
         with StoreClient(store_addr, timeout_s=10, max_retries=3) as client:
@@ -58,7 +62,7 @@ class Accounting:
         dropped = {k: int(v) for k, v in after.dropped_by_reason.items() if v}
         complete = int(after.trajectories_complete)
         rest = complete - trained - sum(dropped.values()) - unused
-        return cls(int(produced), complete, trained, dropped, unused, rest)
+        return cls(complete, int(workers_reported), trained, dropped, unused, rest, max_in_flight)
 
 
 def drain(client, consumer: str = "local-drain") -> int:

@@ -54,7 +54,7 @@ def print_summary(s: dict) -> None:
     print(f"routing agreement {_fmt(s['routing_agreement'])}")
     dropped = ", ".join(f"{k} {v}" for k, v in t["dropped"].items()) or "none"
     print(f"trajectories      produced {t['produced']} = trained {t['trained']} + dropped ({dropped}) "
-          f"+ unused at end {t['unused_at_end']} + in incomplete groups {t['in_incomplete_groups']}"
+          f"+ unused at end {t['unused_at_end']} + in groups unfinished at stop {t['in_incomplete_groups']}"
           f"  [{'balanced' if t['balanced'] else 'NOT BALANCED'}]")
 
 

@@ -27,6 +27,7 @@ class GrpoConfig(StrictConfig):
     lr: float = Field(1e-3, gt=0)
     kl_coef: float = Field(0.0, ge=0, description="KL to the reference model (0 = no reference)")
     max_policy_lag: int = Field(1, ge=0, description="store drops groups older than this")
+    backlog_steps: int = Field(3, ge=2, description="store backlog limit, in optimizer steps")
     dtype: Literal["fp32", "bf16"] = Field("bf16", description="trainer and engine dtype")
     compare_off: bool = Field(True, description="also measure |logprob diff| without replay")
 
@@ -48,7 +49,18 @@ class LocalConfig(StrictConfig):
 
 
 def store_config(cfg: LocalConfig, run_dir: Path) -> dict:
-    return {"max_policy_lag": cfg.grpo.max_policy_lag}
+    g = cfg.grpo
+    # Backpressure keeps the workers about `backlog_steps` optimizer steps ahead of the trainer
+    # instead of generating thousands of groups that would only go stale on 2 cores.
+    per_traj = 8 + g.max_tokens  # prompt ("19+19=" is 6 chars) + response, with margin
+    backlog = g.backlog_steps * g.groups_per_step * g.group_size * per_traj
+    return {"max_policy_lag": g.max_policy_lag, "max_backlog_tokens": backlog,
+            "backpressure_retry_ms": 200}
+
+
+def rollout_concurrency(cfg: LocalConfig) -> int:
+    """Requests a worker keeps in its engine (whole groups)."""
+    return 4 * cfg.grpo.group_size
 
 
 def rollout_config(cfg: LocalConfig, run_dir: Path, model_dir: Path, worker: int) -> dict:
@@ -60,7 +72,7 @@ def rollout_config(cfg: LocalConfig, run_dir: Path, model_dir: Path, worker: int
         "sampling": {"n": g.group_size, "max_tokens": g.max_tokens, "temperature": g.temperature},
         "dataset": str(run_dir / "data" / "rl.jsonl"),
         "verifier": "services.local.tasks:digit_reward",
-        "concurrency": 4 * g.group_size,
+        "concurrency": rollout_concurrency(cfg),
         "worker_id": f"rollout-{worker}",
         "epochs": 1000,
         "max_policy_lag": g.max_policy_lag,
@@ -74,7 +86,7 @@ def trainer_config(cfg: LocalConfig, run_dir: Path, model_dir: Path) -> dict:
         "model": {"dtype": g.dtype},
         "optim": {"lr": g.lr, "clip_grad": 1.0},
         "loss": {"kl_coef": g.kl_coef},
-        "replay": {"mode": cfg.replay},
+        "replay": {"mode": cfg.replay, "compare_off": g.compare_off},
         "data": {"groups_per_step": g.groups_per_step, "micro_batch_size": 16,
                  "lease_seconds": 120, "wait_ms": 2000},
         "run": {"run_dir": str(run_dir / "trainer"), "steps": g.steps, "checkpoint_every": 1,

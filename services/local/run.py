@@ -23,12 +23,13 @@ from services.local import report
 from services.local.accounting import Accounting, scrape_counter
 from services.local.config import (
     LocalConfig,
+    rollout_concurrency,
     rollout_config,
     store_config,
     trainer_config,
     warm_start_config,
 )
-from services.local.procs import Supervisor, free_port, tail, wait_for
+from services.local.procs import Supervisor, free_port, tail
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +188,9 @@ class LocalRun:
         for child in self.sup.children:
             if child.name.startswith("rollout"):
                 self.sup.stop(child)
-        acct = Accounting.collect(self.store_addr, produced, rows, self.cfg.grpo.group_size)
+        g = self.cfg.grpo
+        in_flight = self.cfg.workers * rollout_concurrency(self.cfg)
+        acct = Accounting.collect(self.store_addr, produced, g.group_size, in_flight)
         summary = {"run_dir": str(self.dir), "replay": self.cfg.replay, "steps": len(rows),
                    "wall_seconds": round(time.monotonic() - self.started, 1),
                    **report.summarize(rows), "trajectories": acct.as_dict()}
