@@ -64,3 +64,10 @@ test-faults: setup
 
 clean:
 	rm -rf $(VENV) bench-results runs .pytest_cache
+
+# Wheels carried to a lent GPU machine (Python 3.12, torch preinstalled): scripts/gpu_run.sh.
+gpu-wheels: setup
+	mkdir -p .gpu/wheels
+	$(PIP) download -q --no-deps --only-binary=:all: --python-version 3.12 \
+	  --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
+	  -d .gpu/wheels megatron-core==0.19.2 $$(grep -E '^(pydantic|pydantic_core|pydantic-core|annotated-types|typing-inspection|protobuf)==' requirements/cpu.lock)

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Everything r3flow measures on a lent GPU machine, in one call (device tool; see BENCHMARKS.md):
+#   run(command="bash scripts/gpu_run.sh", kind="nvidia-h100-x2", carry=[".gpu"])
+# There: Python 3.12 + torch 2.11, nothing installable. `.gpu/wheels` (gitignored, made by
+# `make gpu-wheels`) carries megatron-core and the few pure/cp312 packages the image lacks.
+set -uo pipefail
+OUT=${OUT:-bench-results/gpu}
+mkdir -p "$OUT" bench-results
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+python3 -m pip install -q --no-deps --no-index --target /tmp/pylib .gpu/wheels/*.whl
+export PYTHONPATH=/tmp/pylib:$PWD
+nvidia-smi -L | tee "$OUT/gpus.txt"
+python3 -m services.common._build
+echo "== pytest -m gpu (trainer: 1 GPU, 2 GPUs EP=2)"
+python3 -m pytest tests/gpu -m gpu -q -p no:cacheprovider -o addopts="" --timeout=900 2>&1 \
+  | tail -40 | tee "$OUT/pytest_gpu.txt"
+echo "== bench-weights --device cuda"
+python3 tests/bench/bench_weights.py --device cuda 2>&1 | tail -30 | tee "$OUT/bench_weights_cuda.txt"
+cp bench-results/*.json "$OUT/" 2>/dev/null
+ls -la "$OUT"
