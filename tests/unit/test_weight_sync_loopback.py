@@ -124,3 +124,77 @@ def test_repeated_layout_and_changed_layout_deliver_exact_tensors(sender):
         for (name, t), (_, r) in zip(named, got.named, strict=True):
             want = t.to(torch.bfloat16) if t.is_floating_point() else t
             assert torch.equal(r, want), (version, name)
+
+
+def test_checksum_mismatch_is_named_and_nobody_commits(sender, monkeypatch):
+    """A receiver whose bytes do not match the sender's checksums acks `fail`: the sender
+    names it, and every receiver discards (b verified fine but does not load either)."""
+    from services.common.weight_sync import buckets as bk
+
+    real = bk.checksum_tensor
+
+    def corrupt_on_a(bucket, entries, bounds=None):
+        sums = real(bucket, entries, bounds)
+        return sums + 1 if threading.current_thread().name == "rx-a" else sums
+
+    monkeypatch.setattr(bk, "checksum_tensor", corrupt_on_a)
+    plan = sender.plan(1, _workers("a", "b"))
+    results: dict[str, object] = {}
+
+    def run(rx: WeightReceiver) -> None:
+        try:
+            results[rx.worker_id] = rx.receive(plan)
+        except WeightSyncError as e:
+            results[rx.worker_id] = e
+
+    threads = [threading.Thread(target=run, args=(WeightReceiver(w),), name=f"rx-{w}")
+               for w in ("a", "b")]
+    for t in threads:
+        t.start()
+    with pytest.raises(WeightSyncError, match="checksum mismatch") as err:
+        sender.push(plan, _weights(0))
+    for t in threads:
+        t.join()
+    assert err.value.members == ("a (rank 1)",)
+    assert isinstance(results["a"], WeightSyncAborted)
+    assert isinstance(results["b"], WeightSyncAborted)
+
+
+def test_gloo_wait_slices_until_a_late_peer_posts():
+    """wait_work blocks in short slices (running the health check between them) and returns
+    normally when the op ends, even right at the edge of a slice."""
+    import time
+
+    import torch.distributed as dist
+
+    from services.common.weight_sync.group import (
+        broadcast,
+        connect_store,
+        make_process_group,
+        wait_work,
+    )
+
+    root = connect_store("127.0.0.1", 0, 10, server=True)
+    stores = [root, connect_store("127.0.0.1", root.port, 10, server=False)]  # one per rank
+    pgs: dict[int, object] = {}
+
+    def build(rank: int) -> None:
+        pgs[rank] = make_process_group(dist.PrefixStore("t/", stores[rank]), rank, 2, "gloo",
+                                       10, "127.0.0.1")
+
+    peer = threading.Thread(target=build, args=(1,))
+    peer.start()
+    build(0)
+    peer.join()
+
+    def late_receiver() -> None:
+        time.sleep(0.3)
+        broadcast(pgs[1], torch.zeros(1000)).wait()
+
+    peer = threading.Thread(target=late_receiver)
+    peer.start()
+    checks = []
+    sent = torch.arange(1000.0)
+    wait_work(broadcast(pgs[0], sent), lambda: checks.append(1), time.monotonic() + 10, True)
+    peer.join()
+    assert len(checks) >= 3  # 50 ms slices while the peer slept 300 ms
