@@ -19,7 +19,7 @@ import redis
 from services.common.pb.r3flow.v1 import store_pb2
 from services.store import lua, validate
 from services.store.config import StoreConfig
-from services.store.errors import CapacityError
+from services.store.errors import CapacityError, SizeLimitError
 from services.store.keys import Keys
 from services.store.validate import GroupState, TrajState, Write
 
@@ -82,7 +82,14 @@ class Appender:
         reqs: list[store_pb2.AppendRequest] = []
         buffered = 0
         for req in requests:
-            buffered += req.ByteSize()
+            size = req.ByteSize()
+            if size > self.cfg.max_message_bytes:
+                self._metric("r3flow_store_rejections_total", "message_too_large").inc()
+                raise SizeLimitError(
+                    f"AppendRequest: {size} bytes > max_message_bytes="
+                    f"{self.cfg.max_message_bytes} [trajectory_id={req.trajectory_id!r} "
+                    f"sequence_number={req.sequence_number}]")
+            buffered += size
             if buffered > self.cfg.max_stream_bytes:
                 raise ValueError(f"stream: over max_stream_bytes={self.cfg.max_stream_bytes}; "
                                  "send fewer trajectories per Append stream")

@@ -31,7 +31,8 @@ class StoreConfig(StrictConfig):
     grpc_workers: int = Field(
         256, ge=2, description="server threads; each open Watch* stream and each waiting Pull "
         "holds one, so size it above 2 x rollout workers + trainers")
-    max_message_bytes: int = Field(64 << 20, ge=1024, description="largest AppendRequest")
+    max_message_bytes: int = Field(
+        64 << 20, ge=1024, le=(2**31 - 1) // 4, description="largest AppendRequest")
     max_pull_message_bytes: int = Field(512 << 20, ge=1024, description="largest PulledGroup")
     max_stream_bytes: int = Field(
         256 << 20, ge=1024, description="bytes one Append stream may buffer before it is committed")

@@ -10,3 +10,7 @@ class CapacityError(Exception):
         super().__init__(message)
         self.reason = reason
         self.retry_after_ms = retry_after_ms
+
+
+class SizeLimitError(Exception):
+    """A message over a configured size: RESOURCE_EXHAUSTED without a retry hint (never retry)."""

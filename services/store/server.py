@@ -25,7 +25,7 @@ from services.common.pb.r3flow.v1 import store_pb2, store_pb2_grpc
 from services.store.config import StoreConfig
 from services.store.control import ControlPlane
 from services.store.core import StatsSnapshot, TrajectoryStoreCore
-from services.store.errors import CapacityError
+from services.store.errors import CapacityError, SizeLimitError
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,8 @@ WATCH_POLL_S = 0.5  # watchers re-read Redis this often (versions published by o
 def _abort(context: grpc.ServicerContext, exc: Exception) -> None:
     if isinstance(exc, ValueError):
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    if isinstance(exc, SizeLimitError):
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
     if isinstance(exc, CapacityError):
         context.set_trailing_metadata(((RETRY_AFTER_KEY, str(exc.retry_after_ms)),))
         context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
@@ -79,7 +81,12 @@ class TrajectoryStoreServicer(store_pb2_grpc.TrajectoryStoreServicer):
 
     @_unary
     def Append(self, request_iterator, context):  # noqa: N802 (gRPC method names)
-        res = self.core.append(request_iterator)
+        requests = list(request_iterator)
+        if not context.is_active():
+            # The stream broke off (an oversized message, a cancelled client): gRPC may end the
+            # iterator quietly, and a truncated stream must not be committed.
+            context.abort(grpc.StatusCode.CANCELLED, "stream: ended before the client closed it")
+        res = self.core.append(requests)
         return store_pb2.AppendResponse(accepted=res.accepted, duplicates=res.duplicates,
                                         policy_version=res.policy_version)
 
@@ -182,6 +189,10 @@ class _TokenInterceptor(grpc.ServerInterceptor):
         return grpc.unary_unary_rpc_method_handler(self._deny)
 
 
+def transport_cap(max_message_bytes: int) -> int:
+    return min(2**31 - 1, 4 * max_message_bytes + (1 << 20))
+
+
 class StoreServer:
     """The gRPC server, its health service and the maintenance thread (timeouts, gauges)."""
 
@@ -196,7 +207,10 @@ class StoreServer:
         self.grpc = grpc.server(
             futures.ThreadPoolExecutor(config.grpc_workers, thread_name_prefix="store-rpc"),
             interceptors=interceptors, options=[
-                ("grpc.max_receive_message_length", config.max_message_bytes),
+                # The store enforces max_message_bytes itself: when gRPC refuses an oversized
+                # message it may end the request stream as if the client had closed it, and the
+                # truncated stream would be committed. The transport cap is a last resort.
+                ("grpc.max_receive_message_length", transport_cap(config.max_message_bytes)),
                 ("grpc.max_send_message_length", config.max_pull_message_bytes)])
         control = ControlPlane(core.r, core.keys, config.worker_ttl_seconds)
         store_pb2_grpc.add_TrajectoryStoreServicer_to_server(

@@ -46,7 +46,7 @@ class StoreProcess:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def start(self, timeout_s: float = 30.0) -> StoreProcess:
+    def start(self, timeout_s: float = 60.0) -> StoreProcess:
         env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
         env.pop("REDIS_URL", None)
         if self.redis_url:

@@ -156,6 +156,8 @@ def test_oversized_message_is_resource_exhausted_and_leaves_no_keys(
         with pytest.raises(grpc.RpcError) as err:
             client.append(reqs)
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert err.value.details().startswith("AppendRequest: "), err.value.details()
+    assert "max_message_bytes=16384" in err.value.details()
     assert redis_keys(strict_store.redis_url, PREFIX) == before
 
 
