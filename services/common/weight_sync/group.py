@@ -181,8 +181,8 @@ def poll_until(ready: Callable[[], bool], check: Callable[[], None], deadline: f
                what: str = "") -> None:
     """Poll until `ready()`; run `check()` every 50 ms; WaitTimeout at the deadline.
 
-    Sleeps grow with the time already waited (at most 1/8 of it, 5 ms at most), so a short
-    wait overshoots by microseconds and a long one costs few wake-ups."""
+    Sleeps grow with the time already waited (1/8 of it, 5 ms at most), so a short wait
+    overshoots by microseconds and a long one costs at most 200 polls a second."""
     start = next_check = time.monotonic()
     while not ready():
         now = time.monotonic()
@@ -196,17 +196,11 @@ def poll_until(ready: Callable[[], bool], check: Callable[[], None], deadline: f
 
 def wait_keys(store: dist.Store, keys: list[str], check: Callable[[], None], deadline: float,
               what: str = "") -> None:
-    """Block until every key is set, in 50 ms slices (the store wakes us the moment the last
-    one is set) with `check()` between slices; WaitTimeout at the deadline."""
-    while True:
-        try:
-            store.wait(keys, timedelta(milliseconds=50))
-            return
-        except dist.DistStoreError:
-            pass  # a slice ran out (a lost connection raises another error)
-        check()
-        if time.monotonic() >= deadline:
-            raise WaitTimeout(f"timed out waiting for {what or ', '.join(keys)}")
+    """Poll until every key is set (`check()` runs between polls); WaitTimeout at the deadline.
+
+    Polled rather than `store.wait(keys, short_timeout)` in slices: every expired slice makes
+    c10d log two warnings."""
+    poll_until(lambda: store.check(keys), check, deadline, what or ", ".join(keys))
 
 
 def wait_work(work: dist.Work, check: Callable[[], None], deadline: float,
