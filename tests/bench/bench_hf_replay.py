@@ -4,8 +4,9 @@ Workload: an HF Qwen3-MoE built locally (default: the tiny MoE of `r3flow local`
 layer 0 dense, 8 experts top-2; `--width` scales it up), HFTrainer with packed micro-batches. The
 rollout routing is the model's own natural routing (recorded once before timing), so both modes
 run the same experts on the same tokens and the difference is the replay machinery itself: route
-validation, the hook's gate-weight recompute and the agreement check. Steps alternate off/r3 so
-drift and machine noise hit both; lr is tiny so routing stays near natural.
+validation, the hook's gate-weight recompute and the agreement check. Rounds run off/r3, then
+r3/off (ABBA), so drift, order effects and machine noise hit both; lr is tiny so routing stays
+near natural.
 replay_overhead_ratio = median r3 step / median off step (target <= 1.05); the median of the
 per-round ratios is reported too. Writes bench-results/hf_replay.json and prints a table.
 """
@@ -58,8 +59,8 @@ def run(model: Path, dtype: str, steps: int, n: int, prompt_len: int, resp_len: 
     samples = _samples(tr, n, prompt_len, resp_len, seed=0)
     times: dict[str, list[float]] = {"off": [], "r3": [], "off_cpu": [], "r3_cpu": []}
     agreement = []
-    for i in range(steps + 1):  # round 0 is warm-up
-        for mode in ("off", "r3"):
+    for i in range(steps + 1):  # round 0 is warm-up; the order alternates (ABBA)
+        for mode in (("off", "r3"), ("r3", "off"))[i % 2]:
             wall, cpu, m = _timed_step(tr, samples, mode)
             if i:
                 times[mode].append(wall)

@@ -150,29 +150,33 @@ class HFAgreementMonitor(AgreementMonitor):
         self.agree = [0] * len(self.hf_layers)
         self.total = [0] * len(self.hf_layers)
         self._pending: list[list[torch.Tensor]] = [[] for _ in self.hf_layers]
+        self._valid: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor] | None = None
+
+    def _valid_mask(self, hits_T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(float mask, its sum) of `valid_T`, computed once per micro-batch, not per layer."""
+        if self._valid is None or self._valid[0] is not self.valid_T \
+                or self._valid[1].device != hits_T.device:
+            src = self.valid_T if self.valid_T is not None else torch.ones_like(hits_T)
+            mask = src.to(hits_T.device, non_blocking=True).float()
+            self._valid = (self.valid_T, mask, mask.sum())
+        if self._valid[1].shape[0] != hits_T.shape[0]:
+            raise ValueError(f"agreement: {self._valid[1].shape[0]} valid flags for "
+                             f"{hits_T.shape[0]} router tokens")
+        return self._valid[1], self._valid[2]
 
     @torch.no_grad()
     def observe(self, m: int, own_TK: torch.Tensor, replay_TK: torch.Tensor) -> None:
         """Count replayed ids of MoE layer m that the router's own top-k also holds."""
         if not self.enabled:
             return
-        own_TE = torch.zeros(own_TK.shape[0], self.num_experts, dtype=torch.bool,
-                             device=own_TK.device)
-        own_TE.scatter_(1, own_TK, True)
-        hits_T = own_TE.gather(1, replay_TK).sum(-1)
-        if self.valid_T is None:
-            valid_T = torch.ones_like(hits_T, dtype=torch.bool)
-        else:
-            valid_T = self.valid_T.to(hits_T.device, non_blocking=True).bool()
-        if valid_T.shape[0] != hits_T.shape[0]:
-            raise ValueError(f"agreement: {valid_T.shape[0]} valid flags for {hits_T.shape[0]} "
-                             f"router tokens at MoE layer {m}")
-        self._pending[m].append(torch.stack([(hits_T * valid_T).sum(), valid_T.sum()]))
+        hits_T = (replay_TK.unsqueeze(-1) == own_TK.unsqueeze(-2)).any(-1).sum(-1)
+        mask_T, n_valid = self._valid_mask(hits_T)
+        self._pending[m].append(torch.stack([torch.dot(hits_T.float(), mask_T), n_valid]))
 
     def _flush(self) -> None:
         for m, parts in enumerate(self._pending):
             if parts:
-                agree, valid = (int(x) for x in torch.stack(parts).sum(0).tolist())
+                agree, valid = (round(x) for x in torch.stack(parts).sum(0).tolist())
                 self.agree[m] += agree
                 self.total[m] += valid * self.top_k
         self._pending = [[] for _ in self.hf_layers]
