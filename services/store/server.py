@@ -1,7 +1,7 @@
 """gRPC TrajectoryStore servicer (thin: proto <-> core) and the server that hosts it.
 
 Errors: ValueError -> INVALID_ARGUMENT; CapacityError -> RESOURCE_EXHAUSTED with a
-`retry-after-ms` trailer; Redis unreachable -> UNAVAILABLE (clients retry); anything else ->
+`retry-after-ms` trailer; SizeLimitError -> RESOURCE_EXHAUSTED (no hint); Redis unreachable -> UNAVAILABLE (clients retry); anything else ->
 INTERNAL with a log line. grpc.health.v1 reports NOT_SERVING while Redis is unreachable.
 """
 
