@@ -235,7 +235,8 @@ def _check_tokens(seg: trajectory_pb2.Segment) -> int:
         raise ValueError("segment.token_ids: negative token id")
     if len(seg.logprobs) != n:
         raise ValueError(f"segment.logprobs: {len(seg.logprobs)} values for {n} tokens")
-    if not all(math.isfinite(x) for x in seg.logprobs):
+    # A float32 sum cannot overflow float64, so it is finite iff every value is.
+    if not math.isfinite(sum(seg.logprobs)):
         raise ValueError("segment.logprobs: NaN or infinite value")
     if len(seg.loss_mask) != n:
         raise ValueError(f"segment.loss_mask: {len(seg.loss_mask)} bytes for {n} tokens")
