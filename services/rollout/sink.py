@@ -51,8 +51,11 @@ class StoreSink:
         self.backpressure_waits = 0
 
     async def send_group(self, trajs: list[trajectory_pb2.Trajectory]) -> None:
-        for traj in trajs:
-            await self._send(traj)
+        """Append every trajectory of the group (concurrently: one stream each)."""
+        results = await asyncio.gather(*[self._send(t) for t in trajs], return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise errors[0]
 
     async def _send(self, traj: trajectory_pb2.Trajectory) -> None:
         import grpc

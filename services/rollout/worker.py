@@ -89,8 +89,10 @@ class RolloutWorker:
     async def run(self, records: list[PromptRecord]) -> WorkerSummary:
         """Roll out `epochs` passes (or `num_prompts` groups) over `records`."""
         summary, t0 = WorkerSummary(), time.perf_counter()
-        max_groups = max(1, -(-self.cfg.concurrency // self.cfg.sampling.n))
-        slots = asyncio.Semaphore(max_groups)
+        # Twice the groups the engine can hold: a group that is being sent keeps its slot
+        # without starving the engine, and when the store pushes back, sending groups fill
+        # every slot and no new group starts (the worker slows down, nothing is dropped).
+        slots = asyncio.Semaphore(2 * max(1, -(-self.cfg.concurrency // self.cfg.sampling.n)))
         tasks: set[asyncio.Task] = set()
         prompts = iterate_prompts(records, self.cfg.epochs, self.cfg.num_prompts)
         for seq, (epoch, rec) in enumerate(prompts):

@@ -35,7 +35,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--n", type=int, default=4, help="samples per prompt")
     p.add_argument("--max-tokens", type=int, default=128, help="generated tokens per sample")
     p.add_argument("--concurrency", type=int, default=32, help="requests in the engine at once")
-    p.add_argument("--rounds", type=int, default=15, help="alternating rounds of the three modes")
+    p.add_argument("--rounds", type=int, default=31, help="alternating rounds of the three modes")
     p.add_argument("--out", default=str(ROOT / "bench-results" / "rollout.json"))
     return p.parse_args()
 
