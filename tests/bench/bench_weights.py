@@ -222,6 +222,14 @@ def push_once(sender: WeightSender, version: int, named, cmds, replies) -> tuple
 
 
 def run(args: argparse.Namespace) -> dict:
+    load_before = os.getloadavg()[0]
+    result = _run(args)
+    # a shared machine: other people's load moves these figures; it is recorded with them
+    result["loadavg_1min"] = [load_before, os.getloadavg()[0]]
+    return result
+
+
+def _run(args: argparse.Namespace) -> dict:
     cuda = args.device == "cuda"
     if cuda and torch.cuda.device_count() < 2:
         raise SystemExit("--device cuda needs 2 visible GPUs (sender cuda:0, receiver cuda:1)")
@@ -312,7 +320,8 @@ def _machine(device: str) -> str:
 
 
 def print_table(r: dict) -> None:
-    print(f"\nweight push ({r['backend']}, {r['machine']}, torch {r['torch']})")
+    print(f"\nweight push ({r['backend']}, {r['machine']}, torch {r['torch']}, "
+          f"load avg {r['loadavg_1min'][0]:.1f} -> {r['loadavg_1min'][1]:.1f})")
     print(f"model: {r['num_tensors']} HF tensors, {r['push_bytes'] / MB:.0f} MB on the wire "
           f"({r['wire_dtype']}), {r['num_buckets']} buckets of {r['bucket_bytes'] >> 20} MiB")
     print(f"{'':<22}{'median s':>10}{'GB/s':>10}")

@@ -12,7 +12,8 @@ change between pushes. Keys under a push prefix:
   header/{k}    layout + checksums of bucket k (then an end header)
   ack/{r}       "ok" or "fail: ..." once rank r has verified every bucket
   errors, err/{r}  count of members that failed, and each one's reason
-  commit | abort   the sender's decision; receivers load only after commit
+  commit | abort   the sender's decision; receivers load only after commit (an aborting
+                   sender also writes Keys.ABORTED into go, the next header and commit)
 """
 
 from __future__ import annotations
@@ -85,6 +86,9 @@ class Keys:
     """Store keys of one push (relative to its prefix)."""
 
     PARAMS, GO, COMMIT, ABORT, ERRORS = "params", "go", "commit", "abort", "errors"
+    # Written by an aborting sender into every key a receiver may be blocked on (go, the next
+    # header, commit): receivers block in `get` instead of polling, and still wake at once.
+    ABORTED = b"\x00aborted"
 
     @staticmethod
     def prefix(version: int) -> str:

@@ -11,6 +11,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -31,7 +32,6 @@ from services.common.weight_sync.group import (
     members_of,
     push_store,
     rank_in,
-    wait_keys,
     wait_work,
 )
 
@@ -152,6 +152,8 @@ class _Receive:
         root = rx.root_store(plan.master_addr, plan.master_port)
         self.store = push_store(root, plan.version)
         self.params = json.loads(self.store.get(Keys.PARAMS))
+        # blocking waits on the sender's keys end after a step's timeout (see _deadline)
+        self.store.set_timeout(timedelta(seconds=self._deadline() - time.monotonic()))
         self.heartbeat = Heartbeat(push_store(root.clone(), plan.version), member.rank,
                                    self.params["heartbeat_interval_s"])
         self.pg: dist.ProcessGroup | None = None
@@ -204,12 +206,19 @@ class _Receive:
                                     f"{reason}", version=self.version)
 
     def _wait_key(self, key: str) -> bytes:
+        """Block until the sender writes `key` (it writes Keys.ABORTED there on abort); a dead
+        sender drops the connection, a stalled one runs into the store timeout."""
         try:
-            wait_keys(self.store, [key], self._check_abort, self._deadline())
-            return self.store.get(key)
+            value = self.store.get(key)
         except dist.DistNetworkError as e:
             raise WeightSyncAborted(f"weight sync v{self.version}: sender unreachable ({e})",
                                     version=self.version) from e
+        except dist.DistStoreError as e:
+            raise WaitTimeout(f"timed out waiting for {key}") from e
+        if value == Keys.ABORTED:
+            self._check_abort()
+            raise WeightSyncAborted(f"weight sync v{self.version} aborted", version=self.version)
+        return value
 
     def _join(self) -> None:
         reuse, cached = self.params.get("reuse"), self.rx._group

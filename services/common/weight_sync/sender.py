@@ -148,6 +148,7 @@ class _Push:
         self.pg: dist.ProcessGroup | None = None
         self.new_group = True
         self.host_blocking = self.cfg.backend == "gloo"
+        self.published = 0  # bucket headers written so far
         self._presummed: torch.Tensor | None = None  # the CPU pack's checksums
         self.last_work: dist.Work | None = None
         # (broadcast, pool slot, bucket, event after its checksum on the side stream)
@@ -223,6 +224,7 @@ class _Push:
             slot = self._free_slot()
             bucket = self._pack(laid, sources, slot)
             self.store.set(Keys.header(laid.index), laid.header)
+            self.published = laid.index + 1
             assert self.pg is not None
             work = broadcast(self.pg, bucket)
             # summed while it is on the wire (both only read the buffer)
@@ -345,8 +347,10 @@ class _Push:
         log.error("weight push v%d aborted: %s", self.version, reason)
         try:
             self.store.set(Keys.ABORT, reason)
+            for key in (Keys.GO, Keys.header(self.published), Keys.COMMIT):
+                self.store.set(key, Keys.ABORTED)  # wakes receivers blocked on these keys
         except RuntimeError:
-            log.exception("could not write the abort key")
+            log.exception("could not write the abort keys")
         pending: list[object] = list(self.inflight)
         self.inflight.clear()
         self.s._group = None
