@@ -249,20 +249,20 @@ def with_checksums(entries: list[TensorEntry], sums: list[int]) -> list[TensorEn
             for e, s in zip(entries, sums, strict=True)]
 
 
-def encode_header(index: int, nbytes: int, entries: list[TensorEntry]) -> bytes:
+def encode_header(index: int, nbytes: int, entries: list[TensorEntry]) -> str:
     """The per-bucket header (layout) published before the bucket's broadcast."""
     return json.dumps({"index": index, "nbytes": nbytes,
-                       "tensors": [e.to_json() for e in entries]}).encode()
+                       "tensors": [e.to_json() for e in entries]})
 
 
 def encode_end(num_buckets: int, num_tensors: int, total_bytes: int,
-               sums: list[list[int]]) -> bytes:
+               sums: list[list[int]]) -> str:
     """The header after the last bucket: totals and every tensor's checksum, per bucket."""
     return json.dumps({"end": True, "buckets": num_buckets, "tensors": num_tensors,
-                       "bytes": total_bytes, "sums": sums}).encode()
+                       "bytes": total_bytes, "sums": sums})
 
 
-def decode_header(blob: bytes) -> dict:
+def decode_header(blob: str | bytes) -> dict:
     """Parse a header; bucket headers get their entries as `TensorEntry`s."""
     head = json.loads(blob)
     if not head.get("end"):

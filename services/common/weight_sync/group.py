@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -88,7 +89,7 @@ class Keys:
     PARAMS, GO, COMMIT, ABORT, ERRORS = "params", "go", "commit", "abort", "errors"
     # Written by an aborting sender into every key a receiver may be blocked on (go, the next
     # header, commit): receivers block in `get` instead of polling, and still wake at once.
-    ABORTED = b"\x00aborted"
+    ABORTED = "\x00aborted"
 
     @staticmethod
     def prefix(version: int) -> str:
@@ -126,13 +127,13 @@ def push_store(root: dist.Store, version: int) -> dist.PrefixStore:
 
 
 def make_process_group(store: dist.Store, rank: int, size: int, backend: str,
-                       timeout_s: float, host: str = "") -> dist.ProcessGroup:
+                       timeout_s: float, host: str = "") -> Any:
     """A standalone gloo/NCCL group on `store`: no default group is created or used.
 
     `host` is the address gloo binds to ("" = gloo's default: this host's name, or
     GLOO_SOCKET_IFNAME)."""
     if backend == "gloo":
-        opts = dist.ProcessGroupGloo._Options()
+        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # not in the stubs
         opts._timeout = timedelta(seconds=timeout_s)
         gloo = dist.ProcessGroupGloo
         opts._devices = [gloo.create_device(hostname=host) if host

@@ -25,7 +25,7 @@ class LaidBucket:
     nbytes: int
     first: int  # index of its first tensor in the pushed sequence
     direct: bool
-    header: bytes
+    header: str
     bounds: torch.Tensor | None = None  # checksum extents on the device (CUDA only)
     views: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # pool slot -> views
 

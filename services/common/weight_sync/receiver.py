@@ -154,7 +154,8 @@ class _Receive:
         self.params = json.loads(self.store.get(Keys.PARAMS))
         # blocking waits on the sender's keys end after a step's timeout (see _deadline)
         self.store.set_timeout(timedelta(seconds=self._deadline() - time.monotonic()))
-        self.heartbeat = Heartbeat(push_store(root.clone(), plan.version), member.rank,
+        beat_store = root.clone()  # type: ignore[attr-defined]  # its own connection; not in stubs
+        self.heartbeat = Heartbeat(push_store(beat_store, plan.version), member.rank,
                                    self.params["heartbeat_interval_s"])
         self.pg: dist.ProcessGroup | None = None
         self.ntensors = 0
@@ -215,7 +216,7 @@ class _Receive:
                                     version=self.version) from e
         except dist.DistStoreError as e:
             raise WaitTimeout(f"timed out waiting for {key}") from e
-        if value == Keys.ABORTED:
+        if value == Keys.ABORTED.encode():
             self._check_abort()
             raise WeightSyncAborted(f"weight sync v{self.version} aborted", version=self.version)
         return value

@@ -152,7 +152,8 @@ class _Push:
         self._presummed: torch.Tensor | None = None  # the CPU pack's checksums
         self.last_work: dist.Work | None = None
         # (broadcast, pool slot, bucket, event after its checksum on the side stream)
-        self.inflight: deque[tuple[dist.Work, int | None, torch.Tensor, object]] = deque()
+        self.inflight: deque[tuple[dist.Work, int | None, torch.Tensor,
+                                   torch.cuda.Event | None]] = deque()
 
     def run(self, named) -> PushReport:
         t0 = time.perf_counter()
@@ -290,7 +291,8 @@ class _Push:
         self.last_work = work
         self.inflight.popleft()
 
-    def _checksum(self, bucket: torch.Tensor, laid: LaidBucket) -> tuple[torch.Tensor, object]:
+    def _checksum(self, bucket: torch.Tensor, laid: LaidBucket
+                  ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """On CUDA the sums run on a side stream, so they do not hold up the next pack."""
         side = self.s._side
         if side is None:
