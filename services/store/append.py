@@ -192,7 +192,7 @@ class Appender:
             gid = w.group_id
             keys = [k.traj(tid), k.traj_done(tid), k.group(gid), k.stats]
             args = [w.seq, w.start_row, w.rows, w.tokens, w.payload, w.policy_version,
-                    w.layout.encode(), w.prompt_field, w.prompt_chunk]
+                    w.layout.encode(), w.prompt_field, w.prompt_chunk, w.head_len]
             p.evalsha(self._sha["SEGMENT"], len(keys), *keys, *args)
         else:
             gid = w.group_id

@@ -1,7 +1,8 @@
 """Rebuild full per-trajectory `Trajectory` messages of a ready group from Redis.
 
 Segment 0's prompt routing chunk is kept once per group (group hash field `p:<sha1>`); here it
-is put back as the first chunk of segment 0, so trainers see exactly what the worker sent.
+is spliced back as the first chunk of segment 0, so trainers see exactly what the worker sent.
+Payloads are spliced as wire bytes (services/store/wirefmt.py), never parsed and re-serialized.
 """
 
 from __future__ import annotations
@@ -9,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.common.pb.r3flow.v1 import routing_pb2, store_pb2, trajectory_pb2
+from services.common.pb.r3flow.v1 import store_pb2, trajectory_pb2
+from services.store import wirefmt
 from services.store.keys import Keys
 
 
@@ -21,12 +23,21 @@ class Delivery:
     group_id: str
     delivery_count: int
     min_policy_version: int
-    trajectories: list[trajectory_pb2.Trajectory] = field(default_factory=list)
+    trajectory_bytes: list[bytes] = field(default_factory=list)  # serialized Trajectory each
+
+    @property
+    def trajectories(self) -> list[trajectory_pb2.Trajectory]:
+        return [trajectory_pb2.Trajectory.FromString(b) for b in self.trajectory_bytes]
+
+    def to_bytes(self) -> bytes:
+        """The serialized PulledGroup (what the Pull stream sends)."""
+        head = store_pb2.PulledGroup(delivery_id=self.delivery_id, group_id=self.group_id,
+                                     delivery_count=self.delivery_count).SerializeToString()
+        return head + b"".join(wirefmt.field(wirefmt.PULLED_TRAJECTORIES, t)
+                               for t in self.trajectory_bytes)
 
     def to_proto(self) -> store_pb2.PulledGroup:
-        return store_pb2.PulledGroup(delivery_id=self.delivery_id, group_id=self.group_id,
-                                     trajectories=self.trajectories,
-                                     delivery_count=self.delivery_count)
+        return store_pb2.PulledGroup.FromString(self.to_bytes())
 
 
 def assemble_group(r: Any, keys: Keys, gid: str, delivery_id: str,
@@ -44,27 +55,26 @@ def assemble_group(r: Any, keys: Keys, gid: str, delivery_id: str,
     for h in trajs:
         if h.get(b"state") != b"complete":
             return None  # a released group is complete; anything else is lost data
-        traj = rebuild_trajectory(h, group)
-        if traj.finish_reason != trajectory_pb2.FINISH_REASON_ABORTED:
-            d.trajectories.append(traj)
+        blob = trajectory_wire(h, group)
+        if blob is not None:
+            d.trajectory_bytes.append(blob)
     return d
 
 
-def rebuild_trajectory(h: dict[bytes, bytes], group: dict[bytes, bytes]
-                       ) -> trajectory_pb2.Trajectory:
-    """Header + segments (+ shared prompt chunk) + finish fields -> one Trajectory."""
-    traj = trajectory_pb2.Trajectory.FromString(h[b"h"])
-    for j in range(int(h[b"nseg"])):
-        traj.segments.add().MergeFromString(h[f"s:{j}".encode()])
-    pkey = h.get(b"pkey")
-    if pkey:
-        seg0 = traj.segments[0]
-        rest = list(seg0.routing)
-        del seg0.routing[:]
-        seg0.routing.append(routing_pb2.RoutedExperts.FromString(group[pkey]))
-        seg0.routing.extend(rest)
+def trajectory_wire(h: dict[bytes, bytes], group: dict[bytes, bytes]) -> bytes | None:
+    """Header + segments (+ shared prompt chunk) + finish fields as one serialized Trajectory;
+    None for an aborted trajectory (never trained on)."""
     fin = store_pb2.TrajectoryFinish.FromString(h[b"f"])
-    traj.reward = fin.reward
-    traj.reward_components.update(fin.reward_components)
-    traj.finish_reason = fin.finish_reason
-    return traj
+    if fin.finish_reason == trajectory_pb2.FINISH_REASON_ABORTED:
+        return None
+    parts = [h[b"h"]]
+    pkey = h.get(b"pkey")
+    for j in range(int(h[b"nseg"])):
+        seg = h[f"s:{j}".encode()]
+        if j == 0 and pkey:
+            seg = wirefmt.join_prompt_segment(seg, group[pkey], int(h[b"hl"]))
+        parts.append(wirefmt.field(wirefmt.TRAJECTORY_SEGMENTS, seg))
+    finish = trajectory_pb2.Trajectory(reward=fin.reward, reward_components=fin.reward_components,
+                                       finish_reason=fin.finish_reason)
+    parts.append(finish.SerializeToString())
+    return b"".join(parts)

@@ -154,7 +154,7 @@ class TrajectoryStoreCore:
         d = assemble_group(self.r, self.keys, gid, eid, count)
         reason = self._drop_reason(d)
         if reason:
-            n = 0 if d is None else len(d.trajectories)
+            n = 0 if d is None else len(d.trajectory_bytes)
             self._release(eid, "", reason, n)
             self._metric("r3flow_store_dropped_total", reason).inc(n)
             log.info("dropped group %s (%s, %d trajectories)", gid, reason, n)
@@ -165,7 +165,7 @@ class TrajectoryStoreCore:
         if d is None:
             log.error("ready group has no payload in Redis; dropping its stream entry")
             return "missing"
-        if not d.trajectories:
+        if not d.trajectory_bytes:
             return "aborted"  # every member aborted; counted when they finished
         lag = self.cfg.max_policy_lag
         if lag is not None and self.policy_version() - d.min_policy_version > lag:

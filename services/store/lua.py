@@ -74,7 +74,8 @@ if seq > nxt then return {'gap', nxt} end
 """
 
 # KEYS: traj, traj_done, group, stats
-# ARGV: seq, start_row, rows, tokens, payload, policy_version, layout, prompt_field, prompt_chunk
+# ARGV: seq, start_row, rows, tokens, payload, policy_version, layout, prompt_field,
+#       prompt_chunk, head_len (where the prompt chunk goes back into the payload)
 SEGMENT = _ORDER + """
 if tonumber(redis.call('HGET', KEYS[1], 'rows')) ~= tonumber(ARGV[2]) then
   return {'conflict', 0}
@@ -90,7 +91,7 @@ if ARGV[8] ~= '' then
   elseif redis.call('HEXISTS', KEYS[3], ARGV[8]) == 0 then
     return {'conflict', 0}
   end
-  redis.call('HSET', KEYS[1], 'pkey', ARGV[8])
+  redis.call('HSET', KEYS[1], 'pkey', ARGV[8], 'hl', ARGV[10])
 end
 redis.call('HSET', KEYS[1], 's:' .. (seq - 1), ARGV[5], 'next', seq + 1, 'nseg', seq,
            'layout', ARGV[7])

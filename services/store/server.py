@@ -92,9 +92,10 @@ class TrajectoryStoreServicer(store_pb2_grpc.TrajectoryStoreServicer):
 
     @_streaming
     def Pull(self, request, context):  # noqa: N802
+        # Serialized PulledGroup bytes: registered with an identity serializer (add_servicer).
         for d in self.core.pull(request.consumer, request.max_groups, request.lease_seconds,
                                 request.wait_ms):
-            yield d.to_proto()
+            yield d.to_bytes()
 
     @_unary
     def Ack(self, request, context):  # noqa: N802
@@ -189,6 +190,33 @@ class _TokenInterceptor(grpc.ServerInterceptor):
         return grpc.unary_unary_rpc_method_handler(self._deny)
 
 
+class _HandlerCapture:
+    """Stands in for a grpc.Server to capture the generated method-handler table."""
+
+    def __init__(self) -> None:
+        self.handlers: dict[str, grpc.RpcMethodHandler] = {}
+
+    def add_generic_rpc_handlers(self, handlers: object) -> None:
+        pass
+
+    def add_registered_method_handlers(self, name: str, handlers: dict) -> None:
+        self.handlers = dict(handlers)
+
+
+def add_servicer(servicer: TrajectoryStoreServicer, server: grpc.Server) -> None:
+    """The generated registration, except that Pull sends pre-serialized PulledGroup bytes
+    (stored payloads are spliced, not parsed and re-serialized; services/store/assemble.py)."""
+    capture = _HandlerCapture()
+    store_pb2_grpc.add_TrajectoryStoreServicer_to_server(servicer, capture)  # type: ignore[arg-type]
+    handlers = capture.handlers
+    handlers["Pull"] = grpc.unary_stream_rpc_method_handler(
+        servicer.Pull, request_deserializer=store_pb2.PullRequest.FromString,
+        response_serializer=None)
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
 def transport_cap(max_message_bytes: int) -> int:
     return min(2**31 - 1, 4 * max_message_bytes + (1 << 20))
 
@@ -213,8 +241,7 @@ class StoreServer:
                 ("grpc.max_receive_message_length", transport_cap(config.max_message_bytes)),
                 ("grpc.max_send_message_length", config.max_pull_message_bytes)])
         control = ControlPlane(core.r, core.keys, config.worker_ttl_seconds)
-        store_pb2_grpc.add_TrajectoryStoreServicer_to_server(
-            TrajectoryStoreServicer(core, control, self._stop), self.grpc)
+        add_servicer(TrajectoryStoreServicer(core, control, self._stop), self.grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,

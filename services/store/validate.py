@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from services.common import routing
 from services.common.pb.r3flow.v1 import routing_pb2, store_pb2, trajectory_pb2
 from services.common.wire import routing_from_proto
+from services.store import wirefmt
 
 MAX_ID_CHARS = 256
 
@@ -99,6 +100,7 @@ class SegmentWrite:
     layout: Layout
     payload: bytes              # serialized Segment, minus the deduplicated prompt chunk
     prompt_field: str = ""      # group hash field of the prompt chunk ("" = none)
+    head_len: int = 0           # where the prompt chunk goes back into `payload`
     prompt_chunk: bytes = b""
     raw_bytes: int = 0          # routing as uint8 ids
     encoded_bytes: int = 0      # routing data bytes in `payload`
@@ -203,12 +205,9 @@ def validate_segment(req: store_pb2.AppendRequest, state: TrajState, limits: Lim
     if not prompt_field:
         write.payload = seg.SerializeToString()
     else:
+        write.payload, write.head_len = wirefmt.split_prompt_segment(seg)
         write.prompt_chunk, write.prompt_field = prompt_chunk, prompt_field
         write.encoded_bytes -= len(seg.routing[0].data)
-        rest = trajectory_pb2.Segment()
-        rest.CopyFrom(seg)
-        del rest.routing[0]
-        write.payload = rest.SerializeToString()
     return write
 
 
