@@ -49,10 +49,16 @@ class StoreSink:
         self.client = client
         self.backpressure_sleep_s = backpressure_sleep_s
         self.backpressure_waits = 0
+        # One group at a time: the store refuses begins while its backlog is over the limit
+        # and releases only complete groups, so several half-sent groups could hold the
+        # backlog up forever; with one, the others in the backlog are complete and drain.
+        self._one_group = asyncio.Lock()
 
     async def send_group(self, trajs: list[trajectory_pb2.Trajectory]) -> None:
         """Append every trajectory of the group (concurrently: one stream each)."""
-        results = await asyncio.gather(*[self._send(t) for t in trajs], return_exceptions=True)
+        async with self._one_group:
+            results = await asyncio.gather(*[self._send(t) for t in trajs],
+                                           return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             raise errors[0]

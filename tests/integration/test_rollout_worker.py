@@ -134,3 +134,40 @@ def worker_records(worker):  # noqa: ANN001
     from services.rollout.dataset import load_dataset
 
     return load_dataset(worker.cfg.dataset)
+
+
+def test_store_backpressure_slows_the_worker_down_without_dropping(setup, tmp_path,
+                                                                     store_redis):  # noqa: F811
+    """A store over its backlog refuses begins; the worker waits and every group arrives."""
+    import threading
+
+    from store_fixtures import StoreProcess
+
+    h = setup[0]
+    store = StoreProcess(store_redis.url, tmp_path, key_prefix="bp:", max_backlog_tokens=40,
+                         backpressure_retry_ms=50).start()
+    client = StoreClient(store.address)
+    rows = [{"prompt_token_ids": [10 + i] * 10, "answer": "0"} for i in range(4)]
+    cfg = rollout_config(h.cfg.model, write_jsonl(tmp_path / "d.jsonl", rows),
+                         sampling={"n": 2, "max_tokens": 8, "ignore_eos": True})
+    worker = RolloutWorker(cfg, h.engine, StoreSink(client, 0.05), build_tokenizer())
+    got: dict = {}
+    stop = threading.Event()
+
+    def slow_trainer() -> None:  # pulls one group, acks it, then takes a break
+        with StoreClient(store.address) as trainer:
+            while not stop.is_set() and len(got) < 8:
+                stop.wait(0.5)
+                got.update(pull_all(trainer, 1))
+
+    puller = threading.Thread(target=slow_trainer)
+    puller.start()
+    try:
+        summary = h.run(worker.run(worker_records(worker)))
+        puller.join(60)
+    finally:
+        stop.set()
+        client.close()
+        store.stop()
+    assert summary.groups_ok == 4 and len(got) == 8
+    assert client.retries + worker.sink.backpressure_waits > 0  # it was refused and waited
