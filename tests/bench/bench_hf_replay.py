@@ -49,7 +49,8 @@ def _samples(tr, n: int, prompt_len: int, resp_len: int, seed: int) -> list:
     return out
 
 
-def run(model: Path, dtype: str, steps: int, n: int, prompt_len: int, resp_len: int) -> dict:
+def run(model: Path, dtype: str, steps: int, n: int, prompt_len: int, resp_len: int,
+        warmup: int = 2) -> dict:
     from trainer.config import TrainerConfig
     from trainer.hf.engine import HFTrainer
 
@@ -59,10 +60,10 @@ def run(model: Path, dtype: str, steps: int, n: int, prompt_len: int, resp_len: 
     samples = _samples(tr, n, prompt_len, resp_len, seed=0)
     times: dict[str, list[float]] = {"off": [], "r3": [], "off_cpu": [], "r3_cpu": []}
     agreement = []
-    for i in range(steps + 1):  # round 0 is warm-up; the order alternates (ABBA)
+    for i in range(warmup + steps):  # the order alternates (ABBA)
         for mode in (("off", "r3"), ("r3", "off"))[i % 2]:
             wall, cpu, m = _timed_step(tr, samples, mode)
-            if i:
+            if i >= warmup:
                 times[mode].append(wall)
                 times[f"{mode}_cpu"].append(cpu)
             if mode == "r3":
@@ -105,13 +106,14 @@ def main() -> int:
     p.add_argument("--samples", type=int, default=8, help="samples per step")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--response-len", type=int, default=96)
+    p.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
     p.add_argument("--width", type=int, default=1, help="multiply hidden/FFN sizes")
     p.add_argument("--dtypes", default="bf16,fp32")
     p.add_argument("--out", default=str(REPO / "bench-results/hf_replay.json"))
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = _build(Path(tmp), a.width)
-        runs = [run(model, dt, a.steps, a.samples, a.prompt_len, a.response_len)
+        runs = [run(model, dt, a.steps, a.samples, a.prompt_len, a.response_len, a.warmup)
                 for dt in a.dtypes.split(",")]
     result = {"runs": runs, "width": a.width,
               "model": f"Qwen3-MoE 3 layers (1 dense), 8 experts top-2, hidden {128 * a.width}",
