@@ -54,9 +54,9 @@ def run(model: Path, dtype: str, steps: int, n: int, prompt_len: int, resp_len: 
     from trainer.config import TrainerConfig
     from trainer.hf.engine import HFTrainer
 
-    tr = HFTrainer(TrainerConfig(model_dir=str(model), model={"dtype": dtype},
-                                 optim={"lr": 1e-7}, data={"micro_batch_size": 4},
-                                 replay={"agreement_floor": 0.5}))
+    tr = HFTrainer(TrainerConfig.model_validate({
+        "model_dir": str(model), "model": {"dtype": dtype}, "optim": {"lr": 1e-7},
+        "data": {"micro_batch_size": 4}, "replay": {"agreement_floor": 0.5}}))
     samples = _samples(tr, n, prompt_len, resp_len, seed=0)
     times: dict[str, list[float]] = {"off": [], "r3": [], "off_cpu": [], "r3_cpu": []}
     agreement = []
@@ -95,8 +95,9 @@ def _timed_step(tr, samples: list, mode: str) -> tuple[float, float, dict]:
 def _build(tmp: Path, width: int) -> Path:
     from services.rollout.tiny_moe import TinyMoeConfig, build_tiny_moe
 
-    cfg = TinyMoeConfig(num_layers=3, first_k_dense=1, hidden_size=128 * width,
-                        moe_intermediate_size=64 * width, intermediate_size=256 * width)
+    cfg = TinyMoeConfig.model_validate({
+        "num_layers": 3, "first_k_dense": 1, "hidden_size": 128 * width,
+        "moe_intermediate_size": 64 * width, "intermediate_size": 256 * width})
     return build_tiny_moe(tmp / "model", cfg)
 
 

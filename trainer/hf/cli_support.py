@@ -16,6 +16,7 @@ import signal
 import threading
 from collections.abc import Iterator
 from dataclasses import asdict
+from typing import Any
 
 import torch
 
@@ -46,20 +47,21 @@ class HFRankWorker(RankWorker):
 
         self.cfg = TrainerConfig.model_validate_json(cfg_json)
         self.hf = HFBackendConfig.model_validate_json(hf_json)
-        self.trainer = HFTrainer(self.cfg, self.hf)  # type: ignore[assignment]
+        self.hf_trainer = HFTrainer(self.cfg, self.hf)
+        self.trainer = self.hf_trainer  # type: ignore[assignment]  # RankWorker's methods use it
         self.ckpt = CheckpointManager(self.cfg.run.run_dir)
 
     def save(self, pos: dict) -> str:
-        shards = _LocalShards(self.trainer.model)
-        return str(self.ckpt.save(shards, self.trainer.optimizer, DataPosition(**pos)))  # type: ignore[arg-type]
+        shards: Any = _LocalShards(self.hf_trainer.model)
+        return str(self.ckpt.save(shards, self.hf_trainer.optimizer, DataPosition(**pos)))
 
     def resume(self) -> dict | None:
         """Load the latest checkpoint if there is one; returns its data position."""
         if self.ckpt.latest() is None:
             return None
-        shards = _LocalShards(self.trainer.model)
-        pos = self.ckpt.load(shards, self.trainer.optimizer)  # type: ignore[arg-type]
-        self.trainer.policy_version = pos.policy_version
+        shards: Any = _LocalShards(self.hf_trainer.model)
+        pos = self.ckpt.load(shards, self.hf_trainer.optimizer)
+        self.hf_trainer.policy_version = pos.policy_version
         return asdict(pos)
 
 
@@ -80,7 +82,7 @@ def load_hf_config(args: argparse.Namespace) -> HFBackendConfig:
     from services.common.config import load_config
 
     path = getattr(args, "hf_config", None)
-    return load_config(HFBackendConfig, path, {}) if path else HFBackendConfig()
+    return load_config(HFBackendConfig, path, {}) if path else HFBackendConfig.model_validate({})
 
 
 def run_hf(cfg: TrainerConfig, args: argparse.Namespace) -> int:

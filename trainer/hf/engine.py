@@ -19,6 +19,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
+from typing import Any
 
 import numpy as np
 import torch
@@ -52,7 +53,7 @@ class HFTrainer:
             raise ValueError("model_dir: an HF checkpoint directory is required")
         if cfg.model.expert_parallel != 1:
             raise ValueError("model.expert_parallel: the hf backend shards with FSDP2, EP must be 1")
-        self.cfg, self.hf = cfg, hf or HFBackendConfig()
+        self.cfg, self.hf = cfg, hf or HFBackendConfig.model_validate({})
         self.rank, self.world_size = init_process_group()
         self.sharded = self._use_fsdp()
         self.model = self._build(trainable=True)
@@ -67,7 +68,7 @@ class HFTrainer:
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
             weight_decay=o.weight_decay)
-        self.reference: torch.nn.Module | None = None
+        self.reference: Any = None
         self.ref_replay: HFModelReplay | None = None
         if cfg.loss.kl_coef > 0:
             self.reference = self._build(trainable=False)
@@ -91,7 +92,7 @@ class HFTrainer:
             return False
         return self.world_size > 1 or self.cfg.model.dtype == "bf16"
 
-    def _build(self, trainable: bool) -> torch.nn.Module:
+    def _build(self, trainable: bool) -> Any:  # an HF PreTrainedModel (FSDP2-wrapped or not)
         model = load_model(self.cfg.model_dir, self.hf.attn_implementation)
         if trainable and self.hf.gradient_checkpointing:
             model.gradient_checkpointing_enable()
@@ -208,8 +209,8 @@ class HFTrainer:
         finally:
             self.replay.end_step()
         clip = self.cfg.optim.clip_grad or float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
-        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        total = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        norm = float(total.full_tensor() if hasattr(total, "full_tensor") else total)
         if not np.isfinite(norm):
             self.optimizer.zero_grad(set_to_none=True)
             raise FloatingPointError(f"optimizer step skipped (grad norm {norm})")

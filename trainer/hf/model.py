@@ -12,6 +12,7 @@ import logging
 import os
 import socket
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -52,11 +53,11 @@ def _reset_rotary_buffers(model: torch.nn.Module) -> None:
                     getattr(mod, name).copy_(getattr(fresh, name))
 
 
-def load_model(model_dir: str | Path, attn_implementation: str = "sdpa") -> torch.nn.Module:
+def load_model(model_dir: str | Path, attn_implementation: str = "sdpa") -> Any:
     """The HF causal LM in `model_dir`, fp32 parameters (bf16 compute comes from FSDP2)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
+    model: Any = AutoModelForCausalLM.from_pretrained(
         str(model_dir), dtype=torch.float32, attn_implementation=attn_implementation)
     with torch.no_grad():
         _reset_rotary_buffers(model)
@@ -87,7 +88,7 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def export_hf(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def export_hf(model: Any, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Checkpoint-named weights (what save_pretrained writes: transformers' reverse of its
     load-time conversions, e.g. fused 3-D experts back to one tensor per expert)."""
     from transformers.core_model_loading import revert_weight_conversion

@@ -59,8 +59,9 @@ def pack_microbatch(samples: Sequence[Sample], pad_multiple: int = 8) -> MicroBa
         adv[resp] = x.advantage
         valid[o:o + n - 1] = True
     pos[used:] = torch.arange(total - used)  # the padding tail is a run of its own
-    row = (t.unsqueeze(0) for t in (tokens, pos, labels, mask, old, adv))
-    return MicroBatch(*row, routing_BSLK=_packed_routing(samples, total),
+    return MicroBatch(tokens.unsqueeze(0), pos.unsqueeze(0), labels.unsqueeze(0),
+                      mask.unsqueeze(0), old.unsqueeze(0), adv.unsqueeze(0),
+                      routing_BSLK=_packed_routing(samples, total),
                       valid_rows_BS=valid.unsqueeze(0), samples=list(samples))
 
 
