@@ -26,43 +26,47 @@ def _overrides(args: argparse.Namespace) -> dict[str, object]:
 
 
 def run(args: argparse.Namespace) -> int:
-    import redis
-    from prometheus_client import CollectorRegistry
-
     from services.common.config import load_config
-    from services.common.metrics import MetricsServer
     from services.store.config import StoreConfig
-    from services.store.core import TrajectoryStoreCore
     from services.store.redis_server import EmbeddedRedis
-    from services.store.server import StoreServer
 
     cfg = load_config(StoreConfig, args.config, _overrides(args))
     stop = _stop_on_signals()  # before serving: a SIGTERM right after startup is still graceful
-    embedded = None
-    if cfg.redis_url is None:
-        rc = cfg.redis
-        embedded = EmbeddedRedis(rc.data_dir, appendfsync=rc.appendfsync,
-                                 executable=rc.executable, die_with_parent=True).start()
-    url = cfg.redis_url or embedded.url  # type: ignore[union-attr]
+    if cfg.redis_url is not None:
+        _serve(cfg, cfg.redis_url, stop)
+        return 0
+    rc = cfg.redis
+    embedded = EmbeddedRedis(rc.data_dir, appendfsync=rc.appendfsync, executable=rc.executable,
+                             die_with_parent=True).start()
+    try:
+        _serve(cfg, embedded.url, stop)
+    finally:
+        embedded.stop()
+    return 0
+
+
+def _serve(cfg, url: str, stop: threading.Event) -> None:  # noqa: ANN001 (StoreConfig)
+    """Serve until `stop` is set: gRPC store + /metrics, over the Redis at `url`."""
+    import redis
+    from prometheus_client import CollectorRegistry
+
+    from services.common.metrics import MetricsServer
+    from services.store.core import TrajectoryStoreCore
+    from services.store.server import StoreServer
+
     client = redis.Redis.from_url(url, socket_timeout=(cfg.max_wait_ms / 1000) + 10,
                                   socket_connect_timeout=2, health_check_interval=10)
+    _wait_for_redis(client, url)
     registry = CollectorRegistry()
-    try:
-        _wait_for_redis(client, url)
-        core = TrajectoryStoreCore(client, cfg, registry)
-        server = StoreServer(cfg, core, os.environ.get(cfg.auth_token_env) or None)
-        metrics = MetricsServer(registry, cfg.metrics_host, cfg.metrics_port,
-                                health_fn=lambda: server.redis_ok).start()
-        server.start()  # gRPC health turns SERVING only now, with /metrics already up
-        log.info("store ready: grpc port %d, metrics %s, redis %s", server.port, metrics.url,
-                 "embedded " + url if embedded else url)
-        stop.wait()
-        server.stop()
-        metrics.stop()
-    finally:
-        if embedded:
-            embedded.stop()
-    return 0
+    core = TrajectoryStoreCore(client, cfg, registry)
+    server = StoreServer(cfg, core, os.environ.get(cfg.auth_token_env) or None)
+    metrics = MetricsServer(registry, cfg.metrics_host, cfg.metrics_port,
+                            health_fn=lambda: server.redis_ok).start()
+    server.start()  # gRPC health turns SERVING only now, with /metrics already up
+    log.info("store ready: grpc port %d, metrics %s, redis %s", server.port, metrics.url, url)
+    stop.wait()
+    server.stop()
+    metrics.stop()
 
 
 def _wait_for_redis(client, url: str, timeout_s: float = 60.0) -> None:  # noqa: ANN001

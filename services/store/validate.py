@@ -199,6 +199,12 @@ def validate_segment(req: store_pb2.AppendRequest, state: TrajState, limits: Lim
     prompt_chunk, prompt_field = _prompt_chunk(seg, state)
     chunks = _check_routing(seg, state, expected, limits.decode_routing,
                             trust_first=prompt_field in known_prompts)
+    return _segment_write(req, state, chunks, n, prompt_chunk, prompt_field)
+
+
+def _segment_write(req: store_pb2.AppendRequest, state: TrajState, chunks: _Chunks, n: int,
+                   prompt_chunk: bytes, prompt_field: str) -> SegmentWrite:
+    seg = req.segment
     write = SegmentWrite(req.trajectory_id, state.group_id, req.sequence_number, state.rows,
                          chunks.rows, n, seg.policy_version, chunks.layout, b"",
                          raw_bytes=chunks.raw_bytes, encoded_bytes=chunks.encoded_bytes)
