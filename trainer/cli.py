@@ -26,6 +26,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, help="optimizer steps (0 = until SIGTERM)")
     p.add_argument("--run-dir", help="checkpoints and train_log.jsonl")
     p.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (0 = free port)")
+    p.add_argument("--backend", choices=["megatron", "hf"], default="megatron",
+                   help="megatron-core (default) or HF transformers + FSDP2 (docs/hf_backend.md)")
+    p.add_argument("--hf-config", help="HFBackendConfig file (with --backend hf)")
 
 
 def load(args: argparse.Namespace):
@@ -57,6 +60,10 @@ def run(args: argparse.Namespace) -> int:
     from trainer.weight_push import StoreWeightPush
 
     cfg = load(args)
+    if args.backend == "hf":
+        from trainer.hf.cli_support import run_hf
+
+        return run_hf(cfg, args)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     registry = CollectorRegistry()
