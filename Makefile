@@ -8,7 +8,7 @@ STAMP := $(VENV)/.r3flow-setup
 export PYTHONUNBUFFERED := 1
 
 .PHONY: setup run test test-unit test-integration lint proto proto-check bench bench-codec \
-        bench-store bench-rollout bench-trainer bench-weights chart-check test-faults clean
+        bench-store bench-rollout bench-trainer bench-weights bench-hf chart-check test-faults clean
 
 setup: $(STAMP)
 
@@ -39,7 +39,7 @@ proto: setup
 proto-check: setup
 	$(PY) -m pytest tests/unit/test_proto_stubs.py -q
 
-bench: bench-codec bench-store bench-rollout bench-trainer bench-weights
+bench: bench-codec bench-store bench-rollout bench-trainer bench-weights bench-hf
 
 bench-codec: setup
 	$(PY) tests/bench/bench_codec.py
@@ -55,6 +55,9 @@ bench-trainer: setup
 
 bench-weights: setup
 	$(PY) tests/bench/bench_weights.py
+
+bench-hf: setup
+	$(PY) tests/bench/bench_hf_replay.py
 
 chart-check: setup
 	bash scripts/chart_check.sh
