@@ -118,8 +118,9 @@ class RolloutEngine:
         # start, which pins this frame; a local would keep the engine alive until exit.
         return cls(cfg, AsyncLLM.from_engine_args(engine_args(cfg)), metrics)
 
-    def shutdown(self) -> None:
-        self.llm.shutdown()
+    def shutdown(self, timeout_s: float | None = None) -> None:
+        """Stop the engine processes (force-killed after `timeout_s`; None = vLLM's default)."""
+        self.llm.shutdown(timeout=timeout_s)
 
     def progress(self, request_id: str) -> int:
         """Tokens the call `request_id` has generated so far (0 when unknown or finished)."""
