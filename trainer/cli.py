@@ -73,7 +73,9 @@ def run(args: argparse.Namespace) -> int:
     with StoreClient(cfg.data.store) as client:
         client.wait_ready(cfg.run.store_ready_timeout_s)
         ranks = _ranks(cfg)
-        push = StoreWeightPush(client, cfg.weight_sync) if cfg.run.push_weights_every else None
+        push = (StoreWeightPush(client, cfg.weight_sync,
+                                metrics.get("r3flow_trainer_weight_push_failures_total"))
+                if cfg.run.push_weights_every else None)
         loop = TrainLoop(cfg, ranks, client, metrics, push_fn=push)
         loop.resume()
         history = loop.run(cfg.run.steps, stop=stop.is_set)

@@ -42,6 +42,8 @@ TRAINER = [
     MetricSpec("r3flow_trainer_policy_version", "gauge", "policy version of the trainer's weights"),
     MetricSpec("r3flow_trainer_weight_push_seconds", "histogram",
                "wall time of one weight push to the rollout engines", buckets=_SECONDS),
+    MetricSpec("r3flow_trainer_weight_push_failures_total", "counter",
+               "weight pushes that failed (a member died or stalled); engines kept old weights"),
 ]
 
 STORE = [
