@@ -191,17 +191,6 @@ def checksum_tensor(bucket_u8: torch.Tensor, entries: list[TensorEntry],
     return torch.stack(sums)
 
 
-def copy_and_sum(bucket_u8: torch.Tensor, entries: list[TensorEntry],
-                 views: list[torch.Tensor], sources: list[torch.Tensor]) -> torch.Tensor:
-    """CPU packing: copy each tensor and checksum it right away, while its bytes are still in
-    cache (a second pass over the bucket would read it all from memory again)."""
-    sums = []
-    for e, view, src in zip(entries, views, sources, strict=True):
-        view.copy_(src)
-        sums.append(bucket_u8[e.offset: e.offset + padded(e.nbytes)].view(torch.int64).sum())
-    return torch.stack(sums)
-
-
 def word_bounds(entries: list[TensorEntry], device: torch.device) -> torch.Tensor:
     """[start, end) of each entry's padded extent in 8-byte words, on `device`."""
     bounds = torch.tensor([[e.offset // 8, (e.offset + padded(e.nbytes)) // 8]

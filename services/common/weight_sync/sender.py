@@ -149,7 +149,6 @@ class _Push:
         self.new_group = True
         self.host_blocking = self.cfg.backend == "gloo"
         self.published = 0  # bucket headers written so far
-        self._presummed: torch.Tensor | None = None  # the CPU pack's checksums
         self.last_work: dist.Work | None = None
         # (broadcast, pool slot, bucket, event after its checksum on the side stream)
         self.inflight: deque[tuple[dist.Work, int | None, torch.Tensor,
@@ -264,11 +263,8 @@ class _Push:
             bucket = self._pool_buffer(slot)[: laid.nbytes]
             views = laid.views.get(slot) or laid.views.setdefault(
                 slot, bk.bucket_views(bucket, laid.entries))
-        with torch.no_grad():
-            if self.s._side is None:  # CPU: sum each tensor while its bytes are in cache
-                self._presummed = bk.copy_and_sum(bucket, laid.entries, views, sources)
-            else:  # GPU: one multi-tensor launch, not one copy kernel per tensor
-                torch._foreach_copy_(views, sources)
+        with torch.no_grad():  # one multi-tensor launch on GPU, not one copy per tensor
+            torch._foreach_copy_(views, sources)
         return bucket
 
     def _free_slot(self) -> int:
@@ -296,10 +292,7 @@ class _Push:
         """On CUDA the sums run on a side stream, so they do not hold up the next pack."""
         side = self.s._side
         if side is None:
-            summed, self._presummed = self._presummed, None
-            if summed is None:
-                summed = bk.checksum_tensor(bucket, laid.entries, laid.bounds)
-            return summed, None
+            return bk.checksum_tensor(bucket, laid.entries, laid.bounds), None
         side.wait_stream(torch.cuda.current_stream(self.s.device))  # after the pack
         with torch.cuda.stream(side):
             summed = bk.checksum_tensor(bucket, laid.entries, laid.bounds)
