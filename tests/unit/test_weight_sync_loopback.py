@@ -78,10 +78,16 @@ def test_two_receivers_get_identical_tensors_over_two_pushes(sender):
                 assert torch.equal(got[name], want), name
 
 
-def test_plan_versions_must_increase(sender):
+def test_plan_versions_must_increase_and_a_plan_is_pushed_once(sender):
     sender.plan(5, _workers("a"))
     with pytest.raises(ValueError, match="version"):
         sender.plan(5, _workers("a"))
+    sender.cfg.timeout_s = 2.5
+    plan = sender.plan(6, _workers("ghost"))
+    with pytest.raises(WeightSyncError, match="ghost"):
+        sender.push(plan, _weights(0))
+    with pytest.raises(ValueError, match="pushed already"):
+        sender.push(plan, _weights(0))
 
 
 def test_member_that_never_joins_is_named(sender):

@@ -74,6 +74,7 @@ class WeightSender:
         self._root = connect_store(cfg.advertise_addr, cfg.port, cfg.timeout_s, server=True)
         self._pool: list[torch.Tensor | None] = [None] * cfg.inflight_buckets
         self._last_version: int | None = None
+        self._pushed_version: int | None = None
         # The last good push's group, kept while membership does not change: NCCL
         # communicator setup costs far more than a push (see docs/weight_sync.md).
         self._group: CachedGroup | None = None
@@ -115,7 +116,10 @@ class WeightSender:
         Raises WeightSyncError naming the failed member(s); then every receiver discards.
         """
         if plan.version != self._last_version or plan.master_port != self.port:
-            raise ValueError(f"plan: v{plan.version} was not made by this sender's plan()")
+            raise ValueError(f"plan: v{plan.version} was not made by this sender's last plan()")
+        if plan.version == self._pushed_version:  # its keys (an abort, say) are still there
+            raise ValueError(f"plan: v{plan.version} was pushed already; make a new plan")
+        self._pushed_version = plan.version
         return _Push(self, plan).run(named)
 
     def close(self) -> None:
