@@ -54,6 +54,7 @@ def _ranks(cfg):
 def run(args: argparse.Namespace) -> int:
     from prometheus_client import CollectorRegistry
 
+    from services.common.auth import ClientAuth
     from services.common.metrics import MetricsServer, create_metrics
     from services.store.client import StoreClient
     from trainer.step import TrainLoop
@@ -70,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     metrics = create_metrics(registry, "trainer")
     server = MetricsServer(registry, cfg.run.metrics_host, cfg.run.metrics_port).start()
     log.info("trainer metrics on %s", server.url)
-    with StoreClient(cfg.data.store) as client:
+    with StoreClient(cfg.data.store, auth=ClientAuth.from_config(cfg.data.store_auth)) as client:
         client.wait_ready(cfg.run.store_ready_timeout_s)
         ranks = _ranks(cfg)
         push = (StoreWeightPush(client, cfg.weight_sync,

@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from services.common.auth import ClientAuthConfig
 from services.common.config import StrictConfig
 from services.common.weight_sync.config import WeightSyncConfig
 from trainer.loss import LossConfig
@@ -41,6 +42,9 @@ class DataConfig(StrictConfig):
     """Where batches come from and how they are cut."""
 
     store: str = Field("127.0.0.1:50051", description="TrajectoryStore gRPC address")
+    store_auth: ClientAuthConfig = Field(
+        default_factory=ClientAuthConfig,  # type: ignore[arg-type]
+        description="TLS CA, client cert and the trainer role's token file for the store")
     consumer: str = Field("trainer-0", description="consumer name for pull/ack")
     groups_per_step: int = Field(4, ge=1, description="GRPO groups per optimizer step")
     lease_seconds: int = Field(120, ge=1, description="un-acked groups are redelivered after this")

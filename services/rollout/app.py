@@ -40,11 +40,13 @@ async def _keep_registered(worker: Any, ttl_s: int | None) -> None:
 
 
 def _open_store(cfg: RolloutConfig) -> Any:
+    from services.common.auth import ClientAuth
     from services.store.client import StoreClient
 
     assert cfg.store is not None
     client = StoreClient(cfg.store, timeout_s=cfg.store_timeout_s,
-                         max_retries=cfg.store_max_retries)
+                         max_retries=cfg.store_max_retries,
+                         auth=ClientAuth.from_config(cfg.store_auth))
     client.wait_ready(cfg.store_timeout_s)
     return client
 

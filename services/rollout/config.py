@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
+from services.common.auth import ClientAuthConfig
 from services.common.config import StrictConfig
 
 
@@ -59,6 +60,9 @@ class RolloutConfig(StrictConfig):
     partial_rollout_policy: Literal["segment", "replace"] = Field(
         "segment", description="segment keeps each token's generating routing (verl #6046)")
     store: str | None = Field(None, description="store gRPC address; unset = do not send")
+    store_auth: ClientAuthConfig = Field(
+        default_factory=ClientAuthConfig,  # type: ignore[arg-type]
+        description="TLS CA, client cert and the rollout role's token file for the store")
     store_timeout_s: float = Field(30.0, gt=0, description="per-call deadline of store RPCs")
     store_max_retries: int = Field(8, ge=0, description="client retries of one append")
     backpressure_sleep_s: float = Field(

@@ -31,39 +31,53 @@ def run(args: argparse.Namespace) -> int:
     from services.store.redis_server import EmbeddedRedis
 
     cfg = load_config(StoreConfig, args.config, _overrides(args))
+    password = _redis_password(cfg)
     stop = _stop_on_signals()  # before serving: a SIGTERM right after startup is still graceful
     if cfg.redis_url is not None:
-        _serve(cfg, cfg.redis_url, stop)
+        _serve(cfg, cfg.redis_url, password, stop)
         return 0
     rc = cfg.redis
     embedded = EmbeddedRedis(rc.data_dir, appendfsync=rc.appendfsync, executable=rc.executable,
-                             die_with_parent=True).start()
+                             die_with_parent=True, password=password).start()
     try:
-        _serve(cfg, embedded.url, stop)
+        _serve(cfg, embedded.url, password, stop)
     finally:
         embedded.stop()
     return 0
 
 
-def _serve(cfg, url: str, stop: threading.Event) -> None:  # noqa: ANN001 (StoreConfig)
+def _redis_password(cfg) -> str | None:  # noqa: ANN001 (StoreConfig)
+    from services.common.auth import read_secret
+
+    if cfg.redis_password_file is None:
+        return None
+    return read_secret(cfg.redis_password_file, "redis_password_file").decode()
+
+
+def _serve(cfg, url: str, password: str | None,  # noqa: ANN001 (StoreConfig)
+           stop: threading.Event) -> None:
     """Serve until `stop` is set: gRPC store + /metrics, over the Redis at `url`."""
     import redis
     from prometheus_client import CollectorRegistry
 
+    from services.common.auth import redact_url
     from services.common.metrics import MetricsServer
     from services.store.core import TrajectoryStoreCore
     from services.store.server import StoreServer
 
-    client = redis.Redis.from_url(url, socket_timeout=(cfg.max_wait_ms / 1000) + 10,
+    # A password in the URL wins over redis_password_file (redis-py: URL options override).
+    client = redis.Redis.from_url(url, password=password,
+                                  socket_timeout=(cfg.max_wait_ms / 1000) + 10,
                                   socket_connect_timeout=2, health_check_interval=10)
     _wait_for_redis(client, url)
     registry = CollectorRegistry()
     core = TrajectoryStoreCore(client, cfg, registry)
-    server = StoreServer(cfg, core, os.environ.get(cfg.auth_token_env) or None)
+    server = StoreServer(cfg, core)
     metrics = MetricsServer(registry, cfg.metrics_host, cfg.metrics_port,
                             health_fn=lambda: server.redis_ok).start()
     server.start()  # gRPC health turns SERVING only now, with /metrics already up
-    log.info("store ready: grpc port %d, metrics %s, redis %s", server.port, metrics.url, url)
+    log.info("store ready: grpc port %d, metrics %s, redis %s", server.port, metrics.url,
+             redact_url(url))
     stop.wait()
     server.stop()
     metrics.stop()
@@ -75,6 +89,9 @@ def _wait_for_redis(client, url: str, timeout_s: float = 60.0) -> None:  # noqa:
 
     import redis
 
+    from services.common.auth import redact_url
+
+    url = redact_url(url)
     deadline = time.monotonic() + timeout_s
     while True:
         try:

@@ -24,6 +24,7 @@ from typing import TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common.auth import ClientAuth
 from services.common.pb.r3flow.v1 import store_pb2, store_pb2_grpc, trajectory_pb2
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ class StoreClient:
 
     def __init__(self, address: str, *, timeout_s: float = 60.0, max_retries: int = 10,
                  backoff_s: float = 0.1, max_backoff_s: float = 5.0,
-                 max_backpressure_wait_s: float = 600.0, token: str | None = None) -> None:
+                 max_backpressure_wait_s: float = 600.0, auth: ClientAuth | None = None) -> None:
         self.address = address
         self.timeout_s = timeout_s
         self.max_retries = max_retries
@@ -73,8 +74,9 @@ class StoreClient:
         self.max_backoff_s = max_backoff_s
         self.max_backpressure_wait_s = max_backpressure_wait_s
         self.retries = 0  # transient failures retried so far (for tests and worker metrics)
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        self._channel = grpc.insecure_channel(address, options=[
+        auth = auth or ClientAuth()  # no TLS, no token: local mode
+        self._metadata = auth.metadata
+        self._channel = auth.channel(address, options=[
             ("grpc.max_send_message_length", _MAX_MESSAGE),
             ("grpc.max_receive_message_length", _MAX_MESSAGE)])
         self._stub = store_pb2_grpc.TrajectoryStoreStub(self._channel)

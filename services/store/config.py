@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_serializer
 
+from services.common.auth import AuthConfig, redact_url
 from services.common.config import StrictConfig
 
 
@@ -58,6 +59,15 @@ class StoreConfig(StrictConfig):
     reaper_interval_seconds: float = Field(5.0, gt=0, description="how often timeouts are checked")
     tombstone_seconds: int = Field(
         86_400, ge=1, description="how long a finished trajectory id is remembered (dedup)")
-    auth_token_env: str = Field(
-        "R3FLOW_STORE_TOKEN", description="env var holding the bearer token (unset = no auth)")
+    auth: AuthConfig = Field(
+        default_factory=AuthConfig,  # type: ignore[arg-type]
+        description="TLS and per-role bearer tokens, read from files (empty = none: local only)")
+    redis_password_file: str | None = Field(
+        None, description="file holding the Redis password (used when redis_url has none; "
+        "also set as requirepass of the embedded redis-server)")
     worker_ttl_seconds: int = Field(30, ge=1, description="lifetime of a RegisterWorker entry")
+
+    @field_serializer("redis_url")
+    def _redacted(self, url: str | None) -> str | None:
+        # model_dump is what gets logged ("resolved StoreConfig"): never print the password.
+        return redact_url(url) if url else url

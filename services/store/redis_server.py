@@ -53,7 +53,10 @@ class EmbeddedRedis:
 
     def __init__(self, data_dir: str | Path, *, port: int | None = None,
                  appendfsync: str = "everysec", executable: str | None = None,
-                 die_with_parent: bool = False) -> None:
+                 die_with_parent: bool = False, password: str | None = None) -> None:
+        if password is not None and any(c in password for c in '"\\\n\r'):
+            raise ValueError("redis password: may not contain quotes, backslashes or newlines")
+        self.password = password  # requirepass; sent on stdin so that `ps` never shows it
         self.data_dir = Path(data_dir)
         self.port = port or free_port()
         self.appendfsync = appendfsync
@@ -70,7 +73,8 @@ class EmbeddedRedis:
         return self.proc.pid if self.proc else None
 
     def _argv(self) -> list[str]:
-        return [self.executable, "--port", str(self.port), "--bind", "127.0.0.1",
+        # "-" = read a config file from stdin first (only requirepass, when a password is set).
+        return [self.executable, "-", "--port", str(self.port), "--bind", "127.0.0.1",
                 "--dir", str(self.data_dir.resolve()), "--appendonly", "yes",
                 "--appendfsync", self.appendfsync, "--save", "", "--daemonize", "no",
                 "--protected-mode", "yes", "--loglevel", "warning",
@@ -82,8 +86,12 @@ class EmbeddedRedis:
             raise RuntimeError(f"redis-server already running (pid {self.proc.pid})")
         self.data_dir.mkdir(parents=True, exist_ok=True)
         preexec = _die_with_parent if self.die_with_parent else None
-        self.proc = subprocess.Popen(self._argv(), stdin=subprocess.DEVNULL,
+        self.proc = subprocess.Popen(self._argv(), stdin=subprocess.PIPE,
                                      stdout=subprocess.DEVNULL, preexec_fn=preexec)
+        assert self.proc.stdin is not None
+        conf = f'requirepass "{self.password}"\n' if self.password else ""
+        self.proc.stdin.write(conf.encode())
+        self.proc.stdin.close()
         self._wait_ready(timeout_s)
         log.info("redis-server pid %d on %s (data %s, appendfsync %s)",
                  self.proc.pid, self.url, self.data_dir, self.appendfsync)
@@ -92,7 +100,8 @@ class EmbeddedRedis:
     def _wait_ready(self, timeout_s: float) -> None:
         assert self.proc is not None
         deadline = time.monotonic() + timeout_s
-        client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=1.0)
+        client = redis.Redis(host="127.0.0.1", port=self.port, password=self.password,
+                             socket_timeout=1.0)
         try:
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:

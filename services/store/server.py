@@ -8,7 +8,6 @@ INTERNAL with a log line. grpc.health.v1 reports NOT_SERVING while Redis is unre
 from __future__ import annotations
 
 import functools
-import hmac
 import logging
 import threading
 import time
@@ -21,6 +20,13 @@ import redis
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.common.auth import (
+    RoleTokenInterceptor,
+    describe,
+    fingerprint,
+    load_tokens,
+    server_credentials,
+)
 from services.common.pb.r3flow.v1 import store_pb2, store_pb2_grpc
 from services.store.config import StoreConfig
 from services.store.control import ControlPlane
@@ -164,32 +170,6 @@ def stats_to_proto(s: StatsSnapshot) -> store_pb2.StoreStats:
         policy_version=s.policy_version, dropped_by_reason=s.dropped_by_reason())
 
 
-class _TokenInterceptor(grpc.ServerInterceptor):
-    """Requires `authorization: Bearer <token>` on store RPCs (health stays open for probes)."""
-
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
-
-        def deny(request: Any, context: grpc.ServicerContext) -> None:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "authorization: missing or wrong token")
-        self._deny = deny
-
-    def intercept_service(self, continuation, details):  # noqa: ANN001, ANN201
-        if not details.method.startswith(f"/{SERVICE_NAME}/"):
-            return continuation(details)
-        got = dict(details.invocation_metadata).get("authorization", "").encode()
-        if hmac.compare_digest(got, self._expected):
-            return continuation(details)
-        handler = continuation(details)
-        if handler is None:
-            return None
-        if handler.request_streaming:
-            return grpc.stream_unary_rpc_method_handler(lambda it, ctx: self._deny(None, ctx))
-        if handler.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(self._deny)
-        return grpc.unary_unary_rpc_method_handler(self._deny)
-
-
 class _HandlerCapture:
     """Stands in for a grpc.Server to capture the generated method-handler table."""
 
@@ -217,6 +197,14 @@ def add_servicer(servicer: TrajectoryStoreServicer, server: grpc.Server) -> None
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
+def _interceptors(config: StoreConfig) -> list[grpc.ServerInterceptor]:
+    if not config.auth.token_files:
+        return []
+    tokens = load_tokens(config.auth)
+    log.info("role tokens: %s", ", ".join(f"{r}={fingerprint(t)}" for r, t in tokens.items()))
+    return [RoleTokenInterceptor(tokens)]
+
+
 def transport_cap(max_message_bytes: int) -> int:
     return min(2**31 - 1, 4 * max_message_bytes + (1 << 20))
 
@@ -224,14 +212,13 @@ def transport_cap(max_message_bytes: int) -> int:
 class StoreServer:
     """The gRPC server, its health service and the maintenance thread (timeouts, gauges)."""
 
-    def __init__(self, config: StoreConfig, core: TrajectoryStoreCore,
-                 auth_token: str | None = None) -> None:
+    def __init__(self, config: StoreConfig, core: TrajectoryStoreCore) -> None:
         self.cfg = config
         self.core = core
         self.redis_ok = False
         self._stop = threading.Event()
         self.health = health.HealthServicer()
-        interceptors = [_TokenInterceptor(auth_token)] if auth_token else []
+        interceptors = _interceptors(config)
         self.grpc = grpc.server(
             futures.ThreadPoolExecutor(config.grpc_workers, thread_name_prefix="store-rpc"),
             interceptors=interceptors, options=[
@@ -246,7 +233,8 @@ class StoreServer:
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME), self.grpc)
-        self.port = self.grpc.add_insecure_port(config.listen)
+        self.port = (self.grpc.add_secure_port(config.listen, server_credentials(config.auth))
+                     if config.auth.tls else self.grpc.add_insecure_port(config.listen))
         if self.port == 0:
             raise ValueError(f"listen: cannot bind {config.listen}")
         self._thread = threading.Thread(target=self._maintain, name="store-maint", daemon=True)
@@ -256,6 +244,8 @@ class StoreServer:
         self.grpc.start()
         self._thread.start()
         log.info("TrajectoryStore listening on %s (port %d)", self.cfg.listen, self.port)
+        line = describe(self.cfg.auth, self.cfg.listen)
+        (log.warning if line.startswith("INSECURE") else log.info)("%s", line)
         return self
 
     def stop(self, grace_s: float = 2.0) -> None:

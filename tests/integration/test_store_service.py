@@ -12,6 +12,7 @@ import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from store_fixtures import StoreProcess, wait_until
 
+from services.common.auth import ClientAuth, ClientAuthConfig
 from services.common.pb.r3flow.v1 import store_pb2
 from services.store.client import StoreClient, trajectory_requests
 from services.store.redis_server import EmbeddedRedis
@@ -94,12 +95,15 @@ def test_metrics_and_health_endpoints(store_process: StoreProcess) -> None:
 
 
 def test_bearer_token_required_when_configured(store_redis: EmbeddedRedis, tmp_path) -> None:  # noqa: ANN001
-    proc = StoreProcess(store_redis.url, tmp_path, env={"R3FLOW_STORE_TOKEN": "s3cret"},
-                        key_prefix="auth:").start()
+    token = tmp_path / "trainer.token"
+    token.write_text("s3cret\n")
+    proc = StoreProcess(store_redis.url, tmp_path, key_prefix="auth:",
+                        auth={"token_files": {"trainer": str(token)}}).start()
     try:
         with pytest.raises(grpc.RpcError) as err:
             StoreClient(proc.address, max_retries=0).stats()
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        assert StoreClient(proc.address, token="s3cret").stats().groups_acked == 0
+        auth = ClientAuth.from_config(ClientAuthConfig(token_file=str(token)))
+        assert StoreClient(proc.address, auth=auth).stats().groups_acked == 0
     finally:
         proc.stop()

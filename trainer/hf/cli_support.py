@@ -89,6 +89,7 @@ def run_hf(cfg: TrainerConfig, args: argparse.Namespace) -> int:
     """The `r3flow train` loop with the HF/FSDP2 backend; returns the exit code."""
     from prometheus_client import CollectorRegistry
 
+    from services.common.auth import ClientAuth
     from services.common.metrics import MetricsServer, create_metrics
     from services.store.client import StoreClient
     from trainer.step import TrainLoop
@@ -105,7 +106,8 @@ def run_hf(cfg: TrainerConfig, args: argparse.Namespace) -> int:
     server = MetricsServer(registry, cfg.run.metrics_host, cfg.run.metrics_port).start()
     log.info("trainer metrics on %s", server.url)
     try:
-        with StoreClient(cfg.data.store) as client:
+        auth = ClientAuth.from_config(cfg.data.store_auth)
+        with StoreClient(cfg.data.store, auth=auth) as client:
             client.wait_ready(cfg.run.store_ready_timeout_s)
             ranks = HFLocalRanks(cfg, hf)
             push = StoreWeightPush(client, cfg.weight_sync) if cfg.run.push_weights_every else None
