@@ -205,3 +205,11 @@ def test_gloo_wait_slices_until_a_late_peer_posts():
     wait_work(broadcast(pgs[0], sent), lambda: checks.append(1), time.monotonic() + 10, True)
     peer.join()
     assert len(checks) >= 3  # 50 ms slices while the peer slept 300 ms
+
+
+def test_unreachable_sender_is_an_abort_not_a_hang():
+    """A plan whose sender is gone: the receiver gives up within its connect timeout."""
+    plan = store_pb2.WeightSyncPlan(version=1, master_addr="127.0.0.1", master_port=1,
+                                    members=_workers("a"), backend="gloo")
+    with pytest.raises(WeightSyncAborted, match="unreachable"):
+        WeightReceiver("a", connect_timeout_s=1.0).receive(plan)

@@ -107,7 +107,14 @@ class WeightReceiver:
         (gloo) or was queued (NCCL).
         """
         member = rank_in(plan, self.worker_id, self.local_rank)
-        return _Receive(self, plan, member, on_bucket).run()
+        try:
+            receive = _Receive(self, plan, member, on_bucket)
+        except (dist.DistNetworkError, dist.DistStoreError) as e:
+            self._root = None  # reconnect next time
+            raise WeightSyncAborted(f"weight sync v{plan.version}: sender store at "
+                                    f"{plan.master_addr}:{plan.master_port} unreachable ({e})",
+                                    version=plan.version) from e
+        return receive.run()
 
     def root_store(self, addr: str, port: int) -> dist.TCPStore:
         """The connection to the sender's store, reused while the sender stays the same."""
