@@ -213,3 +213,26 @@ def test_unreachable_sender_is_an_abort_not_a_hang():
                                     members=_workers("a"), backend="gloo")
     with pytest.raises(WeightSyncAborted, match="unreachable"):
         WeightReceiver("a", connect_timeout_s=1.0).receive(plan)
+
+
+def test_worker_with_two_engine_ranks_gets_two_group_ranks(sender):
+    """A worker registered with world_size=2 (e.g. TP=2) brings two receivers (local ranks 0
+    and 1); both get every tensor."""
+    plan = sender.plan(1, [store_pb2.WorkerInfo(worker_id="tp", world_size=2),
+                           *_workers("a")])
+    rxs = [WeightReceiver("tp", 0), WeightReceiver("tp", 1), WeightReceiver("a")]
+    results: list[object] = []
+
+    def run(rx: WeightReceiver) -> None:
+        results.append(rx.receive(plan))
+
+    threads = [threading.Thread(target=run, args=(rx,)) for rx in rxs]
+    for t in threads:
+        t.start()
+    report = sender.push(plan, _weights(7))
+    for t in threads:
+        t.join()
+    assert report.members == ("tp[0] (rank 1)", "tp[1] (rank 2)", "a (rank 3)")
+    assert len(results) == 3
+    for got in results:
+        assert [n for n, _ in got.named] == [n for n, _ in _weights(7)]
