@@ -4,6 +4,10 @@ pull_batch -> (ranks) align_routing + train_step -> push_weights -> checkpoint (
 Data position: groups are acked only once a checkpoint that contains their step is written, so
 a crashed trainer's un-acked groups are redelivered by the store after their lease and nothing
 is lost; a redelivered group whose id is in the checkpoint's trained set is acked, not retrained.
+Every trained step also appends the trajectory ids it trained on to `trained_ids.jsonl` before
+its checkpoint is written, and a resumed trainer appends a `resumed_at` line: lines of steps
+after a `resumed_at` step were rolled back by the crash (see `read_trained_ids`), so "trained on
+exactly once" can be checked from the trainer's side across restarts.
 Batches are split between data-parallel ranks by whole GRPO groups (advantages are per group)
 and every rank gets the same number of groups (EP all-to-all needs equal micro-batch counts).
 """
@@ -77,6 +81,7 @@ class TrainLoop:
         self.pending_acks: list[str] = []
         self.pos = DataPosition()
         self.run_log = Path(cfg.run.run_dir) / "train_log.jsonl"
+        self.ids_log = Path(cfg.run.run_dir) / "trained_ids.jsonl"
         self.run_log.parent.mkdir(parents=True, exist_ok=True)
 
     def resume(self) -> None:
@@ -85,6 +90,7 @@ class TrainLoop:
         if got is not None:
             self.pos = DataPosition(**got)
             log.info("resumed at step %d, policy version %d", self.pos.step, self.pos.policy_version)
+        self._append_ids({"resumed_at": self.pos.step})
 
     def pull_batch(self, stop: Callable[[], bool] = lambda: False) -> list:
         """Lease `groups_per_step` groups (redelivered, already-trained groups are just acked);
@@ -112,7 +118,16 @@ class TrainLoop:
         self.pos.policy_version = int(metrics["policy_version"])
         self.pos.remember([g.group_id for g in groups])
         self.pending_acks += [g.delivery_id for g in groups]
+        self._append_ids({"step": self.pos.step, "policy_version": self.pos.policy_version,
+                          "trajectory_ids": [t.trajectory_id for g in groups
+                                             for t in g.trajectories]})
         return metrics
+
+    def _append_ids(self, rec: dict) -> None:
+        # Flushed before the checkpoint that covers the step, so a crash can only leave a line
+        # too many (rolled back by the next `resumed_at`), never one too few.
+        with self.ids_log.open("a+b") as f:
+            f.write((b"\n" if _torn(f) else b"") + json.dumps(rec).encode() + b"\n")
 
     def push_weights(self) -> None:
         """Hand HF-named weights to the weight push (trainer.weight push lives elsewhere)."""
@@ -176,3 +191,27 @@ class TrainLoop:
             self.metrics["r3flow_trainer_steps_total"].inc()
         with self.run_log.open("a") as f:
             f.write(json.dumps({"step": self.pos.step, "time": time.time(), **m}) + "\n")
+
+
+def _torn(f) -> bool:
+    """True when a file open for append does not end in a newline (a kill mid-write)."""
+    if f.seek(0, 2) == 0:
+        return False
+    f.seek(-1, 2)
+    return f.read(1) != b"\n"
+
+
+def read_trained_ids(path: str | Path) -> dict[int, list[str]]:
+    """Step -> trajectory ids of the steps that survived every restart (a `resumed_at: k` line
+    discards the steps after k that the crashed trainer took but never checkpointed)."""
+    steps: dict[int, list[str]] = {}
+    for line in Path(path).read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # torn by a kill mid-write: a step that was never checkpointed
+        if "resumed_at" in rec:
+            steps = {s: ids for s, ids in steps.items() if s <= rec["resumed_at"]}
+        else:
+            steps[int(rec["step"])] = list(rec["trajectory_ids"])
+    return steps

@@ -1,7 +1,10 @@
 """Where every trajectory of a local run went: trained, dropped (by reason) or left over.
 
 Sources are independent where possible: `produced` from the store's count of complete
-trajectories (cross-checked against the workers' own counters, which can only lag it),
+trajectories (cross-checked against the trajectories the workers' summaries say they sent: a
+worker stopped or killed while sending a group may leave some of its trajectories in the store,
+never fewer than it reported), the workers' abandoned/failed/killed-in-flight trajectories from
+their summaries (a SIGKILLed worker's last progress summary),
 `trained` from groups the trainer acked, drops from the store's counters, `unused at end` from
 draining the store after the trainer stopped. The remainder (trajectories of groups that were
 still incomplete when the workers stopped) is reported, not hidden.
@@ -9,35 +12,39 @@ still incomplete when the workers stopped) is reported, not hidden.
 
 from __future__ import annotations
 
-import urllib.request
-from dataclasses import asdict, dataclass
-
-from prometheus_client.parser import text_string_to_metric_families
+from dataclasses import asdict, dataclass, field
 
 
-def scrape_counter(url: str, name: str, **labels: str) -> float:
-    """Value of counter `name` (matching `labels`) at a /metrics URL; 0 when absent or down."""
-    try:
-        text = urllib.request.urlopen(url, timeout=5).read().decode()
-    except OSError:
-        return 0.0
-    total = 0.0
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                total += s.value
-    return total
+@dataclass
+class WorkerTotals:
+    """Sums over every rollout worker incarnation's summary (trajectories)."""
+
+    sent: int = 0
+    failed: int = 0
+    abandoned: int = 0  # cut by a stop request (SIGTERM) after the grace period
+    killed_in_flight: int = 0  # groups a SIGKILLed worker had started and not finished
+
+    @classmethod
+    def of(cls, summaries: list[dict], group_size: int) -> WorkerTotals:
+        t = cls()
+        for s in summaries:
+            t.sent += s["trajectories_sent"]
+            t.failed += s["trajectories_failed"]
+            t.abandoned += s["trajectories_abandoned"]
+            t.killed_in_flight += group_size * s["groups_in_flight"]
+        return t
 
 
 @dataclass
 class Accounting:
     produced: int  # complete trajectories the store received from the workers
-    workers_reported: int  # the workers' own `ok` counters, read just before they stopped
+    workers_reported: int  # trajectories the workers' summaries say they sent
     trained: int
     dropped: dict[str, int]
     unused_at_end: int
     in_incomplete_groups: int
     max_in_flight: int  # trajectories the workers may have had open at once
+    workers: WorkerTotals = field(default_factory=WorkerTotals)
 
     @property
     def balanced(self) -> bool:
@@ -50,7 +57,7 @@ class Accounting:
         return {**asdict(self), "balanced": self.balanced}
 
     @classmethod
-    def collect(cls, store_addr: str, workers_reported: float, group_size: int,
+    def collect(cls, store_addr: str, summaries: list[dict], group_size: int,
                 max_in_flight: int) -> Accounting:
         from services.store.client import StoreClient
 
@@ -62,7 +69,9 @@ class Accounting:
         dropped = {k: int(v) for k, v in after.dropped_by_reason.items() if v}
         complete = int(after.trajectories_complete)
         rest = complete - trained - sum(dropped.values()) - unused
-        return cls(complete, int(workers_reported), trained, dropped, unused, rest, max_in_flight)
+        workers = WorkerTotals.of(summaries, group_size)
+        return cls(complete, workers.sent, trained, dropped, unused, rest, max_in_flight,
+                   workers)
 
 
 def drain(client, consumer: str = "local-drain") -> int:

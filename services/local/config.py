@@ -28,6 +28,8 @@ class GrpoConfig(StrictConfig):
     kl_coef: float = Field(0.0, ge=0, description="KL to the reference model (0 = no reference)")
     max_policy_lag: int = Field(1, ge=0, description="store drops groups older than this")
     backlog_steps: int = Field(3, ge=2, description="store backlog limit, in optimizer steps")
+    lease_seconds: int = Field(
+        120, ge=5, description="trainer lease: a crashed trainer's groups come back after it")
     dtype: Literal["fp32", "bf16"] = Field("bf16", description="trainer and engine dtype")
     compare_off: bool = Field(True, description="also measure |logprob diff| without replay")
 
@@ -38,6 +40,9 @@ class LocalConfig(StrictConfig):
     runs_dir: str = Field("runs", description="parent of the per-run folders")
     replay: Literal["r3", "r2", "off"] = "r3"
     workers: int = Field(1, ge=1, le=4, description="rollout worker processes")
+    num_prompts: int | None = Field(
+        None, ge=1, description="groups each rollout worker rolls out, then exits (None = until "
+        "the run stops it)")
     seed: int = 0
     model: TinyMoeConfig = Field(default_factory=TinyMoeConfig)
     task: TaskConfig = Field(default_factory=lambda: TaskConfig(max_operand=19))
@@ -75,7 +80,10 @@ def rollout_config(cfg: LocalConfig, run_dir: Path, model_dir: Path, worker: int
         "concurrency": rollout_concurrency(cfg),
         "worker_id": f"rollout-{worker}",
         "epochs": 1000,
+        "num_prompts": cfg.num_prompts,
         "max_policy_lag": g.max_policy_lag,
+        # Outlive a store restart or a ~30 s outage: the client backs off up to 5 s per retry.
+        "store_max_retries": 30,
     }
 
 
@@ -88,7 +96,7 @@ def trainer_config(cfg: LocalConfig, run_dir: Path, model_dir: Path) -> dict:
         "loss": {"kl_coef": g.kl_coef},
         "replay": {"mode": cfg.replay, "compare_off": g.compare_off},
         "data": {"groups_per_step": g.groups_per_step, "micro_batch_size": 16,
-                 "lease_seconds": 120, "wait_ms": 2000},
+                 "lease_seconds": g.lease_seconds, "wait_ms": 2000},
         "run": {"run_dir": str(run_dir / "trainer"), "steps": g.steps, "checkpoint_every": 1,
                 "push_weights_every": 1, "launcher": cfg.trainer_launcher},
     }

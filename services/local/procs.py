@@ -54,14 +54,33 @@ class Supervisor:
         argv = [sys.executable, "-m", "services.cli", *args]
         child = Child(name, argv, self.log_dir / f"{name}.log")
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        out = child.log_path.open("ab")
-        env = {**os.environ, **self.env}
-        child.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                      stdin=subprocess.DEVNULL, start_new_session=True)
-        out.close()
+        self._spawn(child)
         self.children.append(child)
         log.info("started %s (pid %d): %s", name, child.pid, " ".join(args))
         return child
+
+    def _spawn(self, child: Child) -> None:
+        out = child.log_path.open("ab")
+        env = {**os.environ, **self.env}
+        child.proc = subprocess.Popen(child.argv, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                      stdin=subprocess.DEVNULL, start_new_session=True)
+        out.close()
+
+    def restart(self, child: Child) -> Child:
+        """Start a child again with the same command and config (after a crash or a kill);
+        what is left of its old process group is killed first."""
+        if child.alive():
+            raise RuntimeError(f"{child.name} (pid {child.pid}) is still running")
+        _signal_group(child.pid, signal.SIGKILL)
+        self._spawn(child)
+        log.info("restarted %s (pid %d)", child.name, child.pid)
+        return child
+
+    def kill(self, child: Child, sig: int = signal.SIGKILL) -> None:
+        """Signal a child's whole process group (fault injection: SIGKILL, SIGSTOP, SIGCONT)."""
+        _signal_group(child.pid, sig)
+        if sig == signal.SIGKILL:
+            child.proc.wait(timeout=10)  # type: ignore[union-attr]
 
     def check(self) -> None:
         """Raise if a child died unexpectedly, with the tail of its log."""
@@ -71,14 +90,18 @@ class Supervisor:
                                    + tail(c.log_path))
 
     def stop(self, child: Child, timeout_s: float = 15.0) -> None:
-        if not child.alive():
-            return
-        _signal_group(child.pid, signal.SIGTERM)
-        try:
-            child.proc.wait(timeout=timeout_s)  # type: ignore[union-attr]
-        except subprocess.TimeoutExpired:
+        """SIGTERM to the child itself, as Kubernetes does to a container's main process (it
+        stops its own engine/Ray helpers); after `timeout_s`, or once it exited, SIGKILL to
+        whatever is left of its process group."""
+        if child.alive():
+            os.kill(child.pid, signal.SIGTERM)
+            try:
+                child.proc.wait(timeout=timeout_s)  # type: ignore[union-attr]
+            except subprocess.TimeoutExpired:
+                log.warning("%s ignored SIGTERM for %.0fs; killing it", child.name, timeout_s)
+        if child.proc is not None:
             _signal_group(child.pid, signal.SIGKILL)
-            child.proc.wait(timeout=5)  # type: ignore[union-attr]
+            child.proc.wait(timeout=5)
 
     def stop_all(self) -> None:
         for child in reversed(self.children):

@@ -20,7 +20,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from services.local import report
-from services.local.accounting import Accounting, scrape_counter
+from services.local.accounting import Accounting
 from services.local.config import (
     LocalConfig,
     rollout_concurrency,
@@ -37,6 +37,8 @@ CHILD_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
              "VLLM_CPU_OMP_THREADS_BIND": "auto", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
              "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false",
              "VLLM_LOGGING_LEVEL": "WARNING", "PYTHONUNBUFFERED": "1"}
+
+ROLLOUT_STOP_GRACE_S = 20.0  # in-flight groups a stopping worker may still finish and send
 
 
 def new_run_dir(runs_dir: str) -> Path:
@@ -119,17 +121,48 @@ class LocalRun:
         mport = free_port()
         conf = write_json(self.dir / "configs" / f"rollout-{w}.json",
                           rollout_config(self.cfg, self.dir, model_dir, w))
-        self.sup.start(f"rollout-{w}", ["rollout", "--config", str(conf), "--store",
-                                        self.store_addr, "--metrics-port", str(mport)])
+        self.sup.start(f"rollout-{w}", [
+            "rollout", "--config", str(conf), "--store", self.store_addr, "--metrics-port",
+            str(mport), "--summary-file", str(self.summary_path(f"rollout-{w}")),
+            "--stop-grace-s", str(ROLLOUT_STOP_GRACE_S)])
         self.metrics_urls[f"rollout-{w}"] = f"http://127.0.0.1:{mport}/metrics"
 
-    def train(self, model_dir: Path) -> list[dict]:
+    def summary_path(self, worker: str, incarnation: int = 0) -> Path:
+        """The summary a rollout worker keeps current (earlier incarnations: 1, 2, ...)."""
+        suffix = f".{incarnation}" if incarnation else ""
+        return self.dir / "rollout" / f"{worker}.summary{suffix}.json"
+
+    def restart_child(self, name: str):  # noqa: ANN201 (a procs.Child)
+        """Start a dead child again with the same command and config; a rollout worker's last
+        summary is kept under the next free incarnation number first."""
+        child = self.child(name)
+        current = self.summary_path(name)
+        if current.is_file():
+            n = 1
+            while self.summary_path(name, n).exists():
+                n += 1
+            current.rename(self.summary_path(name, n))
+        return self.sup.restart(child)
+
+    def child(self, name: str):  # noqa: ANN201 (a procs.Child)
+        return next(c for c in self.sup.children if c.name == name)
+
+    def worker_summaries(self) -> list[dict]:
+        """Every rollout worker incarnation's last summary (final, or progress before a kill)."""
+        return [json.loads(p.read_text())
+                for p in sorted((self.dir / "rollout").glob("*.summary*.json"))]
+
+    def start_trainer(self, model_dir: Path):  # noqa: ANN201 (a procs.Child)
         mport = free_port()
         conf = write_json(self.dir / "configs" / "trainer.json",
                           trainer_config(self.cfg, self.dir, model_dir))
         trainer = self.sup.start("trainer", ["train", "--config", str(conf), "--store",
                                              self.store_addr, "--metrics-port", str(mport)])
         self.metrics_urls["trainer"] = f"http://127.0.0.1:{mport}/metrics"
+        return trainer
+
+    def train(self, model_dir: Path) -> list[dict]:
+        trainer = self.start_trainer(model_dir)
         self.print_endpoints()
         return self._follow(trainer)
 
@@ -180,17 +213,20 @@ class LocalRun:
         for name, url in self.metrics_urls.items():
             tqdm.write(f"metrics: {name:<10} {url}")
 
+    def stop_rollouts(self) -> None:
+        """SIGTERM every worker: it finishes or abandons its groups and writes its summary."""
+        for child in self.sup.children:
+            if child.name.startswith("rollout"):
+                self.sup.stop(child, timeout_s=ROLLOUT_STOP_GRACE_S + 30)
+
     def finish(self, rows: list[dict]) -> dict:
         """Stop the workers, account for every trajectory, write summary + report."""
         self.snapshot_metrics()
-        produced = sum(scrape_counter(url, "r3flow_rollout_trajectories_total", outcome="ok")
-                       for name, url in self.metrics_urls.items() if name.startswith("rollout"))
-        for child in self.sup.children:
-            if child.name.startswith("rollout"):
-                self.sup.stop(child)
+        self.stop_rollouts()
         g = self.cfg.grpo
         in_flight = self.cfg.workers * rollout_concurrency(self.cfg)
-        acct = Accounting.collect(self.store_addr, produced, g.group_size, in_flight)
+        acct = Accounting.collect(self.store_addr, self.worker_summaries(), g.group_size,
+                                  in_flight)
         summary = {"run_dir": str(self.dir), "replay": self.cfg.replay, "steps": len(rows),
                    "wall_seconds": round(time.monotonic() - self.started, 1),
                    **report.summarize(rows), "trajectories": acct.as_dict()}

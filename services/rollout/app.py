@@ -4,8 +4,14 @@ background duties (registration renewal, trainer-version watch, weight-sync push
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
+import signal
 import threading
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -69,8 +75,26 @@ def _start_watchers(cfg: RolloutConfig, client: Any, worker: Any) -> None:
                          args=(target, client, worker, loop)).start()
 
 
-async def serve(cfg: RolloutConfig) -> int:
-    """Run the worker to the end of its dataset; returns the exit code."""
+def _summary_writer(path: str | None, worker_id: str) -> Callable[..., None]:
+    """Writes the worker's summary to `path` atomically (a reader never sees half a file), so
+    even a SIGKILLed worker leaves its last progress: groups started, sent, failed, abandoned."""
+    def write(summary: Any, final: bool = False) -> None:
+        if path is None:
+            return
+        data = {**asdict(summary), "groups_in_flight": summary.groups_in_flight,
+                "worker_id": worker_id, "pid": os.getpid(), "final": final}
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(target.name + ".tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        os.replace(tmp, target)
+    return write
+
+
+async def serve(cfg: RolloutConfig, summary_file: str | None = None,
+                stop_grace_s: float = 30.0) -> int:
+    """Run the worker to the end of its dataset, or until SIGTERM (then in-flight groups get
+    `stop_grace_s` to finish and be sent); writes `summary_file`; returns the exit code."""
     from transformers import AutoTokenizer
 
     from services.rollout.dataset import load_dataset
@@ -92,13 +116,19 @@ async def serve(cfg: RolloutConfig) -> int:
     try:
         tokenizer = AutoTokenizer.from_pretrained(cfg.engine.model)
         worker = RolloutWorker(cfg, engine, sink, tokenizer, env_factory)
+        write_summary = _summary_writer(summary_file, cfg.worker_id)
+        worker.on_progress = write_summary
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, worker.request_stop)
         renew = asyncio.create_task(_keep_registered(worker, await worker.report_version()))
         if client is not None:
             _start_watchers(cfg, client, worker)
-        summary = await worker.run(records)
-        log.info("rollout done: %d groups ok, %d failed, %d tokens in %.1fs (%.1f tok/s)",
-                 summary.groups_ok, summary.groups_failed, summary.generated_tokens,
-                 summary.seconds, summary.generated_tokens / max(summary.seconds, 1e-9))
+        summary = await worker.run(records, stop_grace_s)
+        write_summary(summary, True)
+        log.info("rollout done%s: %d groups ok, %d failed, %d abandoned, %d tokens in %.1fs "
+                 "(%.1f tok/s)", " (stopped)" if summary.stopped_early else "",
+                 summary.groups_ok, summary.groups_failed, summary.groups_abandoned,
+                 summary.generated_tokens, summary.seconds,
+                 summary.generated_tokens / max(summary.seconds, 1e-9))
         return 0 if summary.groups_ok or not summary.groups_failed else 1
     finally:
         if renew is not None:

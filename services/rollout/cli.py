@@ -11,6 +11,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-port", type=int, help="port of /metrics and /health")
     parser.add_argument("--worker-id", help="unique worker name (overrides `worker_id`)")
     parser.add_argument("--model", help="HF model directory (overrides `engine.model`)")
+    parser.add_argument("--summary-file", help="JSON summary of sent/failed/abandoned groups, "
+                        "kept current while running and final at exit")
+    parser.add_argument("--stop-grace-s", type=float, default=30.0,
+                        help="after SIGTERM, seconds in-flight groups may still finish")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override one config field by dotted key (repeatable)")
 
@@ -37,7 +41,8 @@ def run(args: argparse.Namespace) -> int:
     from services.rollout.config import RolloutConfig
 
     cfg = load_config(RolloutConfig, args.config, overrides_from_args(args))
-    return asyncio.run(serve(cfg))
+    return asyncio.run(serve(cfg, summary_file=args.summary_file,
+                             stop_grace_s=args.stop_grace_s))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,6 +12,7 @@ import importlib
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,13 +44,24 @@ class GroupResult:
 @dataclass
 class WorkerSummary:
     """Counts of one `run`; tokens are generated tokens (environment tokens excluded); `errors`
-    holds the first MAX_KEPT_ERRORS failure messages."""
+    holds the first MAX_KEPT_ERRORS failure messages. Every started group ends as exactly one
+    of ok (sent), failed (counted by reason in metrics) or abandoned (cut by a stop request)."""
 
+    groups_started: int = 0
     groups_ok: int = 0
     groups_failed: int = 0
+    groups_abandoned: int = 0
+    trajectories_sent: int = 0
+    trajectories_failed: int = 0
+    trajectories_abandoned: int = 0
     generated_tokens: int = 0
     seconds: float = 0.0
+    stopped_early: bool = False
     errors: list[str] = field(default_factory=list)
+
+    @property
+    def groups_in_flight(self) -> int:
+        return self.groups_started - self.groups_ok - self.groups_failed - self.groups_abandoned
 
 
 def load_environment_factory(path: str | None) -> EnvironmentFactory | None:
@@ -84,10 +96,19 @@ class RolloutWorker:
         self.trainer_version: int | None = None
         self._nonce = uuid.uuid4().hex[:8]
         self._requests = asyncio.Semaphore(cfg.concurrency)
+        self._stop = asyncio.Event()
+        # Called with the live summary whenever a group starts or ends (progress file).
+        self.on_progress: Callable[[WorkerSummary], None] = lambda _: None
+
+    def request_stop(self) -> None:
+        """Take no new prompt; `run` lets in-flight groups finish within its grace period."""
+        self._stop.set()
 
     # ---- the main loop ---------------------------------------------------------------------
-    async def run(self, records: list[PromptRecord]) -> WorkerSummary:
-        """Roll out `epochs` passes (or `num_prompts` groups) over `records`."""
+    async def run(self, records: list[PromptRecord], stop_grace_s: float = 30.0
+                  ) -> WorkerSummary:
+        """Roll out `epochs` passes (or `num_prompts` groups) over `records`; after
+        `request_stop`, groups still running `stop_grace_s` later are cancelled (abandoned)."""
         summary, t0 = WorkerSummary(), time.perf_counter()
         # Twice the groups the engine can hold: a group that is being sent keeps its slot
         # without starving the engine, and when the store pushes back, sending groups fill
@@ -96,16 +117,54 @@ class RolloutWorker:
         tasks: set[asyncio.Task] = set()
         prompts = iterate_prompts(records, self.cfg.epochs, self.cfg.num_prompts)
         for seq, (epoch, rec) in enumerate(prompts):
-            await slots.acquire()
-            await self._wait_for_policy_lag()
+            if not await self._until_stop(slots.acquire()):
+                break
+            if not await self._until_stop(self._wait_for_policy_lag()):
+                slots.release()
+                break
             task = asyncio.create_task(self._group_task(seq, epoch, rec, summary))
+            summary.groups_started += 1
+            self.on_progress(summary)
             tasks.add(task)
             task.add_done_callback(tasks.discard)
             task.add_done_callback(lambda _: slots.release())
-        if tasks:
-            await asyncio.gather(*tasks)
+        summary.stopped_early = self._stop.is_set()
+        await self._finish_in_flight(set(tasks), summary, stop_grace_s)
         summary.seconds = time.perf_counter() - t0
         return summary
+
+    async def _until_stop(self, aw: Any) -> bool:
+        """Await `aw` unless a stop is requested first (then cancel it); True if it finished."""
+        task = asyncio.ensure_future(aw)
+        stop = asyncio.ensure_future(self._stop.wait())
+        await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        if task.done():
+            task.result()
+            return True
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return False
+
+    async def _finish_in_flight(self, tasks: set[asyncio.Task], summary: WorkerSummary,
+                                grace_s: float) -> None:
+        """Wait for running groups (all of them, or `grace_s` once a stop was requested);
+        cancel the rest: their requests are aborted and nothing of them is counted as sent."""
+        started = set(tasks)
+        while tasks and not self._stop.is_set():
+            await self._until_stop(asyncio.wait(tasks))
+            tasks = {t for t in tasks if not t.done()}
+        if tasks:
+            _, late = await asyncio.wait(tasks, timeout=grace_s)
+            for t in late:
+                t.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
+            summary.groups_abandoned += len(late)
+            summary.trajectories_abandoned += len(late) * self.cfg.sampling.n
+        self.on_progress(summary)
+        for t in started:  # an unexpected error (not a failed group) still ends the worker
+            if not t.cancelled() and t.exception() is not None:
+                raise t.exception()  # type: ignore[misc]
 
     async def _group_task(self, seq: int, epoch: int, rec: PromptRecord,
                           summary: WorkerSummary) -> None:
@@ -118,15 +177,19 @@ class RolloutWorker:
             summary.groups_failed += 1
             if len(summary.errors) < MAX_KEPT_ERRORS:
                 summary.errors.append(f"group {group_id} (prompt {rec.prompt_id}): {e}")
+            summary.trajectories_failed += self.cfg.sampling.n
             outcome = "routing_check_failed" if isinstance(e, RoutingCheckError) else "error"
             self.metrics["r3flow_rollout_trajectories_total"].labels(outcome).inc(
                 self.cfg.sampling.n)
             log.error("group %s (prompt %s, epoch %d) failed: %s", group_id, rec.prompt_id,
                       epoch, e)
+            self.on_progress(summary)
             return
         summary.groups_ok += 1
+        summary.trajectories_sent += len(group.trajectories)
         summary.generated_tokens += group.generated_tokens
         self.metrics["r3flow_rollout_trajectories_total"].labels("ok").inc(len(group.results))
+        self.on_progress(summary)
 
     async def run_group(self, group_id: str, rec: PromptRecord, seed: int | None = None
                         ) -> GroupResult:
