@@ -1,6 +1,6 @@
 """Rebuild full per-trajectory `Trajectory` messages of a ready group from Redis.
 
-Segment 0's prompt routing chunk is kept once per group (group hash field `p:<sha1>`); here it
+Segment 0's prompt routing chunk is kept once per group (group hash field `p:<sha256>`); here it
 is spliced back as the first chunk of segment 0, so trainers see exactly what the worker sent.
 Payloads are spliced as wire bytes (services/store/wirefmt.py), never parsed and re-serialized.
 """

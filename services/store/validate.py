@@ -229,7 +229,7 @@ def _prompt_chunk(seg: trajectory_pb2.Segment, state: TrajState) -> tuple[bytes,
     if first.start_row != 0 or not first.shape or first.shape[0] != state.prompt_len:
         return b"", ""
     blob = first.SerializeToString(deterministic=True)
-    return blob, "p:" + hashlib.sha1(blob).hexdigest()
+    return blob, "p:" + hashlib.sha256(blob).hexdigest()[:40]
 
 
 def _check_tokens(seg: trajectory_pb2.Segment) -> int:
