@@ -68,16 +68,18 @@ def test_tensor_bigger_than_bucket_gets_its_own_bucket():
     specs, _ = _send_receive(_model(), bucket_bytes=4096)
     big = [s for s in specs if any(e.name == "lm_head.weight" for e in s.entries)]
     assert len(big) == 1 and len(big[0].entries) == 1
-    assert big[0].nbytes == 300 * 300 * 2
+    assert big[0].nbytes == bk.aligned(300 * 300 * 2)
 
 
-def test_offsets_are_aligned_and_disjoint():
+def test_offsets_are_aligned_and_checksum_extents_disjoint():
     for spec in bk.iter_buckets(_model(), 4096, torch.bfloat16, CPU, 1 << 30):
         ends = 0
-        for e in spec.entries:
-            assert e.offset % bk.ALIGN == 0 and e.offset >= ends
-            ends = e.offset + bk.padded(e.nbytes)
-        assert spec.nbytes == ends
+        for e, (start, end) in zip(spec.entries, bk.extents(spec.entries, spec.nbytes),
+                                   strict=True):
+            assert e.offset % bk.ALIGN == 0 and start == e.offset >= ends
+            assert e.offset + e.nbytes <= end and end % 8 == 0
+            ends = end
+        assert spec.nbytes == ends  # the bucket is exactly its extents (whole rows if several)
 
 
 def test_direct_send_is_zero_copy():

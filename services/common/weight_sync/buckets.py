@@ -2,7 +2,8 @@
 
 A bucket is a flat uint8 buffer. Each tensor occupies `[offset, offset + nbytes)` with offsets
 aligned to `ALIGN` bytes; its checksum (`sum64`) is the wrapping int64 sum of the 8-byte words
-of its padded extent `[offset, offset + padded(nbytes))`. Integer addition is associative, so
+of its extent `[offset, min(aligned(offset + nbytes), bucket size))` (its alignment gap
+included: the same bytes go on the wire). Integer addition is associative, so
 the checksum is bit-identical on CPU and GPU whatever the reduction order, and it runs at
 memory speed (~35 GB/s on one CPU core), far above any link it guards.
 
@@ -105,7 +106,7 @@ class BucketSpec:
         nbytes = tensor.numel() * dtype.itemsize
         self.entries.append(TensorEntry(name, dtype, tuple(tensor.shape), offset, nbytes))
         self.sources.append(tensor)
-        self.nbytes = padded(offset + nbytes)
+        self.nbytes = aligned(offset + nbytes)  # whole ALIGN rows (see checksum_tensor)
 
 
 def sendable_in_place(tensor: torch.Tensor, wire: torch.dtype, device: torch.device) -> bool:
@@ -131,13 +132,14 @@ def iter_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
         size = padded(tensor.numel() * dtype_on_wire(tensor.dtype, wire).itemsize)
         alone = size >= bucket_bytes or (
             size >= direct_min_bytes and sendable_in_place(tensor, wire, device))
-        if cur.entries and (alone or aligned(cur.nbytes) + size > bucket_bytes):
+        if cur.entries and (alone or cur.nbytes + aligned(size) > bucket_bytes):
             yield cur
             cur = BucketSpec(cur.index + 1)
         cur.add(name, tensor, wire)
         if alone:
             if sendable_in_place(tensor, wire, device):
                 cur.direct = tensor.detach().reshape(-1).view(torch.uint8)
+                cur.nbytes = cur.direct.numel()  # the tensor itself goes on the wire
             yield cur
             cur = BucketSpec(cur.index + 1)
     if cur.entries:
@@ -177,23 +179,30 @@ def bucket_views(bucket_u8: torch.Tensor, entries: list[TensorEntry]) -> list[to
     return [part.view(e.shape) for part, e in zip(parts[1::2], entries, strict=True)]
 
 
+def extents(entries: list[TensorEntry], bucket_nbytes: int) -> list[tuple[int, int]]:
+    """The byte range each entry's checksum covers: up to the next ALIGN boundary (the gap
+    travels too), or to the bucket's end (a tensor sent in place: whole words, not rows)."""
+    return [(e.offset, min(aligned(e.offset + e.nbytes), bucket_nbytes)) for e in entries]
+
+
 def checksum_tensor(bucket_u8: torch.Tensor, entries: list[TensorEntry],
                     bounds: torch.Tensor | None = None) -> torch.Tensor:
-    """sum64 of each entry's padded extent, as an int64 tensor on the bucket's device (no
-    host sync: on GPU it queues behind the bucket's broadcast). `bounds` may be passed in
-    (from `word_bounds`) when the layout repeats."""
+    """sum64 of each entry's extent, as an int64 tensor on the bucket's device (no host
+    sync: on GPU it queues behind the bucket's broadcast). `bounds` may be passed in (from
+    `row_bounds`) when the layout repeats."""
     if not entries:
         return torch.zeros(0, dtype=torch.int64, device=bucket_u8.device)
     if bucket_u8.is_cuda and len(entries) > 1:
         return _segment_sums(bucket_u8, entries if bounds is None else bounds)
-    sums = [bucket_u8[e.offset: e.offset + padded(e.nbytes)].view(torch.int64).sum()
-            for e in entries]
+    sums = [bucket_u8[a:b].view(torch.int64).sum()
+            for a, b in extents(entries, bucket_u8.numel())]
     return torch.stack(sums)
 
 
-def word_bounds(entries: list[TensorEntry], device: torch.device) -> torch.Tensor:
-    """[start, end) of each entry's padded extent in 8-byte words, on `device`."""
-    bounds = torch.tensor([[e.offset // 8, (e.offset + padded(e.nbytes)) // 8]
+def row_bounds(entries: list[TensorEntry], device: torch.device) -> torch.Tensor:
+    """[start, end) of each entry's extent in ALIGN-byte rows, on `device` (for a bucket of
+    several entries, whose size is whole rows)."""
+    bounds = torch.tensor([[e.offset // ALIGN, aligned(e.offset + e.nbytes) // ALIGN]
                            for e in entries], dtype=torch.int64)
     if device.type == "cuda":
         # from pinned memory: a pageable host->device copy would wait for the stream (that
@@ -204,20 +213,21 @@ def word_bounds(entries: list[TensorEntry], device: torch.device) -> torch.Tenso
 
 def _segment_sums(bucket_u8: torch.Tensor,
                   entries_or_bounds: list[TensorEntry] | torch.Tensor) -> torch.Tensor:
-    """All entries' sums in a few kernels (a per-tensor sum costs ~20 us of launches each):
-    a wrapping prefix sum over the words, differenced at the extents' ends."""
-    words = bucket_u8.view(torch.int64)  # bucket sizes are whole words
-    prefix = words.new_empty(words.numel() + 1)
+    """All entries' sums in a few kernels and one read of the bucket (a per-tensor sum costs
+    ~20 us of launches each): sums of ALIGN-byte rows, a prefix sum over the (8x fewer) rows,
+    differenced at the extents' ends. Wrapping int64 arithmetic keeps it exact."""
+    rows = bucket_u8.view(torch.int64).view(-1, ALIGN // 8).sum(1)
+    prefix = rows.new_empty(rows.numel() + 1)
     prefix[0] = 0
-    torch.cumsum(words, 0, out=prefix[1:])
+    torch.cumsum(rows, 0, out=prefix[1:])
     bounds = entries_or_bounds
     if not isinstance(bounds, torch.Tensor):
-        bounds = word_bounds(bounds, words.device)
+        bounds = row_bounds(bounds, rows.device)
     return prefix[bounds[:, 1]] - prefix[bounds[:, 0]]
 
 
 def checksums(bucket_u8: torch.Tensor, entries: list[TensorEntry]) -> list[int]:
-    """sum64 of each entry's padded extent, on the host."""
+    """sum64 of each entry's extent, on the host."""
     return checksum_tensor(bucket_u8, entries).tolist()
 
 

@@ -36,7 +36,7 @@ class LaidBucket:
 def lay_out(spec: bk.BucketSpec, first: int, device: torch.device) -> LaidBucket:
     bounds = None
     if device.type == "cuda" and len(spec.entries) > 1:
-        bounds = bk.word_bounds(spec.entries, device)
+        bounds = bk.row_bounds(spec.entries, device)
     return LaidBucket(spec.index, spec.entries, spec.nbytes, first, spec.direct is not None,
                       bk.encode_header(spec.index, spec.nbytes, spec.entries), bounds)
 

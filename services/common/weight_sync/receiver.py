@@ -136,7 +136,7 @@ class WeightReceiver:
         if head.get("end"):
             return None
         entries = head["tensors"]
-        bounds = bk.word_bounds(entries, self.device) if self.device.type == "cuda" else None
+        bounds = bk.row_bounds(entries, self.device) if self.device.type == "cuda" else None
         self._layouts[index] = (header, (head["nbytes"], entries, bounds))
         return self._layouts[index][1]
 
