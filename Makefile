@@ -63,7 +63,7 @@ chart-check: setup
 	bash scripts/chart_check.sh
 
 test-faults: setup
-	$(PY) -m pytest tests/integration -q -m faults
+	$(PY) -m pytest tests/faults -q -m faults -s
 
 clean:
 	rm -rf $(VENV) bench-results runs .pytest_cache

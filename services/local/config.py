@@ -30,6 +30,8 @@ class GrpoConfig(StrictConfig):
     backlog_steps: int = Field(3, ge=2, description="store backlog limit, in optimizer steps")
     lease_seconds: int = Field(
         120, ge=5, description="trainer lease: a crashed trainer's groups come back after it")
+    weight_push_timeout_s: float = Field(
+        120.0, gt=3, description="a push waits this long for a registered worker that is gone")
     dtype: Literal["fp32", "bf16"] = Field("bf16", description="trainer and engine dtype")
     compare_off: bool = Field(True, description="also measure |logprob diff| without replay")
 
@@ -97,6 +99,7 @@ def trainer_config(cfg: LocalConfig, run_dir: Path, model_dir: Path) -> dict:
         "replay": {"mode": cfg.replay, "compare_off": g.compare_off},
         "data": {"groups_per_step": g.groups_per_step, "micro_batch_size": 16,
                  "lease_seconds": g.lease_seconds, "wait_ms": 2000},
+        "weight_sync": {"timeout_s": g.weight_push_timeout_s},
         "run": {"run_dir": str(run_dir / "trainer"), "steps": g.steps, "checkpoint_every": 1,
                 "push_weights_every": 1, "launcher": cfg.trainer_launcher},
     }

@@ -132,10 +132,12 @@ class LocalRun:
         suffix = f".{incarnation}" if incarnation else ""
         return self.dir / "rollout" / f"{worker}.summary{suffix}.json"
 
-    def restart_child(self, name: str):  # noqa: ANN201 (a procs.Child)
-        """Start a dead child again with the same command and config; a rollout worker's last
-        summary is kept under the next free incarnation number first."""
+    def restart_child(self, name: str, extra_args: tuple[str, ...] = ()):  # noqa: ANN201
+        """Start a dead child (a procs.Child) again with the same command and config, plus
+        `extra_args`; a rollout worker's last summary is kept under the next free incarnation
+        number first."""
         child = self.child(name)
+        child.argv += list(extra_args)
         current = self.summary_path(name)
         if current.is_file():
             n = 1
