@@ -40,6 +40,15 @@ class StatsSnapshot:
                 if k.startswith("dropped:")}
 
 
+def check_delivery_id(eid: str, field: str) -> None:
+    """A delivery id is a Redis stream entry id `<ms>-<seq>` (u64 each); Redis would answer
+    anything else with an error that is ours to report as bad input, not INTERNAL."""
+    ms, dash, seq = eid.partition("-")
+    if not (dash and ms.isdigit() and seq.isdigit() and ms.isascii() and seq.isascii()
+            and int(ms) < 2**64 and int(seq) < 2**64):
+        raise ValueError(f"{field}: {eid[:64]!r} is not a delivery id (<ms>-<seq>)")
+
+
 class TrajectoryStoreCore:
     """Append, pull, ack, policy version and stats over one Redis (see module docstring)."""
 
@@ -175,7 +184,10 @@ class TrajectoryStoreCore:
     def ack(self, consumer: str, delivery_ids: Iterable[str]) -> int:
         """Ack delivered groups held by `consumer` and delete their payloads; returns count."""
         acked = 0
-        for eid in delivery_ids:
+        eids = list(delivery_ids)
+        for i, eid in enumerate(eids):
+            check_delivery_id(eid, f"delivery_ids[{i}]")
+        for eid in eids:
             done = self._release(eid, consumer, "acked", 0)
             if done == -1:
                 self._metric("r3flow_store_rejections_total", "ack_not_lease_holder").inc()

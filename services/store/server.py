@@ -17,6 +17,7 @@ from typing import Any
 
 import grpc
 import redis
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -183,6 +184,37 @@ class _HandlerCapture:
         self.handlers = dict(handlers)
 
 
+def _parsing(method: str, handler: Any) -> Any:
+    """`handler` taking raw bytes and parsing them itself: gRPC's own deserializer answers an
+    unparseable request with INTERNAL; this answers INVALID_ARGUMENT naming the message type."""
+    deserialize = handler.request_deserializer
+    name = store_pb2.DESCRIPTOR.services_by_name["TrajectoryStore"].methods_by_name[
+        method].input_type.name
+
+    def parse(raw: bytes) -> Any:
+        try:
+            return deserialize(raw)
+        except DecodeError as e:
+            raise ValueError(f"{name}: not a valid serialized {name} ({e})") from None
+
+    def parse_or_abort(raw: bytes, context: grpc.ServicerContext) -> Any:
+        try:
+            return parse(raw)
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    def unary_stream(raw: bytes, context: grpc.ServicerContext) -> Iterator[Any]:
+        yield from handler.unary_stream(parse_or_abort(raw, context), context)
+
+    if handler.request_streaming:  # Append: a ValueError from the iterator -> INVALID_ARGUMENT
+        return handler._replace(request_deserializer=None, stream_unary=lambda it, ctx:
+                                handler.stream_unary(map(parse, it), ctx))
+    if handler.response_streaming:
+        return handler._replace(request_deserializer=None, unary_stream=unary_stream)
+    return handler._replace(request_deserializer=None, unary_unary=lambda raw, ctx:
+                            handler.unary_unary(parse_or_abort(raw, ctx), ctx))
+
+
 def add_servicer(servicer: TrajectoryStoreServicer, server: grpc.Server) -> None:
     """The generated registration, except that Pull sends pre-serialized PulledGroup bytes
     (stored payloads are spliced, not parsed and re-serialized; services/store/assemble.py)."""
@@ -192,6 +224,7 @@ def add_servicer(servicer: TrajectoryStoreServicer, server: grpc.Server) -> None
     handlers["Pull"] = grpc.unary_stream_rpc_method_handler(
         servicer.Pull, request_deserializer=store_pb2.PullRequest.FromString,
         response_serializer=None)
+    handlers = {name: _parsing(name, h) for name, h in handlers.items()}
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
