@@ -65,13 +65,17 @@ class Appender:
         self._sha = {name: self.r.script_load(getattr(lua, name))
                      for name in ("BEGIN", "SEGMENT", "FINISH")}
 
-    def append(self, requests: Iterable[store_pb2.AppendRequest]) -> AppendResult:
-        """Validate the whole stream, then commit it message by message (see module doc)."""
+    def append(self, requests: Iterable[store_pb2.AppendRequest],
+               before_commit: Callable[[], None] | None = None) -> AppendResult:
+        """Validate the whole stream, then commit it message by message (see module doc).
+        `before_commit` may raise to stop a stream whose call broke off during validation."""
         try:
             writes, duplicates = self._validate_stream(requests)
         except ValueError:
             self._metric("r3flow_store_rejections_total", "invalid_argument").inc()
             raise
+        if before_commit is not None:
+            before_commit()
         result = self._commit(writes)
         result.duplicates += duplicates
         self._metric("r3flow_store_appends_total", "duplicate").inc(result.duplicates)

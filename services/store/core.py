@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,9 +77,10 @@ class TrajectoryStoreCore:
         m: Any = self.metrics[name]
         return m.labels(*labels) if labels else m
 
-    def append(self, requests: Iterable[store_pb2.AppendRequest]) -> AppendResult:
+    def append(self, requests: Iterable[store_pb2.AppendRequest],
+               before_commit: Callable[[], None] | None = None) -> AppendResult:
         """Validate a whole Append stream, then commit it (services/store/append.py)."""
-        result = self.appender.append(requests)
+        result = self.appender.append(requests, before_commit)
         result.policy_version = self.policy_version()
         return result
 

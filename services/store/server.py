@@ -89,11 +89,16 @@ class TrajectoryStoreServicer(store_pb2_grpc.TrajectoryStoreServicer):
     @_unary
     def Append(self, request_iterator, context):  # noqa: N802 (gRPC method names)
         requests = list(request_iterator)
-        if not context.is_active():
+
+        def check_whole() -> None:
             # The stream broke off (an oversized message, a cancelled client): gRPC may end the
-            # iterator quietly, and a truncated stream must not be committed.
-            context.abort(grpc.StatusCode.CANCELLED, "stream: ended before the client closed it")
-        res = self.core.append(requests)
+            # iterator quietly and report the cancellation a moment later, so this is checked
+            # again right before the commit; a truncated stream must not be committed.
+            if not context.is_active():
+                context.abort(grpc.StatusCode.CANCELLED,
+                              "stream: ended before the client closed it")
+        check_whole()
+        res = self.core.append(requests, before_commit=check_whole)
         return store_pb2.AppendResponse(accepted=res.accepted, duplicates=res.duplicates,
                                         policy_version=res.policy_version)
 
