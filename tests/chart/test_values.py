@@ -19,6 +19,8 @@ BAD_VALUES = {
     "empty required": ('model:\n  path: ""\n', "/model/path"),
     "external redis without url": ("redis:\n  enabled: false\n", "/redis/external/url"),
     "bad enum": ("redis:\n  appendfsync: sometimes\n", "/redis/appendfsync"),
+    "tls without its Secret": ("auth:\n  tls:\n    enabled: true\n", "/auth/tls/secretName"),
+    "mutual TLS without TLS": ("auth:\n  tls:\n    mutual: true\n", "/auth/tls/enabled"),
 }
 
 

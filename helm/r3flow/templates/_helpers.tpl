@@ -126,3 +126,95 @@ app.kubernetes.io/component: {{ .component }}
   emptyDir: {}
   {{- end }}
 {{- end }}
+
+{{/* ---- Access control (services/common/auth.py): TLS and role tokens, mounted from Secrets. */}}
+{{- define "r3flow.tokenSecretName" -}}
+{{- .Values.auth.tokens.existingSecret | default (printf "%s-tokens" (include "r3flow.fullname" .)) }}
+{{- end }}
+
+{{/* The store config's `auth` section (YAML; empty when neither TLS nor tokens are on). */}}
+{{- define "r3flow.storeAuthConfig" -}}
+{{- with .Values.auth }}
+{{- if .tls.enabled }}
+tls_cert_file: /var/run/r3flow/tls/tls.crt
+tls_key_file: /var/run/r3flow/tls/tls.key
+tls_ca_file: /var/run/r3flow/tls/ca.crt
+require_client_cert: {{ .tls.mutual }}
+{{- end }}
+{{- if .tokens.enabled }}
+token_files:
+  rollout: /var/run/r3flow/tokens/rollout
+  trainer: /var/run/r3flow/tokens/trainer
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* A client's `store_auth` section (YAML) for role .role. */}}
+{{- define "r3flow.clientAuthConfig" -}}
+{{- with .ctx.Values.auth }}
+{{- if .tokens.enabled }}
+token_file: /var/run/r3flow/tokens/token
+{{- end }}
+{{- if .tls.enabled }}
+ca_file: /var/run/r3flow/tls/ca.crt
+{{- if .tls.mutual }}
+cert_file: /var/run/r3flow/client-tls/tls.crt
+key_file: /var/run/r3flow/client-tls/tls.key
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* volumeMounts of the auth Secrets (list items). */}}
+{{- define "r3flow.authMounts" -}}
+{{- with .ctx.Values.auth }}
+{{- if .tls.enabled }}
+- name: tls
+  mountPath: /var/run/r3flow/tls
+  readOnly: true
+{{- if and .tls.mutual (ne $.role "store") }}
+- name: client-tls
+  mountPath: /var/run/r3flow/client-tls
+  readOnly: true
+{{- end }}
+{{- end }}
+{{- if .tokens.enabled }}
+- name: tokens
+  mountPath: /var/run/r3flow/tokens
+  readOnly: true
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* volumes of the auth Secrets: the store gets every role's token, a client only its own, and
+     a client gets only ca.crt of the store's TLS Secret (never the store's key). */}}
+{{- define "r3flow.authVolumes" -}}
+{{- $ctx := .ctx }}
+{{- with $ctx.Values.auth }}
+{{- if .tls.enabled }}
+- name: tls
+  secret:
+    secretName: {{ .tls.secretName }}
+    {{- if ne $.role "store" }}
+    items:
+      - key: ca.crt
+        path: ca.crt
+    {{- end }}
+{{- if and .tls.mutual (ne $.role "store") }}
+- name: client-tls
+  secret:
+    secretName: {{ .tls.clientSecretName }}
+{{- end }}
+{{- end }}
+{{- if .tokens.enabled }}
+- name: tokens
+  secret:
+    secretName: {{ include "r3flow.tokenSecretName" $ctx }}
+    {{- if ne $.role "store" }}
+    items:
+      - key: {{ $.role }}
+        path: token
+    {{- end }}
+{{- end }}
+{{- end }}
+{{- end }}

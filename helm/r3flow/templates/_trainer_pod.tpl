@@ -52,6 +52,7 @@ spec:
           mountPath: /dev/shm
         - name: tmp
           mountPath: /tmp
+        {{- include "r3flow.authMounts" (dict "ctx" $ctx "role" "trainer") | nindent 8 }}
   volumes:
     {{- include "r3flow.modelVolume" $ctx | nindent 4 }}
     - name: checkpoints
@@ -70,6 +71,7 @@ spec:
         sizeLimit: {{ .shm }}
     - name: tmp
       emptyDir: {}
+    {{- include "r3flow.authVolumes" (dict "ctx" $ctx "role" "trainer") | nindent 4 }}
   {{- with $ctx.Values.trainer.nodeSelector }}
   nodeSelector:
     {{- toYaml . | nindent 4 }}
