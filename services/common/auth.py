@@ -177,8 +177,8 @@ def server_credentials(cfg: AuthConfig) -> grpc.ServerCredentials:
 
 def load_tokens(cfg: AuthConfig) -> dict[str, bytes]:
     """role -> token bytes from `token_files`; two roles may not share a token."""
-    tokens = {role: read_secret(path, f"auth.token_files.{role}")
-              for role, path in cfg.token_files.items()}
+    tokens: dict[str, bytes] = {role: read_secret(path, f"auth.token_files.{role}")
+                                for role, path in cfg.token_files.items()}
     if len(set(tokens.values())) < len(tokens):
         raise ValueError("auth.token_files: each role needs its own token")
     return tokens
