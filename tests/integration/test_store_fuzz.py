@@ -3,7 +3,7 @@ a real redis-server, sent raw (bytes) through generic channel methods from paral
 
 Checked: every bad request gets INVALID_ARGUMENT or RESOURCE_EXHAUSTED with a message that starts
 with the name of the offending field or message; the server answers health checks throughout;
-Redis holds no key from them; the store's RSS is sampled at 2k/6k/10k and must level off.
+Redis holds no key from them; the store's RSS is sampled at 2k/6k/10k requests and must level off.
 The figures are printed and written to runs/reliability/bad_input.json (RELIABILITY.md).
 """
 
@@ -38,7 +38,7 @@ from services.store.client import StoreClient
 from services.store.redis_server import EmbeddedRedis
 
 PREFIX = "fz:"
-TOTAL = 10_000
+TOTAL = 10_400  # ~2% are well-formed acks of unknown ids (acked=0 by design): >= 10k malformed
 THREADS = 4
 SAMPLES = (2_000, 6_000, 10_000)
 SERVICE = "/r3flow.v1.TrajectoryStore/"
@@ -168,8 +168,10 @@ def test_fuzzed_requests_are_refused_and_leave_nothing(fuzz_store: StoreProcess)
     seconds = fz.run()
     keys_after, size_after = _keys(fuzz_store.redis_url)
     leaked = sorted(k.decode(errors="replace") for k in keys_after - keys_before)
+    by_design = fz.by_kind.get("ack_unknown_id", Counter()).total()
     report = {
-        "requests": fz.done, "seconds": round(seconds, 1), "threads": THREADS,
+        "requests": fz.done, "malformed": fz.done - by_design, "ok_by_design": by_design,
+        "seconds": round(seconds, 1), "threads": THREADS,
         "codes": dict(fz.codes), "by_kind": {k: dict(v) for k, v in sorted(fz.by_kind.items())},
         "example_message": dict(sorted(fz.example.items())), "wrong": len(fz.wrong), "wrong_examples": fz.wrong[:10],
         "refused_only_by_sentinel": fz.sentinel_hits,
@@ -180,7 +182,7 @@ def test_fuzzed_requests_are_refused_and_leave_nothing(fuzz_store: StoreProcess)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(report, indent=1))
     print(json.dumps(report, indent=1))
-    assert fz.done == TOTAL
+    assert fz.done == TOTAL and report["malformed"] >= 10_000
     assert report["store_alive"] and all(fz.health.values()) and len(fz.health) == 3
     assert fz.wrong == [], fz.wrong[:10]
     assert leaked == [] and size_after == size_before, leaked[:10]
