@@ -180,3 +180,26 @@ def test_secrets_never_logged(secure_store: AuthedStore, pki: Pki, secrets_dir: 
     for text in (store_log, caplog.text):
         for secret in (ROLLOUT_TOKEN, TRAINER_TOKEN, REDIS_PASSWORD, key_pem):
             assert secret not in text
+
+
+def test_rollout_and_trainer_configs_carry_their_store_auth(secure_store: AuthedStore, pki: Pki,
+                                                             secrets_dir: Path) -> None:
+    from services.rollout.app import _open_store
+    from services.rollout.config import RolloutConfig
+    from trainer.config import DataConfig
+
+    def section(role: str) -> dict:
+        return {"token_file": str(secrets_dir / f"{role}.token"), "ca_file": str(pki.ca),
+                "cert_file": str(pki.client_cert), "key_file": str(pki.client_key)}
+
+    rollout = RolloutConfig.model_validate({
+        "engine": {"model": "m"}, "dataset": "d.jsonl", "store": secure_store.address,
+        "store_max_retries": 0, "store_auth": section("rollout")})
+    with _open_store(rollout) as client:
+        assert client.register_worker("w-cfg", "h", 1) > 0
+        assert _code(lambda: client.pull("t", 1)) == grpc.StatusCode.PERMISSION_DENIED
+    data = DataConfig.model_validate({"store": secure_store.address,
+                                      "store_auth": section("trainer")})
+    with StoreClient(data.store, max_retries=0,
+                     auth=ClientAuth.from_config(data.store_auth)) as client:
+        assert "w-cfg" in [w.worker_id for w in client.list_workers()]
