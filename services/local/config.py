@@ -78,7 +78,7 @@ def rollout_config(cfg: LocalConfig, run_dir: Path, model_dir: Path, worker: int
                    "max_num_seqs": 32},
         "sampling": {"n": g.group_size, "max_tokens": g.max_tokens, "temperature": g.temperature},
         "dataset": str(run_dir / "data" / "rl.jsonl"),
-        "verifier": "services.local.tasks:digit_reward",
+        "verifier": "services.local.tasks:closeness_reward",
         "concurrency": rollout_concurrency(cfg),
         "worker_id": f"rollout-{worker}",
         "epochs": 1000,

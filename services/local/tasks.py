@@ -1,12 +1,13 @@
 """Verifiable toy tasks for the local run: data sets and their reward functions.
 
-`addition`: "37+45=" -> "82". Rewards give partial credit per answer digit so a tiny model's
-progress shows up as a smooth signal; an exact answer scores 1.0.
+`addition`: "37+45=" -> "82". The reward grades a wrong number by how far off it is, so a tiny
+model's progress shows up as a smooth signal; an exact answer scores 1.0.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import random
 from pathlib import Path
 
@@ -45,13 +46,15 @@ def write_datasets(cfg: TaskConfig, out_dir: Path) -> tuple[Path, Path]:
     return rl_path, sft_path
 
 
-def digit_reward(completion: str, answer: str) -> float:
-    """1.0 for the exact answer; otherwise 0.5 x the fraction of answer digits right in place."""
+def closeness_reward(completion: str, answer: str) -> float:
+    """1.0 for the exact answer; a number off by d scores 0.8 * exp(-d / 4); anything else 0.
+
+    Graded by numeric distance so that two wrong answers are not equally wrong: a group whose
+    samples are all wrong still ranks them, which gives GRPO a signal from the first step.
+    """
     text = completion.strip()
     if text == answer:
         return 1.0
-    if not text:
+    if not text.isdigit():
         return 0.0
-    hits = sum(1 for x, y in zip(text, answer, strict=False) if x == y)
-    length_penalty = min(len(text), len(answer)) / max(len(text), len(answer))
-    return 0.5 * hits / len(answer) * length_penalty
+    return 0.8 * math.exp(-abs(int(text) - int(answer)) / 4.0)
