@@ -29,6 +29,8 @@ from trainer.config import TrainerConfig
 
 log = logging.getLogger(__name__)
 
+RESYNC_INTERVAL_S = 10.0  # how often an idle trainer re-pushes to workers behind its version
+
 
 class Ranks(Protocol):
     """Calls a RankWorker method on every rank (in-process or Ray actors)."""
@@ -79,6 +81,7 @@ class TrainLoop:
         self.cfg, self.ranks, self.client = cfg, ranks, client
         self.metrics, self.push_fn = metrics or {}, push_fn
         self.pending_acks: list[str] = []
+        self._last_resync = 0.0
         self.pos = DataPosition()
         self.run_log = Path(cfg.run.run_dir) / "train_log.jsonl"
         self.ids_log = Path(cfg.run.run_dir) / "trained_ids.jsonl"
@@ -90,7 +93,25 @@ class TrainLoop:
         if got is not None:
             self.pos = DataPosition(**got)
             log.info("resumed at step %d, policy version %d", self.pos.step, self.pos.policy_version)
+            self._version_above_engines()
         self._append_ids({"resumed_at": self.pos.step})
+
+    def _version_above_engines(self) -> None:
+        """A crash between a weight push and its checkpoint leaves engines serving a version
+        the checkpoint never reached; label the resumed weights at least that high, so the
+        next push is newer than anything an engine serves (engines ignore older plans)."""
+        if self.push_fn is None:
+            return
+        served = max([w.policy_version for w in self.client.list_workers()]
+                     + [self.client.stats().policy_version])
+        if served > self.pos.policy_version:
+            log.warning("engines serve v%d > checkpoint's v%d: continuing from v%d", served,
+                        self.pos.policy_version, served)
+            self._set_version(served)
+
+    def _set_version(self, version: int) -> None:
+        self.ranks.call("set_policy_version", [(version,)] * self.ranks.world_size)
+        self.pos.policy_version = version
 
     def pull_batch(self, stop: Callable[[], bool] = lambda: False) -> list:
         """Lease `groups_per_step` groups (redelivered, already-trained groups are just acked);
@@ -101,8 +122,11 @@ class TrainLoop:
         while len(groups) < d.groups_per_step:
             if stop():
                 return []
-            for g in self.client.pull(d.consumer, d.groups_per_step - len(groups),
-                                      lease_seconds=d.lease_seconds, wait_ms=d.wait_ms):
+            got = self.client.pull(d.consumer, d.groups_per_step - len(groups),
+                                   lease_seconds=d.lease_seconds, wait_ms=d.wait_ms)
+            if not got:
+                self.resync_lagging_workers()
+            for g in got:
                 if g.group_id in trained:
                     self.pending_acks.append(g.delivery_id)
                 else:
@@ -129,11 +153,34 @@ class TrainLoop:
         with self.ids_log.open("a+b") as f:
             f.write((b"\n" if _torn(f) else b"") + json.dumps(rec).encode() + b"\n")
 
+    def resync_lagging_workers(self) -> None:
+        """While no group is ready, push the current weights again (at most every
+        RESYNC_INTERVAL_S) if a registered worker serves an older version. A worker restarted
+        after the last push (or one that missed it) otherwise holds its groups for policy lag
+        while the trainer waits for groups: neither side would ever move."""
+        if self.push_fn is None or not self.cfg.run.push_weights_every or not self.pos.step:
+            return
+        if time.monotonic() - self._last_resync < RESYNC_INTERVAL_S:
+            return
+        self._last_resync = time.monotonic()
+        behind = [w.worker_id for w in self.client.list_workers()
+                  if w.policy_version < self.pos.policy_version]
+        if behind:
+            # A plan version is pushed once: the same weights go out under the next version.
+            log.warning("idle with worker(s) %s behind v%d: pushing the weights again as v%d",
+                        behind, self.pos.policy_version, self.pos.policy_version + 1)
+            self._set_version(self.pos.policy_version + 1)
+            self._push_now()
+
     def push_weights(self) -> None:
         """Hand HF-named weights to the weight push (trainer.weight push lives elsewhere)."""
         every = self.cfg.run.push_weights_every
         if self.push_fn is None or not every or self.pos.step % every:
             return
+        self._push_now()
+
+    def _push_now(self) -> None:
+        assert self.push_fn is not None
         t0 = time.perf_counter()
         weights = self.ranks.call("export_hf", [()] * self.ranks.world_size)[0]
         self.push_fn(weights, self.pos.policy_version)

@@ -81,3 +81,7 @@ class RankWorker:
 
     def policy_version(self) -> int:
         return self.trainer.policy_version
+
+    def set_policy_version(self, version: int) -> None:
+        """Relabel the current weights (resume above what engines serve; an idle re-push)."""
+        self.trainer.policy_version = version

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -28,8 +29,10 @@ LAST_PROMPTS = 12  # the incarnation started after the combined fault, to the en
 
 
 @pytest.fixture(scope="module")
-def result(tmp_path_factory) -> dict:
-    fr = FaultRun(fault_config(tmp_path_factory.mktemp("runs"), NUM_PROMPTS))
+def result() -> dict:
+    # Not tmp_path_factory: a concurrent pytest session rotates those folders away mid-run.
+    runs = Path(tempfile.mkdtemp(prefix="r3flow-faults-"))
+    fr = FaultRun(fault_config(runs, NUM_PROMPTS))
     try:
         fr.start()
         fr.wait_steps(1)
@@ -44,7 +47,7 @@ def result(tmp_path_factory) -> dict:
     dest = ROOT / "bench-results" / "faults.json"
     dest.parent.mkdir(exist_ok=True)
     shutil.copy(fr.run.dir / "faults.json", dest)
-    print(json.dumps({k: v for k, v in out.items() if k != "worker_summaries"}, indent=1))
+    shutil.rmtree(runs)  # kept when the run failed, for its logs    print(json.dumps({k: v for k, v in out.items() if k != "worker_summaries"}, indent=1))
     return out
 
 
