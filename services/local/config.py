@@ -19,15 +19,16 @@ from services.rollout.tiny_moe import TinyMoeConfig
 class GrpoConfig(StrictConfig):
     """The RL phase."""
 
-    steps: int = Field(20, ge=1, description="GRPO optimizer steps")
+    steps: int = Field(60, ge=1, description="GRPO optimizer steps")
     group_size: int = Field(8, ge=2, description="samples per prompt (a GRPO group)")
-    groups_per_step: int = Field(4, ge=1, description="groups per optimizer step")
+    groups_per_step: int = Field(16, ge=1, description="groups per optimizer step")
     max_tokens: int = Field(6, ge=1, description="generated tokens per sample")
     temperature: float = Field(1.0, gt=0)
     lr: float = Field(1e-3, gt=0)
     kl_coef: float = Field(0.0, ge=0, description="KL to the reference model (0 = no reference)")
-    max_policy_lag: int = Field(1, ge=0, description="store drops groups older than this")
-    backlog_steps: int = Field(3, ge=2, description="store backlog limit, in optimizer steps")
+    max_policy_lag: int = Field(
+        0, ge=0, description="store drops groups older than this (0: strictly on-policy)")
+    backlog_steps: int = Field(2, ge=2, description="store backlog limit, in optimizer steps")
     lease_seconds: int = Field(
         120, ge=5, description="trainer lease: a crashed trainer's groups come back after it")
     weight_push_timeout_s: float = Field(

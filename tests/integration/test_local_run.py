@@ -34,7 +34,8 @@ def test_every_trajectory_is_accounted_for(run_dir: Path):
     s = json.loads((run_dir / "summary.json").read_text())
     t = s["trajectories"]
     assert s["steps"] == 3
-    assert t["produced"] > 0 and t["trained"] == 3 * 4 * 8
+    g = json.loads((run_dir / "config.json").read_text())["grpo"]
+    assert t["produced"] > 0 and t["trained"] == 3 * g["groups_per_step"] * g["group_size"]
     assert 0 < t["workers_reported"] <= t["produced"], t
     assert t["balanced"], t
     assert 0 <= t["in_incomplete_groups"] <= t["max_in_flight"], t
