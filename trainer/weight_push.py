@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from services.common.weight_sync import PushReport
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +29,7 @@ class StoreWeightPush:
         self.failure_counter = failure_counter
         self.client = client
         self.sender = WeightSender(cfg)
-        self.last_report = None
+        self.last_report: PushReport | None = None
 
     def __call__(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
         workers = self.client.list_workers()

@@ -35,7 +35,7 @@ class MetricsServer:
 
     @property
     def url(self) -> str:
-        host = self._httpd.server_address[0]
+        host = str(self._httpd.server_address[0])
         return f"http://{host}:{self.port}/metrics"
 
     def start(self) -> MetricsServer:

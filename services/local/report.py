@@ -90,14 +90,15 @@ def plot_report(rows: list[dict], out_png: Path, title: str) -> Path:
     return out_png
 
 
-def summarize(rows: list[dict]) -> dict:
+def summarize(rows: list[dict]) -> dict[str, float | None]:
     """Headline figures: reward rise (last 5 vs first 5 steps) and the r3-vs-off |diff| ratio."""
     first, last = rows[:5], rows[-5:]
-    out = {"reward_first5": mean_of(first, "reward_mean"), "reward_last5": mean_of(last, "reward_mean")}
-    out["reward_gain"] = out["reward_last5"] - out["reward_first5"]
+    out: dict[str, float | None] = {"reward_first5": mean_of(first, "reward_mean"),
+                                    "reward_last5": mean_of(last, "reward_mean")}
+    out["reward_gain"] = mean_of(last, "reward_mean") - mean_of(first, "reward_mean")
     out["logprob_diff_mean"] = mean_of(rows, "logprob_diff_mean")
     out["logprob_diff_mean_off"] = mean_of(rows, "logprob_diff_mean_off")
-    off = out["logprob_diff_mean_off"]
-    out["logprob_diff_ratio_vs_off"] = out["logprob_diff_mean"] / off if off and off > 0 else None
+    on, off = mean_of(rows, "logprob_diff_mean"), mean_of(rows, "logprob_diff_mean_off")
+    out["logprob_diff_ratio_vs_off"] = on / off if off > 0 else None
     out["routing_agreement"] = mean_of(rows, "routing_agreement")
     return out

@@ -16,6 +16,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
@@ -30,6 +31,9 @@ from services.local.config import (
     warm_start_config,
 )
 from services.local.procs import Supervisor, free_port, tail
+
+if TYPE_CHECKING:
+    from services.store.redis_server import EmbeddedRedis
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +66,7 @@ class LocalRun:
         self.cfg = cfg
         self.dir = new_run_dir(cfg.runs_dir)
         self.sup = Supervisor(self.dir / "logs", env=CHILD_ENV)
-        self.redis = None
+        self.redis: EmbeddedRedis | None = None
         self.store_addr = ""
         self.metrics_urls: dict[str, str] = {}
         self._last_scrape = 0.0

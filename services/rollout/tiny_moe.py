@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import string
 from pathlib import Path
+from typing import Any
 
 from pydantic import Field, field_validator
 
@@ -74,16 +75,19 @@ def hf_config(cfg: TinyMoeConfig):
         raise ValueError("first_k_dense: must leave at least one MoE layer")
     if cfg.top_k > cfg.num_experts:
         raise ValueError("top_k: must be <= num_experts")
+    # head_dim and dtype go through **kwargs in transformers 5 (not in the typed signature).
+    extra: dict[str, Any] = {"head_dim": cfg.head_dim, "dtype": "float32"}
     return Qwen3MoeConfig(
         vocab_size=vocab_size(), hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size, moe_intermediate_size=cfg.moe_intermediate_size,
         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+        num_key_value_heads=cfg.num_key_value_heads,
         num_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k, decoder_sparse_step=1,
         mlp_only_layers=list(range(cfg.first_k_dense)), norm_topk_prob=True,
         max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=False,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0, torch_dtype="float32",
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
         router_aux_loss_coef=0.0, output_router_logits=False,
+        **extra,
     )
 
 
