@@ -19,7 +19,7 @@ from services.rollout.tiny_moe import TinyMoeConfig
 class GrpoConfig(StrictConfig):
     """The RL phase."""
 
-    steps: int = Field(60, ge=1, description="GRPO optimizer steps")
+    steps: int = Field(80, ge=1, description="GRPO optimizer steps")
     group_size: int = Field(8, ge=2, description="samples per prompt (a GRPO group)")
     groups_per_step: int = Field(16, ge=1, description="groups per optimizer step")
     max_tokens: int = Field(6, ge=1, description="generated tokens per sample")
