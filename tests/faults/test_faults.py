@@ -86,7 +86,12 @@ def test_every_worker_incarnation_reported(result):
     sums = result["worker_summaries"]
     assert len(sums) == 3  # first, after the rollout kill, after the combined kill
     assert sorted(s["final"] for s in sums) == [False, False, True]  # 2 killed, 1 stopped
-    assert all(s["trajectories_sent"] > 0 for s in sums), sums
+    # The middle incarnation lives only between two kills: on a loaded machine it may be
+    # killed before it finishes a group, so only the other two must have sent some.
+    assert sum(s["trajectories_sent"] > 0 for s in sums) >= 2, sums
+    assert all(s["trajectories_sent"] > 0 for s in sums if s["final"]), sums
+    for s in sums:
+        assert s["groups_ok"] + s["groups_failed"] + s["groups_abandoned"] <= s["groups_started"], s
 
 
 def test_trained_ids_reader_drops_rolled_back_steps(tmp_path):
