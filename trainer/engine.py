@@ -17,7 +17,6 @@ import logging
 import time
 from collections.abc import Sequence
 from functools import partial
-from typing import Any
 
 import numpy as np
 import torch
@@ -27,8 +26,9 @@ from trainer.batch import MicroBatch, Sample, split_microbatches
 from trainer.config import TrainerConfig
 from trainer.cpu_shims import cuda_tensor_type_names
 from trainer.hf_mapping import export_hf_state_dict
-from trainer.loss import group_advantages, logprob_diff, ppo_loss, sft_loss, token_logprobs
+from trainer.loss import group_advantages, ppo_loss, sft_loss, token_logprobs
 from trainer.model import BuiltModel, build_model, init_parallel
+from trainer.old_policy import OldPolicyPass
 from trainer.replay import AgreementMonitor, ModelReplay, ReplayMode
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ def _optimizer(built: BuiltModel, cfg: TrainerConfig):
     return ddp, opt
 
 
-class Trainer:
+class Trainer(OldPolicyPass):
     """Policy model + optimizer + replay on this rank (process groups initialised here)."""
 
     def __init__(self, cfg: TrainerConfig) -> None:
@@ -179,38 +179,6 @@ class Trainer:
         d = self.cfg.data
         return [mb.to(self.device) for mb in
                 split_microbatches(samples, d.micro_batch_size, d.pad_multiple)]
-
-    @staticmethod
-    def _diff_metrics(mbs: Sequence[MicroBatch], lps: Sequence[torch.Tensor], suffix: str) -> dict:
-        """Token-weighted mean and max |rollout - trainer| logprob over the trained tokens."""
-        diffs = [logprob_diff(mb.old_logprobs_BS, lp, mb.loss_mask_BS)
-                 for mb, lp in zip(mbs, lps, strict=True)]
-        w = np.array([mb.num_tokens for mb in mbs], dtype=np.float64)
-        return {f"logprob_diff_mean{suffix}": float(np.dot([d[0] for d in diffs], w) / max(w.sum(), 1)),
-                f"logprob_diff_max{suffix}": max(d[1] for d in diffs)}
-
-    def old_policy_pass(self, mbs: Sequence[MicroBatch], mode: ReplayMode) -> dict:
-        """Old-policy logprobs (+ agreement in r3), reference logprobs; returns metrics."""
-        check = mode == ReplayMode.R3 and self.cfg.replay.check_agreement
-        self.agreement.reset()
-        self.agreement.enabled = check
-        try:
-            old = self.compute_logprobs(mbs, mode)
-        finally:
-            self.agreement.enabled = False
-        for mb, lp in zip(mbs, old, strict=True):
-            mb.train_old_lp = lp
-            if self.reference is not None:
-                mb.ref_lp = self.compute_logprobs([mb], mode, reference=True)[0]
-        metrics: dict[str, Any] = self._diff_metrics(mbs, old, "")
-        if self.cfg.replay.compare_off and mode != ReplayMode.OFF:
-            # Same batch, same weights, natural routing: what replay bought on this step.
-            metrics |= self._diff_metrics(mbs, self.compute_logprobs(mbs, ReplayMode.OFF), "_off")
-        if check:
-            metrics["routing_agreement"] = self.agreement.overall()
-            metrics["routing_agreement_by_layer"] = self.agreement.per_layer()
-            self.agreement.check(self.cfg.replay.agreement_floor)
-        return metrics
 
     def _ppo_loss_fn(self, total_tokens: float, n_mb: int, acc: dict, mb: MicroBatch, logits):
         old = mb.old_logprobs_BS if self.cfg.data.old_logprobs == "rollout" else mb.train_old_lp

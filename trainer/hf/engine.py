@@ -37,7 +37,8 @@ from trainer.hf.routers import (
     decoder_layers,
     find_routers,
 )
-from trainer.loss import group_advantages, logprob_diff, ppo_loss, sft_loss, token_logprobs
+from trainer.loss import group_advantages, ppo_loss, sft_loss, token_logprobs
+from trainer.old_policy import OldPolicyPass
 from trainer.replay import ReplayMode
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ log = logging.getLogger(__name__)
 LossFn = Callable[[MicroBatch, torch.Tensor], torch.Tensor]
 
 
-class HFTrainer:
+class HFTrainer(OldPolicyPass):
     """Policy (+ frozen reference) HF model, AdamW and routing replay on this rank."""
 
     def __init__(self, cfg: TrainerConfig, hf: HFBackendConfig | None = None) -> None:
@@ -226,31 +227,6 @@ class HFTrainer:
         for s, a in zip(samples, adv, strict=True):
             s.advantage = float(a)
         return self.microbatches(samples)
-
-    def old_policy_pass(self, mbs: Sequence[MicroBatch], mode: ReplayMode) -> dict:
-        """Old-policy logprobs (+ agreement in r3), reference logprobs; returns metrics."""
-        check = mode == ReplayMode.R3 and self.cfg.replay.check_agreement
-        self.agreement.reset()
-        self.agreement.enabled = check
-        try:
-            old = self.compute_logprobs(mbs, mode)
-        finally:
-            self.agreement.enabled = False
-        for mb, lp in zip(mbs, old, strict=True):
-            mb.train_old_lp = lp
-            if self.reference is not None:
-                mb.ref_lp = self.compute_logprobs([mb], mode, reference=True)[0]
-        diffs = [logprob_diff(mb.old_logprobs_BS, lp, mb.loss_mask_BS)
-                 for mb, lp in zip(mbs, old, strict=True)]
-        w = np.array([mb.num_tokens for mb in mbs], dtype=np.float64)
-        metrics: dict = {
-            "logprob_diff_mean": float(np.dot([d[0] for d in diffs], w) / max(w.sum(), 1)),
-            "logprob_diff_max": max(d[1] for d in diffs)}
-        if check:
-            metrics["routing_agreement"] = self.agreement.overall()
-            metrics["routing_agreement_by_layer"] = self.agreement.per_layer()
-            self.agreement.check(self.cfg.replay.agreement_floor)
-        return metrics
 
     def _ppo_loss(self, total: float, acc: dict, mb: MicroBatch, logits: torch.Tensor):
         old = mb.old_logprobs_BS if self.cfg.data.old_logprobs == "rollout" else mb.train_old_lp
