@@ -126,7 +126,8 @@ def test_gpu_two_ranks_ep2(tmp_path, model_dir):
                               env=os.environ | {"RANK": str(r), "LOCAL_RANK": str(r),
                                                 "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
                                                 "MASTER_PORT": str(port),
-                                                "PYTHONPATH": str(REPO)})
+                                                "PYTHONPATH": os.pathsep.join(
+                                                    [str(REPO), os.environ.get("PYTHONPATH", "")])})
              for r in range(2)]
     assert [p.wait(timeout=600) for p in procs] == [0, 0]
     res = [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(2)]
