@@ -59,7 +59,9 @@ def init_local_ray(num_cpus: int, attempts: int = 3) -> None:
                                                "RAY_AUTH_MODE": "disabled",
                                                "OMP_NUM_THREADS": "1"}})
             return
-        except RuntimeError as e:  # GCS start timed out: seen on a loaded 2-core machine
+        # GCS start timed out (RuntimeError) or the node did (a bare Exception from
+        # ray._private.node): both seen on a loaded 2-core machine.
+        except Exception as e:  # noqa: BLE001
             ray.shutdown()
             if attempt == attempts:
                 raise
