@@ -81,7 +81,7 @@ def _attach_recorded_routing(trainer, samples) -> None:
         rows_TLK = torch.stack(mb.replay_rows, 1)
         rows_BSLK = rows_TLK.view(s, b, *rows_TLK.shape[1:]).transpose(0, 1)
         for j, x in enumerate(mb.samples):
-            x.routing_TLK = rows_BSLK[j, :x.tokens.size - 1].numpy()
+            x.routing_TLK = rows_BSLK[j, :x.tokens.size - 1].cpu().numpy()
 
 
 def _worker(model_dir: str, out_path: str) -> None:
