@@ -13,6 +13,7 @@ per-expert checkpoint names, so fused tensors are split here first.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import re
 from collections.abc import Iterable, Iterator
@@ -43,21 +44,36 @@ def unfuse_hf_experts(named: Iterable[tuple[str, torch.Tensor]]
                 yield f"{prefix}.{e}.up_proj.weight", up
 
 
+def tensor_digest(tensor: torch.Tensor) -> str:
+    """'dtype:shape:sha256 of the bytes' of one tensor (comparable across processes)."""
+    t = tensor.detach().contiguous().cpu().reshape(-1)
+    sha = hashlib.sha256(t.view(torch.uint8).numpy()).hexdigest()
+    return f"{str(t.dtype).removeprefix('torch.')}:{list(tensor.shape)}:{sha}"
+
+
 class R3WorkerExtension:
     """Mixed into vLLM's worker: weight loading for RL weight updates."""
 
     model_runner: Any  # provided by the vLLM worker this class is mixed into
 
-    def load_named_tensors(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Load (HF name, tensor) pairs into the live model; returns the number of tensors."""
+    def load_named_tensors(self, named: Iterable[tuple[str, torch.Tensor]],
+                           digests: bool = False) -> int:
+        """Load (HF name, tensor) pairs into the live model; returns the number of tensors.
+        With `digests`, the `tensor_digest` of every tensor handed to the loader is kept for
+        `last_load_digests` (a test/debug aid: it reads every byte once more)."""
         from services.rollout.cpu_shims import apply_cpu_shims
 
         apply_cpu_shims()  # before reload: process_weights_after_loading runs inside it
         tensors = [(n, t.contiguous()) for n, t in unfuse_hf_experts(named)]
         if not tensors:
             raise ValueError("named tensors: nothing to load")
+        self.r3flow_load_digests = {n: tensor_digest(t) for n, t in tensors} if digests else {}
         self.model_runner.reload_weights(weights_iterator=iter(tensors), is_checkpoint_format=True)
         return len(tensors)
+
+    def last_load_digests(self) -> dict[str, str]:
+        """HF name -> `tensor_digest` of the last load made with `digests=True` (else empty)."""
+        return dict(getattr(self, "r3flow_load_digests", {}))
 
     def load_safetensors_bytes(self, blob: bytes) -> int:
         """Load tensors serialized with `safetensors.torch.save`."""
@@ -80,9 +96,10 @@ class R3WorkerExtension:
         fn = getattr(importlib.import_module(module_name), attr)
         return self.load_named_tensors(fn(**kwargs))
 
-    def receive_weights(self, plan_bytes: bytes, worker_id: str) -> int:
+    def receive_weights(self, plan_bytes: bytes, worker_id: str, digests: bool = False) -> int:
         """Join the weight-sync push described by a serialized `WeightSyncPlan` and load what
-        the trainer committed (nothing is loaded when the push aborts: that raises)."""
+        the trainer committed (nothing is loaded when the push aborts: that raises).
+        `digests`: as in `load_named_tensors`."""
         from services.common.pb.r3flow.v1 import store_pb2
         from services.common.weight_sync import WeightReceiver
 
@@ -95,7 +112,7 @@ class R3WorkerExtension:
                                 device=getattr(self, "device", "cpu"))
             self.r3flow_receiver = rx
         got = rx.receive(plan)
-        return self.load_named_tensors(got.named)
+        return self.load_named_tensors(got.named, digests)
 
     def moe_reprepack_count(self) -> int:
         """How many MoE layer re-prepacks the CPU shim has done (0 off CPU)."""
