@@ -134,3 +134,13 @@ def split_microbatches(samples: Sequence[Sample], micro_batch_size: int,
     order = sorted(samples, key=lambda x: x.tokens.size)
     return [make_microbatch(order[i:i + micro_batch_size], pad_multiple)
             for i in range(0, len(order), micro_batch_size)]
+
+
+def update_schedule(mbs: Sequence[MicroBatch], epochs: int = 1,
+                    mini_batches: int = 1) -> list[list[MicroBatch]]:
+    """The micro-batches of each optimizer update of one step: `epochs` passes over the batch,
+    each cut into `mini_batches` updates. Micro-batches are dealt round-robin (they are sorted by
+    length, so each update mixes short and long sequences); every rank gets as many updates of
+    as many micro-batches as the others when its micro-batch count is the same."""
+    n = max(1, min(mini_batches, len(mbs)))
+    return [list(mbs[i::n]) for _ in range(epochs) for i in range(n)]

@@ -23,6 +23,10 @@ class OptimConfig(StrictConfig):
     adam_beta2: float = Field(0.999, ge=0, lt=1)
     adam_eps: float = Field(1e-8, gt=0)
     clip_grad: float = Field(1.0, ge=0, description="global grad-norm clip (0 = off)")
+    ppo_epochs: int = Field(1, ge=1, description="passes of PPO updates over each GRPO batch")
+    mini_batches: int = Field(
+        1, ge=1, description="optimizer updates per pass (the batch's micro-batches split "
+        "between them); ppo_epochs * mini_batches updates per step, one policy version")
 
 
 class ReplayConfig(StrictConfig):

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from trainer.alignment import LayerMap, check_routes, to_router_rows
-from trainer.batch import MicroBatch, Sample, split_microbatches
+from trainer.batch import MicroBatch, Sample, split_microbatches, update_schedule
 from trainer.config import TrainerConfig
 from trainer.cpu_shims import cuda_tensor_type_names
 from trainer.hf_mapping import export_hf_state_dict
@@ -32,6 +32,10 @@ from trainer.old_policy import OldPolicyPass
 from trainer.replay import AgreementMonitor, ModelReplay, ReplayMode
 
 log = logging.getLogger(__name__)
+
+
+def _tokens(mbs: Sequence[MicroBatch]) -> float:
+    return float(sum(mb.num_tokens for mb in mbs))
 
 
 def _optimizer(built: BuiltModel, cfg: TrainerConfig):
@@ -166,7 +170,6 @@ class Trainer(OldPolicyPass):
             self.replay.end_step()
         if not ok:
             raise FloatingPointError("optimizer step skipped (non-finite gradients)")
-        self.policy_version += 1
         return float(grad_norm) if grad_norm is not None else float("nan")
 
     # ------------------------------------------------------------------ steps
@@ -199,12 +202,17 @@ class Trainer(OldPolicyPass):
         metrics = self.old_policy_pass(mbs, mode)
         total = float(sum(mb.num_tokens for mb in mbs))
         acc: dict = {}
-        grad_norm = self._run_update(mbs, mode, partial(self._ppo_loss_fn, total, len(mbs), acc))
+        updates = update_schedule(mbs, self.cfg.optim.ppo_epochs, self.cfg.optim.mini_batches)
+        norms = [self._run_update(u, mode, partial(self._ppo_loss_fn, _tokens(u), len(u), acc))
+                 for u in updates]
+        self.policy_version += 1  # one version per step, however many updates it took
         dt = time.perf_counter() - t0
-        metrics |= {k: acc.get(k, 0.0) / max(total, 1.0) for k in
-                    ("ppo_kl", "kl_ref", "entropy")}
-        metrics |= {"clip_ratio": acc.get("clipped", 0.0) / max(total, 1.0),
-                    "loss": acc.get("loss", 0.0), "grad_norm": grad_norm,
+        # Per-token means over every update (ppo_kl is 0 in the first, > 0 after it).
+        seen = total * self.cfg.optim.ppo_epochs
+        metrics |= {k: acc.get(k, 0.0) / max(seen, 1.0) for k in ("ppo_kl", "kl_ref", "entropy")}
+        metrics |= {"clip_ratio": acc.get("clipped", 0.0) / max(seen, 1.0),
+                    "loss": acc.get("loss", 0.0) / len(updates),
+                    "grad_norm": float(np.mean(norms)), "updates": len(updates),
                     "reward_mean": float(np.mean([s.reward for s in samples])),
                     "trajectories": len(samples),
                     "step_seconds": dt, "tokens": total,
@@ -226,6 +234,7 @@ class Trainer(OldPolicyPass):
             return loss, {"loss": loss.detach()}
 
         grad_norm = self._run_update(mbs, ReplayMode.OFF, loss_fn)
+        self.policy_version += 1
         return {"loss": acc["loss"], "grad_norm": grad_norm, "tokens": total,
                 "policy_version": self.policy_version}
 

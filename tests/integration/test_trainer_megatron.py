@@ -306,3 +306,16 @@ def test_sft_step_lowers_loss(trainer, hf, model_dir):
     samples = make_samples(hf, n=4, seed=9)
     losses = [trainer.sft_step(samples)["loss"] for _ in range(4)]
     assert losses[-1] < losses[0]
+
+
+def test_ppo_epochs_and_mini_batches_take_several_updates_per_step(trainer, hf, model_dir):
+    reload(trainer, model_dir)
+    optim, v0 = trainer.cfg.optim, trainer.policy_version
+    optim.ppo_epochs, optim.mini_batches = 2, 2
+    try:
+        m = trainer.train_step(make_samples(hf, n=8, seed=10, groups=2))  # 4 micro-batches
+    finally:
+        optim.ppo_epochs, optim.mini_batches = 1, 1
+    assert m["updates"] == 4 and m["policy_version"] == v0 + 1  # one version per step
+    assert m["ppo_kl"] != 0.0 and np.isfinite(m["ppo_kl"])  # later updates see a moved policy
+    assert np.isfinite(m["loss"]) and m["grad_norm"] > 0

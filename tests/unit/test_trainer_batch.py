@@ -7,7 +7,12 @@ import pytest
 import torch
 
 from trainer.alignment import LayerMap
-from trainer.batch import make_microbatch, sample_from_trajectory, split_microbatches
+from trainer.batch import (
+    make_microbatch,
+    sample_from_trajectory,
+    split_microbatches,
+    update_schedule,
+)
 
 
 def _traj(seed=0, segments=(4, 3), prompt=8):
@@ -62,3 +67,10 @@ def test_split_sorts_by_length():
     mbs = split_microbatches(samples, 2, pad_multiple=4)
     assert [mb.tokens_BS.shape for mb in mbs] == [(2, 16), (1, 20)]
     assert all(mb.routing_BSLK is None for mb in mbs)
+
+
+def test_update_schedule_deals_microbatches_round_robin_per_epoch():
+    mbs = list(range(5))  # stands for 5 length-sorted micro-batches
+    assert update_schedule(mbs) == [[0, 1, 2, 3, 4]]
+    assert update_schedule(mbs, epochs=2, mini_batches=2) == [[0, 2, 4], [1, 3]] * 2
+    assert update_schedule(mbs[:2], mini_batches=4) == [[0], [1]]  # never an empty update

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from trainer.alignment import LayerMap, check_routes
-from trainer.batch import MicroBatch, Sample, split_microbatches
+from trainer.batch import MicroBatch, Sample, split_microbatches, update_schedule
 from trainer.config import TrainerConfig
 from trainer.hf.config import HFBackendConfig
 from trainer.hf.model import export_hf, init_process_group, load_model, shard
@@ -216,7 +216,6 @@ class HFTrainer(OldPolicyPass):
             self.optimizer.zero_grad(set_to_none=True)
             raise FloatingPointError(f"optimizer step skipped (grad norm {norm})")
         self.optimizer.step()
-        self.policy_version += 1
         return norm
 
     # ------------------------------------------------------------------ steps
@@ -247,12 +246,18 @@ class HFTrainer(OldPolicyPass):
         metrics = self.old_policy_pass(mbs, mode)
         total = float(sum(mb.num_tokens for mb in mbs))
         acc: dict = {}
-        grad_norm = self._run_update(mbs, mode, partial(self._ppo_loss, total, acc))
+        updates = update_schedule(mbs, self.cfg.optim.ppo_epochs, self.cfg.optim.mini_batches)
+        norms = [self._run_update(u, mode, partial(
+            self._ppo_loss, float(sum(mb.num_tokens for mb in u)), acc)) for u in updates]
+        self.policy_version += 1  # one version per step, however many updates it took
         dt = time.perf_counter() - t0
-        per_tok = {k: acc.get(k, 0.0) / max(total, 1.0) for k in ("ppo_kl", "kl_ref", "entropy")}
+        seen = total * self.cfg.optim.ppo_epochs
+        per_tok = {k: acc.get(k, 0.0) / max(seen, 1.0) for k in ("ppo_kl", "kl_ref", "entropy")}
         return metrics | per_tok | {
-            "clip_ratio": acc.get("clipped", 0.0) / max(total, 1.0), "loss": acc.get("loss", 0.0),
-            "grad_norm": grad_norm, "reward_mean": float(np.mean([s.reward for s in samples])),
+            "clip_ratio": acc.get("clipped", 0.0) / max(seen, 1.0),
+            "loss": acc.get("loss", 0.0) / len(updates), "updates": len(updates),
+            "grad_norm": float(np.mean(norms)),
+            "reward_mean": float(np.mean([s.reward for s in samples])),
             "step_seconds": dt, "tokens": total,
             "tokens_per_second": sum(s.tokens.size for s in samples) / dt,
             "policy_version": self.policy_version, "replay": mode.value}
@@ -268,6 +273,7 @@ class HFTrainer(OldPolicyPass):
             return s / max(total, 1.0)
 
         grad_norm = self._run_update(mbs, ReplayMode.OFF, loss_fn)
+        self.policy_version += 1
         return {"loss": acc["loss"], "grad_norm": grad_norm, "tokens": total,
                 "policy_version": self.policy_version}
 
