@@ -94,6 +94,8 @@ def _load_library(path: Path | None = None) -> ctypes.CDLL:
     lib.r3_encode.restype = i64
     lib.r3_decode.argtypes = [p, i64, p, i32, p]
     lib.r3_decode.restype = i32
+    lib.r3_check.argtypes = [p, i64, p]
+    lib.r3_check.restype = i32
     lib.r3_validate.argtypes = [p, i32, i64, i64, i32, i32, p]
     lib.r3_validate.restype = i32
     lib.r3_free.argtypes = [p]
@@ -284,6 +286,13 @@ def _decode_error(rc: int, info: np.ndarray) -> ValueError:
     return ValueError(f"routing blob: {_DECODE_ERRORS.get(rc, f'error {rc}')}")
 
 
+def _raise_for(rc: int, info: np.ndarray) -> None:
+    if rc == -1:
+        raise MemoryError("routing decode: out of memory")
+    if rc:
+        raise _decode_error(rc, info)
+
+
 def decode(blob) -> np.ndarray:
     """Blob -> ids (tokens, layers, topk); uint8 if num_experts <= 256 else uint16."""
     data = _as_byte_array(blob)
@@ -294,8 +303,20 @@ def decode(blob) -> np.ndarray:
     rc = _LIB.r3_decode(
         data.ctypes.data, len(data), ids_TLK.ctypes.data, ids_TLK.itemsize, info.ctypes.data
     )
-    if rc == -1:
-        raise MemoryError("routing decode: out of memory")
-    if rc:
-        raise _decode_error(rc, info)
+    _raise_for(rc, info)
     return ids_TLK
+
+
+def check(blob) -> RoutingHeader:
+    """Validate a blob as decode() does, with the same errors, without materialising the ids.
+
+    Every check of decode runs (header, CRC-32C, each coded value range-checked, no row coded
+    explicitly as a repeat, the stream ending in its initial state), so a blob that passes
+    decodes to ids < num_experts, distinct within each row. Returns the blob's header.
+    """
+    data = _as_byte_array(blob)
+    header, payload_len = _parse_header(data)
+    _check_length(len(data), payload_len)
+    info = np.zeros(4, np.int64)
+    _raise_for(_LIB.r3_check(data.ctypes.data, len(data), info.ctypes.data), info)
+    return header

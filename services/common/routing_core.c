@@ -63,6 +63,14 @@ enum {
     BAD_SYMBOL = 8,      /* uniform symbol in unused probability range */
 };
 
+/* Test builds only (-DR3_TEST_EXPLICIT_REPEATS): the encoder codes repeated rows explicitly,
+ * which makes invalid streams that decoding must refuse (BAD_REPEAT). */
+#ifdef R3_TEST_EXPLICIT_REPEATS
+#define EXPLICIT_REPEATS 1
+#else
+#define EXPLICIT_REPEATS 0
+#endif
+
 #define HEADER_BYTES 32
 #define FORMAT_VERSION 1
 #define MAX_K 16
@@ -813,6 +821,28 @@ static void ctx_costs(Model *m, const Codec *cd, int i, const uint32_t *freq, co
     for (int t = n; t < A; t++) rtab[t] = esc_rec, cost[t] = esc_cost;
 }
 
+/* out[b] = max(in[0..b]); n is a multiple of 8. Eight lanes at a time (log-step shifts),
+ * so the running maximum is a short dependency chain per vector instead of per entry. */
+FORCE_INLINE void prefix_max_u16(const uint16_t *in, uint16_t *out, int n)
+{
+#if HAVE_SORT8
+    __m128i carry = _mm_setzero_si128();
+    for (int b = 0; b < n; b += 8) {
+        __m128i v = _mm_loadu_si128((const __m128i *)(in + b));
+        v = _mm_max_epu16(v, _mm_slli_si128(v, 2));
+        v = _mm_max_epu16(v, _mm_slli_si128(v, 4));
+        v = _mm_max_epu16(v, _mm_slli_si128(v, 8));
+        v = _mm_max_epu16(v, carry);
+        _mm_storeu_si128((__m128i *)(out + b), v);
+        carry = _mm_shufflehi_epi16(_mm_unpackhi_epi64(v, v), 0xFF);
+        carry = _mm_unpackhi_epi64(carry, carry);
+    }
+#else
+    uint16_t run = 0;
+    for (int b = 0; b < n; b++) out[b] = run = in[b] > run ? in[b] : run;
+#endif
+}
+
 static void ctx_tables(Model *m, const Codec *cd, int i, const uint32_t *freq, int n)
 {
     const int A = m->A;
@@ -827,15 +857,18 @@ static void ctx_tables(Model *m, const Codec *cd, int i, const uint32_t *freq, i
         return;
     }
     /* lut[b] = number of symbol ranges ending at or before slot b << lut_shift, i.e. the
-     * symbol holding that slot: a histogram of range ends and a prefix sum, no branches. */
-    uint16_t ends[(1u << LUT_BITS) + 1] = {0};
-    const int shift = m->lut_shift;
+     * symbol holding that slot. Range ends never decrease with the symbol, so that count is a
+     * running maximum of (1 + the last symbol ending in bucket b): plain stores instead of a
+     * histogram's increments, which chain store-to-load stalls when neighbours share a bucket.
+     * The empty ranges n..A-1 end where symbol n-1 does; the escape ends at 2^15, past the
+     * last bucket. */
+    const int shift = m->lut_shift, nb = 1 << m->lut_bits;
     const uint32_t round = (1u << shift) - 1;
-    for (int s = 0; s < n; s++) ends[(cum[s + 1] + round) >> shift]++;
-    ends[(cum[n] + round) >> shift] += (uint16_t)(A - n); /* the empty ranges n..A-1 */
-    ends[(cum[A + 1] + round) >> shift]++;
-    uint16_t run = 0;
-    for (uint32_t b = 0; b < (1u << m->lut_bits); b++) lut[b] = run = (uint16_t)(run + ends[b]);
+    uint16_t last[(1u << LUT_BITS) + 1];
+    memset(last, 0, (size_t)(nb + 1) * sizeof(uint16_t));
+    for (int s = 0; s < n; s++) last[(cum[s + 1] + round) >> shift] = (uint16_t)(s + 1);
+    last[(cum[n] + round) >> shift] = (uint16_t)A;
+    prefix_max_u16(last, lut, nb);
 }
 
 /* Frequencies from counts: every seen symbol keeps >= 1 so it stays decodable. */
@@ -851,19 +884,25 @@ static void ctx_rebuild(Model *m, const Codec *cd, int i)
         total = 0;
         for (int s = 0; s < n; s++) total += cnt[s] = (cnt[s] + 1) >> 1;
     }
-    uint32_t d = 0;
-    for (int s = 0; s < n; s++) d += cnt[s] != 0;
+    uint32_t d = 0, best_cnt = 0;
+    for (int s = 0; s < n; s++) {
+        d += cnt[s] != 0;
+        best_cnt = cnt[s] > best_cnt ? cnt[s] : best_cnt;
+    }
     uint32_t esc = d < (uint32_t)m->A ? d / 2 + 1 : 0;
     uint32_t nsym = d + (esc > 0);
     uint64_t scale = ((uint64_t)(MODEL_TOTAL - nsym) << 32) / (total + esc);
-    uint32_t sum = 0, best_cnt = 0;
-    int best_s = m->A;
-    for (int s = 0; s < n; s++) {
+    uint32_t sum = 0;
+    for (int s = 0; s < n; s++) { /* no loop-carried choice: vectorizes */
         freq[s] = (cnt[s] != 0) + (uint32_t)((cnt[s] * scale) >> 32);
         sum += freq[s];
-        best_s = cnt[s] > best_cnt ? s : best_s;
-        best_cnt = cnt[s] > best_cnt ? cnt[s] : best_cnt;
     }
+    int best_s = m->A; /* the first most frequent symbol */
+    for (int s = 0; best_cnt && s < n; s++)
+        if (cnt[s] == best_cnt) {
+            best_s = s;
+            break;
+        }
     freq[m->A] = esc ? 1 + (uint32_t)((esc * scale) >> 32) : 0;
     sum += freq[m->A];
     /* The rounding remainder goes to the most frequent symbol (the escape if none seen). */
@@ -1252,6 +1291,7 @@ FORCE_INLINE int enc_adaptive_impl(Enc *e, const Codec *cd, Model *m, const Inpu
         if (t > 0) {
             int same = enc_load_same(in, t, layer, K, row);
             rep = enc_is_repeat(K, W, cd, m, row, same, pos, pbm, prev_pbm, &have_pbm, &rc);
+            rep &= !EXPLICIT_REPEATS;
             uint32_t f0 = m->flag_f0;
             *rp++ = rep ? REC(REC_MODEL, 0, MODEL_TOTAL - f0, f0) : REC(REC_MODEL, 0, f0, 0);
             m->flag_cnt[rep]++;
@@ -1323,11 +1363,11 @@ static int enc_adaptive_k8(Enc *e, const Codec *cd, Model *m, const Input *in, i
         }
         if (t > 0) same = enc_load_same(in, t, layer, 8, row);
         else enc_load(in, t, layer, 8, row);
-        if (!same) {
+        if (!same || EXPLICIT_REPEATS) {
             if (!sorted_positions8(cd, m, row, &s)) return R3_ERR_ID_RANGE;
             if (sorted8_has_repeat(s)) return R3_ERR_DUPLICATE;
         }
-        int rep = t > 0 && (same || (!exact && vec_equal(s, prev_s)));
+        int rep = t > 0 && !EXPLICIT_REPEATS && (same || (!exact && vec_equal(s, prev_s)));
         if (t > 0) {
             uint32_t f0 = m->flag_f0;
             *rp++ = rep ? REC(REC_MODEL, 0, MODEL_TOTAL - f0, f0) : REC(REC_MODEL, 0, f0, 0);
@@ -1693,34 +1733,46 @@ FORCE_INLINE int same_as_prev_row(const Output *o, size_t off, size_t back, int 
 }
 
 FORCE_INLINE void dec_adaptive_impl(Dec *dp, const Codec *cd, Model *m, const Output *o,
-                                    int64_t layer, const int K, const int W)
+                                    int64_t layer, const int K, const int W, const int emit)
 {
     uint16_t row[MAX_K], sorted[MAX_K], ex[MAX_K];
     uint64_t bm[MAX_W], prev_bm[MAX_W] = {0};
+    u128 prev_idx = 0;
     size_t back = (size_t)o->layers * K;
     Dec d = *dp;
     model_reset(m, cd);
     for (int64_t t = 0; t < o->tokens && !d.bad; t++) {
         if (t == m->next_rebuild) model_rebuild(m, cd);
-        prefetch_row(o->out, o->itemsize, t, o->tokens, o->layers, layer, K, 1);
-        size_t off = out_offset(cd, o, t, layer);
+        size_t off = 0;
+        if (emit) {
+            prefetch_row(o->out, o->itemsize, t, o->tokens, o->layers, layer, K, 1);
+            off = out_offset(cd, o, t, layer);
+        }
         if (t > 0 && dec_flag(&d, m)) {
-            copy_prev_row(o, off, back, K);
+            if (emit) copy_prev_row(o, off, back, K);
             continue;
         }
         if (!dec_gaps(&d, cd, m, K, W, ex, bm)) {
             dec_fail(&d, BAD_OUTPUT);
             break;
         }
-        sort_by_bits(ex, K, bm, W, sorted);
         if (cd->exact) {
             u128 idx = dec_split(&d, &cd->perm, &cd->unif[UNIF_PERM], &d.x2, &d.x3);
-            lehmer_unrank(cd, (uint64_t)idx, sorted, K, row);
-            if (t > 0 && same_as_prev_row(o, off, back, K, row)) dec_fail(&d, BAD_REPEAT);
-            store_row(o->out, o->itemsize, off, K, row);
+            if (emit) {
+                sort_by_bits(ex, K, bm, W, sorted);
+                lehmer_unrank(cd, (uint64_t)idx, sorted, K, row);
+                if (t > 0 && same_as_prev_row(o, off, back, K, row)) dec_fail(&d, BAD_REPEAT);
+                store_row(o->out, o->itemsize, off, K, row);
+            } else if (t > 0 && idx == prev_idx && bitmaps_equal(bm, prev_bm, W)) {
+                dec_fail(&d, BAD_REPEAT); /* same set, same order */
+            }
+            prev_idx = idx;
         } else {
             if (t > 0 && bitmaps_equal(bm, prev_bm, W)) dec_fail(&d, BAD_REPEAT);
-            store_row(o->out, o->itemsize, off, K, sorted);
+            if (emit) {
+                sort_by_bits(ex, K, bm, W, sorted);
+                store_row(o->out, o->itemsize, off, K, sorted);
+            }
         }
         copy_bits(prev_bm, bm, W);
     }
@@ -1735,23 +1787,29 @@ FORCE_INLINE void store_row8(const Output *o, size_t off, __m128i s)
 }
 
 /* dec_adaptive_impl for rows of 8: the set is sorted, checked and (canonical mode) stored as
- * one SSE register; a repeated canonical row is that register stored again. */
+ * one SSE register; a repeated canonical row is that register stored again. With emit = 0
+ * (r3_check) nothing is stored: an exact-mode row repeats the previous one iff its set and
+ * its Lehmer index do (the index is a bijection onto the set's orders). */
 FORCE_INLINE void dec_k8_impl(Dec *dp, const Codec *cd, Model *m, const Output *o, int64_t layer,
-                              const int lut_bits)
+                              const int lut_bits, const int emit)
 {
     const int exact = cd->exact;
     const size_t back = (size_t)o->layers * 8;
     uint16_t sorted[8], row[MAX_K];
     __m128i prev_s = _mm_setzero_si128();
+    u128 prev_idx = 0;
     Dec d = *dp;
     model_reset(m, cd);
     for (int64_t t = 0; t < o->tokens && !d.bad; t++) {
         if (t == m->next_rebuild) model_rebuild(m, cd);
-        prefetch_row(o->out, o->itemsize, t, o->tokens, o->layers, layer, 8, 1);
-        size_t off = out_offset(cd, o, t, layer);
+        size_t off = 0;
+        if (emit) {
+            prefetch_row(o->out, o->itemsize, t, o->tokens, o->layers, layer, 8, 1);
+            off = out_offset(cd, o, t, layer);
+        }
         if (t > 0 && dec_flag(&d, m)) {
-            if (exact) copy_prev_row(o, off, back, 8);
-            else store_row8(o, off, prev_s);
+            if (emit && exact) copy_prev_row(o, off, back, 8);
+            else if (emit) store_row8(o, off, prev_s);
             continue;
         }
         int pos = -1, e0, e1, e2, e3, e4, e5, e6, e7; /* gap i on state (i + 1) & 3 */
@@ -1768,15 +1826,21 @@ FORCE_INLINE void dec_k8_impl(Dec *dp, const Codec *cd, Model *m, const Output *
                                              (short)e4, (short)e5, (short)e6, (short)e7));
         if (sorted8_has_repeat(s)) dec_fail(&d, BAD_OUTPUT); /* distinct by construction */
         if (exact) {
-            _mm_storeu_si128((__m128i *)sorted, s);
             u128 idx = dec_split(&d, &cd->perm, &cd->unif[UNIF_PERM], &d.x2, &d.x3);
+            if (!emit) {
+                if (t > 0 && idx == prev_idx && vec_equal(s, prev_s)) dec_fail(&d, BAD_REPEAT);
+                prev_s = s;
+                prev_idx = idx;
+                continue;
+            }
+            _mm_storeu_si128((__m128i *)sorted, s);
             lehmer_unrank(cd, (uint64_t)idx, sorted, 8, row);
             if (t > 0 && same_as_prev_row(o, off, back, 8, row)) dec_fail(&d, BAD_REPEAT);
             store_row(o->out, o->itemsize, off, 8, row);
             continue;
         }
         if (t > 0 && vec_equal(s, prev_s)) dec_fail(&d, BAD_REPEAT);
-        store_row8(o, off, s);
+        if (emit) store_row8(o, off, s);
         prev_s = s;
     }
     *dp = d;
@@ -1785,8 +1849,14 @@ FORCE_INLINE void dec_k8_impl(Dec *dp, const Codec *cd, Model *m, const Output *
 /* The lookup-table size is a compile-time constant in each copy (a variable shift costs 3%). */
 static void dec_adaptive_k8(Dec *dp, const Codec *cd, Model *m, const Output *o, int64_t layer)
 {
-    if (m->lut_bits == LUT_BITS) dec_k8_impl(dp, cd, m, o, layer, LUT_BITS);
-    else dec_k8_impl(dp, cd, m, o, layer, LUT_BITS_SMALL);
+    if (m->lut_bits == LUT_BITS) dec_k8_impl(dp, cd, m, o, layer, LUT_BITS, 1);
+    else dec_k8_impl(dp, cd, m, o, layer, LUT_BITS_SMALL, 1);
+}
+
+static void chk_adaptive_k8(Dec *dp, const Codec *cd, Model *m, const Output *o, int64_t layer)
+{
+    if (m->lut_bits == LUT_BITS) dec_k8_impl(dp, cd, m, o, layer, LUT_BITS, 0);
+    else dec_k8_impl(dp, cd, m, o, layer, LUT_BITS_SMALL, 0);
 }
 #endif
 
@@ -1798,15 +1868,43 @@ static void dec_layer_adaptive(Dec *dp, const Codec *cd, Model *m, const Output 
         return;
     }
 #endif
-    if (cd->K == 8 && cd->W == 2) dec_adaptive_impl(dp, cd, m, o, layer, 8, 2);
-    else if (cd->K == 8 && cd->W == 4) dec_adaptive_impl(dp, cd, m, o, layer, 8, 4);
-    else dec_adaptive_impl(dp, cd, m, o, layer, cd->K, cd->W);
+    if (cd->K == 8 && cd->W == 2) dec_adaptive_impl(dp, cd, m, o, layer, 8, 2, 1);
+    else if (cd->K == 8 && cd->W == 4) dec_adaptive_impl(dp, cd, m, o, layer, 8, 4, 1);
+    else dec_adaptive_impl(dp, cd, m, o, layer, cd->K, cd->W, 1);
 }
 
+static void chk_layer_adaptive(Dec *dp, const Codec *cd, Model *m, const Output *o, int64_t layer)
+{
+#if HAVE_SORT8
+    if (cd->K == 8 && cd->A > 1) {
+        chk_adaptive_k8(dp, cd, m, o, layer);
+        return;
+    }
+#endif
+    if (cd->K == 8 && cd->W == 2) dec_adaptive_impl(dp, cd, m, o, layer, 8, 2, 0);
+    else dec_adaptive_impl(dp, cd, m, o, layer, cd->K, cd->W, 0);
+}
+
+/* r3_check's fallback layer: the ranks (and Lehmer indices) alone. A rank below C(E, K) (an
+ * index below K!) unranks to K distinct ids < E (one order), so range-checking them, as
+ * dec_split does, is what decoding checks; the unrank itself only builds the output. */
+static void chk_layer_fallback(Dec *dp, const Codec *cd, const Output *o)
+{
+    u128 rank[UNRANK_CHUNK];
+    uint64_t pidx[UNRANK_CHUNK];
+    Dec d = *dp;
+    for (int64_t t0 = 0; t0 < o->tokens && !d.bad; t0 += UNRANK_CHUNK) {
+        int n = o->tokens - t0 < UNRANK_CHUNK ? (int)(o->tokens - t0) : UNRANK_CHUNK;
+        dec_chunk_ranks(&d, cd, n, rank, pidx);
+    }
+    *dp = d;
+}
+
+/* o->out == NULL: check only (r3_check), nothing is written. */
 static int dec_payload(Dec *d, Codec *cd, const Header *hd, const Output *o)
 {
     Model m;
-    int rc = R3_OK, guessed = 0;
+    int rc = R3_OK, guessed = 0, emit = o->out != NULL;
     memset(&m, 0, sizeof(m));
     uint64_t *xs[NSTATES] = {&d->x0, &d->x1, &d->x2, &d->x3};
     for (int s = 0; s < NSTATES; s++, d->p += 8) {
@@ -1816,12 +1914,18 @@ static int dec_payload(Dec *d, Codec *cd, const Header *hd, const Output *o)
     if (hd->coding) rc = model_alloc(&m, cd, 0, 0, hd->tokens);
     for (int64_t b = 0; b * BLOCK_TOKENS < hd->tokens && !rc && !d->bad; b++) {
         Output blk = *o;
-        blk.out = (uint8_t *)o->out + (size_t)(b * BLOCK_TOKENS * o->layers * cd->K * o->itemsize);
+        if (emit)
+            blk.out = (uint8_t *)o->out + (size_t)(b * BLOCK_TOKENS * o->layers * cd->K * o->itemsize);
         blk.tokens = o->tokens - b * BLOCK_TOKENS < BLOCK_TOKENS ? o->tokens - b * BLOCK_TOKENS
                                                                   : BLOCK_TOKENS;
         for (int64_t l = 0; l < hd->layers && !rc && !d->bad; l++) {
             if (hd->coding && dec_raw(d, &d->x0, 1)) {
-                dec_layer_adaptive(d, cd, &m, &blk, l);
+                if (emit) dec_layer_adaptive(d, cd, &m, &blk, l);
+                else chk_layer_adaptive(d, cd, &m, &blk, l);
+                continue;
+            }
+            if (!emit) {
+                chk_layer_fallback(d, cd, &blk);
                 continue;
             }
             if (!guessed && hd->tokens * hd->layers >= GUESS_MIN_ROWS) {
@@ -1837,15 +1941,14 @@ static int dec_payload(Dec *d, Codec *cd, const Header *hd, const Output *o)
     return rc;
 }
 
-/* Decodes a blob into out (uint8 if E <= 256 else uint16, shape from the header). Returns 0
- * or a negative R3_ERR_* code; for R3_ERR_CORRUPT, info[0] holds the BAD_* sub-code. */
-int32_t r3_decode(const uint8_t *blob, int64_t len, void *out, int32_t out_itemsize, int64_t *info)
+static int32_t decode_blob(const uint8_t *blob, int64_t len, void *out, int32_t out_itemsize,
+                           int64_t *info)
 {
     Header hd;
     Codec cd;
     int rc = header_read(blob, len, &hd);
     if (rc) return rc;
-    if (out_itemsize != (hd.E <= 256 ? 1 : 2)) return R3_ERR_ARGS;
+    if (out && out_itemsize != (hd.E <= 256 ? 1 : 2)) return R3_ERR_ARGS;
     if (load_le(blob + HEADER_BYTES - 4, 4) != blob_crc(blob, (size_t)len)) return R3_ERR_CHECKSUM;
     rc = codec_init(&cd, hd.E, hd.K, hd.mode);
     if (!rc && !header_consistent(&hd, &cd)) rc = R3_ERR_HEADER;
@@ -1858,4 +1961,20 @@ int32_t r3_decode(const uint8_t *blob, int64_t len, void *out, int32_t out_items
         rc = R3_ERR_CORRUPT;
     }
     return rc;
+}
+
+/* Decodes a blob into out (uint8 if E <= 256 else uint16, shape from the header). Returns 0
+ * or a negative R3_ERR_* code; for R3_ERR_CORRUPT, info[0] holds the BAD_* sub-code. */
+int32_t r3_decode(const uint8_t *blob, int64_t len, void *out, int32_t out_itemsize, int64_t *info)
+{
+    if (!out) return R3_ERR_ARGS;
+    return decode_blob(blob, len, out, out_itemsize, info);
+}
+
+/* Everything r3_decode checks, with the same return codes and sub-codes, but no output: the
+ * stream is walked (model updates, range checks, repeat checks, final state) and the ids are
+ * never materialised. For a store that must refuse bad routing but does not need the ids. */
+int32_t r3_check(const uint8_t *blob, int64_t len, int64_t *info)
+{
+    return decode_blob(blob, len, NULL, 0, info);
 }

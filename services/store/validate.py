@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 
 from services.common import routing
 from services.common.pb.r3flow.v1 import routing_pb2, store_pb2, trajectory_pb2
-from services.common.wire import routing_from_proto
 from services.store import wirefmt
 
 MAX_ID_CHARS = 256
@@ -268,11 +267,8 @@ def _check_routing(seg: trajectory_pb2.Segment, state: TrajState, expected: int,
         name = f"segment.routing[{c}]"
         if c == 0 and trust_first:  # byte-identical to a chunk that passed these checks
             rows, size = chunk.shape[0], chunk.shape[0] * chunk.shape[1] * chunk.shape[2]
-        elif decode:
-            ids_TLK = routing_from_proto(chunk, name)
-            rows, size = ids_TLK.shape[0], ids_TLK.size
         else:
-            rows, size = _check_chunk_header(chunk, name)
+            rows, size = _check_chunk(chunk, name, decode)
         if chunk.start_row != row:
             raise ValueError(f"{name}.start_row: {chunk.start_row}, expected {row} "
                              "(chunks must continue the trajectory's rows without gaps)")
@@ -290,8 +286,11 @@ def _check_routing(seg: trajectory_pb2.Segment, state: TrajState, expected: int,
     return _Chunks(layout, got, raw, sum(len(ch.data) for ch in seg.routing))
 
 
-def _check_chunk_header(chunk: routing_pb2.RoutedExperts, name: str) -> tuple[int, int]:
-    """Everything `routing_from_proto` checks except the payload decode (ids < E, distinct)."""
+def _check_chunk(chunk: routing_pb2.RoutedExperts, name: str, decode: bool) -> tuple[int, int]:
+    """(rows, ids) of a chunk after every check of `routing_from_proto`, in its order and with
+    its messages, without building the ids array: `routing.check` walks the payload as decode
+    does (ids < num_experts, distinct per row). decode=False (routing_validation="header"):
+    header and checksums only."""
     if chunk.codec != routing_pb2.ROUTING_CODEC_R3C:
         raise ValueError(f"{name}.codec: unsupported codec {chunk.codec}")
     if len(chunk.shape) != 3:
@@ -302,7 +301,7 @@ def _check_chunk_header(chunk: routing_pb2.RoutedExperts, name: str) -> tuple[in
         raise ValueError(f"{name}.layer_ids: {len(chunk.layer_ids)} entries for "
                          f"{chunk.shape[1]} layers")
     try:
-        hdr = routing.peek_header(chunk.data)
+        hdr = routing.check(chunk.data) if decode else routing.peek_header(chunk.data)
     except ValueError as e:
         raise ValueError(f"{name}.data: {e}") from None
     if list(hdr.shape) != list(chunk.shape):
