@@ -47,7 +47,7 @@ def unfuse_hf_experts(named: Iterable[tuple[str, torch.Tensor]]
 def tensor_digest(tensor: torch.Tensor) -> str:
     """'dtype:shape:sha256 of the bytes' of one tensor (comparable across processes)."""
     t = tensor.detach().contiguous().cpu().reshape(-1)
-    sha = hashlib.sha256(t.view(torch.uint8).numpy()).hexdigest()
+    sha = hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest()
     return f"{str(t.dtype).removeprefix('torch.')}:{list(tensor.shape)}:{sha}"
 
 

@@ -9,7 +9,10 @@ change between pushes. Keys under a push prefix:
   params        sender's timing settings (JSON), read by receivers at join
   join/{r}      rank r is connected and heart-beating; go: every member joined
   hb/{r}        "{beats}:{buckets verified}", refreshed by rank r's heartbeat thread
-  header/{k}    layout + checksums of bucket k (then an end header)
+  layout        every bucket's layout (JSON list) when the sender knows them all up front
+                (a list or dict of tensors), else "stream"
+  header/{k}    layout of bucket k, streamed pushes only; header/{number of buckets}: the
+                end header (totals and every tensor's checksum)
   ack/{r}       "ok" or "fail: ..." once rank r has verified every bucket
   errors, err/{r}  count of members that failed, and each one's reason
   commit | abort   the sender's decision; receivers load only after commit (an aborting
@@ -87,8 +90,9 @@ class Keys:
     """Store keys of one push (relative to its prefix)."""
 
     PARAMS, GO, COMMIT, ABORT, ERRORS = "params", "go", "commit", "abort", "errors"
-    # Written by an aborting sender into every key a receiver may be blocked on (go, the next
-    # header, commit): receivers block in `get` instead of polling, and still wake at once.
+    LAYOUT, STREAM = "layout", "stream"
+    # Written by an aborting sender into every key a receiver may be blocked on (go, layout,
+    # the next header, commit): receivers block in `get` instead of polling, and still wake at once.
     ABORTED = "\x00aborted"
 
     @staticmethod
@@ -150,6 +154,12 @@ def make_process_group(store: dist.Store, rank: int, size: int, backend: str,
     raise ValueError(f"backend: {backend!r} is not one of {BACKENDS}")
 
 
+def waits_on_host(backend: str) -> bool:
+    """gloo ops complete on the host (waited for in slices); NCCL ops are stream-ordered: the
+    host only polls them where it must (the last bucket, the acks)."""
+    return backend == "gloo"
+
+
 def broadcast(pg: dist.ProcessGroup, tensor: torch.Tensor) -> dist.Work:
     """Async broadcast from rank 0 (the sender) into `tensor` on every rank."""
     opts = dist.BroadcastOptions()
@@ -183,11 +193,12 @@ def discard(pg: dist.ProcessGroup | None, works: list, linger_s: float) -> None:
 
 
 def poll_until(ready: Callable[[], bool], check: Callable[[], None], deadline: float,
-               what: str = "") -> None:
+               what: str = "", *, max_sleep_s: float = 5e-3) -> None:
     """Poll until `ready()`; run `check()` every 50 ms; WaitTimeout at the deadline.
 
-    Sleeps grow with the time already waited (1/8 of it, 5 ms at most), so a short wait
-    overshoots by microseconds and a long one costs at most 200 polls a second."""
+    Sleeps grow with the time already waited (1/32 of it, `max_sleep_s` at most), so a wait
+    overshoots by about 3% at most (it sits on a push's critical path: the last bucket's
+    completion, the acks) and a long one costs at most 1/max_sleep_s polls a second."""
     start = next_check = time.monotonic()
     while not ready():
         now = time.monotonic()
@@ -196,7 +207,7 @@ def poll_until(ready: Callable[[], bool], check: Callable[[], None], deadline: f
             next_check = now + 0.05
         if now >= deadline:
             raise WaitTimeout(f"timed out waiting for {what or 'the group'}")
-        time.sleep(min(5e-3, max(2e-5, (now - start) / 8)))
+        time.sleep(min(max_sleep_s, max(2e-5, (now - start) / 32)))
 
 
 def wait_keys(store: dist.Store, keys: list[str], check: Callable[[], None], deadline: float,
@@ -211,9 +222,10 @@ def wait_keys(store: dist.Store, keys: list[str], check: Callable[[], None], dea
 def wait_work(work: dist.Work, check: Callable[[], None], deadline: float,
               gloo: bool) -> None:
     """Wait for a collective without blocking for long in C++ (so a dead peer cannot hang
-    us): gloo blocks in slices of 50 ms (it wakes the moment the op ends), NCCL is polled."""
+    us): gloo blocks in slices of 50 ms (it wakes the moment the op ends), NCCL is polled
+    (cheaply: a query of the op's CUDA event, so at most every millisecond)."""
     if not gloo:
-        poll_until(work.is_completed, check, deadline, "a broadcast")
+        poll_until(work.is_completed, check, deadline, "a broadcast", max_sleep_s=1e-3)
         work.wait()  # NCCL: orders the current stream after the op
         return
     while True:

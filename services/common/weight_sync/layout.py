@@ -42,34 +42,56 @@ def lay_out(spec: bk.BucketSpec, first: int, device: torch.device) -> LaidBucket
 
 
 def stream_layout(named, bucket_bytes: int, wire: torch.dtype, device: torch.device,
-                  direct_min_bytes: int) -> Iterator[tuple[LaidBucket, list[torch.Tensor]]]:
-    """Lay buckets out as the tensors stream in (a generator input: nothing is cached)."""
-    first = 0
-    for spec in bk.iter_buckets(named, bucket_bytes, wire, device, direct_min_bytes):
+                  direct_min_bytes: int, first: int = 0, first_index: int = 0
+                  ) -> Iterator[tuple[LaidBucket, list[torch.Tensor]]]:
+    """Lay buckets out as the tensors stream in (a generator input: nothing is cached).
+    `first` / `first_index`: position of the first tensor and number of the first bucket."""
+    for spec in bk.iter_buckets(named, bucket_bytes, wire, device, direct_min_bytes,
+                                first_index):
         yield lay_out(spec, first, device), spec.sources
         first += len(spec.entries)
 
 
 class BucketLayout:
-    """Every bucket of a push of a sequence of tensors, for reuse by the next push."""
+    """Every bucket of a push of a sequence of tensors, for reuse by the next push.
+
+    `start`: lay out only `named[start:]`, its buckets numbered from `first_index` (the tail
+    of a layout whose earlier buckets still fit)."""
 
     def __init__(self, named: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int,
-                 wire: torch.dtype, device: torch.device, direct_min_bytes: int) -> None:
+                 wire: torch.dtype, device: torch.device, direct_min_bytes: int,
+                 start: int = 0, first_index: int = 0) -> None:
         self.device, self.wire = device, wire
-        self.buckets = [b for b, _ in stream_layout(named, bucket_bytes, wire, device,
-                                                    direct_min_bytes)]
+        self.buckets = [b for b, _ in stream_layout(named[start:], bucket_bytes, wire, device,
+                                                    direct_min_bytes, start, first_index)]
         self.keys = [(n, t.shape, t.dtype) for n, t in named]
-        self.direct = [b.first for b in self.buckets if b.direct]
+        self._encoded: str | None = None
 
-    def matches(self, named: Sequence[tuple[str, torch.Tensor]]) -> bool:
-        """Same names, shapes and dtypes in the same order (and direct ones still direct)."""
+    def encoded(self) -> str:
+        """Every bucket's header as one JSON list (the push's `layout` key)."""
+        if self._encoded is None:
+            self._encoded = "[" + ",".join(b.header for b in self.buckets) + "]"
+        return self._encoded
+
+    def fits(self, laid: LaidBucket, named: Sequence[tuple[str, torch.Tensor]]) -> bool:
+        """`laid`'s tensors in `named` have its names, shapes and dtypes (and a direct one is
+        still sendable in place). Checked bucket by bucket, just before each is packed: the
+        Python work per tensor then overlaps the broadcasts of the buckets before it."""
+        lo, hi = laid.first, laid.first + len(laid.entries)
         if len(named) != len(self.keys):
             return False
-        for (n, t), (name, shape, dtype) in zip(named, self.keys, strict=True):
-            if n != name or t.shape != shape or t.dtype != dtype:
+        for (n, t), (name, shape, dtype) in zip(named[lo:hi], self.keys[lo:hi], strict=True):
+            if n != name or not isinstance(t, torch.Tensor) or t.shape != shape \
+                    or t.dtype != dtype:
                 return False
-        return all(bk.sendable_in_place(named[i][1], self.wire, self.device)
-                   for i in self.direct)
+        return not laid.direct or bk.sendable_in_place(named[lo][1], self.wire, self.device)
+
+    def replace_tail(self, tail: BucketLayout) -> None:
+        """Keep the buckets before `tail`'s first one, then `tail`'s."""
+        k = tail.buckets[0].index if tail.buckets else len(self.buckets)
+        self.buckets = self.buckets[:k] + tail.buckets
+        self.keys = tail.keys
+        self._encoded = None
 
     def __iter__(self) -> Iterator[LaidBucket]:
         return iter(self.buckets)

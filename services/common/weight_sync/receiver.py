@@ -33,9 +33,12 @@ from services.common.weight_sync.group import (
     push_store,
     rank_in,
     wait_work,
+    waits_on_host,
 )
 
 log = logging.getLogger(__name__)
+# A bucket's (nbytes, entries, checksum bounds on the device or None)
+_Layout = tuple[int, list[bk.TensorEntry], torch.Tensor | None]
 
 
 class ReceivedWeights:
@@ -92,7 +95,8 @@ class WeightReceiver:
         self.reuse_buffers = reuse_buffers
         self.connect_timeout_s = connect_timeout_s
         self._staging: list[torch.Tensor] = []
-        self._layouts: dict[int, tuple[bytes, tuple]] = {}
+        self._layouts: dict[int, tuple[bytes, _Layout]] = {}  # streamed pushes, per bucket
+        self._listed: tuple[bytes, list[_Layout]] | None = None  # the last `layout` key
         self._root: dist.TCPStore | None = None
         self._root_addr: tuple[str, int] | None = None
         # (version, group) of the last committed push, reused when the sender asks for it
@@ -124,8 +128,7 @@ class WeightReceiver:
             self._group = None  # a new sender never reuses an old group
         return self._root
 
-    def layout(self, index: int, header: bytes
-               ) -> tuple[int, list[bk.TensorEntry], torch.Tensor | None] | None:
+    def layout(self, index: int, header: bytes) -> _Layout | None:
         """(nbytes, entries, checksum bounds) of a bucket header, None for the end header;
         decoded once while the sender's layout repeats (the Python work per tensor is what
         limits a push at NCCL speed)."""
@@ -135,10 +138,22 @@ class WeightReceiver:
         head = bk.decode_header(header)
         if head.get("end"):
             return None
+        self._layouts[index] = (header, self._parse(head))
+        return self._layouts[index][1]
+
+    def push_layout(self, raw: bytes) -> list[_Layout] | None:
+        """Every bucket's (nbytes, entries, checksum bounds) from a push's `layout` key, None
+        for a streamed push (per-bucket headers); decoded once while it repeats."""
+        if raw == Keys.STREAM.encode():
+            return None
+        if self._listed is None or self._listed[0] != raw:
+            self._listed = (raw, [self._parse(bk.parse_header(h)) for h in json.loads(raw)])
+        return self._listed[1]
+
+    def _parse(self, head: dict) -> _Layout:
         entries = head["tensors"]
         bounds = bk.row_bounds(entries, self.device) if self.device.type == "cuda" else None
-        self._layouts[index] = (header, (head["nbytes"], entries, bounds))
-        return self._layouts[index][1]
+        return head["nbytes"], entries, bounds
 
     def staging(self, index: int, nbytes: int) -> torch.Tensor:
         """Bucket `index`'s staging buffer (reused across pushes when big enough)."""
@@ -171,7 +186,7 @@ class _Receive:
         self.sums: list[torch.Tensor] = []
         self.buckets: list[torch.Tensor] = []
         self.entries: list[list[bk.TensorEntry]] = []
-        self.host_blocking = plan.backend == "gloo"
+        self.host_blocking = waits_on_host(plan.backend)
 
     def run(self) -> ReceivedWeights:
         t0 = time.perf_counter()
@@ -243,23 +258,12 @@ class _Receive:
                                      self.params["timeout_s"], host)
 
     def _receive_all(self) -> int:
-        """Keep the link busy (gloo: bucket k+1 is posted before bucket k is finished), then
+        """Post the buckets' broadcasts ahead of their data, checksum each as it lands, then
         check every tensor against the checksums of the end header."""
-        if self.host_blocking:
-            staged, cur = [], self._post(0)
-            while cur is not None:
-                nxt = self._post(cur.index + 1)
-                self._finish(cur)
-                staged.append(cur)
-                cur = nxt
-        else:  # NCCL: post every bucket first (the host never waits on the GPU), then finish
-            staged = []
-            while (cur := self._post(len(staged))) is not None:
-                staged.append(cur)
-            for cur in staged:
-                self._finish(cur)
-            if staged:  # one wait for the whole push (NCCL runs them in order)
-                wait_work(staged[-1].work, self._check_abort, self._deadline(), gloo=False)
+        listed = self.rx.push_layout(self._wait_key(Keys.LAYOUT))
+        staged = self._stage_listed(listed) if listed is not None else self._stage_streamed()
+        if staged and not self.host_blocking:  # one wait for the whole push (NCCL: in order)
+            wait_work(staged[-1].work, self._check_abort, self._deadline(), gloo=False)
         nbytes = sum(st.bucket.numel() for st in staged)
         if self.end["tensors"] != self.ntensors or self.end["bytes"] != nbytes:
             raise WeightSyncError(f"weight sync v{self.version}: got {self.ntensors} tensors "
@@ -268,6 +272,26 @@ class _Receive:
         self.bad = bk.mismatches(self.entries, bk.split_sums(self.sums), self.end["sums"])
         return nbytes
 
+    def _stage_listed(self, listed: list[_Layout]) -> list[_Staged]:
+        """Every layout known up front: post every bucket at once, then finish them in order."""
+        staged = [self._post_bucket(k, *lay) for k, lay in enumerate(listed)]
+        for cur in staged:
+            self._finish(cur)
+        self.end = bk.decode_header(self._wait_key(Keys.header(len(staged))))
+        return staged
+
+    def _stage_streamed(self) -> list[_Staged]:
+        """Per-bucket headers. gloo: bucket k+1 is posted before k is finished; NCCL: the host
+        never waits per bucket (see _finish)."""
+        staged: list[_Staged] = []
+        cur = self._post(0)
+        while cur is not None:
+            nxt = self._post(cur.index + 1) if self.host_blocking else None
+            self._finish(cur)
+            staged.append(cur)
+            cur = nxt if self.host_blocking else self._post(cur.index + 1)
+        return staged
+
     def _post(self, index: int) -> _Staged | None:
         """Read bucket `index`'s header and post its broadcast (None after the last one)."""
         raw = self._wait_key(Keys.header(index))
@@ -275,7 +299,10 @@ class _Receive:
         if layout is None:
             self.end = bk.decode_header(raw)
             return None
-        nbytes, entries, bounds = layout
+        return self._post_bucket(index, *layout)
+
+    def _post_bucket(self, index: int, nbytes: int, entries: list[bk.TensorEntry],
+                     bounds: torch.Tensor | None) -> _Staged:
         bucket = self.rx.staging(index, nbytes)
         assert self.pg is not None
         return _Staged(index, entries, bucket, broadcast(self.pg, bucket), bounds)

@@ -27,9 +27,11 @@ from services.common.weight_sync.group import (
     discard,
     make_process_group,
     members_of,
+    poll_until,
     push_store,
     wait_keys,
     wait_work,
+    waits_on_host,
 )
 from services.common.weight_sync.layout import BucketLayout, LaidBucket, stream_layout
 from services.common.weight_sync.monitor import MemberMonitor
@@ -151,8 +153,9 @@ class _Push:
                                      self.cfg.heartbeat_timeout_s)
         self.pg: dist.ProcessGroup | None = None
         self.new_group = True
-        self.host_blocking = self.cfg.backend == "gloo"
-        self.published = 0  # bucket headers written so far
+        self.host_blocking = waits_on_host(self.cfg.backend)
+        self.layout_sent = False
+        self.published = 0  # the header key receivers may wait on next (written or not)
         self.last_work: dist.Work | None = None
         # (broadcast, pool slot, bucket, event after its checksum on the side stream)
         self.inflight: deque[tuple[dist.Work, int | None, torch.Tensor,
@@ -220,15 +223,25 @@ class _Push:
             raise self.monitor.diagnose("a member failed while joining")
 
     def _stream(self, named) -> tuple[int, int, int]:
-        """Pack, announce and broadcast each bucket, `inflight_buckets` at a time; the
-        checksums follow in the end header (on GPU: one host sync for the whole push)."""
+        """Announce the layout, then pack and broadcast each bucket, `inflight_buckets` at a
+        time. The end header (every checksum) goes out while the last buckets are still on
+        the wire, so receivers verify the last bucket the moment it lands."""
+        listed = self._listed(named)
+        if listed is not None:  # one key for every bucket: receivers post them all at once
+            assert self.s._layout is not None
+            self.store.set(Keys.LAYOUT, self.s._layout.encoded())
+            self.published = len(listed)  # the end header's key
+        else:
+            self.store.set(Keys.LAYOUT, Keys.STREAM)
+        self.layout_sent = True
         sums: list[torch.Tensor] = []
         tensors = nbytes = 0
-        for laid, sources in self._buckets(named):
+        for laid, sources in listed if listed is not None else self._streamed(named):
             slot = self._free_slot()
             bucket = self._pack(laid, sources, slot)
-            self.store.set(Keys.header(laid.index), laid.header)
-            self.published = laid.index + 1
+            if listed is None:
+                self.store.set(Keys.header(laid.index), laid.header)
+                self.published = laid.index + 1
             assert self.pg is not None
             work = broadcast(self.pg, bucket)
             # summed while it is on the wire (both only read the buffer)
@@ -236,25 +249,53 @@ class _Push:
             sums.append(summed)
             self.inflight.append((work, slot, bucket, event))
             tensors, nbytes = tensors + len(laid.entries), nbytes + laid.nbytes
+        end = bk.encode_end(len(sums), tensors, nbytes, self._host_sums(sums))
+        self.store.set(Keys.header(len(sums)), end)
+        self.published = len(sums) + 1  # an abort now wakes receivers through `commit`
         self._drain()
-        self.store.set(Keys.header(len(sums)),
-                       bk.encode_end(len(sums), tensors, nbytes, bk.split_sums(sums)))
         return tensors, len(sums), nbytes
 
-    def _buckets(self, named) -> Iterator[tuple[LaidBucket, list[torch.Tensor]]]:
-        """A sequence reuses the last push's layout when it fits; a generator streams."""
+    def _host_sums(self, sums: list[torch.Tensor]) -> list[list[int]]:
+        """The checksums on the host. On CUDA they are gathered on the side stream, which
+        waits for the packs only (not for the last broadcasts): one polled copy."""
+        side = self.s._side
+        if side is None or not sums:
+            return bk.split_sums(sums)
+        with torch.cuda.stream(side):
+            flat = torch.cat(sums)
+            host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            host.copy_(flat, non_blocking=True)
+            done = side.record_event()
+        with self._transport_errors():
+            poll_until(done.query, self.monitor.check, self._deadline(), "the checksums",
+                       max_sleep_s=1e-3)
+        return bk.split_by(host.tolist(), [s.numel() for s in sums])
+
+    def _listed(self, named) -> list[tuple[LaidBucket, list[torch.Tensor]]] | None:
+        """Every bucket of a list / dict / dict.items(), reusing the last push's layout as
+        far as it fits; None for a generator (streamed: packed as the tensors come)."""
         s = self.s
         if isinstance(named, Mapping):
             named = list(named.items())
         elif isinstance(named, ItemsView):  # dict.items(): sized and re-iterable, not streamed
             named = list(named)
         if not isinstance(named, Sequence):
-            yield from stream_layout(named, s.bucket_bytes, s.wire, s.device, s.direct_min_bytes)
-            return
-        if s._layout is None or not s._layout.matches(named):
+            return None
+        if s._layout is None:
             s._layout = BucketLayout(named, s.bucket_bytes, s.wire, s.device, s.direct_min_bytes)
-        for laid in s._layout:
-            yield laid, laid.sources(named)
+        layout = s._layout
+        for laid in layout:
+            if not layout.fits(laid, named):
+                # names, shapes or dtypes changed from this bucket on: lay the rest out anew
+                layout.replace_tail(BucketLayout(
+                    named, s.bucket_bytes, s.wire, s.device, s.direct_min_bytes,
+                    start=laid.first, first_index=laid.index))
+                break
+        return [(laid, laid.sources(named)) for laid in layout]
+
+    def _streamed(self, named) -> Iterator[tuple[LaidBucket, list[torch.Tensor]]]:
+        s = self.s
+        return stream_layout(named, s.bucket_bytes, s.wire, s.device, s.direct_min_bytes)
 
     def _pack(self, laid: LaidBucket, sources: list[torch.Tensor], slot: int) -> torch.Tensor:
         """The bucket to broadcast: the tensor itself (direct) or packed into a buffer."""
@@ -310,7 +351,7 @@ class _Push:
             with self._transport_errors():
                 wait_work(self.last_work, self.monitor.check, self._deadline(),
                           self.host_blocking)
-        if self.s._side is not None:  # the sums are read on the current stream next
+        if self.s._side is not None:  # the next push packs into buffers the sums read
             torch.cuda.current_stream(self.s.device).wait_stream(self.s._side)
 
     @contextlib.contextmanager
@@ -346,7 +387,8 @@ class _Push:
         log.error("weight push v%d aborted: %s", self.version, reason)
         try:
             self.store.set(Keys.ABORT, reason)
-            for key in (Keys.GO, Keys.header(self.published), Keys.COMMIT):
+            keys = [Keys.GO, Keys.header(self.published), Keys.COMMIT]
+            for key in keys + ([] if self.layout_sent else [Keys.LAYOUT]):
                 self.store.set(key, Keys.ABORTED)  # wakes receivers blocked on these keys
         except RuntimeError:
             log.exception("could not write the abort keys")
