@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import math
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,6 +97,8 @@ def _load_library(path: Path | None = None) -> ctypes.CDLL:
     lib.r3_decode.restype = i32
     lib.r3_check.argtypes = [p, i64, p]
     lib.r3_check.restype = i32
+    lib.r3_check_many.argtypes = [p, p, i32, i32, p, p]
+    lib.r3_check_many.restype = i32
     lib.r3_validate.argtypes = [p, i32, i64, i64, i32, i32, p]
     lib.r3_validate.restype = i32
     lib.r3_free.argtypes = [p]
@@ -320,3 +323,40 @@ def check(blob) -> RoutingHeader:
     info = np.zeros(4, np.int64)
     _raise_for(_LIB.r3_check(data.ctypes.data, len(data), info.ctypes.data), info)
     return header
+
+
+def check_many(blobs: Sequence[bytes], threads: int = 1) -> list[RoutingHeader | ValueError]:
+    """`check` of each blob, the payload walks in one call on up to `threads` threads (one
+    release of the GIL for the batch); blob i's header, or the ValueError check would raise."""
+    if threads < 1:
+        raise ValueError(f"threads: {threads} < 1")
+    out: list[RoutingHeader | ValueError] = []
+    todo: list[tuple[int, np.ndarray]] = []  # (index, bytes) of blobs whose header passed
+    for i, blob in enumerate(blobs):
+        data = _as_byte_array(blob)
+        try:
+            header, payload_len = _parse_header(data)
+            _check_length(len(data), payload_len)
+        except ValueError as e:
+            out.append(e)
+            continue
+        out.append(header)
+        todo.append((i, data))
+    if todo:
+        _check_payloads(todo, threads, out)
+    return out
+
+
+def _check_payloads(todo: list[tuple[int, np.ndarray]], threads: int,
+                    out: list[RoutingHeader | ValueError]) -> None:
+    n = len(todo)
+    ptrs = np.array([data.ctypes.data for _, data in todo], np.uintp)
+    lens = np.array([len(data) for _, data in todo], np.int64)
+    rcs, infos = np.zeros(n, np.int32), np.zeros((n, 4), np.int64)
+    _LIB.r3_check_many(ptrs.ctypes.data, lens.ctypes.data, n, threads, rcs.ctypes.data,
+                       infos.ctypes.data)
+    for (i, _), rc, info in zip(todo, rcs.tolist(), infos, strict=True):
+        if rc == -1:
+            raise MemoryError("routing check: out of memory")
+        if rc:
+            out[i] = _decode_error(rc, info)

@@ -21,6 +21,7 @@ from services.store import lua, validate
 from services.store.config import StoreConfig
 from services.store.errors import CapacityError, SizeLimitError
 from services.store.keys import Keys
+from services.store.routing_checks import RoutingChecks, in_context
 from services.store.validate import GroupState, TrajState, Write
 
 log = logging.getLogger(__name__)
@@ -99,19 +100,30 @@ class Appender:
                                  "send fewer trajectories per Append stream")
             reqs.append(req)
         states, groups = self._prefetch(reqs)
+        pending = RoutingChecks(self.cfg.routing_check_threads)
+        try:
+            writes = self._validate_each(reqs, states, groups, pending)
+        except ValueError:
+            pending.raise_first()  # a routing payload error earlier in the stream wins
+            raise
+        pending.raise_first()
+        return writes, len(reqs) - len(writes)
+
+    def _validate_each(self, reqs: list[store_pb2.AppendRequest], states: dict[str, TrajState],
+                       groups: dict[str, GroupState], pending: RoutingChecks) -> list[Write]:
+        """Every check but the routing payload walks, which go to `pending`."""
         writes: list[Write] = []
         for req in reqs:
             try:
-                write = self._validate_one(req, states, groups)
+                write = self._validate_one(req, states, groups, pending)
             except ValueError as e:
-                raise ValueError(f"{e} [trajectory_id={req.trajectory_id!r} "
-                                 f"sequence_number={req.sequence_number}]") from None
+                raise in_context(e, req) from None
             if write is not None:
                 writes.append(write)
-        return writes, len(reqs) - len(writes)
+        return writes
 
     def _validate_one(self, req: store_pb2.AppendRequest, states: dict[str, TrajState],
-                      groups: dict[str, GroupState]) -> Write | None:
+                      groups: dict[str, GroupState], pending: RoutingChecks) -> Write | None:
         kind = validate.check_envelope(req)
         state = states[req.trajectory_id]
         if not validate.check_order(req, state):
@@ -124,7 +136,8 @@ class Appender:
         elif kind == "segment":
             group = self._group_of(state.group_id, groups) if req.sequence_number == 1 \
                 else GroupState()
-            write = validate.validate_segment(req, state, self.limits, group.validated_prompts)
+            write = validate.validate_segment(req, state, self.limits, group.validated_prompts,
+                                              pending)
             if write.prompt_field:
                 group.validated_prompts.add(write.prompt_field)
                 if write.prompt_field in group.stored_prompts:

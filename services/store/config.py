@@ -42,6 +42,9 @@ class StoreConfig(StrictConfig):
         "decode", description="decode: every routing chunk is decoded before it is stored "
         "(ids < num_experts, distinct ids per row); header: codec, CRC-32, shape and header "
         "only (~4x less store CPU; ids are then first checked by the trainer's decode)")
+    routing_check_threads: int = Field(
+        2, ge=1, le=64, description="threads that walk one Append stream's routing payloads "
+        "(routing_validation=decode), in one call that holds no Python lock")
     max_group_size: int = Field(1024, ge=1, description="largest GRPO group")
     max_inflight_trajectories: int = Field(
         100_000, ge=1, description="begun, not yet finished trajectories")

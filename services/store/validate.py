@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import hashlib
 import math
-import zlib
 from collections.abc import Container
 from dataclasses import dataclass, field
 
-from services.common import routing
-from services.common.pb.r3flow.v1 import routing_pb2, store_pb2, trajectory_pb2
+from services.common.pb.r3flow.v1 import store_pb2, trajectory_pb2
 from services.store import wirefmt
+from services.store.routing_checks import RoutingChecks, Walk, check_chunk
 
 MAX_ID_CHARS = 256
 
@@ -178,11 +177,14 @@ def _check_prompt(prompt_token_ids: object, limits: Limits) -> None:
 
 
 def validate_segment(req: store_pb2.AppendRequest, state: TrajState, limits: Limits,
-                     known_prompts: Container[str] = frozenset()) -> SegmentWrite:
+                     known_prompts: Container[str] = frozenset(),
+                     pending: RoutingChecks | None = None) -> SegmentWrite:
     """Check a segment's tokens, per-token fields and routing rows against the trajectory.
 
     `known_prompts`: group prompt-chunk fields already validated; a chunk with the same content
-    hash is not decoded again (in a GRPO group n-1 of n prompt chunks are such repeats).
+    hash is not checked again (in a GRPO group n-1 of n prompt chunks are such repeats).
+    `pending`: where routing payload walks go (the caller runs them before committing);
+    None walks each payload here.
     """
     seg, j = req.segment, req.sequence_number - 1
     if seg.index != j:
@@ -196,8 +198,8 @@ def validate_segment(req: store_pb2.AppendRequest, state: TrajState, limits: Lim
         raise ValueError(f"segment.policy_version: {seg.policy_version} < 0")
     expected = state.prompt_len + n - 1 if j == 0 else n
     prompt_chunk, prompt_field = _prompt_chunk(seg, state)
-    chunks = _check_routing(seg, state, expected, limits.decode_routing,
-                            trust_first=prompt_field in known_prompts)
+    walk = Walk(limits.decode_routing, pending, req)
+    chunks = _check_routing(seg, state, expected, walk, trust_first=prompt_field in known_prompts)
     return _segment_write(req, state, chunks, n, prompt_chunk, prompt_field)
 
 
@@ -258,7 +260,7 @@ class _Chunks:
 
 
 def _check_routing(seg: trajectory_pb2.Segment, state: TrajState, expected: int,
-                   decode: bool, trust_first: bool = False) -> _Chunks:
+                   walk: Walk, trust_first: bool = False) -> _Chunks:
     if not seg.routing:
         raise ValueError(f"segment.routing: missing; rows [{state.rows}, {state.rows + expected})"
                          " are required")
@@ -268,7 +270,7 @@ def _check_routing(seg: trajectory_pb2.Segment, state: TrajState, expected: int,
         if c == 0 and trust_first:  # byte-identical to a chunk that passed these checks
             rows, size = chunk.shape[0], chunk.shape[0] * chunk.shape[1] * chunk.shape[2]
         else:
-            rows, size = _check_chunk(chunk, name, decode)
+            rows, size = check_chunk(chunk, name, walk)
         if chunk.start_row != row:
             raise ValueError(f"{name}.start_row: {chunk.start_row}, expected {row} "
                              "(chunks must continue the trajectory's rows without gaps)")
@@ -284,32 +286,6 @@ def _check_routing(seg: trajectory_pb2.Segment, state: TrajState, expected: int,
             "R response tokens has P+R-1 rows: segment 0 carries P+n0-1, later segments n_j)")
     assert layout is not None
     return _Chunks(layout, got, raw, sum(len(ch.data) for ch in seg.routing))
-
-
-def _check_chunk(chunk: routing_pb2.RoutedExperts, name: str, decode: bool) -> tuple[int, int]:
-    """(rows, ids) of a chunk after every check of `routing_from_proto`, in its order and with
-    its messages, without building the ids array: `routing.check` walks the payload as decode
-    does (ids < num_experts, distinct per row). decode=False (routing_validation="header"):
-    header and checksums only."""
-    if chunk.codec != routing_pb2.ROUTING_CODEC_R3C:
-        raise ValueError(f"{name}.codec: unsupported codec {chunk.codec}")
-    if len(chunk.shape) != 3:
-        raise ValueError(f"{name}.shape: expected [rows, layers, topk], got {list(chunk.shape)}")
-    if zlib.crc32(chunk.data) != chunk.checksum:
-        raise ValueError(f"{name}.checksum: CRC-32 of data does not match")
-    if len(chunk.layer_ids) != chunk.shape[1]:
-        raise ValueError(f"{name}.layer_ids: {len(chunk.layer_ids)} entries for "
-                         f"{chunk.shape[1]} layers")
-    try:
-        hdr = routing.check(chunk.data) if decode else routing.peek_header(chunk.data)
-    except ValueError as e:
-        raise ValueError(f"{name}.data: {e}") from None
-    if list(hdr.shape) != list(chunk.shape):
-        raise ValueError(f"{name}.shape: says {list(chunk.shape)}, data holds {list(hdr.shape)}")
-    if hdr.num_experts != chunk.num_experts:
-        raise ValueError(f"{name}.num_experts: says {chunk.num_experts}, data holds "
-                         f"{hdr.num_experts}")
-    return hdr.tokens, hdr.tokens * hdr.layers * hdr.topk
 
 
 def _check_layout(chunk: object, layout: Layout | None, name: str) -> Layout:

@@ -146,3 +146,30 @@ def test_check_matches_decode_on_random_bytes(data):
     forged = routing.MAGIC + bytes([1, 0, 1, 8]) + b"\x80\x00\x00\x00" + data[:24]
     forged = forged.ljust(32, b"\0") + data[24:]
     assert_same_verdict(with_valid_crc(forged))
+
+
+@pytest.mark.parametrize("threads", [1, 2, 5])
+def test_check_many_gives_each_blob_checks_verdict(threads):
+    rng = np.random.default_rng(threads)
+    blobs = [_blob(**source) for source in FUZZ_SOURCES]
+    blobs += [with_valid_crc(mutate(rng, b)) if len(b) >= 32 else b
+              for b in blobs for _ in range(20)]
+    blobs += [b"", b"R3RC", _blob()[:-1]]
+    results = routing.check_many(blobs, threads=threads)
+    assert len(results) == len(blobs)
+    for blob, result in zip(blobs, results, strict=True):
+        expected = verdict(routing.check, blob)
+        if isinstance(result, ValueError):
+            assert expected == ("refused", str(result))
+        else:
+            assert expected == ("ok", result.shape) and result == routing.peek_header(blob)
+    assert sum(isinstance(r, ValueError) for r in results) > 20
+
+
+def test_check_many_edge_cases():
+    assert routing.check_many([], threads=3) == []
+    assert routing.check_many([_blob()], threads=8) == [routing.peek_header(_blob())]
+    with pytest.raises(ValueError, match="threads: 0 < 1"):
+        routing.check_many([_blob()], threads=0)
+    with pytest.raises(TypeError, match="blob: expected bytes-like"):
+        routing.check_many(["text"])

@@ -1,0 +1,81 @@
+"""Checks of one routing chunk (`RoutedExperts`) of an append, and the payload walks that one
+Append stream defers so they run together, off the GIL (`RoutingChecks`).
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+
+from services.common import routing
+from services.common.pb.r3flow.v1 import routing_pb2, store_pb2
+
+
+def in_context(message: object, req: store_pb2.AppendRequest) -> ValueError:
+    """An error of one message, naming it: '<field>: <what> [trajectory_id=.. sequence_number=..]'."""
+    return ValueError(f"{message} [trajectory_id={req.trajectory_id!r} "
+                      f"sequence_number={req.sequence_number}]")
+
+
+@dataclass
+class RoutingChecks:
+    """Routing payloads of one Append stream still to be walked (`routing.check_many`).
+
+    The stream's other checks run first, message by message; the payloads are then walked in
+    one GIL-free call on `threads` threads. `raise_first` keeps the error a message-by-message
+    check would report: the first failing payload in stream order, if any comes before (or in
+    the same chunk as) the error the other checks found.
+    """
+
+    threads: int = 1
+    items: list[tuple[bytes, str, store_pb2.AppendRequest]] = field(default_factory=list)
+
+    def add(self, data: bytes, name: str, req: store_pb2.AppendRequest) -> None:
+        self.items.append((data, name, req))
+
+    def raise_first(self) -> None:
+        """Walk every pending payload; raise the first failure (with its message's context)."""
+        items, self.items = self.items, []
+        results = routing.check_many([data for data, _, _ in items], self.threads)
+        for (_, name, req), result in zip(items, results, strict=True):
+            if isinstance(result, ValueError):
+                raise in_context(f"{name}.data: {result}", req)
+
+
+@dataclass
+class Walk:
+    """How a chunk's payload is walked: not at all (routing_validation="header"), now, or
+    later as part of the stream's `RoutingChecks`."""
+
+    decode: bool
+    pending: RoutingChecks | None
+    req: store_pb2.AppendRequest
+
+
+def check_chunk(chunk: routing_pb2.RoutedExperts, name: str, walk: Walk) -> tuple[int, int]:
+    """(rows, ids) of a chunk after every check of `routing_from_proto`, in its order and with
+    its messages, without building the ids array: `routing.check` walks the payload as decode
+    does (ids < num_experts, distinct per row), here or via `walk.pending`."""
+    if chunk.codec != routing_pb2.ROUTING_CODEC_R3C:
+        raise ValueError(f"{name}.codec: unsupported codec {chunk.codec}")
+    if len(chunk.shape) != 3:
+        raise ValueError(f"{name}.shape: expected [rows, layers, topk], got {list(chunk.shape)}")
+    data = chunk.data
+    if zlib.crc32(data) != chunk.checksum:
+        raise ValueError(f"{name}.checksum: CRC-32 of data does not match")
+    if len(chunk.layer_ids) != chunk.shape[1]:
+        raise ValueError(f"{name}.layer_ids: {len(chunk.layer_ids)} entries for "
+                         f"{chunk.shape[1]} layers")
+    try:
+        hdr = routing.check(data) if walk.decode and walk.pending is None \
+            else routing.peek_header(data)
+    except ValueError as e:
+        raise ValueError(f"{name}.data: {e}") from None
+    if walk.decode and walk.pending is not None:
+        walk.pending.add(data, name, walk.req)  # length and payload: before the checks below
+    if list(hdr.shape) != list(chunk.shape):
+        raise ValueError(f"{name}.shape: says {list(chunk.shape)}, data holds {list(hdr.shape)}")
+    if hdr.num_experts != chunk.num_experts:
+        raise ValueError(f"{name}.num_experts: says {chunk.num_experts}, data holds "
+                         f"{hdr.num_experts}")
+    return hdr.tokens, hdr.tokens * hdr.layers * hdr.topk
