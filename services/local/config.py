@@ -25,7 +25,12 @@ class GrpoConfig(StrictConfig):
     max_tokens: int = Field(6, ge=1, description="generated tokens per sample")
     temperature: float = Field(1.0, gt=0)
     lr: float = Field(1e-3, gt=0)
+    adam_beta2: float = Field(0.999, ge=0, lt=1)
+    clip_grad: float = Field(1.0, ge=0, description="global grad-norm clip (0 = off)")
+    ppo_epochs: int = Field(1, ge=1, description="passes of PPO updates over each batch")
+    mini_batches: int = Field(1, ge=1, description="optimizer updates per pass over a batch")
     kl_coef: float = Field(0.0, ge=0, description="KL to the reference model (0 = no reference)")
+    entropy_coef: float = Field(0.0, ge=0, description="entropy bonus (keeps the groups exploring)")
     max_policy_lag: int = Field(
         0, ge=0, description="store drops groups older than this (0: strictly on-policy)")
     backlog_steps: int = Field(2, ge=2, description="store backlog limit, in optimizer steps")
@@ -54,6 +59,13 @@ class LocalConfig(StrictConfig):
     grpo: GrpoConfig = Field(default_factory=GrpoConfig)
     trainer_launcher: Literal["local", "ray"] = Field("ray", description="ray: a Ray actor rank")
     timeout_s: float = Field(1800.0, gt=0, description="give up on the whole run after this")
+
+
+def seeded(cfg: LocalConfig) -> tuple[TaskConfig, TinyMoeConfig]:
+    """The task and model configs with the run's `seed` added to their own: one `--seed` moves
+    the model init, the data, the warm-start order and the sampling seeds together."""
+    return (cfg.task.model_copy(update={"seed": cfg.task.seed + cfg.seed}),
+            cfg.model.model_copy(update={"seed": cfg.model.seed + cfg.seed}))
 
 
 def store_config(cfg: LocalConfig, run_dir: Path) -> dict:
@@ -95,8 +107,9 @@ def trainer_config(cfg: LocalConfig, run_dir: Path, model_dir: Path) -> dict:
     return {
         "model_dir": str(model_dir),
         "model": {"dtype": g.dtype},
-        "optim": {"lr": g.lr, "clip_grad": 1.0},
-        "loss": {"kl_coef": g.kl_coef},
+        "optim": {"lr": g.lr, "adam_beta2": g.adam_beta2, "clip_grad": g.clip_grad,
+                  "ppo_epochs": g.ppo_epochs, "mini_batches": g.mini_batches},
+        "loss": {"kl_coef": g.kl_coef, "entropy_coef": g.entropy_coef},
         "replay": {"mode": cfg.replay, "compare_off": g.compare_off},
         "data": {"groups_per_step": g.groups_per_step, "micro_batch_size": 16,
                  "lease_seconds": g.lease_seconds, "wait_ms": 2000},

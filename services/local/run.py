@@ -26,6 +26,7 @@ from services.local.config import (
     LocalConfig,
     rollout_concurrency,
     rollout_config,
+    seeded,
     store_config,
     trainer_config,
     warm_start_config,
@@ -78,8 +79,9 @@ class LocalRun:
         from services.rollout.tiny_moe import build_tiny_moe
 
         write_json(self.dir / "config.json", self.cfg.model_dump(mode="json"))
-        write_datasets(self.cfg.task, self.dir / "data")
-        return build_tiny_moe(self.dir / "model-init", self.cfg.model)
+        task, model = seeded(self.cfg)
+        write_datasets(task, self.dir / "data")
+        return build_tiny_moe(self.dir / "model-init", model)
 
     def warm_start(self, init_dir: Path) -> Path:
         out = self.dir / "model-warm"

@@ -1,0 +1,36 @@
+"""`r3flow local` config: seeds move together, and the GRPO knobs reach the child configs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from services.local.config import LocalConfig, rollout_config, seeded, trainer_config
+from services.local.tasks import closeness_reward, write_datasets
+from trainer.config import TrainerConfig
+
+
+def test_seed_moves_model_init_data_and_sampling(tmp_path: Path):
+    a, b = LocalConfig(seed=0), LocalConfig(seed=3)
+    (task_a, model_a), (task_b, model_b) = seeded(a), seeded(b)
+    assert (task_b.seed - task_a.seed, model_b.seed - model_a.seed) == (3, 3)
+    assert rollout_config(b, tmp_path, tmp_path, worker=1)["engine"]["seed"] == 4
+    rl_a, _ = write_datasets(task_a, tmp_path / "a")
+    rl_b, _ = write_datasets(task_b, tmp_path / "b")
+    assert rl_a.read_text() != rl_b.read_text()
+    assert seeded(a)[0] == task_a  # same seed, same data
+
+
+def test_grpo_knobs_reach_a_valid_trainer_config(tmp_path: Path):
+    cfg = LocalConfig.model_validate({"grpo": {"ppo_epochs": 3, "mini_batches": 2, "lr": 2e-3,
+                                               "entropy_coef": 0.01, "clip_grad": 0.5}})
+    tc = TrainerConfig.model_validate(trainer_config(cfg, tmp_path, tmp_path))
+    assert (tc.optim.ppo_epochs, tc.optim.mini_batches, tc.optim.lr) == (3, 2, 2e-3)
+    assert (tc.loss.entropy_coef, tc.optim.clip_grad) == (0.01, 0.5)
+    assert tc.data.groups_per_step == cfg.grpo.groups_per_step
+    assert tc.run.steps == cfg.grpo.steps
+
+
+def test_closeness_reward_ranks_wrong_answers():
+    assert closeness_reward(" 12", "12") == 1.0
+    assert 1.0 > closeness_reward("13", "12") > closeness_reward("15", "12") > 0.0
+    assert closeness_reward("x", "12") == 0.0 and closeness_reward("", "12") == 0.0
