@@ -280,7 +280,7 @@ def sender_config(**fields):
 
 
 def _measure(args, c, named, sender, raw_pg, cmds, replies, dev, bucket) -> dict:
-    push_s, raw_all_s, raw_seq_s, report = [], [], [], None
+    push_s, raw_all_s, raw_seq_s, phases, report = [], [], [], [], None
     raw_buf = None
     for rep in range(args.repeats + 1):  # rep 0 warms up (group setup, buffers, NCCL init)
         t_push, report = push_once(sender, rep + 1, named, cmds, replies)
@@ -292,6 +292,7 @@ def _measure(args, c, named, sender, raw_pg, cmds, replies, dev, bucket) -> dict
             push_s.append(t_push)
             raw_all_s.append(t_all)
             raw_seq_s.append(t_seq)
+            phases.append(report.phases)
     raw_s = min((raw_all_s, raw_seq_s), key=statistics.median)
     cmds.put(("load", c))
     _, model_kind, build_s, load_s, load_ok = replies.get(timeout=900)
@@ -305,6 +306,9 @@ def _measure(args, c, named, sender, raw_pg, cmds, replies, dev, bucket) -> dict
         "direct_min_mb": args.direct_min_mb, "wire_dtype": args.wire_dtype, "source_dtype": args.source_dtype,
         "push_bytes": nbytes, "repeats": args.repeats,
         "push_s": push_s, "raw_all_at_once_s": raw_all_s, "raw_one_by_one_s": raw_seq_s,
+        # sender-side seconds from push() to each step (WeightSender's PushReport.phases)
+        "push_phases_s_median": {k: statistics.median(p[k] for p in phases)
+                                 for k in (phases[0] if phases else {})},
         "raw_s": raw_s, "push_s_median": push_med, "raw_s_median": raw_med,
         "push_gb_s": nbytes / push_med / 1e9, "raw_gb_s": nbytes / raw_med / 1e9,
         "ratio_to_raw": raw_med / push_med, "target_ratio": 0.8,
@@ -330,6 +334,8 @@ def print_table(r: dict) -> None:
         med = statistics.median(r[key])
         print(f"{label:<22}{med:>10.3f}{nb / med / 1e9:>10.2f}")
     print(f"{'WeightSender.push':<22}{r['push_s_median']:>10.3f}{r['push_gb_s']:>10.2f}")
+    steps = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in r["push_phases_s_median"].items())
+    print(f"push steps on the sender (median ms after push()): {steps}")
     print(f"ratio_to_raw = {r['ratio_to_raw']:.2f} vs the faster raw "
           f"(target >= {r['target_ratio']})")
     print(f"loaded into: {r['load_model']} in {r['load_s']:.2f} s "

@@ -93,6 +93,10 @@ def test_a_changed_tensor_relays_out_only_the_buckets_from_its_own_on(sender):
     assert after[cut] is not before[cut]
     assert [b.index for b in after] == list(range(len(after)))
     assert report.num_buckets == len(after) and report.num_tensors == len(changed)
+    steps = list(report.phases)
+    assert steps == ["joined", "end_header", "drained", "acked", "committed"]
+    assert [report.phases[k] for k in steps] == sorted(report.phases.values())
+    assert report.phases["committed"] <= report.seconds
     # the same shapes again: every bucket is reused
     again = [(n, t + 1) for n, t in changed]
     _, results = _push(sender, 3, again, rxs=rxs)

@@ -14,7 +14,7 @@ bool, fp8) travels as-is. Receivers get views into the bucket buffers: no copy i
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -230,6 +230,37 @@ def _segment_sums(bucket_u8: torch.Tensor,
 def checksums(bucket_u8: torch.Tensor, entries: list[TensorEntry]) -> list[int]:
     """sum64 of each entry's extent, on the host."""
     return checksum_tensor(bucket_u8, entries).tolist()
+
+
+def summed_on(side: torch.cuda.Stream | None, bucket_u8: torch.Tensor,
+              entries: list[TensorEntry], bounds: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """`checksum_tensor` of a bucket just queued (CPU: computed now). On CUDA it runs on the
+    `side` stream after the current stream's work (the pack), so it does not hold up the next
+    pack; returns the event that marks it done (the buffer may be reused after it)."""
+    if side is None:
+        return checksum_tensor(bucket_u8, entries, bounds), None
+    side.wait_stream(torch.cuda.current_stream(bucket_u8.device))
+    with torch.cuda.stream(side):
+        summed = checksum_tensor(bucket_u8, entries, bounds)
+    return summed, side.record_event()
+
+
+def host_sums(sums: list[torch.Tensor], side: torch.cuda.Stream | None,
+              wait: Callable[[Callable[[], bool]], None]) -> list[list[int]]:
+    """Per-bucket checksum tensors -> lists of ints on the host. On CUDA they are gathered
+    and copied on `side` (the stream that computed them, which waits for the packs only, not
+    for the broadcasts still in flight); `wait(ready)` polls the copy (a dead peer cannot
+    hang a poll, it can hang a blocking sync)."""
+    if side is None or not sums:
+        return split_sums(sums)
+    with torch.cuda.stream(side):
+        flat = torch.cat(sums)
+        host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+        host.copy_(flat, non_blocking=True)
+        done = side.record_event()
+    wait(done.query)
+    return split_by(host.tolist(), [s.numel() for s in sums])
 
 
 def split_sums(sums: list[torch.Tensor]) -> list[list[int]]:

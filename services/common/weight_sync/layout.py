@@ -95,3 +95,19 @@ class BucketLayout:
 
     def __iter__(self) -> Iterator[LaidBucket]:
         return iter(self.buckets)
+
+
+def refit(layout: BucketLayout | None, named: Sequence[tuple[str, torch.Tensor]],
+          bucket_bytes: int, wire: torch.dtype, device: torch.device,
+          direct_min_bytes: int) -> BucketLayout:
+    """`layout` made to fit `named`: kept up to the first bucket whose tensors changed (names,
+    shapes, dtypes), laid out anew from there; a new layout when there was none."""
+    if layout is None:
+        return BucketLayout(named, bucket_bytes, wire, device, direct_min_bytes)
+    for laid in layout:
+        if not layout.fits(laid, named):
+            layout.replace_tail(BucketLayout(named, bucket_bytes, wire, device,
+                                             direct_min_bytes, start=laid.first,
+                                             first_index=laid.index))
+            break
+    return layout

@@ -9,8 +9,8 @@ import json
 import logging
 import time
 from collections import deque
-from collections.abc import ItemsView, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, ItemsView, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,7 +33,7 @@ from services.common.weight_sync.group import (
     wait_work,
     waits_on_host,
 )
-from services.common.weight_sync.layout import BucketLayout, LaidBucket, stream_layout
+from services.common.weight_sync.layout import BucketLayout, LaidBucket, refit, stream_layout
 from services.common.weight_sync.monitor import MemberMonitor
 
 if TYPE_CHECKING:  # the sender only reads attributes: the GPU bench runs without pydantic
@@ -58,6 +58,9 @@ class PushReport:
     seconds: float
     new_group: bool
     """False when the previous push's group was reused (same members)."""
+    phases: dict[str, float] = field(default_factory=dict)
+    """Seconds from `push()` to: joined, end_header (every checksum published), drained
+    (every broadcast done on the sender), acked, committed."""
 
     @property
     def gb_s(self) -> float:
@@ -154,19 +157,23 @@ class _Push:
         self.pg: dist.ProcessGroup | None = None
         self.new_group = True
         self.host_blocking = waits_on_host(self.cfg.backend)
-        self.layout_sent = False
+        self.layout_sent = self.streamed = False
         self.published = 0  # the header key receivers may wait on next (written or not)
+        self.t0 = time.perf_counter()
+        self.phases: dict[str, float] = {}
         self.last_work: dist.Work | None = None
         # (broadcast, pool slot, bucket, event after its checksum on the side stream)
         self.inflight: deque[tuple[dist.Work, int | None, torch.Tensor,
                                    torch.cuda.Event | None]] = deque()
 
     def run(self, named) -> PushReport:
-        t0 = time.perf_counter()
+        t0 = self.t0 = time.perf_counter()
         try:
             self._join()
+            self._mark("joined")
             tensors, nbuckets, nbytes = self._stream(named)
             self._collect_acks()
+            self._mark("acked")
         except WeightSyncError as e:
             self._abort(str(e))
             raise
@@ -178,10 +185,12 @@ class _Push:
             self._abort(f"sender failed: {type(e).__name__}: {e}")
             raise
         self.store.set(Keys.COMMIT, "1")
+        self._mark("committed")
         assert self.pg is not None
         self.s._group = CachedGroup(_signature(self.plan), self.version, self.pg)
         report = PushReport(self.version, tuple(str(m) for m in self.members), tensors,
-                            nbuckets, nbytes, time.perf_counter() - t0, self.new_group)
+                            nbuckets, nbytes, time.perf_counter() - t0, self.new_group,
+                            self.phases)
         log.info("weight push v%d: %d tensors, %.1f MB in %.2f s (%.2f GB/s) to %d ranks",
                  self.version, tensors, nbytes / 1e6, report.seconds, report.gb_s,
                  len(self.members))
@@ -189,6 +198,9 @@ class _Push:
 
     def _deadline(self) -> float:
         return time.monotonic() + self.cfg.timeout_s
+
+    def _mark(self, phase: str) -> None:
+        self.phases[phase] = time.perf_counter() - self.t0
 
     def _join(self) -> None:
         """Wait until every member is connected and heart-beating, then form the group."""
@@ -226,50 +238,55 @@ class _Push:
         """Announce the layout, then pack and broadcast each bucket, `inflight_buckets` at a
         time. The end header (every checksum) goes out while the last buckets are still on
         the wire, so receivers verify the last bucket the moment it lands."""
-        listed = self._listed(named)
-        if listed is not None:  # one key for every bucket: receivers post them all at once
-            assert self.s._layout is not None
-            self.store.set(Keys.LAYOUT, self.s._layout.encoded())
-            self.published = len(listed)  # the end header's key
-        else:
-            self.store.set(Keys.LAYOUT, Keys.STREAM)
-        self.layout_sent = True
         sums: list[torch.Tensor] = []
         tensors = nbytes = 0
-        for laid, sources in listed if listed is not None else self._streamed(named):
-            slot = self._free_slot()
-            bucket = self._pack(laid, sources, slot)
-            if listed is None:
-                self.store.set(Keys.header(laid.index), laid.header)
-                self.published = laid.index + 1
-            assert self.pg is not None
-            work = broadcast(self.pg, bucket)
-            # summed while it is on the wire (both only read the buffer)
-            summed, event = self._checksum(bucket, laid)
-            sums.append(summed)
-            self.inflight.append((work, slot, bucket, event))
+        for laid, sources in self._announce(named):
+            sums.append(self._send(laid, sources))
             tensors, nbytes = tensors + len(laid.entries), nbytes + laid.nbytes
         end = bk.encode_end(len(sums), tensors, nbytes, self._host_sums(sums))
         self.store.set(Keys.header(len(sums)), end)
         self.published = len(sums) + 1  # an abort now wakes receivers through `commit`
+        self._mark("end_header")
         self._drain()
+        self._mark("drained")
         return tensors, len(sums), nbytes
 
+    def _announce(self, named) -> Iterable[tuple[LaidBucket, list[torch.Tensor]]]:
+        """Write `layout`: every bucket's header (a sized input: receivers post every bucket
+        at once), or `stream` (a generator: a header before each bucket)."""
+        s, listed = self.s, self._listed(named)
+        self.streamed = listed is None
+        if listed is not None:
+            assert s._layout is not None
+            self.store.set(Keys.LAYOUT, s._layout.encoded())
+            self.published = len(listed)  # the end header's key
+        else:
+            self.store.set(Keys.LAYOUT, Keys.STREAM)
+        self.layout_sent = True
+        return listed if listed is not None else stream_layout(
+            named, s.bucket_bytes, s.wire, s.device, s.direct_min_bytes)
+
+    def _send(self, laid: LaidBucket, sources: list[torch.Tensor]) -> torch.Tensor:
+        """Pack, broadcast and sum one bucket (summed while it is on the wire: both only
+        read the buffer); returns its checksums (on the device)."""
+        slot = self._free_slot()
+        bucket = self._pack(laid, sources, slot)
+        if self.streamed:
+            self.store.set(Keys.header(laid.index), laid.header)
+            self.published = laid.index + 1
+        assert self.pg is not None
+        work = broadcast(self.pg, bucket)
+        summed, event = bk.summed_on(self.s._side, bucket, laid.entries, laid.bounds)
+        self.inflight.append((work, slot, bucket, event))
+        return summed
+
     def _host_sums(self, sums: list[torch.Tensor]) -> list[list[int]]:
-        """The checksums on the host. On CUDA they are gathered on the side stream, which
-        waits for the packs only (not for the last broadcasts): one polled copy."""
-        side = self.s._side
-        if side is None or not sums:
-            return bk.split_sums(sums)
-        with torch.cuda.stream(side):
-            flat = torch.cat(sums)
-            host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
-            host.copy_(flat, non_blocking=True)
-            done = side.record_event()
-        with self._transport_errors():
-            poll_until(done.query, self.monitor.check, self._deadline(), "the checksums",
-                       max_sleep_s=1e-3)
-        return bk.split_by(host.tolist(), [s.numel() for s in sums])
+        def wait(done: Callable[[], bool]) -> None:
+            with self._transport_errors():
+                poll_until(done, self.monitor.check, self._deadline(), "the checksums",
+                           max_sleep_s=1e-3)
+
+        return bk.host_sums(sums, self.s._side, wait)
 
     def _listed(self, named) -> list[tuple[LaidBucket, list[torch.Tensor]]] | None:
         """Every bucket of a list / dict / dict.items(), reusing the last push's layout as
@@ -281,21 +298,9 @@ class _Push:
             named = list(named)
         if not isinstance(named, Sequence):
             return None
-        if s._layout is None:
-            s._layout = BucketLayout(named, s.bucket_bytes, s.wire, s.device, s.direct_min_bytes)
-        layout = s._layout
-        for laid in layout:
-            if not layout.fits(laid, named):
-                # names, shapes or dtypes changed from this bucket on: lay the rest out anew
-                layout.replace_tail(BucketLayout(
-                    named, s.bucket_bytes, s.wire, s.device, s.direct_min_bytes,
-                    start=laid.first, first_index=laid.index))
-                break
-        return [(laid, laid.sources(named)) for laid in layout]
-
-    def _streamed(self, named) -> Iterator[tuple[LaidBucket, list[torch.Tensor]]]:
-        s = self.s
-        return stream_layout(named, s.bucket_bytes, s.wire, s.device, s.direct_min_bytes)
+        s._layout = refit(s._layout, named, s.bucket_bytes, s.wire, s.device,
+                          s.direct_min_bytes)
+        return [(laid, laid.sources(named)) for laid in s._layout]
 
     def _pack(self, laid: LaidBucket, sources: list[torch.Tensor], slot: int) -> torch.Tensor:
         """The bucket to broadcast: the tensor itself (direct) or packed into a buffer."""
@@ -331,17 +336,6 @@ class _Push:
                     torch.cuda.current_stream(self.s.device).wait_event(event)
         self.last_work = work
         self.inflight.popleft()
-
-    def _checksum(self, bucket: torch.Tensor, laid: LaidBucket
-                  ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """On CUDA the sums run on a side stream, so they do not hold up the next pack."""
-        side = self.s._side
-        if side is None:
-            return bk.checksum_tensor(bucket, laid.entries, laid.bounds), None
-        side.wait_stream(torch.cuda.current_stream(self.s.device))  # after the pack
-        with torch.cuda.stream(side):
-            summed = bk.checksum_tensor(bucket, laid.entries, laid.bounds)
-        return summed, side.record_event()
 
     def _drain(self) -> None:
         """Wait until every broadcast completed (NCCL runs them in order: the last one)."""
