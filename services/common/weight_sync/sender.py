@@ -169,9 +169,10 @@ class _Push:
     def run(self, named) -> PushReport:
         t0 = self.t0 = time.perf_counter()
         try:
+            buckets = self._announce(named)  # laid out while the members join
             self._join()
             self._mark("joined")
-            tensors, nbuckets, nbytes = self._stream(named)
+            tensors, nbuckets, nbytes = self._stream(buckets)
             self._collect_acks()
             self._mark("acked")
         except WeightSyncError as e:
@@ -234,13 +235,14 @@ class _Push:
         if self.monitor.reported():
             raise self.monitor.diagnose("a member failed while joining")
 
-    def _stream(self, named) -> tuple[int, int, int]:
-        """Announce the layout, then pack and broadcast each bucket, `inflight_buckets` at a
-        time. The end header (every checksum) goes out while the last buckets are still on
-        the wire, so receivers verify the last bucket the moment it lands."""
+    def _stream(self, buckets: Iterable[tuple[LaidBucket, list[torch.Tensor]]]
+                ) -> tuple[int, int, int]:
+        """Pack and broadcast each bucket, `inflight_buckets` at a time. The end header (every
+        checksum) goes out while the last buckets are still on the wire, so receivers verify
+        the last bucket the moment it lands."""
         sums: list[torch.Tensor] = []
         tensors = nbytes = 0
-        for laid, sources in self._announce(named):
+        for laid, sources in buckets:
             sums.append(self._send(laid, sources))
             tensors, nbytes = tensors + len(laid.entries), nbytes + laid.nbytes
         end = bk.encode_end(len(sums), tensors, nbytes, self._host_sums(sums))
@@ -252,8 +254,9 @@ class _Push:
         return tensors, len(sums), nbytes
 
     def _announce(self, named) -> Iterable[tuple[LaidBucket, list[torch.Tensor]]]:
-        """Write `layout`: every bucket's header (a sized input: receivers post every bucket
-        at once), or `stream` (a generator: a header before each bucket)."""
+        """Write `layout` (receivers read it after `go`): every bucket's header (a sized
+        input: receivers post every bucket at once), or `stream` (a generator: a header before
+        each bucket)."""
         s, listed = self.s, self._listed(named)
         self.streamed = listed is None
         if listed is not None:
