@@ -248,7 +248,8 @@ def bench_store(groups: int, data: Path, workdir: Path,
             proc.kill()
             proc.wait()
     return {"write_s": write_s, "drain_s": drain_s, "mem_bytes": mem,
-            "store_process_cpu_s": store_cpu,
+            "store_process_cpu_s": store_cpu, "client_cpu_s": client_cpu,
+            "drain_cpu_s": drain_cpu, "redis_cpu_s": redis_cpu,
             "total_cpu_s": client_cpu + drain_cpu + store_cpu + redis_cpu}
 
 
@@ -260,6 +261,7 @@ def bench_raw(groups: int, data: Path, workdir: Path) -> dict[str, float]:
         drain_s, drain_cpu = drain_raw(server.url, CLIENTS * groups * GROUP)
         redis_cpu = cpu_seconds(server.pid) - redis0  # type: ignore[arg-type]
     return {"write_s": write_s, "drain_s": drain_s, "mem_bytes": mem,
+            "client_cpu_s": client_cpu, "drain_cpu_s": drain_cpu, "redis_cpu_s": redis_cpu,
             "total_cpu_s": client_cpu + drain_cpu + redis_cpu}
 
 
@@ -318,6 +320,11 @@ def summarize(tokens: int, runs: dict[str, list[dict[str, float]]],
         "raw_total_cpu_us_per_token": 1e6 * cpu["raw"],
         "cpu_cost_ratio_raw_over_store": cpu["raw"] / cpu["store"],
         "encode_cpu_us_per_token": 1e6 * encode_s / tokens,
+        # Per process kind, least of the runs: where each side's CPU goes.
+        "cpu_us_per_token_by_process": {
+            side: {k.removesuffix("_cpu_s"): 1e6 * min(r[k] for r in rs) / tokens
+                   for k in rs[0] if k.endswith("_cpu_s") and k != "total_cpu_s"}
+            for side, rs in runs.items()},
         "runs": runs, "cpu_count": os.cpu_count(), "load_avg_1m": os.getloadavg()[0]}
 
 
@@ -336,6 +343,9 @@ def print_table(r: dict) -> None:  # noqa: ANN001
           f"{r['store_total_cpu_us_per_token']:.2f} (raw/store "
           f"{r['cpu_cost_ratio_raw_over_store']:.3f}), store_header "
           f"{r['store_header_total_cpu_us_per_token']:.2f}")
+    for side, parts in r["cpu_us_per_token_by_process"].items():
+        print(f"  {side} CPU us/token by process: "
+              + ", ".join(f"{k} {v:.2f}" for k, v in parts.items()))
     print(f"store process CPU {r['store_process_cpu_us_per_token']:.2f} us/token; routing encode "
           f"(worker side, off the clock) {r['encode_cpu_us_per_token']:.2f} us/token; "
           f"load average {r['load_avg_1m']:.1f} on {r['cpu_count']} CPUs")
