@@ -164,3 +164,24 @@ def test_checksum_helpers():
     assert bk.mismatches(e, [[1, 2]], [[1, 2]]) == []
     assert bk.mismatches(e, [[1, 5]], [[1, 2]]) == ["y"]
     assert bk.mismatches(e, [], [[1, 2]]) == ["<1 buckets announced, 0 received>"]
+
+
+def test_in_place_buckets_between_packed_ones_with_one_pool_slot():
+    """bf16 tensors sent in place take no pool slot; the packed buckets around them share the
+    single slot (each waits for the previous packed one) and arrive exact."""
+    s = WeightSender(WeightSyncConfig(bucket_bytes=1 << 11, inflight_buckets=1, timeout_s=10,
+                                      heartbeat_interval_s=0.1, heartbeat_timeout_s=2.0))
+    try:
+        g = torch.Generator().manual_seed(0)
+        named = []
+        for i in range(4):
+            named += [(f"big.{i}", torch.randn(32, 32, generator=g).to(torch.bfloat16)),
+                      (f"small.{i}.a", torch.randn(20, 20, generator=g)),
+                      (f"small.{i}.b", torch.randn(20, 20, generator=g))]
+        for version in (1, 2):
+            report, results = _push(s, version, named)
+            _assert_exact(results, named)
+        assert sum(b.direct for b in s._layout.buckets) == 4
+        assert report.num_buckets == 8  # each pair of small ones packed together
+    finally:
+        s.close()

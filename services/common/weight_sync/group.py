@@ -67,6 +67,20 @@ class Member:
         return f"{self.worker_id}{local} (rank {self.rank})"
 
 
+def group_signature(plan: store_pb2.WeightSyncPlan) -> tuple:
+    """What must not change for a group to be reused: the members, in order, and the backend."""
+    return (plan.backend, tuple((m.worker_id, max(1, m.world_size)) for m in plan.members))
+
+
+@dataclass(frozen=True)
+class CachedGroup:
+    """The sender's group of its last good push, reused while the signature holds."""
+
+    signature: tuple
+    version: int
+    pg: dist.ProcessGroup
+
+
 def members_of(plan: store_pb2.WeightSyncPlan) -> list[Member]:
     """Receiving ranks in plan order: rank 0 is the sender, workers follow."""
     out: list[Member] = []

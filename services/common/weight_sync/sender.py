@@ -19,12 +19,14 @@ import torch.distributed as dist
 from services.common.pb.r3flow.v1 import store_pb2
 from services.common.weight_sync import buckets as bk
 from services.common.weight_sync.group import (
+    CachedGroup,
     Keys,
     WaitTimeout,
     WeightSyncError,
     broadcast,
     connect_store,
     discard,
+    group_signature,
     make_process_group,
     members_of,
     poll_until,
@@ -102,7 +104,7 @@ class WeightSender:
             members=list(workers), backend=self.cfg.backend, wire_dtype=self.cfg.wire_dtype,
             bucket_bytes=self.bucket_bytes)
         g = self._group
-        self._reuse = g.version if g is not None and g.signature == _signature(plan) else None
+        self._reuse = g.version if g is not None and g.signature == group_signature(plan) else None
         params = {"timeout_s": self.cfg.timeout_s,
                   "heartbeat_interval_s": self.cfg.heartbeat_interval_s,
                   "heartbeat_timeout_s": self.cfg.heartbeat_timeout_s, "reuse": self._reuse}
@@ -131,18 +133,6 @@ class WeightSender:
         self._pool = [None] * self.cfg.inflight_buckets
         self._group, self._layout = None, None
         del self._root
-
-
-def _signature(plan: store_pb2.WeightSyncPlan) -> tuple:
-    """What must not change for a group to be reused: the members, in order, and the backend."""
-    return (plan.backend, tuple((m.worker_id, max(1, m.world_size)) for m in plan.members))
-
-
-@dataclass(frozen=True)
-class CachedGroup:
-    signature: tuple
-    version: int
-    pg: dist.ProcessGroup
 
 
 class _Push:
@@ -188,7 +178,7 @@ class _Push:
         self.store.set(Keys.COMMIT, "1")
         self._mark("committed")
         assert self.pg is not None
-        self.s._group = CachedGroup(_signature(self.plan), self.version, self.pg)
+        self.s._group = CachedGroup(group_signature(self.plan), self.version, self.pg)
         report = PushReport(self.version, tuple(str(m) for m in self.members), tensors,
                             nbuckets, nbytes, time.perf_counter() - t0, self.new_group,
                             self.phases)
@@ -272,7 +262,7 @@ class _Push:
     def _send(self, laid: LaidBucket, sources: list[torch.Tensor]) -> torch.Tensor:
         """Pack, broadcast and sum one bucket (summed while it is on the wire: both only
         read the buffer); returns its checksums (on the device)."""
-        slot = self._free_slot()
+        slot = self._free_slot(laid)
         bucket = self._pack(laid, sources, slot)
         if self.streamed:
             self.store.set(Keys.header(laid.index), laid.header)
@@ -305,7 +295,8 @@ class _Push:
                           s.direct_min_bytes)
         return [(laid, laid.sources(named)) for laid in s._layout]
 
-    def _pack(self, laid: LaidBucket, sources: list[torch.Tensor], slot: int) -> torch.Tensor:
+    def _pack(self, laid: LaidBucket, sources: list[torch.Tensor], slot: int | None
+              ) -> torch.Tensor:
         """The bucket to broadcast: the tensor itself (direct) or packed into a buffer."""
         if laid.direct:
             return sources[0].detach().reshape(-1).view(torch.uint8)
@@ -313,6 +304,7 @@ class _Push:
             bucket = torch.empty(laid.nbytes, dtype=torch.uint8, device=self.s.device)
             views = bk.bucket_views(bucket, laid.entries)
         else:
+            assert slot is not None
             bucket = self._pool_buffer(slot)[: laid.nbytes]
             views = laid.views.get(slot) or laid.views.setdefault(
                 slot, bk.bucket_views(bucket, laid.entries))
@@ -320,11 +312,18 @@ class _Push:
             torch._foreach_copy_(views, sources)
         return bucket
 
-    def _free_slot(self) -> int:
-        while len(self.inflight) >= self.cfg.inflight_buckets:
+    def _free_slot(self, laid: LaidBucket) -> int | None:
+        """A pool slot to pack `laid` into, retiring the oldest broadcasts until one is free.
+        A bucket sent in place needs none: it is posted at once, so the packs behind it do
+        not wait for it."""
+        if laid.direct:
+            return None
+        while True:
+            busy = {entry[1] for entry in self.inflight}
+            free = [i for i in range(self.cfg.inflight_buckets) if i not in busy]
+            if free:
+                return free[0]
             self._retire_oldest()
-        busy = {entry[1] for entry in self.inflight}
-        return next(i for i in range(self.cfg.inflight_buckets) if i not in busy)
 
     def _retire_oldest(self) -> None:
         """Free the oldest bucket's buffer: gloo waits on the host (polled, so a dead member
