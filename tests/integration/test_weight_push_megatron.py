@@ -23,12 +23,13 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.timeout(300)
+# ~70 s on a quiet 2-core machine, ~270 s measured with a load average of 45
+pytestmark = pytest.mark.timeout(600)
 REPO = Path(__file__).resolve().parents[2]
 ENGINES = ("engine-a", "engine-b")
 PROMPTS = [[5 + 3 * i + j for j in range(12)] for i in range(3)]
 NEW_TOKENS = 16
-STEP_TIMEOUT_S = 240
+STEP_TIMEOUT_S = 480
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +50,8 @@ def pushed(tmp_path_factory):
         "RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port)}, work / f"rank{r}.log") for r in range(2)]
     try:
-        codes = [p.wait(timeout=STEP_TIMEOUT_S) for p in procs]
+        deadline = time.monotonic() + STEP_TIMEOUT_S
+        codes = [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
@@ -230,7 +232,8 @@ def _trainer(model_dir: str, work: Path) -> None:
                   str(work / "exported.safetensors"))
         registry = DirRegistry(work)
         _wait_for(lambda: len(registry.list_workers()) == len(ENGINES), "the engines")
-        push = StoreWeightPush(registry, WeightSyncConfig(timeout_s=60))
+        # roomy: this test is about what arrives, not how fast a fault is found (busy machine)
+        push = StoreWeightPush(registry, WeightSyncConfig(timeout_s=120, heartbeat_timeout_s=10))
         push(exported, 1)
         report = push.last_report
         assert report is not None, "the push failed (see the log)"
