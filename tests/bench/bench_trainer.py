@@ -72,8 +72,14 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=8,
                    help="timed steps per mode (0: logprob diff and its parts only)")
     p.add_argument("--model", default="{}", help="JSON TinyMoeConfig fields over BENCH_MODEL")
+    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's "
+                   "default); 1 keeps CPU time a measure of work on a loaded machine")
     p.add_argument("--out", default=str(REPO / "bench-results/trainer.json"))
     args = p.parse_args()
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     from services.rollout.tiny_moe import TinyMoeConfig, build_tiny_moe
 
     cfg = TinyMoeConfig(**(BENCH_MODEL | json.loads(args.model)))
@@ -88,6 +94,7 @@ def main() -> int:
                        f"init std {cfg.init_std}, seed {cfg.seed}, bf16")
     result["machine"] = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
     result["bench_seconds"] = time.perf_counter() - t0
+    result["torch_threads"] = args.threads or "default"
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     _table(result)
