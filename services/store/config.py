@@ -39,9 +39,10 @@ class StoreConfig(StrictConfig):
         256 << 20, ge=1024, description="bytes one Append stream may buffer before it is committed")
     max_tokens_per_trajectory: int = Field(262_144, ge=2, description="prompt + response tokens")
     routing_validation: Literal["decode", "header"] = Field(
-        "decode", description="decode: every routing chunk is decoded before it is stored "
-        "(ids < num_experts, distinct ids per row); header: codec, CRC-32, shape and header "
-        "only (~4x less store CPU; ids are then first checked by the trainer's decode)")
+        "decode", description="decode: every routing chunk's payload is walked as decode "
+        "does before it is stored (routing.check: ids < num_experts, distinct ids per row, "
+        "no ids array built); header: codec, CRC-32, shape and header only (about half the "
+        "store's CPU; ids are then first checked by the trainer's decode)")
     routing_check_threads: int = Field(
         2, ge=1, le=64, description="threads that walk one Append stream's routing payloads "
         "(routing_validation=decode), in one call that holds no Python lock")
