@@ -21,7 +21,9 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:
     runs = tmp_path_factory.mktemp("runs")
-    cmd = [sys.executable, "-m", "services.cli", "local", "--steps", "3",
+    small = tmp_path_factory.mktemp("cfg") / "small.json"  # CI: small batches, 3 quick steps
+    small.write_text(json.dumps({"grpo": {"groups_per_step": 8}}))
+    cmd = [sys.executable, "-m", "services.cli", "local", "--config", str(small), "--steps", "3",
            "--warm-start-steps", "5", "--runs-dir", str(runs)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
