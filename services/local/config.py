@@ -21,7 +21,9 @@ class GrpoConfig(StrictConfig):
 
     steps: int = Field(80, ge=1, description="GRPO optimizer steps")
     group_size: int = Field(8, ge=2, description="samples per prompt (a GRPO group)")
-    groups_per_step: int = Field(16, ge=1, description="groups per optimizer step")
+    # 32 groups: the per-step reward is a mean over 32 prompts, so the first-5/last-5 comparison
+    # is not at the mercy of which prompts a step drew (16 groups: last-5 means swung by ~0.1).
+    groups_per_step: int = Field(32, ge=1, description="groups per optimizer step")
     max_tokens: int = Field(6, ge=1, description="generated tokens per sample")
     temperature: float = Field(1.0, gt=0)
     lr: float = Field(1e-3, gt=0)
