@@ -2,23 +2,11 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
+from trainer_fixtures import toy_samples
 
 pytestmark = pytest.mark.timeout(240)
-
-
-def _samples(seed: int):
-    from trainer.batch import Sample
-
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(4):
-        r = int(rng.integers(4, 9))
-        out.append(Sample(rng.integers(4, 100, 6 + r), 6, np.full(r, -3.0, np.float32),
-                          np.ones(r, bool), float(rng.random()), f"g{i % 2}"))
-    return out
 
 
 def test_resume_continues_exactly(tmp_path):
@@ -33,11 +21,11 @@ def test_resume_continues_exactly(tmp_path):
     ckpt = CheckpointManager(tmp_path / "run")
     first = Trainer(cfg)
     for seed in (1, 2):
-        first.train_step(_samples(seed))
+        first.train_step(toy_samples(seed))
     pos = DataPosition(step=2, policy_version=first.policy_version,
                        acked_delivery_ids=["d1", "d2"], trained_group_ids=["g0", "g1"])
     ckpt.save(first.policy.module, first.optimizer, pos)
-    expected = first.train_step(_samples(3))
+    expected = first.train_step(toy_samples(3))
     want = {k: v.detach().clone() for k, v in first.policy.module.named_parameters()}
 
     second = Trainer(cfg)  # a fresh process would see the same: weights from the HF checkpoint
@@ -45,7 +33,7 @@ def test_resume_continues_exactly(tmp_path):
     got_pos = ckpt.load(second.policy.module, second.optimizer)
     second.policy_version = got_pos.policy_version
     assert got_pos == pos
-    again = second.train_step(_samples(3))
+    again = second.train_step(toy_samples(3))
     assert again["policy_version"] == expected["policy_version"] == 3
     assert again["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-6)
     for k, v in second.policy.module.named_parameters():  # Adam moments restored too

@@ -57,17 +57,9 @@ def test_two_ranks_ep2_step_with_identical_grad_norms(tmp_path):
 
 # ---------------------------------------------------------------- worker (one per rank)
 def _samples(rank: int):
-    import numpy as np
+    from trainer_fixtures import toy_samples
 
-    from trainer.batch import Sample
-
-    rng = np.random.default_rng(100 + rank)
-    out = []
-    for i in range(4):
-        r = int(rng.integers(4, 9))
-        out.append(Sample(rng.integers(4, 100, 6 + r), 6, np.full(r, -3.0, np.float32),
-                          np.ones(r, bool), float(rng.random()), f"g{i % 2}"))
-    return out
+    return toy_samples(100 + rank)
 
 
 def _attach_recorded_routing(trainer, samples) -> None:

@@ -124,10 +124,9 @@ def test_engine_greedy_equals_hf_with_the_exported_weights(pushed):
 
 
 def _hf(path: Path):
-    import torch
-    from transformers import AutoModelForCausalLM
+    from trainer_fixtures import load_hf_fp32
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return load_hf_fp32(path)
 
 
 def _hf_greedy(model, prompt: list[int]) -> list[int]:
@@ -196,17 +195,9 @@ def _engine(model_dir: str, work: Path, worker_id: str) -> None:
 
 
 def _samples(rank: int):
-    import numpy as np
+    from trainer_fixtures import toy_samples
 
-    from trainer.batch import Sample
-
-    rng = np.random.default_rng(100 + rank)
-    out = []
-    for i in range(4):
-        r = int(rng.integers(4, 9))
-        out.append(Sample(rng.integers(4, 100, 6 + r), 6, np.full(r, -3.0, np.float32),
-                          np.ones(r, bool), float(rng.random()), f"g{i % 2}"))
-    return out
+    return toy_samples(100 + rank)
 
 
 def _trainer(model_dir: str, work: Path) -> None:
