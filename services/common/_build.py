@@ -1,7 +1,9 @@
-"""Builds the routing codec's C core into `_routing_core.so` next to its source.
+"""Builds the C cores next to their sources: the routing codec (`routing_core.c` ->
+`_routing_core.so`) and the weight push's CPU pack/checksum (`weight_sync/pack_core.c` ->
+`weight_sync/_pack_core.so`).
 
-Run as `python -m services.common._build` (from `make setup`); `routing.py` also calls
-`ensure_built()` on import, so a fresh checkout or an edited `routing_core.c` rebuilds itself.
+Run as `python -m services.common._build` (from `make setup`: builds both); their loaders call
+`ensure_built(name)` on import, so a fresh checkout or an edited source rebuilds itself.
 An exclusive lock on the source file keeps concurrent processes from compiling at once.
 """
 
@@ -15,8 +17,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-SOURCE = Path(__file__).with_name("routing_core.c")
-LIBRARY = Path(__file__).with_name("_routing_core.so")
+_HERE = Path(__file__).parent
+# name -> (C source, shared library)
+LIBRARIES = {
+    "routing": (_HERE / "routing_core.c", _HERE / "_routing_core.so"),
+    "pack": (_HERE / "weight_sync" / "pack_core.c", _HERE / "weight_sync" / "_pack_core.so"),
+}
+SOURCE, LIBRARY = LIBRARIES["routing"]
 
 
 def compile_command(source: Path, output: Path) -> list[str]:
@@ -24,44 +31,48 @@ def compile_command(source: Path, output: Path) -> list[str]:
     r3_check_many."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        raise RuntimeError("no C compiler found (install `cc`/gcc or set CC) to build the codec")
+        raise RuntimeError(f"no C compiler found (install `cc`/gcc or set CC) to build "
+                           f"{source.name}")
     arch = ["-march=x86-64-v2"] if platform.machine() in ("x86_64", "AMD64") else []
     return [compiler, "-O3", *arch, "-std=c99", "-pthread", "-shared", "-fPIC", "-o", str(output),
             str(source)]
 
 
-def _is_fresh() -> bool:
-    return LIBRARY.exists() and LIBRARY.stat().st_mtime >= SOURCE.stat().st_mtime
+def _is_fresh(source: Path, library: Path) -> bool:
+    return library.exists() and library.stat().st_mtime >= source.stat().st_mtime
 
 
-def _compile() -> None:
+def _compile(source: Path, library: Path) -> None:
     # Compile to a private name and rename, so a concurrent loader never sees half a file.
-    tmp = LIBRARY.with_name(f"{LIBRARY.name}.{os.getpid()}.tmp")
+    tmp = library.with_name(f"{library.name}.{os.getpid()}.tmp")
     try:
         result = subprocess.run(
-            compile_command(SOURCE, tmp), capture_output=True, text=True, check=False
+            compile_command(source, tmp), capture_output=True, text=True, check=False
         )
         if result.returncode != 0:
-            raise RuntimeError(f"building {LIBRARY.name} failed:\n{result.stderr}")
-        os.replace(tmp, LIBRARY)
+            raise RuntimeError(f"building {library.name} failed:\n{result.stderr}")
+        os.replace(tmp, library)
     finally:
         tmp.unlink(missing_ok=True)
 
 
-def ensure_built(force: bool = False) -> Path:
-    """Compile the core if the library is missing or older than its source; return its path."""
-    if not force and _is_fresh():
-        return LIBRARY
-    with open(SOURCE, "rb") as lock:
+def ensure_built(force: bool = False, name: str = "routing") -> Path:
+    """Compile library `name` (see LIBRARIES) if it is missing or older than its source;
+    return its path."""
+    source, library = LIBRARIES[name]
+    if not force and _is_fresh(source, library):
+        return library
+    with open(source, "rb") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if force or not _is_fresh():  # another process may have built it while we waited
-            _compile()
-    return LIBRARY
+        if force or not _is_fresh(source, library):  # another process may have built it
+            _compile(source, library)
+    return library
 
 
 def main() -> int:
-    path = ensure_built(force="--force" in sys.argv[1:])
-    print(f"built {path}")
+    for name in LIBRARIES:
+        path = ensure_built(force="--force" in sys.argv[1:], name=name)
+        print(f"built {path}")
     return 0
 
 

@@ -352,7 +352,8 @@ def main() -> int:
     ap.add_argument("--inflight", type=int, default=2, help="WeightSyncConfig.inflight_buckets")
     ap.add_argument("--direct-min-mb", type=float, default=0,
                     help="WeightSyncConfig.direct_min_bytes in MiB (0: the default, bucket/2)")
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=15,
+                    help="pushes and raw broadcasts, interleaved; medians are compared")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     result = run(args)

@@ -16,10 +16,17 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, TypeAlias
 
 import torch
 
+if TYPE_CHECKING:
+    from services.common.weight_sync.native import Extents
+
 ALIGN = 64
+# A layout's checksum inputs, prepared once: CUDA row bounds, CPU extents for the C core, or
+# None (derived from the entries at each call)
+ChecksumPlan: TypeAlias = "torch.Tensor | Extents | None"
 CAST_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 WIRE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
@@ -187,17 +194,75 @@ def extents(entries: list[TensorEntry], bucket_nbytes: int) -> list[tuple[int, i
 
 
 def checksum_tensor(bucket_u8: torch.Tensor, entries: list[TensorEntry],
-                    bounds: torch.Tensor | None = None) -> torch.Tensor:
+                    bounds: ChecksumPlan = None) -> torch.Tensor:
     """sum64 of each entry's extent, as an int64 tensor on the bucket's device (no host
     sync: on GPU it queues behind the bucket's broadcast). `bounds` may be passed in (from
-    `row_bounds`) when the layout repeats."""
+    `checksum_plan`) when the layout repeats."""
     if not entries:
         return torch.zeros(0, dtype=torch.int64, device=bucket_u8.device)
     if bucket_u8.is_cuda and len(entries) > 1:
-        return _segment_sums(bucket_u8, entries if bounds is None else bounds)
+        return _segment_sums(bucket_u8, entries if bounds is None else bounds)  # type: ignore[arg-type]
+    if not bucket_u8.is_cuda and bucket_u8.is_contiguous():
+        native = _native()
+        if native is not None:  # one GIL-free call for the bucket, not a reduction per tensor
+            if not isinstance(bounds, native.Extents):
+                bounds = cpu_extents(entries, bucket_u8.numel())
+            return native.sums(bucket_u8, bounds)
     sums = [bucket_u8[a:b].view(torch.int64).sum()
             for a, b in extents(entries, bucket_u8.numel())]
     return torch.stack(sums)
+
+
+def _native():  # noqa: ANN202 (module or None)
+    """The C pack/checksum core (weight_sync/native.py), None where it cannot be built."""
+    try:
+        from services.common.weight_sync import native
+    except ImportError:  # numpy missing (a bare GPU machine): the torch path
+        return None
+    return native if native.available() else None
+
+
+def cpu_extents(entries: list[TensorEntry], bucket_nbytes: int) -> Extents:
+    """The entries' (offset, nbytes, extent end) arrays for the C core."""
+    from services.common.weight_sync import native
+
+    return native.Extents([e.offset for e in entries], [e.nbytes for e in entries],
+                          [b for _, b in extents(entries, bucket_nbytes)])
+
+
+def pack_and_sum(bucket_u8: torch.Tensor, entries: list[TensorEntry],
+                 sources: list[torch.Tensor], plan: ChecksumPlan = None) -> torch.Tensor | None:
+    """CPU: pack `sources` into the bucket and return their checksums in one pass over the
+    bytes (the C core; sources needing a cast are cast by torch first and summed in place).
+    None where that path does not apply (GPU, no C core): pack with `fill`/views instead."""
+    native = None if bucket_u8.is_cuda or not bucket_u8.is_contiguous() else _native()
+    if native is None:
+        return None
+    if not isinstance(plan, native.Extents):
+        plan = cpu_extents(entries, bucket_u8.numel())
+    as_bytes = [s.detach() if _bytes_as_is(s, e) else None for s, e in zip(sources, entries,
+                                                                          strict=True)]
+    cast = [i for i, s in enumerate(as_bytes) if s is None]
+    if cast:
+        views = [tensor_view(bucket_u8, entries[i]) for i in cast]
+        with torch.no_grad():
+            torch._foreach_copy_(views, [sources[i].detach() for i in cast])
+    return native.pack_sum(bucket_u8, plan, as_bytes)
+
+
+def _bytes_as_is(src: torch.Tensor, entry: TensorEntry) -> bool:
+    """`src` can be copied byte for byte into `entry` (no cast, contiguous, on the CPU)."""
+    return (src.device.type == "cpu" and src.dtype == entry.dtype and src.is_contiguous()
+            and src.numel() * src.element_size() == entry.nbytes)
+
+
+def checksum_plan(entries: list[TensorEntry], bucket_nbytes: int, device: torch.device
+                  ) -> ChecksumPlan:
+    """What `checksum_tensor` needs of a layout, prepared once: row bounds on the GPU (for a
+    bucket of several entries), the extents for the C core on the CPU, else None."""
+    if device.type == "cuda":
+        return row_bounds(entries, device) if len(entries) > 1 else None
+    return cpu_extents(entries, bucket_nbytes) if _native() is not None else None
 
 
 def row_bounds(entries: list[TensorEntry], device: torch.device) -> torch.Tensor:
@@ -233,7 +298,7 @@ def checksums(bucket_u8: torch.Tensor, entries: list[TensorEntry]) -> list[int]:
 
 
 def summed_on(side: torch.cuda.Stream | None, bucket_u8: torch.Tensor,
-              entries: list[TensorEntry], bounds: torch.Tensor | None = None
+              entries: list[TensorEntry], bounds: ChecksumPlan = None
               ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
     """`checksum_tensor` of a bucket just queued (CPU: computed now). On CUDA it runs on the
     `side` stream after the current stream's work (the pack), so it does not hold up the next

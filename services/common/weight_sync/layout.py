@@ -26,7 +26,7 @@ class LaidBucket:
     first: int  # index of its first tensor in the pushed sequence
     direct: bool
     header: str
-    bounds: torch.Tensor | None = None  # checksum extents on the device (CUDA only)
+    bounds: bk.ChecksumPlan = None  # checksum extents, prepared (bk.checksum_plan)
     views: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # pool slot -> views
 
     def sources(self, named: Sequence[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
@@ -34,9 +34,7 @@ class LaidBucket:
 
 
 def lay_out(spec: bk.BucketSpec, first: int, device: torch.device) -> LaidBucket:
-    bounds = None
-    if device.type == "cuda" and len(spec.entries) > 1:
-        bounds = bk.row_bounds(spec.entries, device)
+    bounds = bk.checksum_plan(spec.entries, spec.nbytes, device)
     return LaidBucket(spec.index, spec.entries, spec.nbytes, first, spec.direct is not None,
                       bk.encode_header(spec.index, spec.nbytes, spec.entries), bounds)
 

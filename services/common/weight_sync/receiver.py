@@ -38,7 +38,7 @@ from services.common.weight_sync.group import (
 
 log = logging.getLogger(__name__)
 # A bucket's (nbytes, entries, checksum bounds on the device or None)
-_Layout = tuple[int, list[bk.TensorEntry], torch.Tensor | None]
+_Layout = tuple[int, list[bk.TensorEntry], bk.ChecksumPlan]
 
 
 class ReceivedWeights:
@@ -75,7 +75,7 @@ class _Staged:
     entries: list[bk.TensorEntry]
     bucket: torch.Tensor
     work: dist.Work
-    bounds: torch.Tensor | None
+    bounds: bk.ChecksumPlan
 
 
 def _is_loopback(addr: str) -> bool:
@@ -152,8 +152,7 @@ class WeightReceiver:
 
     def _parse(self, head: dict) -> _Layout:
         entries = head["tensors"]
-        bounds = bk.row_bounds(entries, self.device) if self.device.type == "cuda" else None
-        return head["nbytes"], entries, bounds
+        return head["nbytes"], entries, bk.checksum_plan(entries, head["nbytes"], self.device)
 
     def staging(self, index: int, nbytes: int) -> torch.Tensor:
         """Bucket `index`'s staging buffer (reused across pushes when big enough)."""
@@ -302,7 +301,7 @@ class _Receive:
         return self._post_bucket(index, *layout)
 
     def _post_bucket(self, index: int, nbytes: int, entries: list[bk.TensorEntry],
-                     bounds: torch.Tensor | None) -> _Staged:
+                     bounds: bk.ChecksumPlan) -> _Staged:
         bucket = self.rx.staging(index, nbytes)
         assert self.pg is not None
         return _Staged(index, entries, bucket, broadcast(self.pg, bucket), bounds)

@@ -261,15 +261,18 @@ class _Push:
 
     def _send(self, laid: LaidBucket, sources: list[torch.Tensor]) -> torch.Tensor:
         """Pack, broadcast and sum one bucket (summed while it is on the wire: both only
-        read the buffer); returns its checksums (on the device)."""
+        read the buffer; on the CPU a packed bucket is summed by its pack); returns its
+        checksums (on the device)."""
         slot = self._free_slot(laid)
-        bucket = self._pack(laid, sources, slot)
+        bucket, summed = self._pack(laid, sources, slot)
         if self.streamed:
             self.store.set(Keys.header(laid.index), laid.header)
             self.published = laid.index + 1
         assert self.pg is not None
         work = broadcast(self.pg, bucket)
-        summed, event = bk.summed_on(self.s._side, bucket, laid.entries, laid.bounds)
+        event = None
+        if summed is None:
+            summed, event = bk.summed_on(self.s._side, bucket, laid.entries, laid.bounds)
         self.inflight.append((work, slot, bucket, event))
         return summed
 
@@ -296,21 +299,27 @@ class _Push:
         return [(laid, laid.sources(named)) for laid in s._layout]
 
     def _pack(self, laid: LaidBucket, sources: list[torch.Tensor], slot: int | None
-              ) -> torch.Tensor:
-        """The bucket to broadcast: the tensor itself (direct) or packed into a buffer."""
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The bucket to broadcast: the tensor itself (direct) or packed into a buffer; and
+        its checksums where the pack computed them (CPU), else None."""
         if laid.direct:
-            return sources[0].detach().reshape(-1).view(torch.uint8)
+            return sources[0].detach().reshape(-1).view(torch.uint8), None
         if laid.nbytes > self.s.bucket_bytes:  # an oversized tensor: a one-off buffer
             bucket = torch.empty(laid.nbytes, dtype=torch.uint8, device=self.s.device)
-            views = bk.bucket_views(bucket, laid.entries)
         else:
             assert slot is not None
             bucket = self._pool_buffer(slot)[: laid.nbytes]
-            views = laid.views.get(slot) or laid.views.setdefault(
-                slot, bk.bucket_views(bucket, laid.entries))
+        summed = bk.pack_and_sum(bucket, laid.entries, sources, laid.bounds)
+        if summed is not None:
+            return bucket, summed
+        views = laid.views.get(slot) if slot is not None else None
+        if views is None:
+            views = bk.bucket_views(bucket, laid.entries)
+            if slot is not None:
+                laid.views[slot] = views
         with torch.no_grad():  # one multi-tensor launch on GPU, not one copy per tensor
             torch._foreach_copy_(views, sources)
-        return bucket
+        return bucket, None
 
     def _free_slot(self, laid: LaidBucket) -> int | None:
         """A pool slot to pack `laid` into, retiring the oldest broadcasts until one is free.

@@ -1,0 +1,75 @@
+"""The C pack/checksum core of the CPU weight push against the torch reference path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.common.weight_sync import buckets as bk
+from services.common.weight_sync import native
+
+CPU = torch.device("cpu")
+
+
+def _torch_sums(bucket_u8: torch.Tensor, entries: list[bk.TensorEntry]) -> list[int]:
+    """The reference: one int64 reduction per extent."""
+    return [int(bucket_u8[a:b].view(torch.int64).sum())
+            for a, b in bk.extents(entries, bucket_u8.numel())]
+
+
+def _named() -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [
+        ("bf16", torch.randn(37, 41, generator=g).to(torch.bfloat16)),  # copied byte for byte
+        ("fp32_cast", torch.randn(13, 7, generator=g)),  # cast by torch, summed in place
+        ("odd_bytes", torch.arange(13, dtype=torch.uint8)),  # tail shorter than a word
+        ("big", torch.randn(1000, generator=g).to(torch.bfloat16)),  # whole 64-byte blocks
+        ("transposed", torch.randn(6, 10, generator=g).t().to(torch.bfloat16)),  # strided
+        ("ids", torch.arange(11, dtype=torch.int64)),
+        ("empty", torch.zeros(0, 4, dtype=torch.bfloat16)),
+    ]
+
+
+def test_core_is_built():
+    assert native.available(), "services/common/weight_sync/pack_core.c did not build"
+
+
+def test_pack_and_sum_equals_torch_pack_then_sum():
+    named = _named()
+    [spec] = bk.iter_buckets(named, 1 << 20, torch.bfloat16, CPU, 1 << 30)
+    reference = bk.fill(torch.zeros(spec.nbytes, dtype=torch.uint8), spec)
+    bucket = torch.full((spec.nbytes,), 0xAB, dtype=torch.uint8)  # stale bytes from before
+    sums = bk.pack_and_sum(bucket, spec.entries, spec.sources)
+    assert sums is not None
+    assert torch.equal(bucket, reference)  # alignment gaps are zeroed, tensors copied / cast
+    assert sums.tolist() == _torch_sums(reference, spec.entries)
+    for (name, t), view in zip(named, bk.bucket_views(bucket, spec.entries), strict=True):
+        assert torch.equal(view, t.to(view.dtype)), name
+
+
+def test_sums_equal_torch_on_random_bytes_and_ragged_extents():
+    g = torch.Generator().manual_seed(2)
+    buf = torch.randint(0, 256, (5000,), dtype=torch.uint8, generator=g)
+    entries = [bk.TensorEntry("a", torch.uint8, (8,), 0, 8),
+               bk.TensorEntry("b", torch.uint8, (200,), 64, 200),  # extent ends on a row
+               bk.TensorEntry("c", torch.uint8, (4600,), 320, 4600),
+               bk.TensorEntry("d", torch.uint8, (72,), 4928, 72)]  # extent cut at the end
+    got = bk.checksum_tensor(buf, entries).tolist()
+    assert got == _torch_sums(buf, entries)
+    assert bk.checksum_tensor(buf, entries, bk.cpu_extents(entries, buf.numel())).tolist() == got
+
+
+def test_sums_wrap_like_int64():
+    t = torch.tensor([2**62] * 8 + [1] * 8, dtype=torch.int64)  # 128 bytes: the SIMD loop
+    entry = bk.TensorEntry("t", torch.int64, (16,), 0, 128)
+    assert bk.checksum_tensor(t.view(torch.uint8), [entry]).tolist() == \
+        _torch_sums(t.view(torch.uint8), [entry])
+
+
+@pytest.mark.parametrize("offset,nbytes,end", [(8, 8, 16), (0, 100, 200), (0, 16, 12),
+                                               (0, 64, 4096)])
+def test_malformed_extents_are_refused(offset, nbytes, end):
+    bucket = torch.zeros(256, dtype=torch.uint8)
+    ext = native.Extents([offset], [nbytes], [end])
+    with pytest.raises(ValueError, match="extent"):
+        native.pack_sum(bucket, ext, [torch.zeros(nbytes, dtype=torch.uint8)])
