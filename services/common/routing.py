@@ -5,7 +5,7 @@ in [0, E), E = num_experts. `canonical` mode sorts each row (the MoE output igno
 order); `exact` mode keeps the engine's order. Encoding is deterministic (same input, same
 bytes) because the store deduplicates prompt routing by comparing blobs.
 
-Blob format, little-endian, version 1 (32-byte header, then the payload):
+Blob format, little-endian, version 2 (32-byte header, then the payload):
     0  magic b"R3RC"        4  version u8         5  mode u8 (0 canonical, 1 exact)
     6  coding u8 (0: every layer coded near-uniformly, 1: a method bit per layer)
     7  topk u8              8  num_experts u16    10 reserved u16 (0)
@@ -36,7 +36,7 @@ MIN_EXPERTS, MAX_EXPERTS = 2, 1024
 MAX_ELEMENTS = 2**31
 HEADER = struct.Struct("<4sBBBBHHIIQI")
 MAGIC = b"R3RC"
-VERSION = 1
+VERSION = 2  # 2: an adaptive layer's repeat flags precede its gaps; 1 is refused
 _STATE_BYTES = 32  # four 64-bit rANS states open the payload
 _PER_LAYER_MIN_TOKENS = 64  # must match PER_LAYER_MIN_TOKENS in routing_core.c
 
@@ -219,7 +219,10 @@ def _row_bits_positive(num_experts: int, topk: int, mode: int) -> bool:
 
 def _check_header_fields(version, mode, coding, topk, num_experts, reserved) -> None:
     if version != VERSION:
-        raise ValueError(f"routing blob: unsupported version {version} (this reader knows 1)")
+        raise ValueError(
+            f"routing blob: unsupported version {version} (this reader knows {VERSION}; "
+            "re-encode older blobs)"
+        )
     if mode > 1:
         raise ValueError(f"routing blob header: mode byte {mode} is not 0 or 1")
     if coding > 1 or reserved:

@@ -13,6 +13,9 @@
  *   - adaptive: per row a "repeats the previous token's row" flag, else the row's K gaps in the
  *     layer's expert-popularity order, each coded with an adaptive frequency table per position
  *     (tables and popularity order are rebuilt at fixed row counts, identically on both sides).
+ *     Format 2: all of a layer's flags come first, then the fresh rows' gaps, so the decoder
+ *     knows which rows to walk before it walks them (no unpredictable branch on the rANS
+ *     states' critical path).
  * A per-layer raw bit picks the cheaper (estimated) of the two; short inputs (< 64 tokens) use
  * fallback everywhere with no per-layer bits, so ANY input costs <= floor + a fixed overhead.
  *
@@ -74,7 +77,7 @@ enum {
 #endif
 
 #define HEADER_BYTES 32
-#define FORMAT_VERSION 1
+#define FORMAT_VERSION 2
 #define MAX_K 16
 #define MAX_E 1024
 #define MAX_W (MAX_E / 64)
@@ -85,7 +88,7 @@ enum {
 #define MODEL_TOTAL (1u << MODEL_BITS)
 #define UNIF_BITS 31
 #define LUT_BITS 9       /* decoder lookup table per context: 2^9 buckets on large inputs */
-#define LUT_BITS_SMALL 7 /* ... and 2^7 below LUT_SMALL_ROWS rows, where rebuilds dominate */
+#define LUT_BITS_SMALL 8 /* ... and 2^8 below LUT_SMALL_ROWS rows, where rebuilds weigh more */
 #define LUT_SMALL_ROWS 4096
 #define PER_LAYER_MIN_TOKENS 64
 /* Tokens are coded in blocks (each layer of a block with a fresh model), so the encoder's
@@ -725,6 +728,10 @@ typedef struct {
     uint8_t *rshift; /* [2^15 + 1] its shift */
     uint64_t rcp_done[(MODEL_TOTAL >> 6) + 1];
     int64_t next_rebuild;
+    /* Decoder only: the layer's repeat flags, decoded ahead of its gaps. */
+    uint8_t *rep;    /* [rows of a block] 1 = row repeats the previous one */
+    uint32_t *fresh; /* [rows of a block] the rows that do not, in order */
+    int64_t nfresh;
 } Model;
 
 static void model_free(Model *m)
@@ -740,6 +747,8 @@ static void model_free(Model *m)
     free(m->rshift);
     free(m->rtab);
     free(m->snap);
+    free(m->rep);
+    free(m->fresh);
 }
 
 static int model_alloc(Model *m, const Codec *cd, int with_cost, int with_rcp, int64_t tokens)
@@ -761,6 +770,12 @@ static int model_alloc(Model *m, const Codec *cd, int with_cost, int with_rcp, i
         m->rtab = malloc((size_t)cd->K * cd->A * sizeof(uint64_t));
         m->snap = malloc((size_t)cd->K * cd->A * sizeof(uint32_t));
         if (!m->rtab || !m->snap) return R3_ERR_NOMEM;
+    }
+    if (!with_cost) {
+        size_t rows = (size_t)(tokens < BLOCK_TOKENS ? tokens : BLOCK_TOKENS) + 1;
+        m->rep = malloc(rows);
+        m->fresh = malloc(rows * sizeof(uint32_t));
+        if (!m->rep || !m->fresh) return R3_ERR_NOMEM;
     }
     if (with_rcp) { /* 288 KB of tables: worth their page faults only on large inputs */
         m->rcp = malloc((MODEL_TOTAL + 1) * sizeof(uint64_t));
@@ -828,16 +843,17 @@ static void ctx_costs(Model *m, const Codec *cd, int i, const uint32_t *freq, co
 FORCE_INLINE void prefix_max_u16(const uint16_t *in, uint16_t *out, int n)
 {
 #if HAVE_SORT8
+    /* The carry between vectors is a broadcast maximum, one instruction per step, so the
+     * in-vector scans of successive vectors overlap. */
     __m128i carry = _mm_setzero_si128();
     for (int b = 0; b < n; b += 8) {
         __m128i v = _mm_loadu_si128((const __m128i *)(in + b));
         v = _mm_max_epu16(v, _mm_slli_si128(v, 2));
         v = _mm_max_epu16(v, _mm_slli_si128(v, 4));
         v = _mm_max_epu16(v, _mm_slli_si128(v, 8));
-        v = _mm_max_epu16(v, carry);
-        _mm_storeu_si128((__m128i *)(out + b), v);
-        carry = _mm_shufflehi_epi16(_mm_unpackhi_epi64(v, v), 0xFF);
-        carry = _mm_unpackhi_epi64(carry, carry);
+        __m128i top = _mm_shufflehi_epi16(_mm_unpackhi_epi64(v, v), 0xFF);
+        _mm_storeu_si128((__m128i *)(out + b), _mm_max_epu16(v, carry));
+        carry = _mm_max_epu16(carry, _mm_unpackhi_epi64(top, top));
     }
 #else
     uint16_t run = 0;
@@ -850,11 +866,11 @@ static void ctx_tables(Model *m, const Codec *cd, int i, const uint32_t *freq, i
     const int A = m->A;
     uint32_t *cum = m->cum + (size_t)i * (A + 2);
     uint16_t *lut = m->lut + ((size_t)i << m->lut_bits);
-    cum[0] = 0;
-    for (int s = 0; s < n; s++) cum[s + 1] = cum[s] + freq[s];
-    for (int s = n; s < A; s++) cum[s + 1] = cum[n];
-    cum[A + 1] = cum[A] + freq[A];
     if (m->cost) {
+        cum[0] = 0;
+        for (int s = 0; s < n; s++) cum[s + 1] = cum[s] + freq[s];
+        for (int s = n; s < A; s++) cum[s + 1] = cum[n];
+        cum[A + 1] = cum[A] + freq[A];
         ctx_costs(m, cd, i, freq, cum, n);
         return;
     }
@@ -863,14 +879,37 @@ static void ctx_tables(Model *m, const Codec *cd, int i, const uint32_t *freq, i
      * running maximum of (1 + the last symbol ending in bucket b): plain stores instead of a
      * histogram's increments, which chain store-to-load stalls when neighbours share a bucket.
      * The empty ranges n..A-1 end where symbol n-1 does; the escape ends at 2^15, past the
-     * last bucket. */
+     * last bucket. One pass writes the cumulative frequencies and those ends. */
     const int shift = m->lut_shift, nb = 1 << m->lut_bits;
     const uint32_t round = (1u << shift) - 1;
     uint16_t last[(1u << LUT_BITS) + 1];
+    uint32_t c = 0;
     memset(last, 0, (size_t)(nb + 1) * sizeof(uint16_t));
-    for (int s = 0; s < n; s++) last[(cum[s + 1] + round) >> shift] = (uint16_t)(s + 1);
-    last[(cum[n] + round) >> shift] = (uint16_t)A;
+    cum[0] = 0;
+    for (int s = 0; s < n; s++) {
+        c += freq[s];
+        cum[s + 1] = c;
+        last[(c + round) >> shift] = (uint16_t)(s + 1);
+    }
+    for (int s = n; s < A; s++) cum[s + 1] = c;
+    cum[A + 1] = c + freq[A];
+    last[(c + round) >> shift] = (uint16_t)A;
     prefix_max_u16(last, lut, nb);
+}
+
+/* Symbols 0..n-1 hold every nonzero count (n = 0 if none); four counts per test. */
+static int used_symbols(const uint32_t *cnt, int A)
+{
+    int n = A;
+    while (n >= 4) {
+        uint64_t a, b;
+        memcpy(&a, cnt + n - 4, 8);
+        memcpy(&b, cnt + n - 2, 8);
+        if (a | b) break;
+        n -= 4;
+    }
+    while (n > 0 && cnt[n - 1] == 0) n--;
+    return n;
 }
 
 /* Frequencies from counts: every seen symbol keeps >= 1 so it stays decodable. */
@@ -878,18 +917,20 @@ static void ctx_rebuild(Model *m, const Codec *cd, int i)
 {
     uint32_t freq[MAX_E + 1];
     uint32_t *cnt = m->cnt + (size_t)i * m->A;
-    uint64_t total = 0;
-    int n = m->A;
-    while (n > 0 && cnt[n - 1] == 0) n--;
-    for (int s = 0; s < n; s++) total += cnt[s];
-    if (total > HALVE_ABOVE) { /* age old statistics so the model follows drift */
-        total = 0;
-        for (int s = 0; s < n; s++) total += cnt[s] = (cnt[s] + 1) >> 1;
-    }
-    uint32_t d = 0, best_cnt = 0;
-    for (int s = 0; s < n; s++) {
+    uint32_t total = 0, d = 0, best_cnt = 0;
+    int n = used_symbols(cnt, m->A);
+    for (int s = 0; s < n; s++) { /* one vectorized pass for the three statistics */
+        total += cnt[s];
         d += cnt[s] != 0;
         best_cnt = cnt[s] > best_cnt ? cnt[s] : best_cnt;
+    }
+    if (total > HALVE_ABOVE) { /* age old statistics so the model follows drift */
+        total = d = best_cnt = 0;
+        for (int s = 0; s < n; s++) {
+            total += cnt[s] = (cnt[s] + 1) >> 1;
+            d += cnt[s] != 0;
+            best_cnt = cnt[s] > best_cnt ? cnt[s] : best_cnt;
+        }
     }
     uint32_t esc = d < (uint32_t)m->A ? d / 2 + 1 : 0;
     uint32_t nsym = d + (esc > 0);
@@ -912,13 +953,22 @@ static void ctx_rebuild(Model *m, const Codec *cd, int i)
     ctx_tables(m, cd, i, freq, n);
 }
 
-static void flag_rebuild(Model *m, const Codec *cd)
+/* The row after rebuild row r: doubling up to REBUILD_STEP, then every REBUILD_STEP rows. */
+static int64_t rebuild_after(int64_t r) { return r < REBUILD_STEP ? 2 * r : r + REBUILD_STEP; }
+
+/* Frequency of "fresh row" (flag 0) from the flag counts. */
+static uint32_t flag_freq(uint64_t n0, uint64_t n1)
 {
-    uint64_t n0 = m->flag_cnt[0], n1 = m->flag_cnt[1];
     uint64_t f0 = (n0 << MODEL_BITS) / (n0 + n1);
     if (f0 < 1) f0 = 1;
     if (f0 > MODEL_TOTAL - 1) f0 = MODEL_TOTAL - 1;
-    m->flag_f0 = (uint32_t)f0;
+    return (uint32_t)f0;
+}
+
+static void flag_rebuild(Model *m, const Codec *cd)
+{
+    uint32_t f0 = flag_freq(m->flag_cnt[0], m->flag_cnt[1]);
+    m->flag_f0 = f0;
     need_rcp(m, m->flag_f0);
     need_rcp(m, MODEL_TOTAL - m->flag_f0);
     m->flag_cost[0] = MODEL_BITS * Q12 - log2_q12(cd, f0);
@@ -988,8 +1038,7 @@ static void model_rebuild(Model *m, const Codec *cd)
     flag_rebuild(m, cd);
     perm_rebuild(m);
     model_snapshot(m);
-    int64_t r = m->next_rebuild;
-    m->next_rebuild = r < REBUILD_STEP ? 2 * r : r + REBUILD_STEP;
+    m->next_rebuild = rebuild_after(m->next_rebuild);
 }
 
 static void model_reset(Model *m, const Codec *cd)
@@ -1075,6 +1124,8 @@ typedef struct {
     uint64_t x[NSTATES];
     uint64_t *rec; /* current layer's records, in decoding order */
     size_t nrec, rec_cap;
+    uint64_t *flags; /* current adaptive layer's repeat flags (rows 1..), in decoding order */
+    size_t nflags;
 } Enc;
 
 typedef struct {
@@ -1138,15 +1189,15 @@ FORCE_INLINE uint64_t emit_if(uint32_t *words, size_t *n, uint64_t x, uint64_t l
 }
 
 /* Codes the layer's records back to front (rANS is LIFO); no divisions. */
-static int flush_records(Enc *e, const Codec *cd, const Model *m)
+static int flush_records(Enc *e, const Codec *cd, const Model *m, const uint64_t *rec, size_t n)
 {
     uint64_t xs[NSTATES];
     memcpy(xs, e->x, sizeof(xs));
-    if (reserve_words(e, e->nrec + 1)) return R3_ERR_NOMEM;
+    if (reserve_words(e, n + 1)) return R3_ERR_NOMEM;
     uint32_t *words = e->words;
     size_t nw = e->nwords;
-    for (size_t j = e->nrec; j-- > 0;) {
-        uint64_t r = e->rec[j];
+    for (size_t j = n; j-- > 0;) {
+        uint64_t r = rec[j];
         uint32_t start = (uint32_t)r, param = (uint32_t)(r >> 32) & 0x1ffff;
         int kind = (int)(r >> 56) & 3, st = (int)(r >> 58) & 3;
         uint64_t x = xs[st];
@@ -1171,7 +1222,6 @@ static int flush_records(Enc *e, const Codec *cd, const Model *m)
     }
     e->nwords = nw;
     memcpy(e->x, xs, sizeof(xs));
-    e->nrec = 0;
     return R3_OK;
 }
 
@@ -1277,6 +1327,7 @@ FORCE_INLINE int enc_adaptive_impl(Enc *e, const Codec *cd, Model *m, const Inpu
     uint16_t row[MAX_K] = {0}, pos[MAX_K];
     uint64_t pbm[MAX_W], prev_pbm[MAX_W] = {0}, bm[MAX_W], nfresh = 0;
     uint64_t *rp = e->rec + e->nrec, *limit = rp, perm_cost = split_cost_q12(cd, &cd->perm);
+    uint64_t *fp = e->flags;
     model_reset(m, cd);
     for (int64_t t = 0; t < in->tokens; t++) {
         int rc = rp >= limit ? rec_room(e, &rp, &limit) : R3_OK, have_pbm = 0, rep = 0;
@@ -1295,7 +1346,8 @@ FORCE_INLINE int enc_adaptive_impl(Enc *e, const Codec *cd, Model *m, const Inpu
             rep = enc_is_repeat(K, W, cd, m, row, same, pos, pbm, prev_pbm, &have_pbm, &rc);
             rep &= !EXPLICIT_REPEATS;
             uint32_t f0 = m->flag_f0;
-            *rp++ = rep ? REC(REC_MODEL, 0, MODEL_TOTAL - f0, f0) : REC(REC_MODEL, 0, f0, 0);
+            int st = (int)(t & 3);
+            *fp++ = rep ? REC(REC_MODEL, st, MODEL_TOTAL - f0, f0) : REC(REC_MODEL, st, f0, 0);
             m->flag_cnt[rep]++;
         }
         if (rep) continue;
@@ -1310,6 +1362,7 @@ FORCE_INLINE int enc_adaptive_impl(Enc *e, const Codec *cd, Model *m, const Inpu
         copy_bits(prev_pbm, pbm, W);
     }
     e->nrec = (size_t)(rp - e->rec);
+    e->nflags = (size_t)(fp - e->flags);
     model_account(m);
     uint64_t cost = m->cost_acc + nfresh * perm_cost, fallback = in->tokens * cd->fallback_q12;
     return cost + fallback / 256 < fallback;
@@ -1351,6 +1404,7 @@ static int enc_adaptive_k8(Enc *e, const Codec *cd, Model *m, const Input *in, i
     uint64_t *rp = e->rec + e->nrec, *limit = rp, nfresh = 0;
     const uint64_t perm_cost = split_cost_q12(cd, &cd->perm);
     __m128i s = _mm_setzero_si128(), prev_s = s;
+    uint64_t *fp = e->flags;
     model_reset(m, cd);
     for (int64_t t = 0; t < in->tokens; t++) {
         int rc = rp >= limit ? rec_room(e, &rp, &limit) : R3_OK, same = 0;
@@ -1372,7 +1426,8 @@ static int enc_adaptive_k8(Enc *e, const Codec *cd, Model *m, const Input *in, i
         int rep = t > 0 && !EXPLICIT_REPEATS && (same || (!exact && vec_equal(s, prev_s)));
         if (t > 0) {
             uint32_t f0 = m->flag_f0;
-            *rp++ = rep ? REC(REC_MODEL, 0, MODEL_TOTAL - f0, f0) : REC(REC_MODEL, 0, f0, 0);
+            int st = (int)(t & 3);
+            *fp++ = rep ? REC(REC_MODEL, st, MODEL_TOTAL - f0, f0) : REC(REC_MODEL, st, f0, 0);
             m->flag_cnt[rep]++;
         }
         if (rep) continue;
@@ -1391,6 +1446,7 @@ static int enc_adaptive_k8(Enc *e, const Codec *cd, Model *m, const Input *in, i
         prev_s = s;
     }
     e->nrec = (size_t)(rp - e->rec);
+    e->nflags = (size_t)(fp - e->flags);
     model_account(m);
     uint64_t cost = m->cost_acc + nfresh * perm_cost, fallback = in->tokens * cd->fallback_q12;
     return cost + fallback / 256 < fallback;
@@ -1422,8 +1478,13 @@ static int enc_layer(Enc *e, const Codec *cd, Model *m, const Input *in, int64_t
     if (!adaptive) {
         e->nrec = per_layer;
         if ((rc = enc_layer_fallback(e, cd, in, layer))) return rc;
+        return flush_records(e, cd, m, e->rec, e->nrec);
     }
-    return flush_records(e, cd, m);
+    /* Decoding order: the method bit, all the layer's repeat flags, then the fresh rows' gaps
+     * (the decoder knows every row's flag before it walks the gaps). */
+    if ((rc = flush_records(e, cd, m, e->rec + 1, e->nrec - 1))) return rc;
+    if ((rc = flush_records(e, cd, m, e->flags, e->nflags))) return rc;
+    return flush_records(e, cd, m, e->rec, 1);
 }
 
 static int64_t enc_finish(Enc *e, const Header *hd_in, uint8_t **out)
@@ -1463,6 +1524,10 @@ int64_t r3_encode(const void *ids, int32_t itemsize, int64_t tokens, int64_t lay
     Input in = {ids, itemsize, tokens, layers};
     hd.coding = per_layer_coding(tokens, &cd);
     if (!rc && hd.coding) rc = model_alloc(&m, &cd, 1, tokens * layers >= RCP_MIN_ROWS, tokens);
+    if (!rc && hd.coding) {
+        e.flags = malloc((size_t)(tokens < BLOCK_TOKENS ? tokens : BLOCK_TOKENS) * sizeof(uint64_t));
+        if (!e.flags) rc = R3_ERR_NOMEM;
+    }
     for (int s = 0; s < NSTATES; s++) e.x[s] = RANS_L;
     /* rANS is LIFO: the last block's last layer is coded first. */
     for (int64_t b = (tokens - 1) / BLOCK_TOKENS; b >= 0 && !rc; b--) {
@@ -1476,6 +1541,7 @@ int64_t r3_encode(const void *ids, int32_t itemsize, int64_t tokens, int64_t lay
     if (!rc) rc = enc_finish(&e, &hd, out);
     free(e.words);
     free(e.rec);
+    free(e.flags);
     model_free(&m);
     codec_free(&cd);
     return rc;
@@ -1696,16 +1762,47 @@ FORCE_INLINE int dec_gaps(Dec *d, const Codec *cd, Model *m, int K, int W, uint1
     return n == K; /* distinct by construction; re-checked cheaply */
 }
 
-FORCE_INLINE int dec_flag(Dec *d, Model *m)
+/* The layer's repeat flags (rows 1..tokens-1; flag t on state t & 3), decoded ahead of its
+ * gaps with the flag model's own rebuild schedule (it depends on the flags alone): m->rep[t]
+ * and the list of fresh rows m->fresh. The gap walks then branch on a byte that is ready
+ * long before the rANS states are, or (r3_check) visit only the fresh rows. */
+#define DEC_FLAG(X)                                                                         \
+    {                                                                                       \
+        if (t == next) {                                                                    \
+            f0 = flag_freq((uint64_t)t + 1 - n1, n1); /* counts start at 1 each */            \
+            f1 = MODEL_TOTAL - f0;                                                          \
+            next = rebuild_after(next);                                                     \
+        }                                                                                   \
+        uint32_t slot = (uint32_t)(X) & (MODEL_TOTAL - 1), r = slot >= f0;                  \
+        uint32_t mask = 0u - r, f = f0 ^ ((f0 ^ f1) & mask);                                \
+        (X) = (uint64_t)f * ((X) >> MODEL_BITS) + slot - (f0 & mask);                       \
+        dec_renorm(&d, &(X));                                                               \
+        n1 += r;                                                                            \
+        rep[t] = (uint8_t)r;                                                                \
+        fresh[nf] = (uint32_t)t;                                                            \
+        nf += !r;                                                                           \
+        if (++t >= tokens) break;                                                           \
+    }
+/* Branch-free but for renormalization: a flag is as unpredictable as the data. */
+static void dec_flags(Dec *dp, Model *m, int64_t tokens)
 {
-    uint32_t f0 = m->flag_f0, slot = (uint32_t)(d->x0 & (MODEL_TOTAL - 1));
-    int rep = slot >= f0;
-    uint64_t hi = d->x0 >> MODEL_BITS;
-    d->x0 = rep ? (MODEL_TOTAL - f0) * hi + slot - f0 : f0 * hi + slot;
-    dec_renorm(d, &d->x0);
-    m->flag_cnt[rep]++;
-    return rep;
+    Dec d = *dp;
+    uint8_t *rep = m->rep;
+    uint32_t *fresh = m->fresh, f0 = flag_freq(1, 1), f1 = MODEL_TOTAL - f0;
+    uint64_t n1 = 1;
+    int64_t t = 1, nf = 1, next = FIRST_REBUILD;
+    rep[0] = 0;
+    fresh[0] = 0;
+    while (t < tokens && !d.bad) {
+        DEC_FLAG(d.x1)
+        DEC_FLAG(d.x2)
+        DEC_FLAG(d.x3)
+        DEC_FLAG(d.x0)
+    }
+    m->nfresh = nf;
+    *dp = d;
 }
+#undef DEC_FLAG
 
 /* The previous row is re-read from the output (scalar loads of scalar stores): a copy in a
  * local buffer would cost a store-forwarding stall per row. */
@@ -1750,7 +1847,7 @@ FORCE_INLINE void dec_adaptive_impl(Dec *dp, const Codec *cd, Model *m, const Ou
             prefetch_row(o->out, o->itemsize, t, o->tokens, o->layers, layer, K, 1);
             off = out_offset(cd, o, t, layer);
         }
-        if (t > 0 && dec_flag(&d, m)) {
+        if (m->rep[t]) {
             if (emit) copy_prev_row(o, off, back, K);
             continue;
         }
@@ -1809,7 +1906,7 @@ FORCE_INLINE void dec_k8_impl(Dec *dp, const Codec *cd, Model *m, const Output *
             prefetch_row(o->out, o->itemsize, t, o->tokens, o->layers, layer, 8, 1);
             off = out_offset(cd, o, t, layer);
         }
-        if (t > 0 && dec_flag(&d, m)) {
+        if (m->rep[t]) {
             if (emit && exact) copy_prev_row(o, off, back, 8);
             else if (emit) store_row8(o, off, prev_s);
             continue;
@@ -1855,10 +1952,152 @@ static void dec_adaptive_k8(Dec *dp, const Codec *cd, Model *m, const Output *o,
     else dec_k8_impl(dp, cd, m, o, layer, LUT_BITS_SMALL, 1);
 }
 
+/* r3_check's walk of an adaptive layer with rows of 8: dec_k8_impl with emit = 0, written for
+ * registers. It works in popularity-position space: positions grow strictly within a row, so
+ * a row's set is its 8 positions packed into two words (no expert lookup, no sort), and expert
+ * popularity is counted per position (pcnt), folded into ecnt just before each rebuild. Model
+ * fields are copied into locals: stores to the count arrays could otherwise alias them and
+ * force reloads on every symbol. Failure sub-codes come in dec_k8_impl's order. */
+#define CHK_FAIL(why) (bad = bad ? bad : (why))
+#define CHK_RENORM(X)                                                                       \
+    if ((X) < RANS_L) {                                                                     \
+        if (p < end) {                                                                      \
+            (X) = (X) << 32 | load_le32(p);                                                 \
+            p += 4;                                                                         \
+        } else {                                                                            \
+            CHK_FAIL(BAD_OVERRUN);                                                          \
+            (X) |= RANS_L;                                                                  \
+        }                                                                                   \
+    }
+#define CHK_GAP(X, I, KEY)                                                                  \
+    {                                                                                       \
+        const uint32_t *cum = cum0 + (I) * (A + 2);                                         \
+        uint32_t slot = (uint32_t)(X) & (MODEL_TOTAL - 1);                                  \
+        uint32_t g = lut0[((I) << lut_bits) + (slot >> (MODEL_BITS - lut_bits))];           \
+        while (cum[g + 1] <= slot) g++;                                                     \
+        uint32_t lo = cum[g];                                                               \
+        (X) = (uint64_t)(cum[g + 1] - lo) * ((X) >> MODEL_BITS) + slot - lo;                \
+        CHK_RENORM(X)                                                                       \
+        if (g == (uint32_t)A) {                                                             \
+            uint32_t us = (uint32_t)(X) & ((1u << UNIF_BITS) - 1);                          \
+            g = (uint32_t)mulhi64(us, esc.magic);                                           \
+            if (g >= esc.T) {                                                               \
+                CHK_FAIL(BAD_SYMBOL);                                                       \
+                g = 0;                                                                      \
+            }                                                                               \
+            (X) = (uint64_t)esc.f * ((X) >> UNIF_BITS) + us - (uint64_t)g * esc.f;          \
+            CHK_RENORM(X)                                                                   \
+            if (cum[g + 1] != cum[g]) CHK_FAIL(BAD_ESCAPE);                                 \
+        }                                                                                   \
+        cnt0[(I) * A + g]++;                                                                \
+        pos += 1 + (int)g;                                                                  \
+        if (pos > E - 8 + (I)) {                                                            \
+            CHK_FAIL(BAD_GAP);                                                              \
+            break;                                                                          \
+        }                                                                                   \
+        pcnt[pos]++;                                                                        \
+        KEY |= (uint64_t)pos << (16 * ((I) & 3));                                           \
+    }
+
+/* The previous row's positions after a rebuild: to experts by the old order (before), then
+ * to positions in the new order, sorted (after). */
+static void chk_key_experts(const Model *m, const uint64_t *key, uint16_t *ex)
+{
+    for (int j = 0; j < 8; j++) ex[j] = m->perm[(key[j >> 2] >> (16 * (j & 3))) & 0xFFFF];
+}
+
+static void chk_key_positions(const Model *m, const uint16_t *ex, uint64_t *key)
+{
+    uint16_t s[8];
+    for (int j = 0; j < 8; j++) {
+        uint16_t v = m->inv[ex[j]];
+        int b = j;
+        for (; b > 0 && s[b - 1] > v; b--) s[b] = s[b - 1];
+        s[b] = v;
+    }
+    key[0] = key[1] = 0;
+    for (int j = 0; j < 8; j++) key[j >> 2] |= (uint64_t)s[j] << (16 * (j & 3));
+}
+
+/* Expert counts from the position counts of the rows since the last rebuild. */
+static void chk_fold_counts(Model *m, uint32_t *pcnt)
+{
+    for (int p = 0; p < m->E; p++) {
+        m->ecnt[m->perm[p]] += pcnt[p];
+        pcnt[p] = 0;
+    }
+}
+
+static void chk_rebuild(Model *m, const Codec *cd, uint32_t *pcnt, uint64_t *key, int64_t have_key)
+{
+    uint16_t ex[8];
+    if (have_key) chk_key_experts(m, key, ex);
+    chk_fold_counts(m, pcnt);
+    model_rebuild(m, cd);
+    if (have_key) chk_key_positions(m, ex, key);
+}
+
+FORCE_INLINE void chk_k8_impl(Dec *dp, const Codec *cd, Model *m, int64_t tokens,
+                              const int lut_bits)
+{
+    const int A = cd->A, E = cd->E, exact = cd->exact;
+    const Unif esc = cd->unif[UNIF_ESC];
+    const uint32_t *cum0 = m->cum;
+    const uint16_t *lut0 = m->lut;
+    uint32_t *cnt0 = m->cnt, pcnt[MAX_E];
+    uint64_t x0 = dp->x0, x1 = dp->x1, x2 = dp->x2, x3 = dp->x3, key[2] = {0, 0};
+    const uint8_t *p = dp->p, *end = dp->end;
+    int bad = dp->bad;
+    u128 prev_idx = 0;
+    const uint32_t *fresh = m->fresh;
+    const int64_t nfresh = m->nfresh;
+    (void)tokens;
+    memset(pcnt, 0, (size_t)E * sizeof(uint32_t));
+    model_reset(m, cd);
+    /* Rows between fresh ones repeat and change no gap statistics, so each rebuild point up
+     * to row t is run (once, in order) just before fresh row t. */
+    for (int64_t j = 0; j < nfresh && !bad; j++) {
+        const int64_t t = fresh[j];
+        while (t >= m->next_rebuild) chk_rebuild(m, cd, pcnt, key, j);
+        uint64_t k0 = 0, k1 = 0;
+        int pos = -1;
+        do { /* gap i on state (i + 1) & 3; a position past the row's end breaks out */
+            CHK_GAP(x1, 0, k0)
+            CHK_GAP(x2, 1, k0)
+            CHK_GAP(x3, 2, k0)
+            CHK_GAP(x0, 3, k0)
+            CHK_GAP(x1, 4, k1)
+            CHK_GAP(x2, 5, k1)
+            CHK_GAP(x3, 6, k1)
+            CHK_GAP(x0, 7, k1)
+        } while (0);
+        if (bad == BAD_GAP) break;
+        int same = j > 0 && k0 == key[0] && k1 == key[1];
+        if (exact) {
+            Dec d = {p, end, x0, x1, x2, x3, bad};
+            u128 idx = dec_split(&d, &cd->perm, &cd->unif[UNIF_PERM], &d.x2, &d.x3);
+            p = d.p;
+            x2 = d.x2;
+            x3 = d.x3;
+            bad = d.bad;
+            same &= idx == prev_idx;
+            prev_idx = idx;
+        }
+        if (same) CHK_FAIL(BAD_REPEAT);
+        key[0] = k0;
+        key[1] = k1;
+    }
+    dp->x0 = x0, dp->x1 = x1, dp->x2 = x2, dp->x3 = x3, dp->p = p, dp->bad = bad;
+}
+#undef CHK_GAP
+#undef CHK_RENORM
+#undef CHK_FAIL
+
 static void chk_adaptive_k8(Dec *dp, const Codec *cd, Model *m, const Output *o, int64_t layer)
 {
-    if (m->lut_bits == LUT_BITS) dec_k8_impl(dp, cd, m, o, layer, LUT_BITS, 0);
-    else dec_k8_impl(dp, cd, m, o, layer, LUT_BITS_SMALL, 0);
+    (void)layer;
+    if (m->lut_bits == LUT_BITS) chk_k8_impl(dp, cd, m, o->tokens, LUT_BITS);
+    else chk_k8_impl(dp, cd, m, o->tokens, LUT_BITS_SMALL);
 }
 #endif
 
@@ -1922,6 +2161,8 @@ static int dec_payload(Dec *d, Codec *cd, const Header *hd, const Output *o)
                                                                   : BLOCK_TOKENS;
         for (int64_t l = 0; l < hd->layers && !rc && !d->bad; l++) {
             if (hd->coding && dec_raw(d, &d->x0, 1)) {
+                dec_flags(d, &m, blk.tokens);
+                if (d->bad) break;
                 if (emit) dec_layer_adaptive(d, cd, &m, &blk, l);
                 else chk_layer_adaptive(d, cd, &m, &blk, l);
                 continue;
