@@ -934,10 +934,11 @@ static void ctx_rebuild(Model *m, const Codec *cd, int i)
     }
     uint32_t esc = d < (uint32_t)m->A ? d / 2 + 1 : 0;
     uint32_t nsym = d + (esc > 0);
-    uint64_t scale = ((uint64_t)(MODEL_TOTAL - nsym) << 32) / (total + esc);
+    /* Q16 scale: count * scale < 2^31 (count <= total), so the products fit 32-bit lanes. */
+    uint32_t scale = (uint32_t)(((uint64_t)(MODEL_TOTAL - nsym) << 16) / (total + esc));
     uint32_t sum = 0;
     for (int s = 0; s < n; s++) { /* no loop-carried choice: vectorizes */
-        freq[s] = (cnt[s] != 0) + (uint32_t)((cnt[s] * scale) >> 32);
+        freq[s] = (cnt[s] != 0) + ((cnt[s] * scale) >> 16);
         sum += freq[s];
     }
     int best_s = m->A; /* the first most frequent symbol */
@@ -946,7 +947,7 @@ static void ctx_rebuild(Model *m, const Codec *cd, int i)
             best_s = s;
             break;
         }
-    freq[m->A] = esc ? 1 + (uint32_t)((esc * scale) >> 32) : 0;
+    freq[m->A] = esc ? 1 + ((esc * scale) >> 16) : 0;
     sum += freq[m->A];
     /* The rounding remainder goes to the most frequent symbol (the escape if none seen). */
     freq[best_s] += MODEL_TOTAL - sum;
@@ -983,7 +984,8 @@ static void perm_rebuild(Model *m)
     uint32_t maxc = 0;
     for (int e = 0; e < m->E; e++) maxc = m->ecnt[e] > maxc ? m->ecnt[e] : maxc;
     if (maxc <= PERM_COUNTING_MAX) {
-        uint16_t start[PERM_COUNTING_MAX + 1] = {0}, old[MAX_E];
+        uint16_t start[PERM_COUNTING_MAX + 1], old[MAX_E];
+        memset(start, 0, (maxc + 1) * sizeof(uint16_t));
         for (int e = 0; e < m->E; e++) start[m->ecnt[e]]++;
         uint16_t run = 0;
         for (int c = (int)maxc; c >= 0; c--) {
@@ -1006,6 +1008,43 @@ static void perm_rebuild(Model *m)
         }
     }
     for (int p = 0; p < m->E; p++) m->inv[m->perm[p]] = (uint16_t)p;
+}
+
+/* perm_rebuild in popularity-position space (r3_check): pc[p] counts the expert at position
+ * p. The same stable order by count; newpos[p] gets position p's new position and pc is
+ * permuted to the new order. No expert ids are involved. */
+static void pos_rebuild(uint32_t *pc, uint16_t *newpos, int E)
+{
+    uint32_t maxc = 0, old[MAX_E];
+    for (int p = 0; p < E; p++) maxc = pc[p] > maxc ? pc[p] : maxc;
+    memcpy(old, pc, (size_t)E * sizeof(uint32_t));
+    if (maxc <= PERM_COUNTING_MAX) {
+        uint16_t start[PERM_COUNTING_MAX + 1], run = 0;
+        memset(start, 0, (maxc + 1) * sizeof(uint16_t));
+        for (int p = 0; p < E; p++) start[old[p]]++;
+        for (int c = (int)maxc; c >= 0; c--) {
+            uint16_t h = start[c];
+            start[c] = run;
+            run = (uint16_t)(run + h);
+        }
+        for (int p = 0; p < E; p++) {
+            uint16_t q = start[old[p]]++;
+            newpos[p] = q;
+            pc[q] = old[p];
+        }
+        return;
+    }
+    uint16_t ord[MAX_E];
+    for (int a = 0; a < E; a++) {
+        uint32_t c = old[a];
+        int b = a;
+        for (; b > 0 && old[ord[b - 1]] < c; b--) ord[b] = ord[b - 1];
+        ord[b] = (uint16_t)a;
+    }
+    for (int q = 0; q < E; q++) {
+        newpos[ord[q]] = (uint16_t)q;
+        pc[q] = old[ord[q]];
+    }
 }
 
 /* Encoder: adds the code length of everything coded since the last call, from count deltas
@@ -1031,14 +1070,20 @@ static void model_account(Model *m)
     model_snapshot(m);
 }
 
-static void model_rebuild(Model *m, const Codec *cd)
+/* Everything a rebuild does but the popularity order (r3_check keeps that its own way). */
+static void model_rebuild_tables(Model *m, const Codec *cd)
 {
     model_account(m);
     for (int i = 0; i < m->K; i++) ctx_rebuild(m, cd, i);
     flag_rebuild(m, cd);
-    perm_rebuild(m);
     model_snapshot(m);
     m->next_rebuild = rebuild_after(m->next_rebuild);
+}
+
+static void model_rebuild(Model *m, const Codec *cd)
+{
+    model_rebuild_tables(m, cd);
+    perm_rebuild(m);
 }
 
 static void model_reset(Model *m, const Codec *cd)
@@ -1955,8 +2000,8 @@ static void dec_adaptive_k8(Dec *dp, const Codec *cd, Model *m, const Output *o,
 /* r3_check's walk of an adaptive layer with rows of 8: dec_k8_impl with emit = 0, written for
  * registers. It works in popularity-position space: positions grow strictly within a row, so
  * a row's set is its 8 positions packed into two words (no expert lookup, no sort), and expert
- * popularity is counted per position (pcnt), folded into ecnt just before each rebuild. Model
- * fields are copied into locals: stores to the count arrays could otherwise alias them and
+ * popularity is counted per position (pcnt, reordered with the positions at each rebuild by
+ * pos_rebuild; the expert ids themselves are never needed). Model fields are copied into locals: stores to the count arrays could otherwise alias them and
  * force reloads on every symbol. Failure sub-codes come in dec_k8_impl's order. */
 #define CHK_FAIL(why) (bad = bad ? bad : (why))
 #define CHK_RENORM(X)                                                                       \
@@ -1999,42 +2044,22 @@ static void dec_adaptive_k8(Dec *dp, const Codec *cd, Model *m, const Output *o,
         KEY |= (uint64_t)pos << (16 * ((I) & 3));                                           \
     }
 
-/* The previous row's positions after a rebuild: to experts by the old order (before), then
- * to positions in the new order, sorted (after). */
-static void chk_key_experts(const Model *m, const uint64_t *key, uint16_t *ex)
+/* A rebuild for r3_check: tables, then the order in position space; the previous row's key
+ * (its positions, ascending, 16 bits each) is carried over to the new positions. */
+static void chk_rebuild(Model *m, const Codec *cd, uint32_t *pc, uint64_t *key, int64_t have_key)
 {
-    for (int j = 0; j < 8; j++) ex[j] = m->perm[(key[j >> 2] >> (16 * (j & 3))) & 0xFFFF];
-}
-
-static void chk_key_positions(const Model *m, const uint16_t *ex, uint64_t *key)
-{
-    uint16_t s[8];
+    uint16_t newpos[MAX_E], s[8];
+    model_rebuild_tables(m, cd);
+    pos_rebuild(pc, newpos, cd->E);
+    if (!have_key) return;
     for (int j = 0; j < 8; j++) {
-        uint16_t v = m->inv[ex[j]];
+        uint16_t v = newpos[(key[j >> 2] >> (16 * (j & 3))) & 0xFFFF];
         int b = j;
         for (; b > 0 && s[b - 1] > v; b--) s[b] = s[b - 1];
         s[b] = v;
     }
     key[0] = key[1] = 0;
     for (int j = 0; j < 8; j++) key[j >> 2] |= (uint64_t)s[j] << (16 * (j & 3));
-}
-
-/* Expert counts from the position counts of the rows since the last rebuild. */
-static void chk_fold_counts(Model *m, uint32_t *pcnt)
-{
-    for (int p = 0; p < m->E; p++) {
-        m->ecnt[m->perm[p]] += pcnt[p];
-        pcnt[p] = 0;
-    }
-}
-
-static void chk_rebuild(Model *m, const Codec *cd, uint32_t *pcnt, uint64_t *key, int64_t have_key)
-{
-    uint16_t ex[8];
-    if (have_key) chk_key_experts(m, key, ex);
-    chk_fold_counts(m, pcnt);
-    model_rebuild(m, cd);
-    if (have_key) chk_key_positions(m, ex, key);
 }
 
 FORCE_INLINE void chk_k8_impl(Dec *dp, const Codec *cd, Model *m, int64_t tokens,
