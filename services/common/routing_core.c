@@ -731,6 +731,7 @@ typedef struct {
     /* Decoder only: the layer's repeat flags, decoded ahead of its gaps. */
     uint8_t *rep;    /* [rows of a block] 1 = row repeats the previous one */
     uint32_t *fresh; /* [rows of a block] the rows that do not, in order */
+    uint64_t *keys;  /* r3_check: [2 x rows between rebuilds] fresh rows' packed positions */
     int64_t nfresh;
 } Model;
 
@@ -749,6 +750,7 @@ static void model_free(Model *m)
     free(m->snap);
     free(m->rep);
     free(m->fresh);
+    free(m->keys);
 }
 
 static int model_alloc(Model *m, const Codec *cd, int with_cost, int with_rcp, int64_t tokens)
@@ -775,7 +777,8 @@ static int model_alloc(Model *m, const Codec *cd, int with_cost, int with_rcp, i
         size_t rows = (size_t)(tokens < BLOCK_TOKENS ? tokens : BLOCK_TOKENS) + 1;
         m->rep = malloc(rows);
         m->fresh = malloc(rows * sizeof(uint32_t));
-        if (!m->rep || !m->fresh) return R3_ERR_NOMEM;
+        m->keys = malloc(2 * (rows < REBUILD_STEP ? rows : REBUILD_STEP) * sizeof(uint64_t));
+        if (!m->rep || !m->fresh || !m->keys) return R3_ERR_NOMEM;
     }
     if (with_rcp) { /* 288 KB of tables: worth their page faults only on large inputs */
         m->rcp = malloc((MODEL_TOTAL + 1) * sizeof(uint64_t));
@@ -1018,6 +1021,37 @@ static void perm_rebuild(Model *m)
     for (int p = 0; p < m->E; p++) m->inv[m->perm[p]] = (uint16_t)p;
 }
 
+/* Stable counting sort of positions by count, descending (counts <= maxc). Equal counts
+ * sit next to each other (the order was sorted at the last rebuild), so one histogram would
+ * chain store-to-load stalls on each bucket: the positions are split in four quarters, each
+ * with its own histogram and, for placing, its own offsets (quarter q's run of count c after
+ * the runs of quarters < q), and the quarters are walked in lockstep. */
+static void pos_counting_sort(const uint32_t *old, uint32_t *pc, uint16_t *newpos, int E, int maxc)
+{
+    enum { NQ = 4 };
+    uint16_t off[NQ][PERM_COUNTING_MAX + 1];
+    const int qs = (E + NQ - 1) / NQ;
+    for (int q = 0; q < NQ; q++) memset(off[q], 0, (size_t)(maxc + 1) * sizeof(uint16_t));
+    for (int i = 0; i < qs; i++)
+        for (int q = 0; q < NQ; q++)
+            if (q * qs + i < E) off[q][old[q * qs + i]]++;
+    uint16_t run = 0;
+    for (int c = maxc; c >= 0; c--)
+        for (int q = 0; q < NQ; q++) {
+            uint16_t h = off[q][c];
+            off[q][c] = run;
+            run = (uint16_t)(run + h);
+        }
+    for (int i = 0; i < qs; i++)
+        for (int q = 0; q < NQ; q++) {
+            int p = q * qs + i;
+            if (p >= E) continue;
+            uint16_t dst = off[q][old[p]]++;
+            newpos[p] = dst;
+            pc[dst] = old[p];
+        }
+}
+
 /* perm_rebuild in popularity-position space (r3_check): pc[p] counts the expert at position
  * p. The same stable order by count; newpos[p] gets position p's new position and pc is
  * permuted to the new order. No expert ids are involved. */
@@ -1027,19 +1061,7 @@ static void pos_rebuild(uint32_t *pc, uint16_t *newpos, int E)
     for (int p = 0; p < E; p++) maxc = pc[p] > maxc ? pc[p] : maxc;
     memcpy(old, pc, (size_t)E * sizeof(uint32_t));
     if (maxc <= PERM_COUNTING_MAX) {
-        uint16_t start[PERM_COUNTING_MAX + 1], run = 0;
-        memset(start, 0, (maxc + 1) * sizeof(uint16_t));
-        for (int p = 0; p < E; p++) start[old[p]]++;
-        for (int c = (int)maxc; c >= 0; c--) {
-            uint16_t h = start[c];
-            start[c] = run;
-            run = (uint16_t)(run + h);
-        }
-        for (int p = 0; p < E; p++) {
-            uint16_t q = start[old[p]]++;
-            newpos[p] = q;
-            pc[q] = old[p];
-        }
+        pos_counting_sort(old, pc, newpos, E, (int)maxc);
         return;
     }
     uint16_t ord[MAX_E];
@@ -2042,21 +2064,40 @@ static void dec_adaptive_k8(Dec *dp, const Codec *cd, Model *m, const Output *o,
             CHK_RENORM(X)                                                                   \
             if (cum[g + 1] != cum[g]) CHK_FAIL(BAD_ESCAPE);                                 \
         }                                                                                   \
-        cnt0[(I) * A + g]++;                                                                \
         pos += 1 + (int)g;                                                                  \
         if (pos > E - 8 + (I)) {                                                            \
             CHK_FAIL(BAD_GAP);                                                              \
             break;                                                                          \
         }                                                                                   \
-        pcnt[pos]++;                                                                        \
         KEY |= (uint64_t)pos << (16 * ((I) & 3));                                           \
     }
 
 /* A rebuild for r3_check: tables, then the order in position space; the previous row's key
  * (its positions, ascending, 16 bits each) is carried over to the new positions. */
-static void chk_rebuild(Model *m, const Codec *cd, uint32_t *pc, uint64_t *key, int64_t have_key)
+/* The statistics of the fresh rows walked since the last rebuild, from their positions: a gap
+ * is the distance to the previous position less one. Counted here rather than in the walk,
+ * and rows after a layer's last rebuild are never counted (nothing reads those counts). */
+static void chk_count_rows(Model *m, uint32_t *pc, int64_t nrows)
+{
+    const uint64_t *keys = m->keys;
+    uint32_t *cnt = m->cnt;
+    const int A = m->A;
+    for (int64_t r = 0; r < nrows; r++) {
+        int prev = -1;
+        for (int j = 0; j < 8; j++) {
+            int pos = (int)(keys[2 * r + (j >> 2)] >> (16 * (j & 3))) & 0xFFFF;
+            pc[pos]++;
+            cnt[j * A + pos - prev - 1]++;
+            prev = pos;
+        }
+    }
+}
+
+static void chk_rebuild(Model *m, const Codec *cd, uint32_t *pc, uint64_t *key, int64_t have_key,
+                        int64_t nrows)
 {
     uint16_t newpos[MAX_E], s[8];
+    chk_count_rows(m, pc, nrows);
     model_rebuild_tables(m, cd);
     pos_rebuild(pc, newpos, cd->E);
     if (!have_key) return;
@@ -2077,13 +2118,15 @@ FORCE_INLINE void chk_k8_impl(Dec *dp, const Codec *cd, Model *m, int64_t tokens
     const Unif esc = cd->unif[UNIF_ESC];
     const uint32_t *cum0 = m->cum;
     const uint16_t *lut0 = m->lut;
-    uint32_t *cnt0 = m->cnt, pcnt[MAX_E];
+    uint32_t pcnt[MAX_E];
     uint64_t x0 = dp->x0, x1 = dp->x1, x2 = dp->x2, x3 = dp->x3, key[2] = {0, 0};
     const uint8_t *p = dp->p, *end = dp->end;
     int bad = dp->bad;
     u128 prev_idx = 0;
     const uint32_t *fresh = m->fresh;
     const int64_t nfresh = m->nfresh;
+    uint64_t *keys = m->keys;
+    int64_t nrows = 0; /* fresh rows walked since the last rebuild */
     (void)tokens;
     memset(pcnt, 0, (size_t)E * sizeof(uint32_t));
     model_reset(m, cd);
@@ -2091,7 +2134,10 @@ FORCE_INLINE void chk_k8_impl(Dec *dp, const Codec *cd, Model *m, int64_t tokens
      * to row t is run (once, in order) just before fresh row t. */
     for (int64_t j = 0; j < nfresh && !bad; j++) {
         const int64_t t = fresh[j];
-        while (t >= m->next_rebuild) chk_rebuild(m, cd, pcnt, key, j);
+        while (t >= m->next_rebuild) {
+            chk_rebuild(m, cd, pcnt, key, j, nrows);
+            nrows = 0;
+        }
         uint64_t k0 = 0, k1 = 0;
         int pos = -1;
         do { /* gap i on state (i + 1) & 3; a position past the row's end breaks out */
@@ -2117,8 +2163,9 @@ FORCE_INLINE void chk_k8_impl(Dec *dp, const Codec *cd, Model *m, int64_t tokens
             prev_idx = idx;
         }
         if (same) CHK_FAIL(BAD_REPEAT);
-        key[0] = k0;
-        key[1] = k1;
+        key[0] = keys[2 * nrows] = k0;
+        key[1] = keys[2 * nrows + 1] = k1;
+        nrows++;
     }
     dp->x0 = x0, dp->x1 = x1, dp->x2 = x2, dp->x3 = x3, dp->p = p, dp->bad = bad;
 }

@@ -76,6 +76,20 @@ def test_check_gives_decodes_verdict_on_damaged_blobs(source):
     assert any("corrupted payload" in m for m in messages)
 
 
+def test_check_matches_decode_on_long_layers():
+    """Long skewed layers reach what short ones do not: rebuild intervals of thousands of rows
+    (check buffers an interval's rows) and popularity counts past the counting-sort range."""
+    blob = routing.encode(make_ids(4, 9_000, 2, 8, 128, skewed=True), 128)
+    assert assert_same_verdict(blob) == ""
+    rng = np.random.default_rng(11)
+    refused = 0
+    for _ in range(40):
+        damaged = mutate(rng, blob)
+        if len(damaged) >= 32:
+            refused += assert_same_verdict(with_valid_crc(damaged)) != ""
+    assert refused > 20
+
+
 def test_check_and_decode_report_the_same_payload_sub_codes():
     """Across all fuzz sources, most corrupted-payload reasons are reached, each identically."""
     reasons = set()
