@@ -714,6 +714,7 @@ typedef struct {
     uint32_t *cum;  /* [K][A+2] cumulative frequencies, sum 2^15 */
     uint16_t *lut;  /* [K][2^lut_bits] first symbol whose range covers the bucket */
     int lut_bits, lut_shift; /* decoder-side choice; the format does not depend on it */
+    int lut8;       /* r3_check, rows of 8, A < 255: lut holds bytes (half the table work) */
     /* Encoder only: */
     uint32_t *cost;  /* [K][A+1] code length, Q12 bits, for the per-layer method choice */
     uint64_t *rtab;  /* [K][A] ready-made record per gap (ESC_FOLLOWS: escape, then uniform) */
@@ -864,6 +865,61 @@ FORCE_INLINE void prefix_max_u16(const uint16_t *in, uint16_t *out, int n)
 #endif
 }
 
+/* prefix_max_u16 for bytes; n is a multiple of 16. */
+FORCE_INLINE void prefix_max_u8(const uint8_t *in, uint8_t *out, int n)
+{
+#if HAVE_SORT8
+    const __m128i last_lane = _mm_set1_epi8(15);
+    __m128i carry = _mm_setzero_si128();
+    for (int b = 0; b < n; b += 16) {
+        __m128i v = _mm_loadu_si128((const __m128i *)(in + b));
+        v = _mm_max_epu8(v, _mm_slli_si128(v, 1));
+        v = _mm_max_epu8(v, _mm_slli_si128(v, 2));
+        v = _mm_max_epu8(v, _mm_slli_si128(v, 4));
+        v = _mm_max_epu8(v, _mm_slli_si128(v, 8));
+        _mm_storeu_si128((__m128i *)(out + b), _mm_max_epu8(v, carry));
+        carry = _mm_max_epu8(carry, _mm_shuffle_epi8(v, last_lane));
+    }
+#else
+    uint8_t run = 0;
+    for (int b = 0; b < n; b++) out[b] = run = in[b] > run ? in[b] : run;
+#endif
+}
+
+/* The decoder's cumulative frequencies and lookup table of context i (bytes: m->lut8).
+ * lut[b] = number of symbol
+ * ranges ending at or before slot b << lut_shift, i.e. the symbol holding that slot. Range
+ * ends never decrease with the symbol, so that count is a running maximum of (1 + the last
+ * symbol ending in bucket b): plain stores instead of a histogram's increments, which chain
+ * store-to-load stalls when neighbours share a bucket. The empty ranges n..A-1 end where
+ * symbol n-1 does; the escape ends at 2^15, past the last bucket. */
+FORCE_INLINE void tables_build(Model *m, int i, uint32_t *cum, const uint32_t *freq, int n,
+                               const int bytes)
+{
+    const int A = m->A, shift = m->lut_shift, nb = 1 << m->lut_bits;
+    const uint32_t round = (1u << shift) - 1;
+    uint16_t last16[(1u << LUT_BITS) + 1];
+    uint8_t last8[(1u << LUT_BITS) + 1];
+    uint32_t c = 0;
+    if (bytes) memset(last8, 0, (size_t)nb + 1);
+    else memset(last16, 0, (size_t)(nb + 1) * sizeof(uint16_t));
+    cum[0] = 0;
+    for (int s = 0; s < n; s++) { /* one pass: cumulative frequencies and range ends */
+        cum[s + 1] = c += freq[s];
+        if (bytes) last8[(c + round) >> shift] = (uint8_t)(s + 1);
+        else last16[(c + round) >> shift] = (uint16_t)(s + 1);
+    }
+    for (int s = n; s < A; s++) cum[s + 1] = c;
+    cum[A + 1] = c + freq[A];
+    if (bytes) {
+        last8[(c + round) >> shift] = (uint8_t)A;
+        prefix_max_u8(last8, (uint8_t *)m->lut + ((size_t)i << m->lut_bits), nb);
+    } else {
+        last16[(c + round) >> shift] = (uint16_t)A;
+        prefix_max_u16(last16, m->lut + ((size_t)i << m->lut_bits), nb);
+    }
+}
+
 static void ctx_tables(Model *m, const Codec *cd, int i, const uint32_t *freq, int n)
 {
     const int A = m->A;
@@ -877,33 +933,17 @@ static void ctx_tables(Model *m, const Codec *cd, int i, const uint32_t *freq, i
         ctx_costs(m, cd, i, freq, cum, n);
         return;
     }
-    /* lut[b] = number of symbol ranges ending at or before slot b << lut_shift, i.e. the
-     * symbol holding that slot. Range ends never decrease with the symbol, so that count is a
-     * running maximum of (1 + the last symbol ending in bucket b): plain stores instead of a
-     * histogram's increments, which chain store-to-load stalls when neighbours share a bucket.
-     * The empty ranges n..A-1 end where symbol n-1 does; the escape ends at 2^15, past the
-     * last bucket. One pass writes the cumulative frequencies and those ends. */
-    const int shift = m->lut_shift, nb = 1 << m->lut_bits;
-    const uint32_t round = (1u << shift) - 1;
-    uint16_t last[(1u << LUT_BITS) + 1];
+    const int nb = 1 << m->lut_bits;
     if (n == 0) { /* a reset: every slot is the escape's */
         for (int s = 0; s <= A; s++) cum[s] = 0;
         cum[A + 1] = freq[A];
-        for (int b = 0; b < nb; b++) lut[b] = (uint16_t)A;
+        if (m->lut8) memset((uint8_t *)m->lut + ((size_t)i << m->lut_bits), A, (size_t)nb);
+        else
+            for (int b = 0; b < nb; b++) lut[b] = (uint16_t)A;
         return;
     }
-    uint32_t c = 0;
-    memset(last, 0, (size_t)(nb + 1) * sizeof(uint16_t));
-    cum[0] = 0;
-    for (int s = 0; s < n; s++) {
-        c += freq[s];
-        cum[s + 1] = c;
-        last[(c + round) >> shift] = (uint16_t)(s + 1);
-    }
-    for (int s = n; s < A; s++) cum[s + 1] = c;
-    cum[A + 1] = c + freq[A];
-    last[(c + round) >> shift] = (uint16_t)A;
-    prefix_max_u16(last, lut, nb);
+    if (m->lut8) tables_build(m, i, cum, freq, n, 1);
+    else tables_build(m, i, cum, freq, n, 0);
 }
 
 /* Symbols 0..n-1 hold every nonzero count (n = 0 if none); four counts per test. */
@@ -2048,7 +2088,8 @@ static void dec_adaptive_k8(Dec *dp, const Codec *cd, Model *m, const Output *o,
     {                                                                                       \
         const uint32_t *cum = cum0 + (I) * (A + 2);                                         \
         uint32_t slot = (uint32_t)(X) & (MODEL_TOTAL - 1);                                  \
-        uint32_t g = lut0[((I) << lut_bits) + (slot >> (MODEL_BITS - lut_bits))];           \
+        uint32_t b = ((I) << lut_bits) + (slot >> (MODEL_BITS - lut_bits));                \
+        uint32_t g = lut8 ? ((const uint8_t *)lut0)[b] : lut0[b];                           \
         while (cum[g + 1] <= slot) g++;                                                     \
         uint32_t lo = cum[g];                                                               \
         (X) = (uint64_t)(cum[g + 1] - lo) * ((X) >> MODEL_BITS) + slot - lo;                \
@@ -2112,7 +2153,7 @@ static void chk_rebuild(Model *m, const Codec *cd, uint32_t *pc, uint64_t *key, 
 }
 
 FORCE_INLINE void chk_k8_impl(Dec *dp, const Codec *cd, Model *m, int64_t tokens,
-                              const int lut_bits)
+                              const int lut_bits, const int lut8)
 {
     const int A = cd->A, E = cd->E, exact = cd->exact;
     const Unif esc = cd->unif[UNIF_ESC];
@@ -2176,8 +2217,10 @@ FORCE_INLINE void chk_k8_impl(Dec *dp, const Codec *cd, Model *m, int64_t tokens
 static void chk_adaptive_k8(Dec *dp, const Codec *cd, Model *m, const Output *o, int64_t layer)
 {
     (void)layer;
-    if (m->lut_bits == LUT_BITS) chk_k8_impl(dp, cd, m, o->tokens, LUT_BITS);
-    else chk_k8_impl(dp, cd, m, o->tokens, LUT_BITS_SMALL);
+    if (m->lut8 && m->lut_bits == LUT_BITS) chk_k8_impl(dp, cd, m, o->tokens, LUT_BITS, 1);
+    else if (m->lut8) chk_k8_impl(dp, cd, m, o->tokens, LUT_BITS_SMALL, 1);
+    else if (m->lut_bits == LUT_BITS) chk_k8_impl(dp, cd, m, o->tokens, LUT_BITS, 0);
+    else chk_k8_impl(dp, cd, m, o->tokens, LUT_BITS_SMALL, 0);
 }
 #endif
 
@@ -2233,6 +2276,8 @@ static int dec_payload(Dec *d, Codec *cd, const Header *hd, const Output *o)
         if (*xs[s] < RANS_L || *xs[s] >> 63) dec_fail(d, BAD_FINAL);
     }
     if (hd->coding) rc = model_alloc(&m, cd, 0, 0, hd->tokens);
+    /* r3_check's walk for rows of 8 (chk_adaptive_k8) reads byte tables where symbols fit. */
+    m.lut8 = !emit && HAVE_SORT8 && cd->K == 8 && cd->A > 1 && cd->A < 255;
     for (int64_t b = 0; b * BLOCK_TOKENS < hd->tokens && !rc && !d->bad; b++) {
         Output blk = *o;
         if (emit)
