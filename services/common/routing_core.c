@@ -1061,6 +1061,7 @@ static void perm_rebuild(Model *m)
     for (int p = 0; p < m->E; p++) m->inv[m->perm[p]] = (uint16_t)p;
 }
 
+#if HAVE_SORT8 /* used by r3_check's walk for rows of 8 */
 /* Stable counting sort of positions by count, descending (counts <= maxc). Equal counts
  * sit next to each other (the order was sorted at the last rebuild), so one histogram would
  * chain store-to-load stalls on each bucket: the positions are split in four quarters, each
@@ -1116,6 +1117,7 @@ static void pos_rebuild(uint32_t *pc, uint16_t *newpos, int E)
         pc[q] = old[ord[q]];
     }
 }
+#endif
 
 /* Encoder: adds the code length of everything coded since the last call, from count deltas
  * (cheaper than summing per symbol). */
