@@ -6,19 +6,24 @@ zstd levels 3 and 19 of its bytes. Speeds are MB/s of uint8-equivalent input
 (tokens*layers*topk bytes), best of --repeats runs, timed by the calling thread's CPU clock
 (one core; on this shared 2-core machine wall time also counts other processes' slices, so
 it is reported alongside). Writes bench-results/codec.json; exits 1 if a target is missed.
-Legend: T = tokens, L = layers, K = top-k.
+`--baseline-rev REV` adds a same-run A/B of the C core against routing_core.c at git REV
+(sizes and check/decode/encode time per blob, 511- and 16,384-token inputs; the cores are
+called through ctypes, as routing.py reads only its own format version). Legend: T = tokens, L = layers, K = top-k.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import math
 import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +34,7 @@ sys.path[:0] = [str(REPO), str(REPO / "tests/bench")]
 
 from routing_data import skewed_routing, uniform_routing  # noqa: E402
 
-from services.common import routing  # noqa: E402
+from services.common import _build, routing  # noqa: E402
 
 TOKENS, LAYERS, TOPK, EXPERTS = 16_384, 48, 8, 128
 SEGMENT = 512
@@ -116,10 +121,130 @@ def print_table(results: dict) -> None:
         print(f"{name:<20}" + "".join(f"{r[c]:>23.3f}" if c in r else f"{'-':>23}" for c in cols))
 
 
+# ----------------------------------------------------------------------------- A/B
+# This checkout's C core against one built from routing_core.c at a git revision, both called
+# through ctypes. Rounds alternate between the cores so both see the same machine load; each
+# figure is the best round's thread CPU time per call.
+
+CORE_SOURCE = "services/common/routing_core.c"
+# (name, generator, tokens, mode, calls per round): a 511-token blob is what the store checks
+# per trajectory (512 tokens, rows = tokens - 1); 16,384 tokens is the codec bench's shape.
+AB_CASES = [
+    ("skewed_511", skewed_routing, 511, "canonical", 60),
+    ("skewed_511_exact", skewed_routing, 511, "exact", 30),
+    ("uniform_511", uniform_routing, 511, "canonical", 30),
+    ("skewed_16384", skewed_routing, 16_384, "canonical", 2),
+]
+
+
+class Core:
+    """Encode/check/decode through one build of the C core."""
+
+    def __init__(self, path: Path):
+        self.lib = routing._load_library(path)
+
+    def encode(self, ids_TLK: np.ndarray, mode: str) -> bytes:
+        out = ctypes.c_void_p()
+        tokens, layers, topk = ids_TLK.shape
+        n = self.lib.r3_encode(ids_TLK.ctypes.data, ids_TLK.itemsize, tokens, layers, topk,
+                               EXPERTS, routing.MODES.index(mode), ctypes.byref(out), None)
+        if n < 0:
+            raise RuntimeError(f"r3_encode failed ({n})")
+        try:
+            return ctypes.string_at(out, n)
+        finally:
+            self.lib.r3_free(out)
+
+    def check(self, data: np.ndarray, info: np.ndarray) -> None:
+        rc = self.lib.r3_check(data.ctypes.data, len(data), info.ctypes.data)
+        if rc:
+            raise RuntimeError(f"r3_check refused a valid blob ({rc}, {info[0]})")
+
+    def decode(self, data: np.ndarray, out_TLK: np.ndarray, info: np.ndarray) -> None:
+        rc = self.lib.r3_decode(data.ctypes.data, len(data), out_TLK.ctypes.data,
+                                out_TLK.itemsize, info.ctypes.data)
+        if rc:
+            raise RuntimeError(f"r3_decode refused a valid blob ({rc}, {info[0]})")
+
+
+def build_core(rev: str, workdir: Path) -> Path:
+    """Compile routing_core.c as of git revision `rev` with the build's own flags."""
+    source = workdir / "routing_core.c"
+    source.write_bytes(subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:{CORE_SOURCE}"],
+                                      capture_output=True, check=True).stdout)
+    library = workdir / "_routing_core_baseline.so"
+    subprocess.run(_build.compile_command(source, library), capture_output=True, check=True)
+    return library
+
+
+def per_call(fn: Callable[[], None], calls: int) -> float:
+    start = time.thread_time()
+    for _ in range(calls):
+        fn()
+    return (time.thread_time() - start) / calls
+
+
+def case_ops(core: Core, ids_TLK: np.ndarray, mode: str) -> tuple[int, dict]:
+    """Blob size and the three timed operations of one core on one input."""
+    blob = core.encode(ids_TLK, mode)
+    data, info = np.frombuffer(blob, np.uint8), np.zeros(4, np.int64)
+    out_TLK = np.empty_like(ids_TLK)
+    core.decode(data, out_TLK, info)
+    want_TLK = np.sort(ids_TLK, axis=-1) if mode == "canonical" else ids_TLK
+    if not np.array_equal(out_TLK, want_TLK):
+        raise SystemExit("A/B: round trip failed")
+    return len(blob), {
+        "encode": lambda: core.encode(ids_TLK, mode),
+        "check": lambda: core.check(data, info),
+        "decode": lambda: core.decode(data, out_TLK, info),
+    }
+
+
+def run_case(cores: dict[str, Core], ids_TLK: np.ndarray, mode: str, calls: int,
+             rounds: int) -> dict:
+    sizes, ops, best = {}, {}, {}
+    for name, core in cores.items():
+        sizes[name], ops[name] = case_ops(core, ids_TLK, mode)
+        best[name] = dict.fromkeys(ops[name], math.inf)
+    for _ in range(rounds):  # interleaved: every round times both cores
+        for name in cores:
+            for op, fn in ops[name].items():
+                best[name][op] = min(best[name][op], per_call(fn, calls))
+    row = {f"bytes_{name}": sizes[name] for name in cores}
+    row["bytes_ratio"] = sizes["new"] / sizes["baseline"]
+    for op in ("check", "decode", "encode"):
+        for name in cores:
+            row[f"{op}_us_{name}"] = best[name][op] * 1e6
+        row[f"{op}_speedup"] = best["baseline"][op] / best["new"][op]
+    return row
+
+
+def ab_against(rev: str, rounds: int) -> dict:
+    """{case: sizes, per-call microseconds of both cores, speedups} for every case."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cores = {"baseline": Core(build_core(rev, Path(tmp))), "new": Core(_build.ensure_built())}
+        results = {}
+        for name, make, tokens, mode, calls in AB_CASES:
+            ids_TLK = make(tokens, LAYERS, TOPK, EXPERTS, seed=1)
+            results[name] = run_case(cores, ids_TLK, mode, calls, rounds)
+    return results
+
+
+def print_ab(rev: str, results: dict) -> None:
+    cols = ["bytes_baseline", "bytes_new", "bytes_ratio", "check_us_baseline", "check_us_new",
+            "check_speedup", "decode_us_baseline", "decode_us_new", "decode_speedup",
+            "encode_us_baseline", "encode_us_new", "encode_speedup"]
+    print(f"\nC core A/B against {rev} (same run, interleaved rounds, best per-call CPU time)")
+    print(f"{'case':<18}" + "".join(f"{c:>20}" for c in cols))
+    for name, row in results.items():
+        print(f"{name:<18}" + "".join(f"{row[c]:>20.3f}" for c in cols))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--out", type=Path, default=REPO / "bench-results" / "codec.json")
+    ap.add_argument("--baseline-rev", help="git revision whose routing_core.c is the A/B baseline")
     args = ap.parse_args()
     datasets = {"uniform": uniform_routing, "skewed": skewed_routing}
     results, ok = {}, True
@@ -145,6 +270,10 @@ def main() -> int:
         "timing": "thread CPU time, best of repeats, one core",
         "all_targets_met": ok,
     }
+    if args.baseline_rev:
+        report["ab"] = {"baseline_rev": args.baseline_rev,
+                        "cases": ab_against(args.baseline_rev, args.repeats)}
+        print_ab(args.baseline_rev, report["ab"]["cases"])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     for name, r in results.items():
