@@ -887,12 +887,11 @@ FORCE_INLINE void prefix_max_u8(const uint8_t *in, uint8_t *out, int n)
 }
 
 /* The decoder's cumulative frequencies and lookup table of context i (bytes: m->lut8).
- * lut[b] = number of symbol
- * ranges ending at or before slot b << lut_shift, i.e. the symbol holding that slot. Range
- * ends never decrease with the symbol, so that count is a running maximum of (1 + the last
- * symbol ending in bucket b): plain stores instead of a histogram's increments, which chain
- * store-to-load stalls when neighbours share a bucket. The empty ranges n..A-1 end where
- * symbol n-1 does; the escape ends at 2^15, past the last bucket. */
+ * lut[b] = number of symbol ranges ending at or before slot b << lut_shift, i.e. the symbol
+ * holding that slot. Range ends never decrease with the symbol, so that count is a running
+ * maximum of (1 + the last symbol ending in bucket b): plain stores instead of a histogram's
+ * increments, which chain store-to-load stalls when neighbours share a bucket. The empty
+ * ranges n..A-1 end where symbol n-1 does; the escape ends at 2^15, past the last bucket. */
 FORCE_INLINE void tables_build(Model *m, int i, uint32_t *cum, const uint32_t *freq, int n,
                                const int bytes)
 {
@@ -1067,7 +1066,8 @@ static void perm_rebuild(Model *m)
  * chain store-to-load stalls on each bucket: the positions are split in four quarters, each
  * with its own histogram and, for placing, its own offsets (quarter q's run of count c after
  * the runs of quarters < q), and the quarters are walked in lockstep. */
-static void pos_counting_sort(const uint32_t *old, uint32_t *pc, uint16_t *newpos, int E, int maxc)
+static void pos_counting_sort(const uint32_t *old, uint32_t *pc, uint16_t *newpos, int E,
+                              int maxc)
 {
     enum { NQ = 4 };
     uint16_t off[NQ][PERM_COUNTING_MAX + 1];
@@ -1642,7 +1642,8 @@ int64_t r3_encode(const void *ids, int32_t itemsize, int64_t tokens, int64_t lay
     hd.coding = per_layer_coding(tokens, &cd);
     if (!rc && hd.coding) rc = model_alloc(&m, &cd, 1, tokens * layers >= RCP_MIN_ROWS, tokens);
     if (!rc && hd.coding) {
-        e.flags = malloc((size_t)(tokens < BLOCK_TOKENS ? tokens : BLOCK_TOKENS) * sizeof(uint64_t));
+        size_t rows = (size_t)(tokens < BLOCK_TOKENS ? tokens : BLOCK_TOKENS);
+        e.flags = malloc(rows * sizeof(uint64_t));
         if (!e.flags) rc = R3_ERR_NOMEM;
     }
     for (int s = 0; s < NSTATES; s++) e.x[s] = RANS_L;
@@ -1886,7 +1887,7 @@ FORCE_INLINE int dec_gaps(Dec *d, const Codec *cd, Model *m, int K, int W, uint1
 #define DEC_FLAG(X)                                                                         \
     {                                                                                       \
         if (t == next) {                                                                    \
-            f0 = flag_freq((uint64_t)t + 1 - n1, n1); /* counts start at 1 each */            \
+            f0 = flag_freq((uint64_t)t + 1 - n1, n1); /* counts start at 1 each */          \
             f1 = MODEL_TOTAL - f0;                                                          \
             next = rebuild_after(next);                                                     \
         }                                                                                   \
@@ -2073,8 +2074,9 @@ static void dec_adaptive_k8(Dec *dp, const Codec *cd, Model *m, const Output *o,
  * registers. It works in popularity-position space: positions grow strictly within a row, so
  * a row's set is its 8 positions packed into two words (no expert lookup, no sort), and expert
  * popularity is counted per position (pcnt, reordered with the positions at each rebuild by
- * pos_rebuild; the expert ids themselves are never needed). Model fields are copied into locals: stores to the count arrays could otherwise alias them and
- * force reloads on every symbol. Failure sub-codes come in dec_k8_impl's order. */
+ * pos_rebuild; the expert ids themselves are never needed). Model fields are copied into
+ * locals, so stores cannot force reloads of them. Failure sub-codes come in dec_k8_impl's
+ * order. */
 #define CHK_FAIL(why) (bad = bad ? bad : (why))
 #define CHK_RENORM(X)                                                                       \
     if ((X) < RANS_L) {                                                                     \
@@ -2115,8 +2117,6 @@ static void dec_adaptive_k8(Dec *dp, const Codec *cd, Model *m, const Output *o,
         KEY |= (uint64_t)pos << (16 * ((I) & 3));                                           \
     }
 
-/* A rebuild for r3_check: tables, then the order in position space; the previous row's key
- * (its positions, ascending, 16 bits each) is carried over to the new positions. */
 /* The statistics of the fresh rows walked since the last rebuild, from their positions: a gap
  * is the distance to the previous position less one. Counted here rather than in the walk,
  * and rows after a layer's last rebuild are never counted (nothing reads those counts). */
@@ -2136,6 +2136,9 @@ static void chk_count_rows(Model *m, uint32_t *pc, int64_t nrows)
     }
 }
 
+/* A rebuild for r3_check: the buffered rows' counts, the tables, then the order in position
+ * space; the previous row's key (its positions, ascending, 16 bits each) is carried over to
+ * the new positions. */
 static void chk_rebuild(Model *m, const Codec *cd, uint32_t *pc, uint64_t *key, int64_t have_key,
                         int64_t nrows)
 {
@@ -2154,8 +2157,8 @@ static void chk_rebuild(Model *m, const Codec *cd, uint32_t *pc, uint64_t *key, 
     for (int j = 0; j < 8; j++) key[j >> 2] |= (uint64_t)s[j] << (16 * (j & 3));
 }
 
-FORCE_INLINE void chk_k8_impl(Dec *dp, const Codec *cd, Model *m, int64_t tokens,
-                              const int lut_bits, const int lut8)
+FORCE_INLINE void chk_k8_impl(Dec *dp, const Codec *cd, Model *m, const int lut_bits,
+                              const int lut8)
 {
     const int A = cd->A, E = cd->E, exact = cd->exact;
     const Unif esc = cd->unif[UNIF_ESC];
@@ -2170,7 +2173,6 @@ FORCE_INLINE void chk_k8_impl(Dec *dp, const Codec *cd, Model *m, int64_t tokens
     const int64_t nfresh = m->nfresh;
     uint64_t *keys = m->keys;
     int64_t nrows = 0; /* fresh rows walked since the last rebuild */
-    (void)tokens;
     memset(pcnt, 0, (size_t)E * sizeof(uint32_t));
     model_reset(m, cd);
     /* Rows between fresh ones repeat and change no gap statistics, so each rebuild point up
@@ -2218,11 +2220,11 @@ FORCE_INLINE void chk_k8_impl(Dec *dp, const Codec *cd, Model *m, int64_t tokens
 
 static void chk_adaptive_k8(Dec *dp, const Codec *cd, Model *m, const Output *o, int64_t layer)
 {
-    (void)layer;
-    if (m->lut8 && m->lut_bits == LUT_BITS) chk_k8_impl(dp, cd, m, o->tokens, LUT_BITS, 1);
-    else if (m->lut8) chk_k8_impl(dp, cd, m, o->tokens, LUT_BITS_SMALL, 1);
-    else if (m->lut_bits == LUT_BITS) chk_k8_impl(dp, cd, m, o->tokens, LUT_BITS, 0);
-    else chk_k8_impl(dp, cd, m, o->tokens, LUT_BITS_SMALL, 0);
+    (void)o, (void)layer; /* the fresh-row list (dec_flags) says which rows to walk */
+    if (m->lut8 && m->lut_bits == LUT_BITS) chk_k8_impl(dp, cd, m, LUT_BITS, 1);
+    else if (m->lut8) chk_k8_impl(dp, cd, m, LUT_BITS_SMALL, 1);
+    else if (m->lut_bits == LUT_BITS) chk_k8_impl(dp, cd, m, LUT_BITS, 0);
+    else chk_k8_impl(dp, cd, m, LUT_BITS_SMALL, 0);
 }
 #endif
 
