@@ -28,9 +28,11 @@ def _overrides(args: argparse.Namespace) -> dict[str, object]:
 def run(args: argparse.Namespace) -> int:
     from services.common.config import load_config
     from services.store.config import StoreConfig
+    from services.store.malloc_tuning import keep_freed_memory
     from services.store.redis_server import EmbeddedRedis
 
     cfg = load_config(StoreConfig, args.config, _overrides(args))
+    keep_freed_memory(cfg.malloc_keep_bytes)  # before the first large allocation
     password = _redis_password(cfg)
     stop = _stop_on_signals()  # before serving: a SIGTERM right after startup is still graceful
     if cfg.redis_url is not None:

@@ -46,6 +46,10 @@ class StoreConfig(StrictConfig):
     routing_check_threads: int = Field(
         2, ge=1, le=64, description="threads that walk one Append stream's routing payloads "
         "(routing_validation=decode), in one call that holds no Python lock")
+    malloc_keep_bytes: int = Field(
+        256 << 20, ge=0, description="freed heap memory glibc keeps per arena instead of "
+        "returning it to the kernel after every large message (services/store/malloc_tuning.py; "
+        "0 = glibc defaults)")
     max_group_size: int = Field(1024, ge=1, description="largest GRPO group")
     max_inflight_trajectories: int = Field(
         100_000, ge=1, description="begun, not yet finished trajectories")
