@@ -8,7 +8,9 @@ float32 logprobs) written by 4 processes with redis-py pipelines and read back b
 
 Each side runs against its own fresh embedded redis-server (AOF everysec) in two timed phases:
 write (all clients at once), then drain. tokens/s = tokens / (write s + drain s); the sides
-run interleaved `--repeats` times and the best run of each is compared (the machine is shared).
+run interleaved `--repeats` times and the MEDIAN run of each is compared (the machine is shared;
+a best-of favours the side with the shorter, noisier runs: the raw baseline's write phase is
+~0.2 s at the default size). The best runs are reported too.
 Memory is Redis INFO used_memory (less AOF and client buffers) after the write phase minus
 before, per token. Trajectory protos
 (routing encoded by the codec) are built before the clock starts: encoding is the rollout
@@ -22,6 +24,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -268,8 +271,8 @@ def bench_raw(groups: int, data: Path, workdir: Path) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--groups-per-client", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="interleaved runs per side; the best of each is reported")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="interleaved runs per side; the medians are compared")
     parser.add_argument("--out", default=str(REPO / "bench-results/store.json"))
     args = parser.parse_args()
     tokens = CLIENTS * args.groups_per_client * GROUP * TOKENS_PER_TRAJ
@@ -293,7 +296,8 @@ def summarize(tokens: int, runs: dict[str, list[dict[str, float]]],
               encode_s: float) -> dict[str, object]:
     rates = {side: [tokens / (r["write_s"] + r["drain_s"]) for r in rs]
              for side, rs in runs.items()}
-    best = {side: max(rs) for side, rs in rates.items()}
+    best = {side: statistics.median(rs) for side, rs in rates.items()}
+    top = {side: max(rs) for side, rs in rates.items()}
     mem = {side: rs[-1]["mem_bytes"] / tokens for side, rs in runs.items()}
     store_cpu = min(r["store_process_cpu_s"] for r in runs["store"])
     cpu = {side: min(r["total_cpu_s"] for r in rs) / tokens for side, rs in runs.items()}
@@ -303,6 +307,8 @@ def summarize(tokens: int, runs: dict[str, list[dict[str, float]]],
                   "num_experts": EXPERTS, "generator": "skewed"},
         "store_tokens_per_s": best["store"], "raw_tokens_per_s": best["raw"],
         "throughput_ratio": best["store"] / best["raw"],
+        "statistic": "median of the interleaved runs",
+        "best_run_throughput_ratio": top["store"] / top["raw"],
         "store_tokens_per_s_runs": rates["store"], "raw_tokens_per_s_runs": rates["raw"],
         # Same store with routing_validation="header" (no payload decode): not the default.
         "store_header_tokens_per_s": best["store_header"],
@@ -329,14 +335,15 @@ def summarize(tokens: int, runs: dict[str, list[dict[str, float]]],
 
 
 def print_table(r: dict) -> None:  # noqa: ANN001
-    print(f"{'side':<13}{'best tokens/s':>15}{'all runs (tokens/s)':>50}{'bytes/token':>13}")
+    print(f"{'side':<13}{'median tok/s':>15}{'all runs (tokens/s)':>72}{'bytes/token':>13}")
     for side in ("raw", "store", "store_header"):
         runs = ", ".join(f"{x:,.0f}" for x in r[side + "_tokens_per_s_runs"])
-        print(f"{side:<13}{r[side + '_tokens_per_s']:>15,.0f}{runs:>50}"
+        print(f"{side:<13}{r[side + '_tokens_per_s']:>15,.0f}{runs:>72}"
               f"{r[side + '_bytes_per_token']:>13,.1f}")
     print(f"store_header = routing_validation='header' (not the default): ratio "
           f"{r['store_header_throughput_ratio']:.3f}")
-    print(f"throughput_ratio {r['throughput_ratio']:.3f} (target >= 0.5)   "
+    print(f"throughput_ratio {r['throughput_ratio']:.3f} (medians; target >= 0.5; best runs "
+          f"{r['best_run_throughput_ratio']:.3f})   "
           f"bytes_per_token_ratio {r['bytes_per_token_ratio']:.3f} (target <= 0.5)   "
           f"tokens {r['tokens']:,}")
     print(f"CPU us/token, all processes: raw {r['raw_total_cpu_us_per_token']:.2f}, store "
