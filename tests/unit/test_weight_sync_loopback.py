@@ -133,6 +133,26 @@ def test_repeated_layout_and_changed_layout_deliver_exact_tensors(sender):
             assert torch.equal(r, want), (version, name)
 
 
+def test_layout_is_published_once_per_distinct_layout(sender):
+    """Steady-state pushes put a digest reference on the critical path, not the layout; a
+    changed layout replaces the stored one."""
+    from services.common.weight_sync.group import Keys, push_store
+
+    rx, digests = WeightReceiver("a"), []
+    for version, named in enumerate([_weights(1), _weights(2), _weights(3)[1:]], start=1):
+        plan = sender.plan(version, _workers("a"))
+        threads, results = _run_receivers(plan, [rx])
+        sender.push(plan, named)
+        threads[0].join()
+        assert not isinstance(results["a"], Exception)
+        ref = push_store(sender._root, version).get(Keys.LAYOUT).decode()
+        assert ref.startswith(Keys.LAYOUT_REF)
+        digests.append(ref.removeprefix(Keys.LAYOUT_REF))
+    assert digests[0] == digests[1] != digests[2]  # same shapes twice, then one tensor fewer
+    assert sender._root.check([Keys.layout_blob(digests[2])])
+    assert not sender._root.check([Keys.layout_blob(digests[0])])  # replaced, not piled up
+
+
 def test_checksum_mismatch_is_named_and_nobody_commits(sender, monkeypatch):
     """A receiver whose bytes do not match the sender's checksums acks `fail`: the sender
     names it, and every receiver discards (b verified fine but does not load either)."""

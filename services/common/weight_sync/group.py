@@ -9,8 +9,10 @@ change between pushes. Keys under a push prefix:
   params        sender's timing settings (JSON), read by receivers at join
   join/{r}      rank r is connected and heart-beating; go: every member joined
   hb/{r}        "{beats}:{buckets verified}", refreshed by rank r's heartbeat thread
-  layout        every bucket's layout (JSON list) when the sender knows them all up front
-                (a list or dict of tensors), else "stream"
+  layout        "ref:{digest}" when the sender knows every bucket up front (a list or dict of
+                tensors): the layout (JSON list of bucket headers) is the root key
+                layouts/{digest}, written once per distinct layout (steady-state pushes repeat
+                it: a few bytes on the critical path instead of the whole layout); else "stream"
   header/{k}    layout of bucket k, streamed pushes only; header/{number of buckets}: the
                 end header (totals and every tensor's checksum)
   ack/{r}       "ok" or "fail: ..." once rank r has verified every bucket
@@ -104,7 +106,7 @@ class Keys:
     """Store keys of one push (relative to its prefix)."""
 
     PARAMS, GO, COMMIT, ABORT, ERRORS = "params", "go", "commit", "abort", "errors"
-    LAYOUT, STREAM = "layout", "stream"
+    LAYOUT, STREAM, LAYOUT_REF = "layout", "stream", "ref:"
     # Written by an aborting sender into every key a receiver may be blocked on (go, layout,
     # the next header, commit): receivers block in `get` instead of polling, and still wake at once.
     ABORTED = "\x00aborted"
@@ -132,6 +134,11 @@ class Keys:
     @staticmethod
     def header(index: int) -> str:
         return f"header/{index}"
+
+    @staticmethod
+    def layout_blob(digest: str) -> str:
+        """Root-store key (outside any push prefix) of the layout with this digest."""
+        return f"layouts/{digest}"
 
 
 def connect_store(addr: str, port: int, timeout_s: float, *, server: bool) -> dist.TCPStore:

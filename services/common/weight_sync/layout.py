@@ -8,6 +8,7 @@ per-push host cost to one copy launch and one comparison per tensor.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -64,12 +65,19 @@ class BucketLayout:
                                                     direct_min_bytes, start, first_index)]
         self.keys = [(n, t.shape, t.dtype) for n, t in named]
         self._encoded: str | None = None
+        self._digest = ""
 
     def encoded(self) -> str:
-        """Every bucket's header as one JSON list (the push's `layout` key)."""
+        """Every bucket's header as one JSON list (published once per distinct layout)."""
         if self._encoded is None:
             self._encoded = "[" + ",".join(b.header for b in self.buckets) + "]"
+            self._digest = hashlib.sha1(self._encoded.encode()).hexdigest()
         return self._encoded
+
+    def digest(self) -> str:
+        """Content hash of `encoded()`: what a push's `layout` key refers to."""
+        self.encoded()
+        return self._digest
 
     def fits(self, laid: LaidBucket, named: Sequence[tuple[str, torch.Tensor]]) -> bool:
         """`laid`'s tensors in `named` have its names, shapes and dtypes (and a direct one is

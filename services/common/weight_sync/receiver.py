@@ -141,13 +141,18 @@ class WeightReceiver:
         self._layouts[index] = (header, self._parse(head))
         return self._layouts[index][1]
 
-    def push_layout(self, raw: bytes) -> list[_Layout] | None:
+    def push_layout(self, raw: bytes, fetch: Callable[[str], bytes]) -> list[_Layout] | None:
         """Every bucket's (nbytes, entries, checksum bounds) from a push's `layout` key, None
-        for a streamed push (per-bucket headers); decoded once while it repeats."""
+        for a streamed push (per-bucket headers). The key names the layout by digest; it is
+        fetched (`fetch(root key)`) and decoded only when the digest changes."""
         if raw == Keys.STREAM.encode():
             return None
+        ref = raw.decode()
+        if not ref.startswith(Keys.LAYOUT_REF):
+            raise RuntimeError(f"layout: unexpected value {ref[:40]!r} (sender too old?)")
         if self._listed is None or self._listed[0] != raw:
-            self._listed = (raw, [self._parse(bk.parse_header(h)) for h in json.loads(raw)])
+            blob = fetch(Keys.layout_blob(ref.removeprefix(Keys.LAYOUT_REF)))
+            self._listed = (raw, [self._parse(bk.parse_header(h)) for h in json.loads(blob)])
         return self._listed[1]
 
     def _parse(self, head: dict) -> _Layout:
@@ -170,7 +175,7 @@ class _Receive:
                  on_bucket: Callable[[int], None] | None) -> None:
         self.rx, self.plan, self.member, self.on_bucket = rx, plan, member, on_bucket
         self.version = plan.version
-        root = rx.root_store(plan.master_addr, plan.master_port)
+        root = self.root = rx.root_store(plan.master_addr, plan.master_port)
         self.store = push_store(root, plan.version)
         self.params = json.loads(self.store.get(Keys.PARAMS))
         # blocking waits on the sender's keys end after a step's timeout (see _deadline)
@@ -227,11 +232,12 @@ class _Receive:
             raise WeightSyncAborted(f"weight sync v{self.version} aborted by the sender: "
                                     f"{reason}", version=self.version)
 
-    def _wait_key(self, key: str) -> bytes:
-        """Block until the sender writes `key` (it writes Keys.ABORTED there on abort); a dead
-        sender drops the connection, a stalled one runs into the store timeout."""
+    def _wait_key(self, key: str, store: dist.Store | None = None) -> bytes:
+        """Block until the sender writes `key` of this push (or of `store`; it writes
+        Keys.ABORTED there on abort); a dead sender drops the connection, a stalled one runs
+        into the store timeout."""
         try:
-            value = self.store.get(key)
+            value = (store or self.store).get(key)
         except dist.DistNetworkError as e:
             raise WeightSyncAborted(f"weight sync v{self.version}: sender unreachable ({e})",
                                     version=self.version) from e
@@ -259,7 +265,8 @@ class _Receive:
     def _receive_all(self) -> int:
         """Post the buckets' broadcasts ahead of their data, checksum each as it lands, then
         check every tensor against the checksums of the end header."""
-        listed = self.rx.push_layout(self._wait_key(Keys.LAYOUT))
+        listed = self.rx.push_layout(self._wait_key(Keys.LAYOUT),
+                                     lambda key: self._wait_key(key, self.root))
         staged = self._stage_listed(listed) if listed is not None else self._stage_streamed()
         if staged and not self.host_blocking:  # one wait for the whole push (NCCL: in order)
             wait_work(staged[-1].work, self._check_abort, self._deadline(), gloo=False)

@@ -87,6 +87,7 @@ class WeightSender:
         self._group: CachedGroup | None = None
         self._reuse: int | None = None
         self._layout: BucketLayout | None = None  # the last pushed sequence's buckets
+        self._layout_digest = ""  # the layout last written to the root store
         self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     @property
@@ -128,6 +129,17 @@ class WeightSender:
             raise ValueError(f"plan: v{plan.version} was pushed already; make a new plan")
         self._pushed_version = plan.version
         return _Push(self, plan).run(named)
+
+    def publish_layout(self, layout: BucketLayout) -> str:
+        """Write `layout` under its digest in the root store (once while it repeats; the
+        previous one is deleted); returns the digest."""
+        digest = layout.digest()
+        if digest != self._layout_digest:
+            self._root.set(Keys.layout_blob(digest), layout.encoded())
+            if self._layout_digest:
+                self._root.delete_key(Keys.layout_blob(self._layout_digest))
+            self._layout_digest = digest
+        return digest
 
     def close(self) -> None:
         self._pool = [None] * self.cfg.inflight_buckets
@@ -251,7 +263,7 @@ class _Push:
         self.streamed = listed is None
         if listed is not None:
             assert s._layout is not None
-            self.store.set(Keys.LAYOUT, s._layout.encoded())
+            self.store.set(Keys.LAYOUT, Keys.LAYOUT_REF + s.publish_layout(s._layout))
             self.published = len(listed)  # the end header's key
         else:
             self.store.set(Keys.LAYOUT, Keys.STREAM)
