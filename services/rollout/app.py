@@ -4,6 +4,7 @@ background duties (registration renewal, trainer-version watch, weight-sync push
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -38,11 +39,33 @@ def _watch_weight_sync(client: Any, worker: Any, loop: asyncio.AbstractEventLoop
             log.exception("weight sync v%d failed", plan.version)
 
 
-async def _keep_registered(worker: Any, ttl_s: int | None) -> None:
-    """Renew RegisterWorker well inside its TTL (it also carries the current version)."""
+async def _keep_registered(worker: Any, ttl_s: int | None, stop: asyncio.Event) -> None:
+    """Renew RegisterWorker well inside its TTL (it also carries the current version) until
+    `stop` is set; a renewal in flight then completes before this returns."""
     while ttl_s:
-        await asyncio.sleep(max(1.0, ttl_s / 3))
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), max(1.0, ttl_s / 3))
+        if stop.is_set():
+            return
         ttl_s = await worker.report_version()
+
+
+async def _leave(renew: tuple[asyncio.Task, asyncio.Event] | None, client: Any,
+                 worker_id: str) -> None:
+    """Stop renewing, then withdraw the registration, so the trainer's next weight-sync plan
+    leaves this worker out at once (a dead one drops out when its TTL runs out). Best effort:
+    the store may be gone already."""
+    if renew is not None:
+        task, stop = renew
+        stop.set()  # not a cancel: an RPC already in its thread would still re-register us
+        with contextlib.suppress(Exception):
+            await task
+    if client is None:
+        return
+    try:
+        await asyncio.to_thread(client.unregister_worker, worker_id)
+    except Exception as e:  # noqa: BLE001 (shutting down: log and go on)
+        log.warning("could not unregister %s from the store: %s", worker_id, e)
 
 
 def _open_store(cfg: RolloutConfig) -> Any:
@@ -112,14 +135,16 @@ async def serve(cfg: RolloutConfig, summary_file: str | None = None,
                            health_fn=lambda: not engine.llm.errored).start()
     log.info("rollout metrics on %s", server.url)
     sink = StoreSink(client, cfg.backpressure_sleep_s) if client is not None else None
-    renew: asyncio.Task | None = None
+    renew: tuple[asyncio.Task, asyncio.Event] | None = None
     try:
         tokenizer = AutoTokenizer.from_pretrained(cfg.engine.model)
         worker = RolloutWorker(cfg, engine, sink, tokenizer, env_factory)
         write_summary = _summary_writer(summary_file, cfg.worker_id)
         worker.on_progress = write_summary
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, worker.request_stop)
-        renew = asyncio.create_task(_keep_registered(worker, await worker.report_version()))
+        stop_renew = asyncio.Event()
+        renew = (asyncio.create_task(_keep_registered(worker, await worker.report_version(),
+                                                      stop_renew)), stop_renew)
         if client is not None:
             _start_watchers(cfg, client, worker)
         summary = await worker.run(records, stop_grace_s)
@@ -131,8 +156,7 @@ async def serve(cfg: RolloutConfig, summary_file: str | None = None,
                  summary.generated_tokens / max(summary.seconds, 1e-9))
         return 0 if summary.groups_ok or not summary.groups_failed else 1
     finally:
-        if renew is not None:
-            renew.cancel()
+        await _leave(renew, client, cfg.worker_id)
         server.stop()
         engine.shutdown()
         if client is not None:

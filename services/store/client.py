@@ -189,6 +189,14 @@ class StoreClient:
         return self._with_retry(lambda: self._stub.RegisterWorker(
             info, timeout=self.timeout_s, metadata=self._metadata).ttl_seconds, "register")
 
+    def unregister_worker(self, worker_id: str, timeout_s: float = 5.0) -> bool:
+        """Withdraw a worker's registration (graceful shutdown); False if it had none. One
+        attempt, no retries: it runs while shutting down, when the store may be gone (the
+        registration then expires with its TTL)."""
+        req = store_pb2.UnregisterWorkerRequest(worker_id=worker_id)
+        return self._stub.UnregisterWorker(req, timeout=min(timeout_s, self.timeout_s),
+                                           metadata=self._metadata).was_registered
+
     def list_workers(self) -> list[store_pb2.WorkerInfo]:
         return list(self._with_retry(lambda: self._stub.ListWorkers(
             store_pb2.ListWorkersRequest(), timeout=self.timeout_s,

@@ -13,7 +13,7 @@ from services.store.keys import Keys
 
 
 class ControlPlane:
-    """RegisterWorker / ListWorkers / PublishWeightSync / latest plan."""
+    """RegisterWorker / UnregisterWorker / ListWorkers / PublishWeightSync / latest plan."""
 
     def __init__(self, client: redis.Redis, keys: Keys, worker_ttl_seconds: int) -> None:
         self.r: Any = client  # redis-py's annotations mix sync and async replies
@@ -29,6 +29,12 @@ class ControlPlane:
             raise ValueError(f"world_size: {info.world_size} < 1")
         self.r.set(self.keys.worker(info.worker_id), info.SerializeToString(), ex=self.ttl)
         return self.ttl
+
+    def unregister_worker(self, worker_id: str) -> bool:
+        """Drop a worker's registration; False if there was none."""
+        if not worker_id:
+            raise ValueError("worker_id: required")
+        return bool(self.r.delete(self.keys.worker(worker_id)))
 
     def list_workers(self) -> list[store_pb2.WorkerInfo]:
         """Registered workers that have not expired, sorted by id."""

@@ -139,6 +139,11 @@ class TrajectoryStoreServicer(store_pb2_grpc.TrajectoryStoreServicer):
         return store_pb2.RegisterWorkerResponse(ttl_seconds=self.control.register_worker(request))
 
     @_unary
+    def UnregisterWorker(self, request, context):  # noqa: N802
+        return store_pb2.UnregisterWorkerResponse(
+            was_registered=self.control.unregister_worker(request.worker_id))
+
+    @_unary
     def ListWorkers(self, request, context):  # noqa: N802
         return store_pb2.WorkerList(workers=self.control.list_workers())
 

@@ -76,6 +76,9 @@ def test_watches_push_new_versions_and_plans(store_process: StoreProcess) -> Non
         members=client.list_workers(), backend="gloo"))
     plan = next(plans)
     assert (plan.version, [m.worker_id for m in plan.members]) == (9, ["w1"])
+    assert client.unregister_worker("w1") is True  # a graceful shutdown: out of the next plan
+    assert [w.worker_id for w in client.list_workers()] == []
+    assert client.unregister_worker("w1") is False
 
 
 def test_metrics_and_health_endpoints(store_process: StoreProcess) -> None:

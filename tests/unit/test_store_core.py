@@ -201,6 +201,17 @@ def test_workers_and_weight_sync_plans(core: TrajectoryStoreCore) -> None:
     assert control.list_workers() == []
 
 
+def test_unregister_drops_a_worker_at_once(core: TrajectoryStoreCore) -> None:
+    control = ControlPlane(core.r, core.keys, worker_ttl_seconds=60)
+    for wid in ("w1", "w2"):
+        control.register_worker(store_pb2.WorkerInfo(worker_id=wid, host="h", world_size=1))
+    assert control.unregister_worker("w1") is True
+    assert [w.worker_id for w in control.list_workers()] == ["w2"]
+    assert control.unregister_worker("w1") is False  # gone already: not an error
+    with pytest.raises(ValueError, match="^worker_id"):
+        control.unregister_worker("")
+
+
 def test_delivery_count_grows_with_each_redelivery(core: TrajectoryStoreCore) -> None:
     append_all(core, small_group("g", 1))
     counts = []

@@ -167,6 +167,18 @@ class RegisterWorkerResponse(_message.Message):
     ttl_seconds: int
     def __init__(self, ttl_seconds: _Optional[int] = ...) -> None: ...
 
+class UnregisterWorkerRequest(_message.Message):
+    __slots__ = ("worker_id",)
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
+
+class UnregisterWorkerResponse(_message.Message):
+    __slots__ = ("was_registered",)
+    WAS_REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    was_registered: bool
+    def __init__(self, was_registered: _Optional[bool] = ...) -> None: ...
+
 class ListWorkersRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

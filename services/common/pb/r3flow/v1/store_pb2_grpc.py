@@ -69,6 +69,11 @@ class TrajectoryStoreStub:
                 request_serializer=r3flow_dot_v1_dot_store__pb2.WorkerInfo.SerializeToString,
                 response_deserializer=r3flow_dot_v1_dot_store__pb2.RegisterWorkerResponse.FromString,
                 _registered_method=True)
+        self.UnregisterWorker = channel.unary_unary(
+                '/r3flow.v1.TrajectoryStore/UnregisterWorker',
+                request_serializer=r3flow_dot_v1_dot_store__pb2.UnregisterWorkerRequest.SerializeToString,
+                response_deserializer=r3flow_dot_v1_dot_store__pb2.UnregisterWorkerResponse.FromString,
+                _registered_method=True)
         self.ListWorkers = channel.unary_unary(
                 '/r3flow.v1.TrajectoryStore/ListWorkers',
                 request_serializer=r3flow_dot_v1_dot_store__pb2.ListWorkersRequest.SerializeToString,
@@ -131,6 +136,12 @@ class TrajectoryStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UnregisterWorker(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListWorkers(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -186,6 +197,11 @@ def add_TrajectoryStoreServicer_to_server(servicer, server):
                     servicer.RegisterWorker,
                     request_deserializer=r3flow_dot_v1_dot_store__pb2.WorkerInfo.FromString,
                     response_serializer=r3flow_dot_v1_dot_store__pb2.RegisterWorkerResponse.SerializeToString,
+            ),
+            'UnregisterWorker': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnregisterWorker,
+                    request_deserializer=r3flow_dot_v1_dot_store__pb2.UnregisterWorkerRequest.FromString,
+                    response_serializer=r3flow_dot_v1_dot_store__pb2.UnregisterWorkerResponse.SerializeToString,
             ),
             'ListWorkers': grpc.unary_unary_rpc_method_handler(
                     servicer.ListWorkers,
@@ -392,6 +408,33 @@ class TrajectoryStore:
             '/r3flow.v1.TrajectoryStore/RegisterWorker',
             r3flow_dot_v1_dot_store__pb2.WorkerInfo.SerializeToString,
             r3flow_dot_v1_dot_store__pb2.RegisterWorkerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnregisterWorker(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/r3flow.v1.TrajectoryStore/UnregisterWorker',
+            r3flow_dot_v1_dot_store__pb2.UnregisterWorkerRequest.SerializeToString,
+            r3flow_dot_v1_dot_store__pb2.UnregisterWorkerResponse.FromString,
             options,
             channel_credentials,
             insecure,
