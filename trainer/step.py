@@ -115,14 +115,18 @@ class TrainLoop:
 
     def pull_batch(self, stop: Callable[[], bool] = lambda: False) -> list:
         """Lease `groups_per_step` groups (redelivered, already-trained groups are just acked);
-        an incomplete batch is returned only when `stop()` says so (its leases then expire)."""
+        an incomplete batch is returned only when `stop()` says so (its leases then expire).
+
+        A batch that waits longer than the lease for its last groups (a frozen store, rollout
+        engines restarting) gets its first groups redelivered to this same consumer: such a
+        group is taken once, as its newest delivery, never twice in one step."""
         d = self.cfg.data
-        groups: list = []
+        batch: dict[str, object] = {}  # group id -> its newest delivery, in pull order
         trained = set(self.pos.trained_group_ids)
-        while len(groups) < d.groups_per_step:
+        while len(batch) < d.groups_per_step:
             if stop():
                 return []
-            got = self.client.pull(d.consumer, d.groups_per_step - len(groups),
+            got = self.client.pull(d.consumer, d.groups_per_step - len(batch),
                                    lease_seconds=d.lease_seconds, wait_ms=d.wait_ms)
             if not got:
                 self.resync_lagging_workers()
@@ -130,8 +134,8 @@ class TrainLoop:
                 if g.group_id in trained:
                     self.pending_acks.append(g.delivery_id)
                 else:
-                    groups.append(g)
-        return groups
+                    batch[g.group_id] = g
+        return list(batch.values())
 
     def train_step(self, groups: list) -> dict:
         """Scatter whole groups to the ranks; each aligns routing and steps; reduce metrics."""

@@ -89,6 +89,28 @@ def test_resumed_trainer_continues_above_the_version_engines_serve(tmp_path):
     assert pushes == [5]  # newer than the v4 the engine serves: it is not ignored
 
 
+def test_a_group_redelivered_while_its_batch_waits_is_trained_once(tmp_path):
+    """The lease ran out while the batch waited for its second group: the store hands the
+    first group to this consumer again; the step takes it once, as its newest delivery."""
+
+    class Redelivering(Store):
+        def __init__(self) -> None:
+            super().__init__([], worker_version=0)
+            again = store_pb2.PulledGroup()
+            again.CopyFrom(_group(0))
+            again.delivery_id = "d0-again"
+            self.pulls = iter([[_group(0)], [], [again], [_group(1)]])
+
+        def pull(self, consumer, max_groups, lease_seconds=0, wait_ms=0):
+            return next(self.pulls)
+
+    cfg = TrainerConfig(data={"groups_per_step": 2},
+                        run={"run_dir": str(tmp_path), "checkpoint_every": 1})
+    loop = TrainLoop(cfg, Ranks(), Redelivering(), push_fn=None)
+    batch = loop.pull_batch()
+    assert [(g.group_id, g.delivery_id) for g in batch] == [("g0", "d0-again"), ("g1", "d1")]
+
+
 def test_trained_ids_log_each_step_and_resume(tmp_path):
     loop = _loop(tmp_path, Store([_group(0), _group(1)], worker_version=0), Ranks(), [])
     loop.resume()
