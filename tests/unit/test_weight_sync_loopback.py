@@ -16,6 +16,7 @@ from services.common.weight_sync import (
     WeightSyncConfig,
     WeightSyncError,
 )
+from services.common.weight_sync import buckets as bk
 
 
 def _cfg(**kw) -> WeightSyncConfig:
@@ -115,9 +116,14 @@ def test_failing_tensor_source_aborts_every_receiver(sender):
     assert "gather failed" in str(results["a"])
 
 
-def test_repeated_layout_and_changed_layout_deliver_exact_tensors(sender):
+@pytest.mark.parametrize("c_core", [True, False], ids=["c-pack", "torch-pack"])
+def test_repeated_layout_and_changed_layout_deliver_exact_tensors(sender, monkeypatch, c_core):
     """A list input reuses the last push's layout while names/shapes/dtypes repeat; a change
-    (new tensor, new shape) lays the buckets out again. Receivers see exact tensors always."""
+    (new tensor, new shape) lays the buckets out again. Receivers see exact tensors always,
+    with the C pack (CPU) and with the torch pack (GPU's path; views cached per pool slot, a
+    one-off buffer for an oversized tensor: lm_head here)."""
+    if not c_core:
+        monkeypatch.setattr(bk, "_native", lambda: None)
     rx = WeightReceiver("a")
     grown = _weights(3) + [("extra.bias", torch.randn(5))]
     reshaped = [(n, t.reshape(-1)) for n, t in _weights(4)]

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.common.weight_sync import buckets as bk
+from services.common.weight_sync.group import Keys
 
 
 @dataclass
@@ -117,3 +118,14 @@ def refit(layout: BucketLayout | None, named: Sequence[tuple[str, torch.Tensor]]
                                              first_index=laid.index))
             break
     return layout
+
+
+def publish(root: torch.distributed.Store, layout: BucketLayout, previous: str) -> str:
+    """Write `layout` under its digest in the sender's root store unless `previous` (the
+    digest written last) is the same, deleting the previous one; returns the digest."""
+    digest = layout.digest()
+    if digest != previous:
+        root.set(Keys.layout_blob(digest), layout.encoded())
+        if previous:
+            root.delete_key(Keys.layout_blob(previous))
+    return digest

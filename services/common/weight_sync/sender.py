@@ -35,7 +35,13 @@ from services.common.weight_sync.group import (
     wait_work,
     waits_on_host,
 )
-from services.common.weight_sync.layout import BucketLayout, LaidBucket, refit, stream_layout
+from services.common.weight_sync.layout import (
+    BucketLayout,
+    LaidBucket,
+    publish,
+    refit,
+    stream_layout,
+)
 from services.common.weight_sync.monitor import MemberMonitor
 
 if TYPE_CHECKING:  # the sender only reads attributes: the GPU bench runs without pydantic
@@ -129,17 +135,6 @@ class WeightSender:
             raise ValueError(f"plan: v{plan.version} was pushed already; make a new plan")
         self._pushed_version = plan.version
         return _Push(self, plan).run(named)
-
-    def publish_layout(self, layout: BucketLayout) -> str:
-        """Write `layout` under its digest in the root store (once while it repeats; the
-        previous one is deleted); returns the digest."""
-        digest = layout.digest()
-        if digest != self._layout_digest:
-            self._root.set(Keys.layout_blob(digest), layout.encoded())
-            if self._layout_digest:
-                self._root.delete_key(Keys.layout_blob(self._layout_digest))
-            self._layout_digest = digest
-        return digest
 
     def close(self) -> None:
         self._pool = [None] * self.cfg.inflight_buckets
@@ -263,7 +258,8 @@ class _Push:
         self.streamed = listed is None
         if listed is not None:
             assert s._layout is not None
-            self.store.set(Keys.LAYOUT, Keys.LAYOUT_REF + s.publish_layout(s._layout))
+            s._layout_digest = publish(s._root, s._layout, s._layout_digest)
+            self.store.set(Keys.LAYOUT, Keys.LAYOUT_REF + s._layout_digest)
             self.published = len(listed)  # the end header's key
         else:
             self.store.set(Keys.LAYOUT, Keys.STREAM)
@@ -316,7 +312,8 @@ class _Push:
         its checksums where the pack computed them (CPU), else None."""
         if laid.direct:
             return sources[0].detach().reshape(-1).view(torch.uint8), None
-        if laid.nbytes > self.s.bucket_bytes:  # an oversized tensor: a one-off buffer
+        oversized = laid.nbytes > self.s.bucket_bytes  # one tensor: a one-off buffer
+        if oversized:
             bucket = torch.empty(laid.nbytes, dtype=torch.uint8, device=self.s.device)
         else:
             assert slot is not None
@@ -324,11 +321,9 @@ class _Push:
         summed = bk.pack_and_sum(bucket, laid.entries, sources, laid.bounds)
         if summed is not None:
             return bucket, summed
-        views = laid.views.get(slot) if slot is not None else None
-        if views is None:
-            views = bk.bucket_views(bucket, laid.entries)
-            if slot is not None:
-                laid.views[slot] = views
+        views = bk.bucket_views(bucket, laid.entries) if oversized else (
+            laid.views.get(slot) or laid.views.setdefault(slot, bk.bucket_views(bucket,
+                                                                                laid.entries)))
         with torch.no_grad():  # one multi-tensor launch on GPU, not one copy per tensor
             torch._foreach_copy_(views, sources)
         return bucket, None
