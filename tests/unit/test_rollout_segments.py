@@ -132,11 +132,17 @@ def test_check_routing_failures_name_the_request(mutate, match):  # noqa: ANN001
                       expected_rows=9, request_id="abc")
 
 
-def test_check_routing_all_zero_moe_layer_block():
-    ids_TLK = np.zeros((6, 2, 1), dtype=np.uint8)
+def test_check_routing_top1_all_on_expert_zero_is_legitimate():
+    ids_TLK = np.zeros((6, 2, 1), dtype=np.uint8)  # top-1: every token of layer 0 on expert 0
     ids_TLK[:, 1, 0] = 3
-    with pytest.raises(RoutingCheckError, match="MoE layer 0 routing is all zero"):
-        check_routing(ids_TLK, num_experts=4, moe_layers=[0, 1], expected_rows=6,
+    check_routing(ids_TLK, num_experts=4, moe_layers=[0, 1], expected_rows=6, request_id="z")
+
+
+def test_check_routing_all_zero_rows_of_topk2_are_rejected():
+    ids_TLK = good_routing(9)
+    ids_TLK[5, 2] = 0  # one all-zero row: a capture hook that ran too early
+    with pytest.raises(RoutingCheckError, match="request z: all-zero row .* in row 5, layer 2"):
+        check_routing(ids_TLK, num_experts=E, moe_layers=[1, 2], expected_rows=9,
                       request_id="z")
 
 
