@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# The full test suite: stubs up to date, unit + integration tests, offline chart checks.
+# The full test suite: lint, stubs up to date, unit + integration tests, offline chart checks.
 set -euo pipefail
 PY=.venv/bin/python
+# Lint first, so it cannot rot: ruff, then mypy (the same as `make lint`).
+.venv/bin/ruff check services trainer tests
+.venv/bin/mypy services trainer
 "$PY" -m pytest tests/unit tests/integration tests/faults -q -m "not gpu" --timeout=900 -p no:cacheprovider
 if [ -f scripts/chart_check.sh ]; then
   bash scripts/chart_check.sh

@@ -321,9 +321,12 @@ class _Push:
         summed = bk.pack_and_sum(bucket, laid.entries, sources, laid.bounds)
         if summed is not None:
             return bucket, summed
-        views = bk.bucket_views(bucket, laid.entries) if oversized else (
-            laid.views.get(slot) or laid.views.setdefault(slot, bk.bucket_views(bucket,
-                                                                                laid.entries)))
+        if oversized:
+            views = bk.bucket_views(bucket, laid.entries)
+        else:
+            assert slot is not None
+            views = laid.views.get(slot) or laid.views.setdefault(
+                slot, bk.bucket_views(bucket, laid.entries))
         with torch.no_grad():  # one multi-tensor launch on GPU, not one copy per tensor
             torch._foreach_copy_(views, sources)
         return bucket, None
