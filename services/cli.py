@@ -39,6 +39,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     module = importlib.import_module(args._module)
+    # Every r3flow process may run torch bf16 CPU kernels that use AMX (no-op without AMX);
+    # vLLM's own processes ask through the `vllm.general_plugins` entry point.
+    from services.common.cpu_features import request_amx_permission
+
+    request_amx_permission()
     try:
         return int(module.run(args) or 0)
     except KeyboardInterrupt:

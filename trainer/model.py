@@ -60,8 +60,10 @@ def init_parallel(cfg: ModelConfig) -> None:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+    from services.common.cpu_features import request_amx_permission
     from trainer.cpu_shims import apply_cpu_shims
 
+    request_amx_permission()  # bf16 CPU kernels may use AMX (no-op without it)
     on_cpu = apply_cpu_shims()
     if not dist.is_initialized():
         rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
