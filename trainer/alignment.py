@@ -141,9 +141,17 @@ class InvalidRoutingError(ValueError):
     """Replay ids that cannot be a top-k choice (duplicates such as all-zero rows, out of range)."""
 
 
+class RoutingLayoutError(ValueError):
+    """Routing of another model: num_experts or top-k differ from the trainer's model."""
+
+
 def check_routes(ids_BSLK: torch.Tensor, valid_BS: torch.Tensor, num_experts: int,
-                 hf_layers: Sequence[int]) -> None:
-    """Every real row holds K distinct ids < num_experts; the error names the layer and row."""
+                 hf_layers: Sequence[int], top_k: int | None = None) -> None:
+    """Every real row holds K distinct ids < num_experts (K = the model's top-k when given);
+    the error names the layer and row."""
+    if top_k is not None and ids_BSLK.shape[-1] != top_k:
+        raise RoutingLayoutError(f"routing: {ids_BSLK.shape[-1]} experts per token, the model "
+                                 f"routes top-{top_k} (num_experts_per_tok)")
     ids = ids_BSLK[valid_BS.bool().to(ids_BSLK.device)]  # [N, L, K]
     if ids.numel() == 0:
         return

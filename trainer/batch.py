@@ -16,7 +16,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from trainer.alignment import LayerMap, RoutingChunk, assemble_rows, pack_routing, pad_last_row
+from trainer.alignment import (
+    LayerMap,
+    RoutingChunk,
+    RoutingLayoutError,
+    assemble_rows,
+    pack_routing,
+    pad_last_row,
+)
 
 
 @dataclass
@@ -34,18 +41,27 @@ class Sample:
     policy_version: int = 0
 
 
-def _decode_chunks(traj, decode: Callable) -> list[RoutingChunk]:
+def _decode_chunks(traj, decode: Callable, num_experts: int, top_k: int | None
+                   ) -> list[RoutingChunk]:
     chunks = []
     for s in traj.segments:
         for j, msg in enumerate(s.routing):
-            ids = decode(msg, f"trajectory {traj.trajectory_id} segment {s.index} routing[{j}]")
+            name = f"trajectory {traj.trajectory_id} segment {s.index} routing[{j}]"
+            k = int(msg.shape[2]) if len(msg.shape) == 3 else -1
+            if int(msg.num_experts) != num_experts or (top_k is not None and k != top_k):
+                raise RoutingLayoutError(
+                    f"{name}: routing has num_experts={msg.num_experts}, top_k={k}; the "
+                    f"trainer's model has num_experts={num_experts}, top_k={top_k} (rollout "
+                    "engine serving another model or another num_experts_per_tok?)")
+            ids = decode(msg, name)
             chunks.append(RoutingChunk(int(msg.start_row), ids, tuple(msg.layer_ids)))
     return chunks
 
 
 def sample_from_trajectory(traj, layer_map: LayerMap | None, num_experts: int,
-                           decode: Callable | None = None) -> Sample:
-    """Trajectory proto -> Sample; routing assembled and mapped when `layer_map` is given."""
+                           decode: Callable | None = None, top_k: int | None = None) -> Sample:
+    """Trajectory proto -> Sample; routing assembled and mapped when `layer_map` is given (its
+    num_experts and top-k must be the model's: RoutingLayoutError otherwise)."""
     tokens = [int(t) for s in traj.segments for t in s.token_ids]
     logprobs = [float(x) for s in traj.segments for x in s.logprobs]
     mask = np.concatenate([np.frombuffer(s.loss_mask, np.uint8) if s.loss_mask
@@ -63,7 +79,7 @@ def sample_from_trajectory(traj, layer_map: LayerMap | None, num_experts: int,
             from services.common.wire import routing_from_proto
             decode = routing_from_proto
         rows = sample.tokens.size - 1
-        chunks = _decode_chunks(traj, decode)
+        chunks = _decode_chunks(traj, decode, num_experts, top_k)
         if any(int(c.ids_TLK.max(initial=0)) >= num_experts for c in chunks):
             raise ValueError(f"trajectory {traj.trajectory_id}: expert id >= {num_experts}")
         ids_TLK, _ = assemble_rows(chunks, rows, f"trajectory {traj.trajectory_id} routing")

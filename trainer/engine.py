@@ -94,7 +94,7 @@ class Trainer(OldPolicyPass):
             if mb.routing_BSLK is None:
                 raise ValueError("replay.mode: r3 needs rollout routing on every sample")
             check_routes(mb.routing_BSLK, mb.valid_rows_BS, self.arch.num_experts,
-                         self.arch.moe_layers)
+                         self.arch.moe_layers, self.arch.top_k)
             return to_router_rows(mb.routing_BSLK)
         return mb.replay_rows if mode == ReplayMode.R2 else None
 

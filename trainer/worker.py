@@ -56,7 +56,8 @@ class RankWorker:
                 if t.finish_reason == trajectory_pb2.FINISH_REASON_ABORTED:
                     log.warning("skipping aborted trajectory %s", t.trajectory_id)
                     continue
-                samples.append(sample_from_trajectory(t, lmap, self.trainer.arch.num_experts))
+                samples.append(sample_from_trajectory(t, lmap, self.trainer.arch.num_experts,
+                                                      top_k=self.trainer.arch.top_k))
         return samples
 
     def train(self, groups_bytes: Sequence[bytes]) -> dict:

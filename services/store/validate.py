@@ -74,6 +74,8 @@ class Limits:
     max_tokens_per_trajectory: int
     max_group_size: int
     decode_routing: bool = True  # False: header + CRC checks only (see StoreConfig)
+    # (name, num_experts, top_k) of the registered models; empty = any routing layout
+    models: tuple[tuple[str, int, int], ...] = ()
 
 
 @dataclass
@@ -198,7 +200,7 @@ def validate_segment(req: store_pb2.AppendRequest, state: TrajState, limits: Lim
         raise ValueError(f"segment.policy_version: {seg.policy_version} < 0")
     expected = state.prompt_len + n - 1 if j == 0 else n
     prompt_chunk, prompt_field = _prompt_chunk(seg, state)
-    walk = Walk(limits.decode_routing, pending, req)
+    walk = Walk(limits.decode_routing, pending, req, limits.models)
     chunks = _check_routing(seg, state, expected, walk, trust_first=prompt_field in known_prompts)
     return _segment_write(req, state, chunks, n, prompt_chunk, prompt_field)
 
@@ -277,6 +279,7 @@ def _check_routing(seg: trajectory_pb2.Segment, state: TrajState, expected: int,
         if rows == 0:
             raise ValueError(f"{name}.shape: chunk has no rows")
         layout = _check_layout(chunk, layout, name)
+        _check_registered(layout, walk.models, name)
         row += rows
         raw += size
     got = row - state.rows
@@ -299,6 +302,17 @@ def _check_layout(chunk: object, layout: Layout | None, name: str) -> Layout:
             raise ValueError(f"{name}.{label}: {getattr(here, attr)}, but the trajectory has "
                              f"{getattr(layout, attr)} ({attr} must not change)")
     return layout
+
+
+def _check_registered(layout: Layout, models: tuple[tuple[str, int, int], ...],
+                      name: str) -> None:
+    """A chunk's experts and top-k must be those of a registered model: a rollout with another
+    `num_experts_per_tok` would otherwise train with K' experts per token, silently."""
+    if not models or any(e == layout.num_experts and k == layout.topk for _, e, k in models):
+        return
+    known = ", ".join(f"{n} (num_experts={e}, top_k={k})" for n, e, k in models)
+    raise ValueError(f"{name}.num_experts/shape[2]: routing has num_experts={layout.num_experts}"
+                     f", top_k={layout.topk}; registered models: {known}")
 
 
 def validate_finish(req: store_pb2.AppendRequest, state: TrajState) -> FinishWrite:

@@ -101,3 +101,11 @@ def test_only_payload_errors_are_reported_in_stream_order(redis_url: str) -> Non
     message = refused(make_core(redis_url, threads=4), reqs)
     assert message.startswith("segment.routing[0].data: ")
     assert "trajectory_id='g/0' sequence_number=2" in message
+
+
+def test_store_refuses_routing_of_a_model_it_does_not_serve(redis_url: str) -> None:
+    cfg = StoreConfig(key_prefix=f"rc{uuid.uuid4().hex[:8]}:",
+                      models=[{"name": "tiny-k3", "num_experts": 8, "top_k": 3}])
+    core = TrajectoryStoreCore(redis.Redis.from_url(redis_url), cfg)
+    message = refused(core, group_stream())  # top-2 routing
+    assert "num_experts=8, top_k=2; registered models: tiny-k3 (num_experts=8, top_k=3)" in message

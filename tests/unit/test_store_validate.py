@@ -219,3 +219,16 @@ def test_header_only_validation_does_not_decode_payloads() -> None:
     assert write.rows == 3
     with pytest.raises(ValueError, match=r"^segment.routing\[0\].data"):
         validate.validate_segment(reqs[2], state, LIMITS)
+
+
+def test_routing_of_an_unregistered_layout_is_refused() -> None:
+    reqs = _requests()  # 8 experts, top-2
+    state = _state_after(reqs[:1])
+    other = Limits(max_tokens_per_trajectory=64, max_group_size=16,
+                   models=(("qwen3-30b-a3b", 128, 8), ("tiny-k3", 8, 3)))
+    with pytest.raises(ValueError, match=r"^segment.routing\[0\].num_experts/shape\[2\]: routing "
+                       r"has num_experts=8, top_k=2; registered models: qwen3-30b-a3b"):
+        validate.validate_segment(reqs[1], state, other)
+    same = Limits(max_tokens_per_trajectory=64, max_group_size=16,
+                  models=(("tiny-k3", 8, 3), ("tiny", 8, 2)))
+    validate.validate_segment(reqs[1], state, same)

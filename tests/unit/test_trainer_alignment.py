@@ -87,3 +87,13 @@ def test_pp_and_sequence_and_context_parallel_slices():
     assert shard_context_parallel(tokens, 1, 2).tolist() == [[2, 3, 4, 5]]
     with pytest.raises(ValueError, match="context_parallel"):
         shard_context_parallel(torch.arange(6).view(1, 6), 0, 2)
+
+
+def test_check_routes_refuses_another_top_k():
+    from trainer.alignment import RoutingLayoutError
+
+    ids = torch.from_numpy(_ids(6, 2))[None]  # top-2 rows
+    valid = torch.ones(1, 6, dtype=torch.bool)
+    check_routes(ids, valid, 8, (1, 2), top_k=2)
+    with pytest.raises(RoutingLayoutError, match="2 experts per token, the model routes top-3"):
+        check_routes(ids, valid, 8, (1, 2), top_k=3)

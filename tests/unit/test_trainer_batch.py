@@ -74,3 +74,14 @@ def test_update_schedule_deals_microbatches_round_robin_per_epoch():
     assert update_schedule(mbs) == [[0, 1, 2, 3, 4]]
     assert update_schedule(mbs, epochs=2, mini_batches=2) == [[0, 2, 4], [1, 3]] * 2
     assert update_schedule(mbs[:2], mini_batches=4) == [[0], [1]]  # never an empty update
+
+
+@pytest.mark.parametrize("num_experts, top_k", [(16, 2), (8, 3)])
+def test_routing_of_another_expert_count_or_top_k_is_refused(num_experts, top_k):
+    from trainer.alignment import RoutingLayoutError
+
+    traj, _ = _traj()  # 8 experts, top-2
+    with pytest.raises(RoutingLayoutError, match=f"num_experts={num_experts}, top_k={top_k}"):
+        sample_from_trajectory(traj, LayerMap.build((1, 2), (0, 1, 2)), num_experts=num_experts,
+                               top_k=top_k)
+    sample_from_trajectory(traj, LayerMap.build((1, 2), (0, 1, 2)), num_experts=8, top_k=2)

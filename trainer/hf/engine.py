@@ -135,7 +135,7 @@ class HFTrainer(OldPolicyPass):
             ids = mb.routing_BSLK
             if self.device.type == "cuda":  # check on the device: CPU masking cost ~5 ms/mb
                 ids = ids.pin_memory().to(self.device, non_blocking=True)
-            check_routes(ids, mb.valid_rows_BS, self.num_experts, self.moe_layers)
+            check_routes(ids, mb.valid_rows_BS, self.num_experts, self.moe_layers, self.top_k)
             rows = hf_router_rows(ids)
             mb._hf_r3_rows = rows  # type: ignore[attr-defined]
         return rows
