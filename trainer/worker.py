@@ -12,21 +12,12 @@ import logging
 from collections.abc import Sequence
 from dataclasses import asdict
 
-from trainer.batch import Sample, sample_from_trajectory
+from trainer.batch import Sample
 from trainer.checkpoint import CheckpointManager, DataPosition
 from trainer.config import TrainerConfig
-from trainer.replay import ReplayMode
+from trainer.intake import group_samples
 
 log = logging.getLogger(__name__)
-
-
-def _engine_layer_ids(groups) -> tuple[int, ...] | None:
-    for g in groups:
-        for t in g.trajectories:
-            for s in t.segments:
-                for chunk in s.routing:
-                    return tuple(int(x) for x in chunk.layer_ids)
-    return None
 
 
 class RankWorker:
@@ -40,25 +31,13 @@ class RankWorker:
         self.ckpt = CheckpointManager(self.cfg.run.run_dir)
 
     def align_routing(self, groups_bytes: Sequence[bytes]) -> list[Sample]:
-        """Decode groups; routing -> layer map -> this model's MoE layers (r3 needs routing)."""
-        from services.common.pb.r3flow.v1 import store_pb2, trajectory_pb2
+        """Decode groups; each trajectory's routing -> its layer map -> this model's MoE layers."""
+        from services.common.pb.r3flow.v1 import store_pb2
 
-        groups = [store_pb2.PulledGroup.FromString(b) for b in groups_bytes]
-        mode = self.cfg.replay.mode
-        layer_ids = _engine_layer_ids(groups)
-        if layer_ids is None and mode == ReplayMode.R3:
-            raise ValueError("replay.mode: r3 but the pulled groups carry no routing")
-        lmap = self.trainer.layer_map(layer_ids) \
-            if mode == ReplayMode.R3 and layer_ids is not None else None
-        samples = []
-        for g in groups:
-            for t in g.trajectories:
-                if t.finish_reason == trajectory_pb2.FINISH_REASON_ABORTED:
-                    log.warning("skipping aborted trajectory %s", t.trajectory_id)
-                    continue
-                samples.append(sample_from_trajectory(t, lmap, self.trainer.arch.num_experts,
-                                                      top_k=self.trainer.arch.top_k))
-        return samples
+        arch = self.trainer.arch
+        return [s for b in groups_bytes
+                for s in group_samples(store_pb2.PulledGroup.FromString(b), self.cfg.replay.mode,
+                                       self.trainer.layer_map, arch.num_experts, arch.top_k)]
 
     def train(self, groups_bytes: Sequence[bytes]) -> dict:
         """align_routing + one GRPO/PPO step on this rank's share."""

@@ -1,0 +1,48 @@
+"""Pulled GRPO groups -> training samples, trajectory by trajectory.
+
+Every trajectory is mapped with ITS OWN engine layer ids (rollout workers of one run may report
+layers differently, e.g. after an engine upgrade): one trajectory's `layer_ids` never stand in
+for another's. Aborted trajectories are skipped; r3 needs routing on every trajectory.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from trainer.alignment import LayerMap
+from trainer.batch import Sample, sample_from_trajectory
+from trainer.replay import ReplayMode
+
+log = logging.getLogger(__name__)
+
+
+def trajectory_layer_ids(traj: Any) -> tuple[int, ...] | None:
+    """Engine layer ids of a trajectory's routing (its chunks must all agree), or None."""
+    found = {tuple(int(x) for x in c.layer_ids) for s in traj.segments for c in s.routing}
+    if len(found) > 1:
+        raise ValueError(f"trajectory {traj.trajectory_id}: layer_ids differ between its routing "
+                         f"chunks: {sorted(found)}")
+    return found.pop() if found else None
+
+
+def group_samples(group: Any, mode: ReplayMode, layer_map: Callable[[Sequence[int]], LayerMap],
+                  num_experts: int, top_k: int) -> list[Sample]:
+    """Samples of one pulled group (aborted trajectories left out); ValueError on bad routing."""
+    from services.common.pb.r3flow.v1 import trajectory_pb2
+
+    samples = []
+    for t in group.trajectories:
+        if t.finish_reason == trajectory_pb2.FINISH_REASON_ABORTED:
+            log.warning("skipping aborted trajectory %s", t.trajectory_id)
+            continue
+        lmap = None
+        if mode == ReplayMode.R3:
+            layer_ids = trajectory_layer_ids(t)
+            if layer_ids is None:
+                raise ValueError(f"replay.mode: r3 but trajectory {t.trajectory_id} carries no "
+                                 "routing")
+            lmap = layer_map(layer_ids)
+        samples.append(sample_from_trajectory(t, lmap, num_experts, top_k=top_k))
+    return samples
