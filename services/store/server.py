@@ -178,7 +178,8 @@ def stats_to_proto(s: StatsSnapshot) -> store_pb2.StoreStats:
         groups_ready=s.groups_ready, groups_delivered=c.get("groups_delivered", 0),
         groups_acked=c.get("groups_acked", 0), backlog_tokens=max(0, c.get("backlog_tokens", 0)),
         dropped_stale=c.get("dropped:stale", 0), redeliveries=c.get("redeliveries", 0),
-        policy_version=s.policy_version, dropped_by_reason=s.dropped_by_reason())
+        policy_version=s.policy_version, dropped_by_reason=s.dropped_by_reason(),
+        groups_leased=s.groups_pending)
 
 
 class _HandlerCapture:

@@ -119,7 +119,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StoreStats(_message.Message):
-    __slots__ = ("trajectories_appended", "trajectories_complete", "groups_ready", "groups_delivered", "groups_acked", "backlog_tokens", "dropped_stale", "redeliveries", "policy_version", "dropped_by_reason")
+    __slots__ = ("trajectories_appended", "trajectories_complete", "groups_ready", "groups_delivered", "groups_acked", "backlog_tokens", "dropped_stale", "redeliveries", "policy_version", "dropped_by_reason", "groups_leased")
     class DroppedByReasonEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +137,7 @@ class StoreStats(_message.Message):
     REDELIVERIES_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     DROPPED_BY_REASON_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_LEASED_FIELD_NUMBER: _ClassVar[int]
     trajectories_appended: int
     trajectories_complete: int
     groups_ready: int
@@ -147,7 +148,8 @@ class StoreStats(_message.Message):
     redeliveries: int
     policy_version: int
     dropped_by_reason: _containers.ScalarMap[str, int]
-    def __init__(self, trajectories_appended: _Optional[int] = ..., trajectories_complete: _Optional[int] = ..., groups_ready: _Optional[int] = ..., groups_delivered: _Optional[int] = ..., groups_acked: _Optional[int] = ..., backlog_tokens: _Optional[int] = ..., dropped_stale: _Optional[int] = ..., redeliveries: _Optional[int] = ..., policy_version: _Optional[int] = ..., dropped_by_reason: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    groups_leased: int
+    def __init__(self, trajectories_appended: _Optional[int] = ..., trajectories_complete: _Optional[int] = ..., groups_ready: _Optional[int] = ..., groups_delivered: _Optional[int] = ..., groups_acked: _Optional[int] = ..., backlog_tokens: _Optional[int] = ..., dropped_stale: _Optional[int] = ..., redeliveries: _Optional[int] = ..., policy_version: _Optional[int] = ..., dropped_by_reason: _Optional[_Mapping[str, int]] = ..., groups_leased: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
     __slots__ = ("worker_id", "host", "world_size", "policy_version")
