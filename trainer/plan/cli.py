@@ -1,0 +1,90 @@
+"""`r3flow plan`: per-rank GPU memory of a training job; exit 1 when it does not fit.
+
+Two ways in: `--manifest FILE` plans every RayJob of a k8s/ spec or a rendered chart (inputs
+from the spec: trainer/plan/manifest.py), or `--config train.yaml --model M --gpu-memory-gib G
+--seq-len S` plans one trainer config. Layout flags override what the config says (what-if).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    src = p.add_argument_group("job")
+    src.add_argument("--manifest", action="append", default=[],
+                     help="k8s/ spec or `helm template` output; every RayJob in it is planned")
+    src.add_argument("--config", help="trainer config file (TrainerConfig)")
+    src.add_argument("--model", help="known name (Qwen3-30B-A3B, tiny-moe), HF model dir or "
+                     "config.json (default with --config: its model_dir)")
+    src.add_argument("--gpu-memory-gib", type=float, help="memory of one GPU (with --config)")
+    src.add_argument("--seq-len", type=int, help="tokens per sequence (with --config)")
+    what = p.add_argument_group("what-if overrides")
+    for name in ("tp", "pp", "ep", "cp", "world", "micro-batch"):
+        what.add_argument(f"--{name}", type=int)
+    what.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction)
+    what.add_argument("--reference", action=argparse.BooleanOptionalAction,
+                      help="reference model on/off (default: loss.kl_coef > 0)")
+    what.add_argument("--recompute", choices=["none", "moe", "full"])
+    what.add_argument("--vllm-share", type=float, default=0.0,
+                      help="fraction of the GPU a colocated vLLM engine takes (default 0)")
+    what.add_argument("--overhead-gib", type=float,
+                      help="CUDA context + NCCL + fragmentation (default 4 on GPUs, 1 on CPUs)")
+    p.add_argument("--check-expected", action="store_true",
+                   help="exit 0 when every manifest job's verdict is its r3flow.io/plan-expect "
+                        "annotation (make chart-check), instead of 0 only when all fit")
+
+
+def _overrides(args: argparse.Namespace) -> dict:
+    names = {"tp": "tp", "pp": "pp", "ep": "ep", "cp": "cp", "world": "world",
+             "micro_batch": "micro_batch", "distributed_optimizer": "distributed_optimizer",
+             "reference": "reference", "recompute": "recompute"}
+    return {field: getattr(args, a) for a, field in names.items() if getattr(args, a) is not None}
+
+
+def _config_plan(args: argparse.Namespace):
+    from dataclasses import replace
+
+    from services.common.config import load_config
+    from trainer.config import TrainerConfig
+    from trainer.plan.manifest import layout_from_trainer
+    from trainer.plan.memory import Arch, plan
+    from trainer.plan.models import load_model_config
+
+    if args.gpu_memory_gib is None or args.seq_len is None:
+        raise ValueError("--config needs --gpu-memory-gib and --seq-len")
+    cfg = load_config(TrainerConfig, args.config)
+    arch = Arch.from_hf_config(load_model_config(args.model or cfg.model_dir))
+    lay = replace(layout_from_trainer(cfg, args.seq_len), **_overrides(args))
+    overhead = 4.0 if args.overhead_gib is None else args.overhead_gib
+    return plan(arch, lay, args.gpu_memory_gib, overhead_gib=overhead, vllm_share=args.vllm_share)
+
+
+def run(args: argparse.Namespace) -> int:
+    from trainer.plan.manifest import plan_manifest
+    from trainer.plan.memory import format_plan
+
+    if not args.manifest and not args.config:
+        print("r3flow plan: give --manifest FILE or --config FILE", file=sys.stderr)
+        return 2
+    if args.manifest and _overrides(args):
+        print("r3flow plan: what-if overrides go with --config, not --manifest", file=sys.stderr)
+        return 2
+    ok = True
+    try:
+        if args.config:
+            p = _config_plan(args)
+            print(format_plan(p, f"{args.config}:"))
+            ok = p.fits
+        for path in args.manifest:
+            for job in plan_manifest(path, args.overhead_gib):
+                print(format_plan(job.plan, f"{path} {job.where}:"))
+                if job.expect:
+                    mark = "as expected" if job.as_expected else "NOT AS EXPECTED"
+                    print(f"  expected: {job.expect} ({mark}){': ' + job.reason if job.reason else ''}")
+                ok &= job.as_expected if args.check_expected else job.plan.fits
+    except ValueError as e:
+        print(f"r3flow plan: {e}", file=sys.stderr)
+        return 2
+    return 0 if ok else 1

@@ -1,0 +1,236 @@
+"""Per-rank GPU memory of a megatron-core MoE training job (what `r3flow plan` prints).
+
+An estimate written down so that it can be checked by hand (tests/unit/test_plan.py does):
+  * parameters per rank: attention, dense MLPs, embeddings and output layer split over TP
+    (norms and routers replicated); experts split over EP x expert-TP (= TP); layers over PP
+    (the per-rank table is the worst stage: first with PP=1 holds embedding and output layer);
+  * bytes per parameter (megatron mixed precision): weights at the model dtype; gradients fp32
+    when grads are reduced in fp32 (trainer/engine.py: grad_reduce_in_fp32=True); optimizer
+    state fp32 Adam moments (8 B) plus fp32 master weights (4 B) when the model is bf16, split
+    over the data-parallel ranks of each parameter only with the distributed optimizer
+    (dense DP = world / (TP x PP x CP), expert DP = world / (EP x TP x PP));
+  * reference model (kl_coef > 0): a second copy of the weights, no grads, no optimizer;
+  * activations per token per layer at the model dtype (flash attention: nothing quadratic),
+    tokens per rank = seq_len x micro_batch / (TP x CP) (sequence parallel), x PP micro-batches
+    in flight on the first stage (1F1B):
+      attention   3h + 2*q + 2*kv  (two norm inputs, QKV input, q/k/v, attention output;
+                  q = heads x head_dim, kv = kv_heads x head_dim)
+      MoE block   h + k*(2h + 3f) + 2E*4/eb  (router input, fp32 router logits and probs,
+                  permuted tokens in/out, fc1 gate+up, activation output)
+      dense MLP   h + 3F
+    recompute "moe" keeps only the MoE block's input (h) per layer, "full" only each layer's
+    input (h); either adds one recomputed block's activations live during backward;
+  * logits of one micro-batch on the last stage: vocab/TP x (eb + 4) per token (fp32 upcast
+    of the log-softmax);
+  * routing buffers: RouterReplay's int64 top-k ids of each micro-batch in flight;
+  * a colocated vLLM engine's share (gpu_memory_utilization of the same GPU; 0 when rollout
+    runs in its own pods, as in the chart) and a fixed runtime overhead (CUDA context, NCCL
+    buffers, allocator fragmentation).
+Legend: h hidden, f expert FFN, F dense FFN, k top-k, E experts, eb bytes per element.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+GiB = 1 << 30
+Recompute = Literal["none", "moe", "full"]
+
+
+@dataclass(frozen=True)
+class Arch:
+    """The architecture facts the estimate needs (from an HF config.json)."""
+
+    num_layers: int
+    moe_layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    experts: int
+    top_k: int
+    moe_ffn: int
+    dense_ffn: int
+    vocab: int
+    tied_embeddings: bool = False
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> Arch:
+        """Qwen3-MoE / Mixtral-style config.json keys; ValueError names a missing one."""
+        try:
+            n, step = int(cfg["num_hidden_layers"]), int(cfg.get("decoder_sparse_step", 1))
+            dense = set(cfg.get("mlp_only_layers") or [])
+            experts = cfg.get("num_experts") or cfg.get("num_local_experts") \
+                or cfg["n_routed_experts"]
+            return cls(
+                num_layers=n,
+                moe_layers=sum(1 for i in range(n) if i not in dense and (i + 1) % step == 0),
+                hidden=int(cfg["hidden_size"]), heads=int(cfg["num_attention_heads"]),
+                kv_heads=int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"]),
+                head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]),
+                experts=int(experts), top_k=int(cfg["num_experts_per_tok"]),
+                moe_ffn=int(cfg["moe_intermediate_size"]),
+                dense_ffn=int(cfg.get("intermediate_size") or 0),
+                vocab=int(cfg["vocab_size"]),
+                tied_embeddings=bool(cfg.get("tie_word_embeddings", False)))
+        except KeyError as e:
+            raise ValueError(f"model config: missing key {e.args[0]!r}") from None
+
+    @property
+    def dense_layers(self) -> int:
+        return self.num_layers - self.moe_layers
+
+    @property
+    def expert_params_per_layer(self) -> int:
+        return self.experts * 3 * self.hidden * self.moe_ffn
+
+    def attention_params(self) -> tuple[int, int]:
+        """(TP-split, replicated) parameters of one attention block + its two norms."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return 2 * self.hidden * q + 2 * self.hidden * kv, 2 * self.hidden + 2 * self.head_dim
+
+    def total_params(self) -> int:
+        split, repl = self.attention_params()
+        emb = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
+        return (self.num_layers * (split + repl) + emb + self.hidden
+                + self.moe_layers * (self.expert_params_per_layer + self.hidden * self.experts)
+                + self.dense_layers * 3 * self.hidden * self.dense_ffn)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Parallel layout and training settings of one job."""
+
+    world: int
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    cp: int = 1
+    dtype: Literal["bf16", "fp32"] = "bf16"
+    distributed_optimizer: bool = False
+    grad_reduce_in_fp32: bool = True
+    recompute: Recompute = "none"
+    reference: bool = False
+    micro_batch: int = 1
+    seq_len: int = 4096
+
+    def check(self, arch: Arch) -> None:
+        """ValueError naming the field when the layout cannot be built."""
+        if self.world % (self.tp * self.pp * self.cp):
+            raise ValueError(f"world size {self.world}: not a multiple of TP x PP x CP "
+                             f"= {self.tp * self.pp * self.cp}")
+        if self.world % (self.ep * self.tp * self.pp):
+            raise ValueError(f"world size {self.world}: not a multiple of EP x TP x PP "
+                             f"= {self.ep * self.tp * self.pp}")
+        if arch.experts % self.ep:
+            raise ValueError(f"expert_parallel {self.ep}: does not divide {arch.experts} experts")
+        if arch.num_layers % self.pp:
+            raise ValueError(f"pipeline_parallel {self.pp}: does not divide {arch.num_layers} layers")
+
+    @property
+    def dp(self) -> int:
+        return self.world // (self.tp * self.pp * self.cp)
+
+    @property
+    def expert_dp(self) -> int:
+        return self.world // (self.ep * self.tp * self.pp)
+
+
+@dataclass
+class Plan:
+    """Per-rank memory rows in bytes and the verdict."""
+
+    rows: dict[str, float]
+    gpu_bytes: float
+    dense_params: float
+    expert_params: float
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> float:
+        return sum(self.rows.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.gpu_bytes
+
+
+def params_per_rank(arch: Arch, lay: Layout) -> tuple[float, float]:
+    """(dense, expert) parameters held by the most loaded rank (first stage)."""
+    split, repl = arch.attention_params()
+    per_stage = arch.num_layers // lay.pp
+    moe = arch.moe_layers * per_stage / arch.num_layers
+    dense_mlp = arch.dense_layers * per_stage / arch.num_layers
+    emb = arch.vocab * arch.hidden
+    # Embedding on the first stage, output layer on the last: both on one rank only with PP=1.
+    emb_rank = emb * (1 if (arch.tied_embeddings or lay.pp > 1) else 2)
+    dense = (per_stage * split + dense_mlp * 3 * arch.hidden * arch.dense_ffn + emb_rank) / lay.tp
+    dense += per_stage * repl + moe * arch.hidden * arch.experts + arch.hidden
+    expert = moe * arch.expert_params_per_layer / (lay.ep * lay.tp)
+    return dense, expert
+
+
+def _state_bytes(lay: Layout, dense: float, expert: float) -> dict[str, float]:
+    eb = 2 if lay.dtype == "bf16" else 4
+    grad = 4 if (lay.grad_reduce_in_fp32 or lay.dtype == "fp32") else 2
+    optim = 12 if lay.dtype == "bf16" else 8  # Adam m, v (+ fp32 master weights for bf16)
+    if lay.distributed_optimizer:
+        optimizer = optim * (dense / lay.dp + expert / lay.expert_dp)
+    else:
+        optimizer = optim * (dense + expert)
+    params = dense + expert
+    return {"weights": eb * params, "grads": grad * params, "optimizer": optimizer,
+            "reference model": eb * params if lay.reference else 0.0}
+
+
+def activation_bytes(arch: Arch, lay: Layout) -> dict[str, float]:
+    """Activations, logits and routing buffers of the first (and, PP=1, last) stage."""
+    eb = 2 if lay.dtype == "bf16" else 4
+    h, q, kv = arch.hidden, arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim
+    tokens = lay.seq_len * lay.micro_batch / (lay.tp * lay.cp)
+    attn = 3 * h + 2 * q + 2 * kv
+    moe = h + arch.top_k * (2 * h + 3 * arch.moe_ffn) + 2 * arch.experts * 4 / eb
+    mlp = h + 3 * arch.dense_ffn
+    per_stage = arch.num_layers // lay.pp
+    moe_n = arch.moe_layers * per_stage / arch.num_layers
+    dense_n = per_stage - moe_n
+    if lay.recompute == "none":
+        elems, live = moe_n * (attn + moe) + dense_n * (attn + mlp), 0.0
+    elif lay.recompute == "moe":
+        elems, live = moe_n * (attn + h) + dense_n * (attn + mlp), moe if moe_n else 0.0
+    else:
+        elems, live = per_stage * h, attn + (moe if moe_n else mlp)
+    in_flight = lay.pp
+    acts = eb * tokens * (elems * in_flight + live)
+    logits = lay.seq_len * lay.micro_batch / lay.cp * arch.vocab / lay.tp * (eb + 4)
+    routing = 8 * tokens * moe_n * arch.top_k * in_flight
+    return {"activations": acts, "logits": logits, "routing buffers": routing}
+
+
+def plan(arch: Arch, lay: Layout, gpu_gib: float, overhead_gib: float = 4.0,
+         vllm_share: float = 0.0) -> Plan:
+    """The per-rank memory table of `lay` on a GPU of `gpu_gib` GiB."""
+    lay.check(arch)
+    if not 0.0 <= vllm_share < 1.0:
+        raise ValueError(f"vllm_share: {vllm_share} is not in [0, 1)")
+    dense, expert = params_per_rank(arch, lay)
+    rows = _state_bytes(lay, dense, expert) | activation_bytes(arch, lay)
+    rows["vLLM KV share"] = vllm_share * gpu_gib * GiB
+    rows["runtime overhead"] = overhead_gib * GiB
+    out = Plan(rows=rows, gpu_bytes=gpu_gib * GiB, dense_params=dense, expert_params=expert)
+    if not lay.distributed_optimizer and (lay.dp > 1 or lay.expert_dp > 1):
+        out.notes.append("optimizer state is not sharded (no distributed optimizer)")
+    return out
+
+
+def format_plan(p: Plan, title: str) -> str:
+    """A table of GiB per row, the total against the GPU, and the verdict."""
+    lines = [title, f"  params per rank: {p.dense_params:,.0f} dense + "
+                    f"{p.expert_params:,.0f} expert"]
+    lines += [f"  {name:<18} {value / GiB:>9.2f} GiB" for name, value in p.rows.items()]
+    verdict = "fits" if p.fits else "DOES NOT FIT"
+    lines.append(f"  {'total':<18} {p.total / GiB:>9.2f} GiB of {p.gpu_bytes / GiB:.2f} GiB: "
+                 f"{verdict} ({(p.gpu_bytes - p.total) / GiB:+.2f} GiB)")
+    lines += [f"  note: {n}" for n in p.notes]
+    return "\n".join(lines)
