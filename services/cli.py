@@ -18,6 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("trainer.cli", "run the megatron-core GRPO/PPO trainer with routing replay"),
     "local": ("services.local.cli", "run the whole system on this machine"),
     "model": ("services.rollout.model_cli", "build local models (tiny MoE)"),
+    "plan": ("trainer.plan.cli", "per-rank GPU memory of a training job; exit 1 if it does not fit"),
 }
 
 
