@@ -24,6 +24,19 @@ class EngineConfig(StrictConfig):
     capture_routing: bool = Field(
         True, description="enable_return_routed_experts; off only for baselines (nothing is sent)")
     policy_version: int = Field(0, ge=0, description="policy version of the weights at `model`")
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="GPUs one engine spans (vLLM tensor parallel; the chart sets it to "
+        "rollout.gpus); must divide the model's attention heads")
+    enforce_eager: bool = Field(
+        True, description="no CUDA graphs (vLLM-CPU needs it; false on GPUs captures CUDA "
+        "graphs: faster decode, longer start and a little more GPU memory)")
+
+    @field_validator("tensor_parallel_size")
+    @classmethod
+    def _power_of_two(cls, v: int) -> int:
+        if v & (v - 1):
+            raise ValueError(f"{v} is not a power of two (vLLM shards heads and experts evenly)")
+        return v
 
     @field_validator("block_size")
     @classmethod

@@ -85,7 +85,8 @@ def engine_args(cfg: EngineConfig) -> Any:
 
     return AsyncEngineArgs(
         model=cfg.model, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
-        max_num_seqs=cfg.max_num_seqs, block_size=cfg.block_size, enforce_eager=True,
+        max_num_seqs=cfg.max_num_seqs, block_size=cfg.block_size,
+        enforce_eager=cfg.enforce_eager, tensor_parallel_size=cfg.tensor_parallel_size,
         seed=cfg.seed, enable_prefix_caching=cfg.enable_prefix_caching,
         enable_return_routed_experts=cfg.capture_routing,
         worker_extension_cls=WORKER_EXTENSION, disable_log_stats=True)
