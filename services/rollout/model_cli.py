@@ -1,4 +1,5 @@
-"""`r3flow model tiny-moe --out DIR`: build local models (no hub access)."""
+"""`r3flow model tiny-moe --out DIR`: build local models (no hub access);
+`r3flow model fetch --uri URI --out DIR`: download one into a volume (services/rollout/model_fetch.py)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tiny.add_argument("--config", help="TOML/YAML file with TinyMoeConfig fields")
     tiny.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                       help="override one TinyMoeConfig field (repeatable), e.g. --set num_layers=3")
+    fetch = sub.add_parser("fetch", help="download a model (hf://, s3://, gs://, file://) into "
+                           "a directory once, shared by pods that start together")
+    fetch.add_argument("--uri", required=True, help="hf://ORG/REPO[@REV] or an fsspec URI")
+    fetch.add_argument("--out", required=True, help="model directory to create")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.model_command == "fetch":
+        from services.rollout.model_fetch import run_fetch
+
+        return run_fetch(args.uri, args.out)
     from services.common.config import load_config
     from services.rollout.tiny_moe import TinyMoeConfig, build_tiny_moe
 
