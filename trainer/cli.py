@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     with StoreClient(cfg.data.store, auth=ClientAuth.from_config(cfg.data.store_auth)) as client:
         client.wait_ready(cfg.run.store_ready_timeout_s)
         ranks = _ranks(cfg)
-        push = (StoreWeightPush(client, cfg.weight_sync,
+        push = (StoreWeightPush(client,
                                 metrics.get("r3flow_trainer_weight_push_failures_total"))
                 if cfg.run.push_weights_every else None)
         loop = TrainLoop(cfg, ranks, client, metrics, push_fn=push)

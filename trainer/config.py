@@ -11,6 +11,7 @@ from services.common.config import StrictConfig
 from services.common.weight_sync.config import WeightSyncConfig
 from trainer.loss import LossConfig
 from trainer.model import ModelConfig
+from trainer.ray_launch import RayLaunchConfig
 from trainer.replay import ReplayMode
 
 
@@ -87,6 +88,9 @@ class TrainerConfig(StrictConfig):
     run: RunConfig = Field(default_factory=RunConfig)
     weight_sync: WeightSyncConfig = Field(
         default_factory=WeightSyncConfig, description="weight push to the rollout engines")
+    ray: RayLaunchConfig = Field(
+        default_factory=RayLaunchConfig,  # type: ignore[arg-type]
+        description="ray launcher: cluster to join, rank placement")
 
     @model_validator(mode="after")
     def _launcher_world(self) -> TrainerConfig:

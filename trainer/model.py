@@ -69,8 +69,11 @@ def init_parallel(cfg: ModelConfig) -> None:
         rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
         if not on_cpu:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-        # One rank: a private port, and no MASTER_* written to os.environ (children inherit it).
-        init = "env://" if world > 1 else f"tcp://127.0.0.1:{_free_port()}"
+        # A launcher that set MASTER_* (Ray ranks: rank 0's node) rendezvous there; a lone
+        # in-process rank on a private loopback port, without writing MASTER_* to os.environ
+        # (children inherit it).
+        init = ("env://" if world > 1 or "MASTER_ADDR" in os.environ
+                else f"tcp://127.0.0.1:{_free_port()}")
         dist.init_process_group("gloo" if on_cpu else "nccl", init_method=init, rank=rank,
                                 world_size=world)
     if not ps.model_parallel_is_initialized():

@@ -74,7 +74,7 @@ class TrainLoop:
     """Drives the ranks from the store; owns acks, metrics and the run log."""
 
     def __init__(self, cfg: TrainerConfig, ranks: Ranks, client, metrics: dict | None = None,
-                 push_fn: Callable[[dict, int], None] | None = None) -> None:
+                 push_fn: Callable[[Ranks, int], None] | None = None) -> None:
         if cfg.data.groups_per_step % ranks.world_size:
             raise ValueError(f"data.groups_per_step: {cfg.data.groups_per_step} not divisible "
                              f"by {ranks.world_size} ranks")
@@ -177,7 +177,7 @@ class TrainLoop:
             self._push_now()
 
     def push_weights(self) -> None:
-        """Hand HF-named weights to the weight push (trainer.weight push lives elsewhere)."""
+        """Push the weights to the rollout engines (trainer.weight_push; rank 0 sends)."""
         every = self.cfg.run.push_weights_every
         if self.push_fn is None or not every or self.pos.step % every:
             return
@@ -186,8 +186,7 @@ class TrainLoop:
     def _push_now(self) -> None:
         assert self.push_fn is not None
         t0 = time.perf_counter()
-        weights = self.ranks.call("export_hf", [()] * self.ranks.world_size)[0]
-        self.push_fn(weights, self.pos.policy_version)
+        self.push_fn(self.ranks, self.pos.policy_version)  # rank 0 exports and sends
         self._observe("r3flow_trainer_weight_push_seconds", time.perf_counter() - t0)
 
     def checkpoint(self, force: bool = False) -> None:

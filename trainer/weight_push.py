@@ -1,59 +1,106 @@
 """The trainer's side of the weight push: plan from the store's registered workers, publish it,
 broadcast the exported HF weights (services.common.weight_sync), report the new version.
 
+The sender is trainer rank 0 (`RankSender`, inside the rank's process: on a cluster, on its own
+node with its own GPU), advertising its node's address and the configured port. The driver only
+lists the workers and publishes the plan (a few hundred bytes): the exported weights never leave
+rank 0's process, never pass through the Ray object store or the head pod.
+
+  driver                                   rank 0 (every rank joins the EP export gather)
+  list_workers ──► plan_push(version, workers) ──► WeightSender.plan ──► plan bytes
+  publish_weight_sync(plan)
+               ──► push_weights(plan) ──► export_hf_state_dict ──► WeightSender.push
+
 A push to zero registered workers is skipped (logged): rollout pods may come and go.
-A failed push raises WeightSyncError naming the member; the next push re-forms the group.
+A failed push is reported (the member named) and counted; the next push re-forms the group.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 if TYPE_CHECKING:
-    from services.common.weight_sync import PushReport
+    from services.common.weight_sync import WeightSyncConfig
 
 log = logging.getLogger(__name__)
 
 
-class StoreWeightPush:
-    """Callable `push(weights, version)` for `TrainLoop.push_fn`."""
+class RankSender:
+    """Rank 0's weight-sync sender: `plan` then `push`; failures come back as a result dict."""
 
-    def __init__(self, client, cfg, failure_counter=None) -> None:
+    def __init__(self, cfg: WeightSyncConfig, advertise_addr: str) -> None:
         from services.common.weight_sync import WeightSender
 
+        if not advertise_addr:
+            raise ValueError("weight_sync.advertise_addr: no address to advertise")
+        self.cfg = cfg.model_copy(update={"advertise_addr": advertise_addr})
+        self.sender = WeightSender(self.cfg)
+        log.info("weight-sync sender on %s:%d", advertise_addr, self.sender.port)
+
+    def plan(self, version: int, workers_bytes: list[bytes]) -> bytes:
+        """The serialized plan for `version` to the given workers (WorkerInfo bytes)."""
+        from services.common.pb.r3flow.v1 import store_pb2
+
+        workers = [store_pb2.WorkerInfo.FromString(b) for b in workers_bytes]
+        return self.sender.plan(version, workers).SerializeToString()
+
+    def push(self, plan_bytes: bytes, weights: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        """Send `weights`; {"ok": True, report...} or {"ok": False, "error", "members"}."""
+        from services.common.pb.r3flow.v1 import store_pb2
+        from services.common.weight_sync import WeightSyncError
+
+        plan = store_pb2.WeightSyncPlan.FromString(plan_bytes)
+        try:
+            r = self.sender.push(plan, weights.items())
+        except WeightSyncError as e:
+            return {"ok": False, "error": str(e), "members": list(e.members)}
+        return {"ok": True, "version": r.version, "members": list(r.members),
+                "num_tensors": r.num_tensors, "num_bytes": r.num_bytes, "seconds": r.seconds,
+                "gb_s": r.gb_s, "address": f"{plan.master_addr}:{plan.master_port}"}
+
+    def close(self) -> None:
+        self.sender.close()
+
+
+class StoreWeightPush:
+    """`TrainLoop.push_fn(ranks, version)`: rank 0 of `ranks` sends (see the module docstring).
+
+    Ranks expose `plan_push(version, workers)` and `push_weights(plan)` (trainer.worker); every
+    rank takes part in `push_weights` (the export is a collective), only rank 0 answers."""
+
+    def __init__(self, client, failure_counter=None) -> None:
         self.failures = 0
         self.failure_counter = failure_counter
         self.client = client
-        self.sender = WeightSender(cfg)
-        self.last_report: PushReport | None = None
+        self.last_report: dict[str, Any] | None = None
 
-    def __call__(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+    def __call__(self, ranks, version: int) -> None:
         workers = self.client.list_workers()
         if not workers:
             log.warning("weight push v%d skipped: no rollout worker registered", version)
             return
-        from services.common.weight_sync import WeightSyncError
+        from services.common.pb.r3flow.v1 import store_pb2
 
-        plan = self.sender.plan(version, workers)
-        self.client.publish_weight_sync(plan)
-        try:
-            report = self.sender.push(plan, weights.items())
-        except WeightSyncError as e:
+        n = ranks.world_size
+        infos = [w.SerializeToString() for w in workers]
+        plan_bytes = ranks.call("plan_push", [(version, infos)] * n)[0]
+        self.client.publish_weight_sync(store_pb2.WeightSyncPlan.FromString(plan_bytes))
+        result = ranks.call("push_weights", [(plan_bytes,)] * n)[0]
+        if not result["ok"]:
             # Every receiver discards an aborted push (two-phase commit), so the engines stay
             # consistent on the old version; the next push re-forms the group from whoever
             # is registered then. Training goes on; staleness limits what old rollouts cost.
             self.failures += 1
             if self.failure_counter is not None:
                 self.failure_counter.inc()
-            log.error("weight push v%d failed, engines keep their weights: %s", version, e)
+            log.error("weight push v%d failed, engines keep their weights: %s (members %s)",
+                      version, result["error"], result["members"])
             return
-        self.last_report = report
-        log.info("pushed v%d to %d worker(s): %.1f MB in %.2fs (%.2f GB/s)", version,
-                 len(workers), report.num_bytes / 1e6, report.seconds, report.gb_s)
-
-    def close(self) -> None:
-        self.sender.close()
+        self.last_report = result
+        log.info("pushed v%d from %s to %d worker(s): %.1f MB in %.2fs (%.2f GB/s)", version,
+                 result["address"], len(workers), result["num_bytes"] / 1e6, result["seconds"],
+                 result["gb_s"])

@@ -16,16 +16,24 @@ from trainer.batch import Sample
 from trainer.checkpoint import CheckpointManager, DataPosition
 from trainer.config import TrainerConfig
 from trainer.intake import group_samples
+from trainer.weight_push import RankSender
 
 log = logging.getLogger(__name__)
+
+LOOPBACK = "127.0.0.1"  # the in-process rank of `r3flow local` (no cluster runs it)
 
 
 class RankWorker:
     """Trainer state of one rank (process groups come from RANK/WORLD_SIZE/MASTER_* env)."""
 
-    def __init__(self, cfg_json: str) -> None:
+    rank = 0
+    node_ip = ""  # this rank's node as Ray reports it ("" in-process: loopback)
+    _sender: RankSender | None = None  # rank 0's weight-sync sender, made at the first push
+
+    def __init__(self, cfg_json: str, rank: int = 0, node_ip: str = "") -> None:
         from trainer.engine import Trainer
 
+        self.rank, self.node_ip = rank, node_ip
         self.cfg = TrainerConfig.model_validate_json(cfg_json)
         self.trainer = Trainer(self.cfg)
         self.ckpt = CheckpointManager(self.cfg.run.run_dir)
@@ -58,6 +66,24 @@ class RankWorker:
     def export_hf(self) -> dict:
         """HF-named weights (collective over EP: every rank must call it)."""
         return self.trainer.export_hf_state_dict()
+
+    def plan_push(self, version: int, workers: list[bytes]) -> bytes | None:
+        """Rank 0: the serialized weight-sync plan of push `version` (others: None)."""
+        if self.rank:
+            return None
+        if self._sender is None:
+            # weight_sync.advertise_addr, else this rank's node; loopback only in-process
+            addr = self.cfg.weight_sync.advertise_addr or self.node_ip or LOOPBACK
+            self._sender = RankSender(self.cfg.weight_sync, addr)
+        return self._sender.plan(version, workers)
+
+    def push_weights(self, plan: bytes) -> dict | None:
+        """Every rank joins the export; rank 0 sends it to the plan's members (the result)."""
+        weights = self.export_hf()
+        if self.rank:
+            return None
+        assert self._sender is not None, "plan_push comes first"
+        return self._sender.push(plan, weights)
 
     def policy_version(self) -> int:
         return self.trainer.policy_version

@@ -4,7 +4,7 @@ trainer's exported weights generates (greedy), and the per-tensor digests that e
 took of the tensors it loaded equal those of the trainer's export (in the wire dtype).
 
 Four processes, each this file run as a script: two trainer ranks (megatron's default group
-on gloo; rank 0 runs `StoreWeightPush`, the trainer's push) and two engines (vLLM `LLM` with
+on gloo; rank 0 runs `RankSender`, the trainer's sender) and two engines (vLLM `LLM` with
 r3flow's worker extension; weights arrive via `collective_rpc("receive_weights")`). A
 directory stands in for the store: engines register by writing a `WorkerInfo` file, the
 trainer publishes the plan as a file. Rank 0 exports after one optimizer step with a large
@@ -156,7 +156,7 @@ def _wait_for(pred, what: str):
 
 
 class DirRegistry:
-    """The store's two weight-push calls, on a directory (what `StoreWeightPush` needs)."""
+    """The store's two weight-push calls, on a directory (what the push needs)."""
 
     def __init__(self, work: Path) -> None:
         self.work = work
@@ -205,11 +205,12 @@ def _trainer(model_dir: str, work: Path) -> None:
     import torch
     from safetensors.torch import load_file, save_file
 
+    from services.common.pb.r3flow.v1 import store_pb2
     from services.common.weight_sync import WeightSyncConfig
     from services.rollout.worker_ext import tensor_digest
     from trainer.config import TrainerConfig
     from trainer.engine import Trainer
-    from trainer.weight_push import StoreWeightPush
+    from trainer.weight_push import RankSender
 
     rank = int(os.environ["RANK"])
     cfg = TrainerConfig(model_dir=model_dir, model={"expert_parallel": 2},
@@ -224,15 +225,17 @@ def _trainer(model_dir: str, work: Path) -> None:
         registry = DirRegistry(work)
         _wait_for(lambda: len(registry.list_workers()) == len(ENGINES), "the engines")
         # roomy: this test is about what arrives, not how fast a fault is found (busy machine)
-        push = StoreWeightPush(registry, WeightSyncConfig(timeout_s=120, heartbeat_timeout_s=10))
-        push(exported, 1)
-        report = push.last_report
-        assert report is not None, "the push failed (see the log)"
+        sender = RankSender(WeightSyncConfig(timeout_s=120, heartbeat_timeout_s=10),
+                            "127.0.0.1")
+        plan = sender.plan(1, [w.SerializeToString() for w in registry.list_workers()])
+        registry.publish_weight_sync(store_pb2.WeightSyncPlan.FromString(plan))
+        report = sender.push(plan, exported)
+        assert report["ok"], f"the push failed: {report}"
         (work / "trainer.json").write_text(json.dumps({
-            "report": {"members": list(report.members), "num_tensors": report.num_tensors},
+            "report": {"members": report["members"], "num_tensors": report["num_tensors"]},
             "digests": {k: tensor_digest(v.to(torch.bfloat16)) for k, v in exported.items()},
             "changed": [k for k, v in exported.items() if not torch.equal(v, ref[k])]}))
-        push.close()
+        sender.close()
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 

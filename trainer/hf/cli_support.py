@@ -110,7 +110,7 @@ def run_hf(cfg: TrainerConfig, args: argparse.Namespace) -> int:
         with StoreClient(cfg.data.store, auth=auth) as client:
             client.wait_ready(cfg.run.store_ready_timeout_s)
             ranks = HFLocalRanks(cfg, hf)
-            push = StoreWeightPush(client, cfg.weight_sync) if cfg.run.push_weights_every else None
+            push = StoreWeightPush(client) if cfg.run.push_weights_every else None
             loop = TrainLoop(cfg, ranks, client, create_metrics(registry, "trainer"), push)
             loop.resume()
             history = loop.run(cfg.run.steps, stop=stop.is_set)

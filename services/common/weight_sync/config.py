@@ -25,10 +25,12 @@ class WeightSyncConfig(StrictConfig):
     """A tensor at least this big that needs no cast is broadcast in place (default bucket/2)."""
     inflight_buckets: int = Field(default=2, ge=1, le=8)
     """Buckets in flight at once: packing bucket k+1 overlaps the broadcast of bucket k."""
-    advertise_addr: str = "127.0.0.1"
-    """Address receivers use to reach the sender's rendezvous store (the pod IP on k8s)."""
+    advertise_addr: str = ""
+    """Address receivers use to reach the sender (trainer rank 0): '' = the node/pod IP Ray
+    reports for that rank (loopback only for the in-process launcher of `r3flow local`)."""
     port: int = Field(default=0, ge=0, le=65535)
-    """Port of the rendezvous store; 0 picks a free one (published in each plan)."""
+    """Port of the rendezvous store on the sender's node (the chart's weight-sync port on
+    Kubernetes, which NetworkPolicies admit); 0 picks a free one (published in each plan)."""
     timeout_s: float = Field(default=120.0, gt=0)
     """Longest wait for any one step of a push (join, a bucket, the acks)."""
     heartbeat_interval_s: float = Field(default=0.25, gt=0)

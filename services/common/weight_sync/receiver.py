@@ -8,6 +8,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import logging
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -83,6 +84,21 @@ def _is_loopback(addr: str) -> bool:
         return ipaddress.ip_address(addr).is_loopback
     except ValueError:
         return addr == "localhost"
+
+
+def local_addr_toward(addr: str) -> str:
+    """This host's address on the route to `addr` (nothing is sent), for gloo to bind: the
+    address the sender and the other members reach this pod on, whatever its hostname resolves
+    to ("" = gloo's default when there is no route)."""
+    if _is_loopback(addr):
+        return addr
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(addr, 9, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(sockaddr)
+            return str(s.getsockname()[0])
+    except OSError:
+        return ""
 
 
 class WeightReceiver:
@@ -257,7 +273,7 @@ class _Receive:
             self.pg = cached[1]
             return
         self.rx._group = None  # idle (no op in flight): dropped at once
-        host = self.plan.master_addr if _is_loopback(self.plan.master_addr) else ""
+        host = local_addr_toward(self.plan.master_addr)
         self.pg = make_process_group(self.store, self.member.rank,
                                      len(members_of(self.plan)) + 1, self.plan.backend,
                                      self.params["timeout_s"], host)

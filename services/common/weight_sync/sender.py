@@ -49,6 +49,10 @@ if TYPE_CHECKING:  # the sender only reads attributes: the GPU bench runs withou
 
 log = logging.getLogger(__name__)
 
+# Where a sender without an advertise_addr listens. The trainer never leaves it empty: its rank 0
+# advertises its node's address (trainer/worker.py).
+STANDALONE_ADDR = "127.0.0.1"
+
 
 class TransportError(RuntimeError):
     """Internal: the backend failed a collective (the monitor finds out whose fault it is)."""
@@ -84,7 +88,9 @@ class WeightSender:
         self.wire = bk.wire_dtype(cfg.wire_dtype)
         self.bucket_bytes = cfg.bucket_bytes or bk.default_bucket_bytes(cfg.backend)
         self.direct_min_bytes = cfg.direct_min_bytes or self.bucket_bytes // 2
-        self._root = connect_store(cfg.advertise_addr, cfg.port, cfg.timeout_s, server=True)
+        # empty: a standalone sender (tests, benches) on one machine
+        self.addr = cfg.advertise_addr or STANDALONE_ADDR
+        self._root = connect_store(self.addr, cfg.port, cfg.timeout_s, server=True)
         self._pool: list[torch.Tensor | None] = [None] * cfg.inflight_buckets
         self._last_version: int | None = None
         self._pushed_version: int | None = None
@@ -107,7 +113,7 @@ class WeightSender:
         if not workers:
             raise ValueError("workers: a weight-sync plan needs at least one member")
         plan = store_pb2.WeightSyncPlan(
-            version=version, master_addr=self.cfg.advertise_addr, master_port=self.port,
+            version=version, master_addr=self.addr, master_port=self.port,
             members=list(workers), backend=self.cfg.backend, wire_dtype=self.cfg.wire_dtype,
             bucket_bytes=self.bucket_bytes)
         g = self._group
@@ -226,7 +232,7 @@ class _Push:
         with self._transport_errors():
             self.pg = make_process_group(self.store, 0, len(self.members) + 1,
                                          self.cfg.backend, self.cfg.timeout_s,
-                                         self.cfg.advertise_addr)
+                                         self.s.addr)
 
     def _no_errors(self) -> None:
         if self.monitor.reported():
