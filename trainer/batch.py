@@ -39,6 +39,7 @@ class Sample:
     advantage: float = 0.0
     routing_TLK: np.ndarray | None = None  # [P+R-1, L_moe, K] trainer MoE layers, or None
     policy_version: int = 0
+    temperature: np.ndarray | None = None  # [R] sampling temperature per token (None = 1)
 
 
 def _decode_chunks(traj, decode: Callable, num_experts: int, top_k: int | None
@@ -58,6 +59,28 @@ def _decode_chunks(traj, decode: Callable, num_experts: int, top_k: int | None
     return chunks
 
 
+class UnreproducibleSamplingError(ValueError):
+    """A segment sampled in a way the trainer's logprobs cannot reproduce."""
+
+
+def segment_temperature(seg, trajectory_id: str) -> float:
+    """The temperature a segment was sampled at; ValueError for what the trainer cannot
+    reproduce (greedy, nucleus or top-k truncation: the ratio would be of another policy)."""
+    if not seg.HasField("sampling"):
+        return 1.0  # workers that predate SamplingParams sampled at T = 1, untruncated
+    p = seg.sampling
+    name = f"trajectory {trajectory_id} segment {seg.index} sampling"
+    if not p.temperature > 0:
+        raise UnreproducibleSamplingError(
+            f"{name}.temperature: {p.temperature:.4g} (greedy) has no sampling distribution to "
+            "train a PPO ratio on")
+    if p.top_p < 1 or p.top_k > 0:
+        raise UnreproducibleSamplingError(
+            f"{name}: top_p={p.top_p:.4g}, top_k={p.top_k}: the trainer does not model truncated "
+            "sampling; roll out with top_p=1 and no top_k")
+    return float(p.temperature)
+
+
 def sample_from_trajectory(traj, layer_map: LayerMap | None, num_experts: int,
                            decode: Callable | None = None, top_k: int | None = None) -> Sample:
     """Trajectory proto -> Sample; routing assembled and mapped when `layer_map` is given (its
@@ -69,11 +92,14 @@ def sample_from_trajectory(traj, layer_map: LayerMap | None, num_experts: int,
     if len(logprobs) != len(tokens) or mask.size != len(tokens):
         raise ValueError(f"trajectory {traj.trajectory_id}: {len(tokens)} tokens, "
                          f"{len(logprobs)} logprobs, {mask.size} loss-mask entries")
+    temps = np.concatenate([np.full(len(s.token_ids), segment_temperature(s, traj.trajectory_id),
+                                    np.float32) for s in traj.segments])
     prompt = np.asarray(traj.prompt_token_ids, np.int64)
     sample = Sample(np.concatenate([prompt, np.asarray(tokens, np.int64)]), prompt.size,
                     np.asarray(logprobs, np.float32), mask.astype(bool), float(traj.reward),
                     traj.group_id,
-                    policy_version=min((s.policy_version for s in traj.segments), default=0))
+                    policy_version=min((s.policy_version for s in traj.segments), default=0),
+                    temperature=temps)
     if layer_map is not None:
         if decode is None:
             from services.common.wire import routing_from_proto
@@ -100,6 +126,7 @@ class MicroBatch:
     routing_BSLK: torch.Tensor | None  # padded, last row of each sample filled
     valid_rows_BS: torch.Tensor  # bool: rows that carry real engine routing
     samples: list[Sample] = field(default_factory=list)
+    temperature_BS: torch.Tensor | None = None  # sampling temperature of label i+1 (1 elsewhere)
     # Filled by the trainer's passes: old-policy / reference logprobs, R2-recorded routing.
     train_old_lp: torch.Tensor | None = None
     ref_lp: torch.Tensor | None = None
@@ -112,8 +139,9 @@ class MicroBatch:
     def to(self, device: torch.device) -> MicroBatch:
         """Move the model inputs and loss tensors (not routing: RouterReplay moves its ids)."""
         for name in ("tokens_BS", "position_ids_BS", "labels_BS", "loss_mask_BS",
-                     "old_logprobs_BS", "advantages_BS", "valid_rows_BS"):
-            setattr(self, name, getattr(self, name).to(device))
+                     "old_logprobs_BS", "advantages_BS", "valid_rows_BS", "temperature_BS"):
+            if getattr(self, name) is not None:
+                setattr(self, name, getattr(self, name).to(device))
         return self
 
 
@@ -127,8 +155,11 @@ def make_microbatch(samples: Sequence[Sample], pad_multiple: int = 8) -> MicroBa
     tokens, labels = torch.zeros(b, s, dtype=torch.long), torch.zeros(b, s, dtype=torch.long)
     mask, old, adv = (torch.zeros(b, s, dtype=torch.float32) for _ in range(3))
     valid = torch.zeros(b, s, dtype=torch.bool)
+    temp = torch.ones(b, s, dtype=torch.float32)
     for i, x in enumerate(samples):
         n, p, r = x.tokens.size, x.prompt_len, x.tokens.size - x.prompt_len
+        if x.temperature is not None:
+            temp[i, p - 1:p - 1 + r] = torch.from_numpy(x.temperature)
         tokens[i, :n] = torch.from_numpy(x.tokens)
         labels[i, :n - 1] = tokens[i, 1:n]
         resp = slice(p - 1, p - 1 + r)  # positions whose logits predict the response tokens
@@ -141,7 +172,7 @@ def make_microbatch(samples: Sequence[Sample], pad_multiple: int = 8) -> MicroBa
     if len(per_sample) == len(samples):
         routing = torch.from_numpy(pack_routing([pad_last_row(r) for r in per_sample], s))
     pos = torch.arange(s).unsqueeze(0).expand(b, s).contiguous()
-    return MicroBatch(tokens, pos, labels, mask, old, adv, routing, valid, list(samples))
+    return MicroBatch(tokens, pos, labels, mask, old, adv, routing, valid, list(samples), temp)
 
 
 def split_microbatches(samples: Sequence[Sample], micro_batch_size: int,

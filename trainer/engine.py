@@ -125,7 +125,8 @@ class Trainer(OldPolicyPass):
             rows = self._rows(mb, mode)
             self._drive(ctl, rows, record=mode == ReplayMode.R2 and not reference)
             self.agreement.valid_T = mb.valid_rows_BS.t().reshape(-1)
-            out.append(token_logprobs(self._logits(model.module, mb), mb.labels_BS))
+            out.append(token_logprobs(self._logits(model.module, mb), mb.labels_BS,
+                                      mb.temperature_BS))
             if mode == ReplayMode.R2 and rows is None and not reference:
                 mb.replay_rows = ctl.recorded()
             ctl.end_step()
@@ -187,7 +188,7 @@ class Trainer(OldPolicyPass):
         old = mb.old_logprobs_BS if self.cfg.data.old_logprobs == "rollout" else mb.train_old_lp
         assert old is not None, "old-policy pass must run before the update"
         sums = ppo_loss(logits, mb.labels_BS, mb.loss_mask_BS, mb.advantages_BS, old,
-                        mb.ref_lp, self.cfg.loss)
+                        mb.ref_lp, self.cfg.loss, mb.temperature_BS)
         for k in ("ppo_kl", "kl_ref", "clipped", "entropy"):
             acc[k] = acc.get(k, 0.0) + getattr(sums, k)
         loss = sums.loss / max(total_tokens, 1.0) * n_mb  # the schedule divides by n_mb

@@ -1,7 +1,9 @@
 """GRPO advantages and the PPO-clip policy loss with optional k3 KL to a reference model.
 
 All token-level tensors are [B, S] where position i holds the logprob of token i+1 (see
-trainer.batch); `mask_BS` selects trained response tokens. Functions return SUMS over masked
+trainer.batch); `mask_BS` selects trained response tokens. `temperature_BS` is the sampling
+temperature of the token each position predicts: rollouts sample from softmax(logits / T), so the
+PPO ratio, the KL and the entropy are of that distribution (None = T 1 everywhere). Functions return SUMS over masked
 tokens so micro-batches combine exactly into a per-token mean over the whole step.
 Legend: B batch rows, S sequence, V vocabulary.
 """
@@ -43,15 +45,24 @@ def group_advantages(rewards: Sequence[float], group_ids: Sequence[str], eps: fl
     return out.astype(np.float32)
 
 
-def token_logprobs(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
-    """log p(label) at every position, fp32."""
-    logp = torch.log_softmax(logits_BSV.float(), dim=-1)
+def _scaled(logits_BSV: torch.Tensor, temperature_BS: torch.Tensor | None) -> torch.Tensor:
+    x = logits_BSV.float()
+    if temperature_BS is None:
+        return x
+    return x / temperature_BS.to(x.device, torch.float32).unsqueeze(-1)
+
+
+def token_logprobs(logits_BSV: torch.Tensor, labels_BS: torch.Tensor,
+                   temperature_BS: torch.Tensor | None = None) -> torch.Tensor:
+    """log p(label) at every position under softmax(logits / T), fp32."""
+    logp = torch.log_softmax(_scaled(logits_BSV, temperature_BS), dim=-1)
     return logp.gather(-1, labels_BS.unsqueeze(-1)).squeeze(-1)
 
 
-def token_entropy(logits_BSV: torch.Tensor) -> torch.Tensor:
-    """Entropy of the next-token distribution at every position, fp32."""
-    logp = torch.log_softmax(logits_BSV.float(), dim=-1)
+def token_entropy(logits_BSV: torch.Tensor, temperature_BS: torch.Tensor | None = None
+                  ) -> torch.Tensor:
+    """Entropy of the next-token distribution softmax(logits / T) at every position, fp32."""
+    logp = torch.log_softmax(_scaled(logits_BSV, temperature_BS), dim=-1)
     return -(logp.exp() * logp).sum(-1)
 
 
@@ -69,10 +80,11 @@ class LossSums:
 
 def ppo_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor, mask_BS: torch.Tensor,
              adv_BS: torch.Tensor, old_lp_BS: torch.Tensor, ref_lp_BS: torch.Tensor | None,
-             cfg: LossConfig) -> LossSums:
-    """PPO-clip on sampled-token logprobs (+ k3 KL to the reference, - entropy bonus)."""
-    lp = token_logprobs(logits_BSV, labels_BS)
-    ent = token_entropy(logits_BSV)
+             cfg: LossConfig, temperature_BS: torch.Tensor | None = None) -> LossSums:
+    """PPO-clip on sampled-token logprobs (+ k3 KL to the reference, - entropy bonus), all
+    under the sampling temperature."""
+    lp = token_logprobs(logits_BSV, labels_BS, temperature_BS)
+    ent = token_entropy(logits_BSV, temperature_BS)
     ratio = torch.exp(lp - old_lp_BS)
     pg1 = -adv_BS * ratio
     pg2 = -adv_BS * ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high)

@@ -52,7 +52,8 @@ class SamplingConfig(StrictConfig):
     n: int = Field(4, ge=1, description="group size (samples per prompt)")
     max_tokens: int = Field(128, ge=1, description="generated tokens per turn")
     temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="1 for training rollouts: the "
+                         "trainer refuses nucleus-truncated segments (truncation not modelled)")
     ignore_eos: bool = Field(False, description="generate max_tokens even past EOS (benchmarks)")
     max_turns: int = Field(1, ge=1, description="agent turns per trajectory (multi-turn envs)")
 

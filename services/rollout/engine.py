@@ -89,6 +89,9 @@ def engine_args(cfg: EngineConfig) -> Any:
         enforce_eager=cfg.enforce_eager, tensor_parallel_size=cfg.tensor_parallel_size,
         seed=cfg.seed, enable_prefix_caching=cfg.enable_prefix_caching,
         enable_return_routed_experts=cfg.capture_routing,
+        # Logprobs of the distribution tokens are sampled from (after temperature), not the
+        # raw T=1 ones: they are the PPO behaviour logprobs the trainer compares against.
+        logprobs_mode="processed_logprobs",
         worker_extension_cls=WORKER_EXTENSION, disable_log_stats=True)
 
 
@@ -171,7 +174,7 @@ class RolloutEngine:
         finally:
             self._progress.pop(request_id, None)
             self.metrics["r3flow_rollout_inflight_requests"].dec()
-        return self._to_call_output(request_id, out, version)
+        return self._to_call_output(request_id, out, version, params)
 
     async def _drain(self, request_id: str, collector: Any) -> Any:
         while True:
@@ -180,7 +183,8 @@ class RolloutEngine:
             if out.finished:
                 return out
 
-    def _to_call_output(self, request_id: str, out: Any, version: int) -> CallOutput:
+    def _to_call_output(self, request_id: str, out: Any, version: int, params: CallParams
+                        ) -> CallOutput:
         c = out.outputs[0]
         tokens = list(c.token_ids)
         logprobs = [float(c.logprobs[i][t].logprob) for i, t in enumerate(tokens)] \
@@ -193,7 +197,8 @@ class RolloutEngine:
             self.metrics["r3flow_rollout_aborts_total"].inc()
         return CallOutput(token_ids=tokens, logprobs=logprobs, routing_TLK=routing,
                           finish_reason=str(c.finish_reason), policy_version=version,
-                          request_id=request_id)
+                          request_id=request_id, temperature=params.temperature,
+                          top_p=params.top_p)
 
     @contextlib.asynccontextmanager
     async def pause_for_update(self, version: int | None = None) -> AsyncIterator[None]:

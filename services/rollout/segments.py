@@ -31,6 +31,8 @@ class SegmentRecord:
     loss_mask: list[int]
     policy_version: int
     rows_TLK: np.ndarray | None = None  # None when routing capture is off
+    temperature: float = 1.0  # sampling of the call: the logprobs are of this distribution
+    top_p: float = 1.0
 
 
 @dataclass
@@ -43,6 +45,8 @@ class CallOutput:
     finish_reason: str  # "stop" | "length" | "abort"
     policy_version: int
     request_id: str
+    temperature: float = 1.0
+    top_p: float = 1.0
 
 
 def segment_row_ranges(prompt_len: int, seg_lens: list[int]) -> list[tuple[int, int]]:
@@ -112,7 +116,8 @@ class RolloutState:
         env, n_env = self.pending_env, len(self.pending_env)
         seg = SegmentRecord(
             token_ids=env + list(call.token_ids), logprobs=[0.0] * n_env + list(call.logprobs),
-            loss_mask=[0] * n_env + [1] * len(call.token_ids), policy_version=call.policy_version)
+            loss_mask=[0] * n_env + [1] * len(call.token_ids), policy_version=call.policy_version,
+            temperature=call.temperature, top_p=call.top_p)
         start = self.request_start_row()
         self.segments.append(seg)
         self.pending_env = []

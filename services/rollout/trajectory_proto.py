@@ -54,7 +54,8 @@ def segment_to_proto(seg: SegmentRecord, index: int, rows: tuple[int, int], prom
     """One segment; its rows as one chunk (segment 0: prompt chunk + response chunk)."""
     msg = trajectory_pb2.Segment(
         index=index, token_ids=seg.token_ids, logprobs=seg.logprobs,
-        loss_mask=bytes(seg.loss_mask), policy_version=seg.policy_version)
+        loss_mask=bytes(seg.loss_mask), policy_version=seg.policy_version,
+        sampling=trajectory_pb2.SamplingParams(temperature=seg.temperature, top_p=seg.top_p))
     if layout is None or seg.rows_TLK is None:
         return msg
     start, end = rows

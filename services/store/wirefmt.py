@@ -11,6 +11,7 @@ from __future__ import annotations
 from services.common.pb.r3flow.v1 import trajectory_pb2
 
 SEGMENT_ROUTING = 6       # trajectory.proto: Segment.routing
+SEGMENT_SAMPLING = 7      # trajectory.proto: Segment.sampling
 TRAJECTORY_SEGMENTS = 5   # trajectory.proto: Trajectory.segments
 PULLED_TRAJECTORIES = 3   # store.proto: PulledGroup.trajectories
 
@@ -36,6 +37,8 @@ def split_prompt_segment(seg: trajectory_pb2.Segment) -> tuple[bytes, int]:
                                   logprobs=seg.logprobs, loss_mask=seg.loss_mask,
                                   policy_version=seg.policy_version).SerializeToString()
     tail = b"".join(field(SEGMENT_ROUTING, ch.SerializeToString()) for ch in seg.routing[1:])
+    if seg.HasField("sampling"):
+        tail += field(SEGMENT_SAMPLING, seg.sampling.SerializeToString())
     return head + tail, len(head)
 
 

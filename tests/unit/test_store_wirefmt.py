@@ -31,3 +31,12 @@ def test_delivery_bytes_parse_as_pulled_group() -> None:
     msg = store_pb2.PulledGroup.FromString(d.to_bytes())
     assert (msg.delivery_id, msg.group_id, msg.delivery_count) == ("1-0", "g", 3)
     assert list(msg.trajectories) == trajs
+
+
+def test_prompt_chunk_split_keeps_the_sampling_params() -> None:
+    seg = small_group("g", 1)[0].segments[0]
+    seg.sampling.temperature, seg.sampling.top_p = 0.6, 1.0
+    payload, head_len = wirefmt.split_prompt_segment(seg)
+    prompt = seg.routing[0].SerializeToString(deterministic=True)
+    back = trajectory_pb2.Segment.FromString(wirefmt.join_prompt_segment(payload, prompt, head_len))
+    assert back == seg and back.sampling.temperature == seg.sampling.temperature

@@ -85,3 +85,23 @@ def test_routing_of_another_expert_count_or_top_k_is_refused(num_experts, top_k)
         sample_from_trajectory(traj, LayerMap.build((1, 2), (0, 1, 2)), num_experts=num_experts,
                                top_k=top_k)
     sample_from_trajectory(traj, LayerMap.build((1, 2), (0, 1, 2)), num_experts=8, top_k=2)
+
+
+def test_segment_temperature_reaches_the_microbatch_and_truncation_is_refused():
+    from trainer.batch import UnreproducibleSamplingError
+
+    traj, _ = _traj(segments=(4, 3))
+    traj.segments[0].sampling.temperature, traj.segments[0].sampling.top_p = 0.6, 1.0
+    traj.segments[1].sampling.temperature, traj.segments[1].sampling.top_p = 0.8, 1.0
+    s = sample_from_trajectory(traj, None, num_experts=8)
+    assert np.allclose(s.temperature, [0.6] * 4 + [0.8] * 3)
+    mb = make_microbatch([s])
+    assert np.allclose(mb.temperature_BS[0, 7:14].numpy(), s.temperature)  # predict the response
+    assert float(mb.temperature_BS[0, :7].sum()) == 7.0  # 1 where nothing is sampled
+    for field, value, match in (("top_p", 0.9, "top_p=0.9"), ("top_k", 20, "top_k=20"),
+                                ("temperature", 0.0, "greedy")):
+        bad, _ = _traj()
+        bad.segments[1].sampling.temperature, bad.segments[1].sampling.top_p = 1.0, 1.0
+        setattr(bad.segments[1].sampling, field, value)
+        with pytest.raises(UnreproducibleSamplingError, match=f"segment 1 sampling.*{match}"):
+            sample_from_trajectory(bad, None, num_experts=8)

@@ -80,3 +80,20 @@ def test_entropy_sft_and_logprob_diff():
     assert mean == pytest.approx(0.25) and mx == pytest.approx(0.5)
     assert logprob_diff(a, b, torch.zeros(1, 3)) == (0.0, 0.0)
     assert np.isfinite(mean)
+
+
+def test_logprobs_entropy_and_ppo_use_the_sampling_temperature():
+    from trainer.loss import LossConfig, ppo_loss, token_entropy, token_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, 11, generator=g) * 3
+    labels = torch.randint(0, 11, (2, 5), generator=g)
+    temp = torch.full((2, 5), 0.6)
+    want = torch.log_softmax(logits / 0.6, -1).gather(-1, labels[..., None])[..., 0]
+    assert torch.allclose(token_logprobs(logits, labels, temp), want, atol=1e-6)
+    assert not torch.allclose(token_logprobs(logits, labels), want, atol=1e-2)
+    p = torch.softmax(logits / 0.6, -1)
+    assert torch.allclose(token_entropy(logits, temp), -(p * p.log()).sum(-1), atol=1e-5)
+    ones = torch.ones(2, 5)
+    sums = ppo_loss(logits, labels, ones, ones, want, None, LossConfig(), temp)
+    assert sums.ppo_kl == pytest.approx(0.0, abs=1e-5)  # on-policy at T: ratio 1

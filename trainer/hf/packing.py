@@ -48,6 +48,7 @@ def pack_microbatch(samples: Sequence[Sample], pad_multiple: int = 8) -> MicroBa
     tokens, labels, pos = (torch.zeros(total, dtype=torch.long) for _ in range(3))
     mask, old, adv = (torch.zeros(total, dtype=torch.float32) for _ in range(3))
     valid = torch.zeros(total, dtype=torch.bool)
+    temp = torch.ones(total, dtype=torch.float32)
     for o, x in zip(sample_offsets(samples), samples, strict=True):
         n, p, r = x.tokens.size, x.prompt_len, x.tokens.size - x.prompt_len
         tokens[o:o + n] = torch.from_numpy(x.tokens)
@@ -57,12 +58,15 @@ def pack_microbatch(samples: Sequence[Sample], pad_multiple: int = 8) -> MicroBa
         mask[resp] = torch.from_numpy(x.loss_mask.astype(np.float32))
         old[resp] = torch.from_numpy(x.rollout_logprobs)
         adv[resp] = x.advantage
+        if x.temperature is not None:
+            temp[resp] = torch.from_numpy(x.temperature)
         valid[o:o + n - 1] = True
     pos[used:] = torch.arange(total - used)  # the padding tail is a run of its own
     return MicroBatch(tokens.unsqueeze(0), pos.unsqueeze(0), labels.unsqueeze(0),
                       mask.unsqueeze(0), old.unsqueeze(0), adv.unsqueeze(0),
                       routing_BSLK=_packed_routing(samples, total),
-                      valid_rows_BS=valid.unsqueeze(0), samples=list(samples))
+                      valid_rows_BS=valid.unsqueeze(0), samples=list(samples),
+                      temperature_BS=temp.unsqueeze(0))
 
 
 def pack_microbatches(samples: Sequence[Sample], micro_batch_size: int,

@@ -19,21 +19,33 @@ FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORTED: FinishReason
 
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ...) -> None: ...
+
 class Segment(_message.Message):
-    __slots__ = ("index", "token_ids", "logprobs", "loss_mask", "policy_version", "routing")
+    __slots__ = ("index", "token_ids", "logprobs", "loss_mask", "policy_version", "routing", "sampling")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     ROUTING_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
     index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     loss_mask: bytes
     policy_version: int
     routing: _containers.RepeatedCompositeFieldContainer[_routing_pb2.RoutedExperts]
-    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., loss_mask: _Optional[bytes] = ..., policy_version: _Optional[int] = ..., routing: _Optional[_Iterable[_Union[_routing_pb2.RoutedExperts, _Mapping]]] = ...) -> None: ...
+    sampling: SamplingParams
+    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., loss_mask: _Optional[bytes] = ..., policy_version: _Optional[int] = ..., routing: _Optional[_Iterable[_Union[_routing_pb2.RoutedExperts, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
 class Trajectory(_message.Message):
     __slots__ = ("trajectory_id", "group_id", "group_size", "prompt_token_ids", "segments", "reward", "reward_components", "finish_reason", "worker_id", "prompt_id")
