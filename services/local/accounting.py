@@ -6,7 +6,8 @@ worker stopped or killed while sending a group may leave some of its trajectorie
 never fewer than it reported), the workers' abandoned/failed/killed-in-flight trajectories from
 their summaries (a SIGKILLed worker's last progress summary),
 `trained` from groups the trainer acked, drops from the store's counters, `unused at end` from
-draining the store after the trainer stopped. The remainder (trajectories of groups that were
+draining the store after the trainer stopped, `leased at stop` from the store's count of
+delivered, un-acked groups (a run cut short while the trainer held a partial batch). The remainder (trajectories of groups that were
 still incomplete when the workers stopped) is reported, not hidden.
 """
 
@@ -45,6 +46,9 @@ class Accounting:
     in_incomplete_groups: int
     max_in_flight: int  # trajectories the workers may have had open at once
     workers: WorkerTotals = field(default_factory=WorkerTotals)
+    # Delivered to a trainer that was stopped before it acked them (a run cut short): the
+    # store redelivers them after their lease, so they are neither trained nor lost.
+    leased_at_stop: int = 0
 
     @property
     def balanced(self) -> bool:
@@ -68,10 +72,11 @@ class Accounting:
             after = client.stats()
         dropped = {k: int(v) for k, v in after.dropped_by_reason.items() if v}
         complete = int(after.trajectories_complete)
-        rest = complete - trained - sum(dropped.values()) - unused
+        leased = int(after.groups_leased) * group_size
+        rest = complete - trained - sum(dropped.values()) - unused - leased
         workers = WorkerTotals.of(summaries, group_size)
         return cls(complete, workers.sent, trained, dropped, unused, rest, max_in_flight,
-                   workers)
+                   workers, leased_at_stop=leased)
 
 
 def drain(client, consumer: str = "local-drain") -> int:

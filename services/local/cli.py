@@ -54,11 +54,31 @@ def print_summary(s: dict) -> None:
     print(f"routing agreement {_fmt(s['routing_agreement'])}")
     dropped = ", ".join(f"{k} {v}" for k, v in t["dropped"].items()) or "none"
     print(f"trajectories      produced {t['produced']} = trained {t['trained']} + dropped ({dropped}) "
-          f"+ unused at end {t['unused_at_end']} + in groups unfinished at stop {t['in_incomplete_groups']}"
+          f"+ unused at end {t['unused_at_end']} + leased at stop {t['leased_at_stop']} "
+          f"+ in groups unfinished at stop {t['in_incomplete_groups']}"
           f"  [{'balanced' if t['balanced'] else 'NOT BALANCED'}]")
 
 
+def print_failure(s: dict) -> None:
+    f = s["failure"]
+    print(f"\n=== r3flow local: FAILED — {f['child']} exited with code {f['exit_code']} ===")
+    if f["cause"]:
+        print(f"cause             {f['cause']}")
+    print(f"last lines of {f['child']}'s log ({s['run_dir']}/logs/{f['child']}.log):")
+    print("\n".join("  " + line for line in f["log_tail"].splitlines()))
+    t = s["trajectories"]
+    if "unavailable" in t:
+        print(f"trajectories      not accounted: {t['unavailable']}")
+    else:
+        print(f"trajectories      produced {t['produced']} = trained {t['trained']} + dropped "
+              f"{sum(t['dropped'].values())} + unused {t['unused_at_end']} + leased by the "
+              f"stopped trainer {t['leased_at_stop']} + in unfinished groups "
+              f"{t['in_incomplete_groups']}  [{'balanced' if t['balanced'] else 'NOT BALANCED'}]")
+    print(f"run folder        {s['run_dir']} (summary.json names the child that died)")
+
+
 def run(args: argparse.Namespace) -> int:
+    from services.local.procs import ChildDied
     from services.local.run import LocalRun
 
     cfg = load(args)
@@ -71,6 +91,9 @@ def run(args: argparse.Namespace) -> int:
         local.start_services(model_dir)
         rows = local.train(model_dir)
         summary = local.finish(rows)
+    except ChildDied as died:
+        print_failure(local.abort(died))
+        return 1
     except KeyboardInterrupt:
         print("\ninterrupted: stopping every child process")
         return 130

@@ -26,12 +26,28 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+class ChildDied(RuntimeError):
+    """A child of the run exited when it should not have."""
+
+    def __init__(self, name: str, returncode: int, log_path: Path, lines: int = 20) -> None:
+        self.name = name
+        self.returncode = returncode
+        self.log_tail = tail(log_path, lines)
+        self.cause = last_critical(log_path)
+        cause = f"; cause: {self.cause}" if self.cause else ""
+        super().__init__(f"{name} exited with {returncode}{cause}; last log lines:\n"
+                         f"{self.log_tail}")
+
+
 @dataclass
 class Child:
     name: str
     argv: list[str]
     log_path: Path
     proc: subprocess.Popen | None = None
+    # A service that runs until it is stopped (the store): any exit of its own is a death.
+    # Others (a rollout worker at the end of its prompts) may exit 0 on their own.
+    persistent: bool = False
 
     @property
     def pid(self) -> int:
@@ -50,9 +66,9 @@ class Supervisor:
     env: dict[str, str] = field(default_factory=dict)
     children: list[Child] = field(default_factory=list)
 
-    def start(self, name: str, args: list[str]) -> Child:
+    def start(self, name: str, args: list[str], persistent: bool = False) -> Child:
         argv = [sys.executable, "-m", "services.cli", *args]
-        child = Child(name, argv, self.log_dir / f"{name}.log")
+        child = Child(name, argv, self.log_dir / f"{name}.log", persistent=persistent)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._spawn(child)
         self.children.append(child)
@@ -83,11 +99,12 @@ class Supervisor:
             child.proc.wait(timeout=10)  # type: ignore[union-attr]
 
     def check(self) -> None:
-        """Raise if a child died unexpectedly, with the tail of its log."""
+        """ChildDied (name, exit code, the tail of its log) if a child exited unexpectedly:
+        with a non-zero code, or at all for a persistent one."""
         for c in self.children:
-            if c.proc is not None and c.proc.poll() not in (None, 0):
-                raise RuntimeError(f"{c.name} exited with {c.proc.returncode}; last log lines:\n"
-                                   + tail(c.log_path))
+            rc = None if c.proc is None else c.proc.poll()
+            if rc is not None and (rc != 0 or c.persistent):
+                raise ChildDied(c.name, rc, c.log_path)
 
     def stop(self, child: Child, timeout_s: float = 15.0) -> None:
         """SIGTERM to the child itself, as Kubernetes does to a container's main process (it
@@ -120,6 +137,15 @@ def tail(path: Path, lines: int = 20) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except FileNotFoundError:
         return "(no log)"
+
+
+def last_critical(path: Path, lines: int = 400) -> str | None:
+    """The last CRITICAL log line near the end of a child's log (its one-line cause of death),
+    without the timestamp."""
+    for line in reversed(tail(path, lines).splitlines()):
+        if " CRITICAL " in line:
+            return line.split(" CRITICAL ", 1)[1].strip()
+    return None
 
 
 def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.2,

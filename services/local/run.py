@@ -31,7 +31,7 @@ from services.local.config import (
     trainer_config,
     warm_start_config,
 )
-from services.local.procs import Supervisor, free_port, tail
+from services.local.procs import ChildDied, Supervisor, free_port, tail
 
 if TYPE_CHECKING:
     from services.store.redis_server import EmbeddedRedis
@@ -116,7 +116,8 @@ class LocalRun:
         self.store_addr = f"127.0.0.1:{port}"
         conf = write_json(self.dir / "configs" / "store.json", store_config(self.cfg, self.dir))
         self.sup.start("store", ["store", "--config", str(conf), "--listen", self.store_addr,
-                                 "--metrics-port", str(mport), "--redis-url", self.redis.url])
+                                 "--metrics-port", str(mport), "--redis-url", self.redis.url],
+                       persistent=True)
         self.metrics_urls["store"] = f"http://127.0.0.1:{mport}/metrics"
         with StoreClient(self.store_addr, timeout_s=5, max_retries=2) as client:
             client.wait_ready(60)
@@ -196,8 +197,7 @@ class LocalRun:
         if trainer.alive():
             raise TimeoutError(f"run exceeded timeout_s={self.cfg.timeout_s:.0f}")
         if trainer.proc.returncode != 0:
-            raise RuntimeError(f"trainer exited with {trainer.proc.returncode}:\n"
-                               + tail(trainer.log_path, 30))
+            raise ChildDied("trainer", trainer.proc.returncode, trainer.log_path, 30)
         rows = report.read_log(log_path)
         for rec in rows[len(seen):]:
             tqdm.write(report.table_row(rec))
@@ -231,16 +231,39 @@ class LocalRun:
         """Stop the workers, account for every trajectory, write summary + report."""
         self.snapshot_metrics()
         self.stop_rollouts()
-        g = self.cfg.grpo
-        in_flight = self.cfg.workers * rollout_concurrency(self.cfg)
-        acct = Accounting.collect(self.store_addr, self.worker_summaries(), g.group_size,
-                                  in_flight)
-        summary = {"run_dir": str(self.dir), "replay": self.cfg.replay, "steps": len(rows),
-                   "wall_seconds": round(time.monotonic() - self.started, 1),
-                   **report.summarize(rows), "trajectories": acct.as_dict()}
-        write_json(self.dir / "summary.json", summary)
+        summary = self._summary(rows, self._account().as_dict())
         report.plot_report(rows, self.dir / "report.png",
                            f"r3flow local — replay={self.cfg.replay}, {len(rows)} GRPO steps")
+        return summary
+
+    def abort(self, died: ChildDied) -> dict:
+        """A child died: stop the others by pid (workers first, so they report their groups,
+        then the trainer), account for what the store holds while it still runs, and write
+        summary.json naming the child that died."""
+        self.snapshot_metrics()
+        self.stop_rollouts()
+        for child in self.sup.children:
+            if child.name == "trainer":
+                self.sup.stop(child)
+        try:
+            trajectories = self._account().as_dict()
+        except Exception as e:  # noqa: BLE001 (the store itself may be what died)
+            trajectories = {"unavailable": f"{type(e).__name__}: {e}"}
+        rows = report.read_log(self.dir / "trainer" / "train_log.jsonl")
+        failure = {"child": died.name, "exit_code": died.returncode, "cause": died.cause,
+                   "log_tail": died.log_tail}
+        return self._summary(rows, trajectories, failure=failure)
+
+    def _account(self) -> Accounting:
+        in_flight = self.cfg.workers * rollout_concurrency(self.cfg)
+        return Accounting.collect(self.store_addr, self.worker_summaries(),
+                                  self.cfg.grpo.group_size, in_flight)
+
+    def _summary(self, rows: list[dict], trajectories: dict, **extra: object) -> dict:
+        summary = {"run_dir": str(self.dir), "replay": self.cfg.replay, "steps": len(rows),
+                   "wall_seconds": round(time.monotonic() - self.started, 1),
+                   **report.summarize(rows), "trajectories": trajectories, **extra}
+        write_json(self.dir / "summary.json", summary)
         return summary
 
     def close(self) -> None:

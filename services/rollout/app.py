@@ -4,6 +4,7 @@ background duties (registration renewal, trainer-version watch, weight-sync push
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import logging
@@ -15,12 +16,16 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import grpc
 from prometheus_client import CollectorRegistry
 
 from services.common.metrics import MetricsServer, create_metrics
 from services.rollout.config import RolloutConfig
 
 log = logging.getLogger(__name__)
+
+EXIT_FATAL = 3  # the engine died (or another error no later group can avoid)
+ENGINE_SHUTDOWN_S = 5.0  # then vLLM kills what is left of its processes
 
 
 def _watch_trainer_version(client: Any, worker: Any, loop: asyncio.AbstractEventLoop) -> None:
@@ -35,6 +40,8 @@ def _watch_weight_sync(client: Any, worker: Any, loop: asyncio.AbstractEventLoop
         fut = asyncio.run_coroutine_threadsafe(worker.apply_weight_sync(plan), loop)
         try:
             fut.result()
+        except concurrent.futures.CancelledError:  # the worker is shutting down
+            return
         except Exception:  # a failed push leaves the old weights serving: log, keep watching
             log.exception("weight sync v%d failed", plan.version)
 
@@ -85,7 +92,8 @@ def _guarded(target: Any, *args: Any) -> None:
     try:
         target(*args)
     except Exception as e:  # noqa: BLE001 (logged, and the thread has nothing else to do)
-        log.info("%s stopped: %s", target.__name__, e)
+        detail = e.details() if isinstance(e, grpc.RpcError) else str(e)  # type: ignore[attr-defined]
+        log.info("%s stopped: %s: %s", target.__name__, type(e).__name__, detail)
 
 
 def _start_watchers(cfg: RolloutConfig, client: Any, worker: Any) -> None:
@@ -98,14 +106,17 @@ def _start_watchers(cfg: RolloutConfig, client: Any, worker: Any) -> None:
                          args=(target, client, worker, loop)).start()
 
 
-def _summary_writer(path: str | None, worker_id: str) -> Callable[..., None]:
+def _summary_writer(path: str | None, worker_id: str, engine_pids: dict[str, list[int]]
+                    ) -> Callable[..., None]:
     """Writes the worker's summary to `path` atomically (a reader never sees half a file), so
-    even a SIGKILLed worker leaves its last progress: groups started, sent, failed, abandoned."""
+    even a SIGKILLed worker leaves its last progress: groups started, sent, failed, abandoned.
+    It also names the engine's processes (engine core, workers) by pid."""
     def write(summary: Any, final: bool = False) -> None:
         if path is None:
             return
         data = {**asdict(summary), "groups_in_flight": summary.groups_in_flight,
-                "worker_id": worker_id, "pid": os.getpid(), "final": final}
+                "worker_id": worker_id, "pid": os.getpid(), "engine_pids": engine_pids,
+                "final": final}
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(target.name + ".tmp")
@@ -132,14 +143,14 @@ async def serve(cfg: RolloutConfig, summary_file: str | None = None,
     client = _open_store(cfg) if cfg.store else None
     engine = RolloutEngine.start(cfg.engine, metrics)
     server = MetricsServer(registry, cfg.metrics_host, cfg.metrics_port,
-                           health_fn=lambda: not engine.llm.errored).start()
+                           health_fn=lambda: engine.dead_reason() is None).start()
     log.info("rollout metrics on %s", server.url)
     sink = StoreSink(client, cfg.backpressure_sleep_s) if client is not None else None
     renew: tuple[asyncio.Task, asyncio.Event] | None = None
     try:
         tokenizer = AutoTokenizer.from_pretrained(cfg.engine.model)
         worker = RolloutWorker(cfg, engine, sink, tokenizer, env_factory)
-        write_summary = _summary_writer(summary_file, cfg.worker_id)
+        write_summary = _summary_writer(summary_file, cfg.worker_id, engine.pids)
         worker.on_progress = write_summary
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, worker.request_stop)
         stop_renew = asyncio.Event()
@@ -149,6 +160,10 @@ async def serve(cfg: RolloutConfig, summary_file: str | None = None,
             _start_watchers(cfg, client, worker)
         summary = await worker.run(records, stop_grace_s)
         write_summary(summary, True)
+        if summary.fatal:
+            log.critical("rollout %s failed: %s (%d groups ok, %d abandoned)", cfg.worker_id,
+                         summary.fatal, summary.groups_ok, summary.groups_abandoned)
+            return EXIT_FATAL
         log.info("rollout done%s: %d groups ok, %d failed, %d abandoned, %d tokens in %.1fs "
                  "(%.1f tok/s)", " (stopped)" if summary.stopped_early else "",
                  summary.groups_ok, summary.groups_failed, summary.groups_abandoned,
@@ -158,6 +173,6 @@ async def serve(cfg: RolloutConfig, summary_file: str | None = None,
     finally:
         await _leave(renew, client, cfg.worker_id)
         server.stop()
-        engine.shutdown()
+        engine.shutdown(ENGINE_SHUTDOWN_S)
         if client is not None:
             client.close()

@@ -29,6 +29,10 @@ log = logging.getLogger(__name__)
 WORKER_EXTENSION = "services.rollout.worker_ext.R3WorkerExtension"
 
 
+class EngineDead(RuntimeError):
+    """The engine (its core or a worker process) is gone; no call can succeed any more."""
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     """Routing-relevant facts of the served model, read from its HF config."""
@@ -66,6 +70,40 @@ def model_info(hf_config: Any) -> ModelInfo:
                      top_k=int(hf_config.num_experts_per_tok),
                      moe_layers=tuple(moe_layer_ids(hf_config)),
                      vocab_size=int(hf_config.vocab_size))
+
+
+def engine_pids(llm: Any) -> dict[str, list[int]]:
+    """The engine-core process(es) of an AsyncLLM and their worker processes (children), by
+    role; empty where vLLM runs the engine in-process."""
+    import psutil
+
+    manager = getattr(getattr(llm.engine_core, "resources", None), "engine_manager", None)
+    cores = [p.pid for p in getattr(manager, "processes", [])]
+    workers = []
+    for pid in cores:
+        try:
+            workers += [c.pid for c in psutil.Process(pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            pass
+    return {"engine_core": cores, "worker": workers}
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _exit_code(llm: Any, pid: int) -> str:
+    """` (exit code N)` for an engine-core process (a child of ours), else ''."""
+    manager = getattr(getattr(llm.engine_core, "resources", None), "engine_manager", None)
+    for p in getattr(manager, "processes", []):
+        if p.pid == pid and p.exitcode is not None:
+            return f" (exit code {p.exitcode})"
+    return ""
 
 
 @dataclass(frozen=True)
@@ -106,8 +144,9 @@ class RolloutEngine:
         self.metrics = metrics
         self._gate = asyncio.Lock()
         self._progress: dict[str, int] = {}
+        self.pids = engine_pids(llm)
         metrics["r3flow_rollout_policy_version"].set(self.policy_version)
-        log.info("engine ready: %s", self.info)
+        log.info("engine ready: %s; processes %s", self.info, self.pids)
 
     @classmethod
     def start(cls, cfg: EngineConfig, metrics: dict[str, Any]) -> RolloutEngine:
@@ -125,6 +164,19 @@ class RolloutEngine:
     def shutdown(self, timeout_s: float | None = None) -> None:
         """Stop the engine processes (force-killed after `timeout_s`; None = vLLM's default)."""
         self.llm.shutdown(timeout=timeout_s)
+
+    def dead_reason(self) -> str | None:
+        """Why the engine can serve no more calls (None while it can): which of its processes
+        is gone, or vLLM's own verdict."""
+        gone = []
+        for role, pids in self.pids.items():
+            gone += [f"{role} pid {pid}{_exit_code(self.llm, pid)}" for pid in pids
+                     if not _alive(pid)]
+        if gone:
+            return "vLLM process gone: " + ", ".join(gone)
+        if self.llm.errored:
+            return "vLLM reports the engine dead (EngineDeadError)"
+        return None
 
     def progress(self, request_id: str) -> int:
         """Tokens the call `request_id` has generated so far (0 when unknown or finished)."""
@@ -162,8 +214,12 @@ class RolloutEngine:
         sp = self._sampling_params(params)
         async with self._gate:
             version = self.policy_version
-            collector = await self.llm.add_request(request_id, {"prompt_token_ids": prompt_ids},
-                                                   sp)
+            try:
+                collector = await self.llm.add_request(
+                    request_id, {"prompt_token_ids": prompt_ids}, sp)
+            except Exception as e:
+                self._raise_if_dead(e)
+                raise
             self._progress[request_id] = 0
         self.metrics["r3flow_rollout_inflight_requests"].inc()
         try:
@@ -171,10 +227,21 @@ class RolloutEngine:
         except asyncio.CancelledError:
             await self.llm.abort(request_id)
             raise
+        except Exception as e:
+            self._raise_if_dead(e)
+            raise
         finally:
             self._progress.pop(request_id, None)
             self.metrics["r3flow_rollout_inflight_requests"].dec()
         return self._to_call_output(request_id, out, version, params)
+
+    def _raise_if_dead(self, error: Exception) -> None:
+        """EngineDead (with the cause) when `error` came from a dead engine."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        reason = self.dead_reason()
+        if reason is not None or isinstance(error, EngineDeadError):
+            raise EngineDead(reason or f"{type(error).__name__}: {error}") from error
 
     async def _drain(self, request_id: str, collector: Any) -> Any:
         while True:

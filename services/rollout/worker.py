@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import logging
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -20,7 +21,7 @@ from services.common.pb.r3flow.v1 import trajectory_pb2
 from services.rollout.agent import AgentLoop, EnvironmentFactory, RolloutResult
 from services.rollout.config import RolloutConfig
 from services.rollout.dataset import PromptRecord, iterate_prompts
-from services.rollout.engine import RolloutEngine
+from services.rollout.engine import EngineDead, RolloutEngine
 from services.rollout.segments import RoutingCheckError, check_routing
 from services.rollout.sink import TrajectorySink
 from services.rollout.trajectory_proto import RoutingLayout, TrajectoryMeta, trajectory_to_proto
@@ -28,7 +29,33 @@ from services.rollout.verifiers import VerifierRegistry
 
 log = logging.getLogger(__name__)
 
-MAX_KEPT_ERRORS = 100  # a long run keeps the first messages; every failure is logged and counted
+MAX_KEPT_ERRORS = 100  # a long run keeps the first messages; every failure is counted
+FATAL_GRACE_S = 5.0  # after a fatal error, groups still sending to the store may finish
+
+
+class RepeatedLog:
+    """Logs an error message the first time, then only a count of its repeats (a message is
+    the same when it differs only in numbers: group ids, prompt ids, epochs), at repeat
+    1, 10, 100, ... and in `flush`."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self.log = logger
+        self.counts: dict[str, int] = {}
+
+    def error(self, msg: str) -> None:
+        key = re.sub(r"\d+", "N", msg)
+        n = self.counts.get(key, 0) + 1
+        self.counts[key] = n
+        if n == 1:
+            self.log.error("%s", msg)
+        elif n in (2, 11, 101, 1001, 10001) or n % 100000 == 1:
+            self.log.error("%s (seen %d times)", msg, n)
+
+    def flush(self) -> None:
+        for key, n in self.counts.items():
+            if n > 1:
+                self.log.error("%d errors like: %s", n, key)
+        self.counts.clear()
 
 
 @dataclass
@@ -58,6 +85,7 @@ class WorkerSummary:
     seconds: float = 0.0
     stopped_early: bool = False
     errors: list[str] = field(default_factory=list)
+    fatal: str | None = None  # why the worker stopped on its own (its engine died, ...)
 
     @property
     def groups_in_flight(self) -> int:
@@ -97,6 +125,7 @@ class RolloutWorker:
         self._nonce = uuid.uuid4().hex[:8]
         self._requests = asyncio.Semaphore(cfg.concurrency)
         self._stop = asyncio.Event()
+        self._errors = RepeatedLog(log)
         # Called with the live summary whenever a group starts or ends (progress file).
         self.on_progress: Callable[[WorkerSummary], None] = lambda _: None
 
@@ -115,6 +144,7 @@ class RolloutWorker:
         # every slot and no new group starts (the worker slows down, nothing is dropped).
         slots = asyncio.Semaphore(2 * max(1, -(-self.cfg.concurrency // self.cfg.sampling.n)))
         tasks: set[asyncio.Task] = set()
+        watchdog = asyncio.create_task(self._watch_engine(summary))
         prompts = iterate_prompts(records, self.cfg.epochs, self.cfg.num_prompts)
         for seq, (epoch, rec) in enumerate(prompts):
             if not await self._until_stop(slots.acquire()):
@@ -129,9 +159,29 @@ class RolloutWorker:
             task.add_done_callback(tasks.discard)
             task.add_done_callback(lambda _: slots.release())
         summary.stopped_early = self._stop.is_set()
-        await self._finish_in_flight(set(tasks), summary, stop_grace_s)
+        watchdog.cancel()
+        grace = min(stop_grace_s, FATAL_GRACE_S) if summary.fatal else stop_grace_s
+        await self._finish_in_flight(set(tasks), summary, grace)
         summary.seconds = time.perf_counter() - t0
+        self._errors.flush()
         return summary
+
+    async def _watch_engine(self, summary: WorkerSummary, interval_s: float = 1.0) -> None:
+        """Notice a dead engine even when no call is running (all groups waiting on the store
+        or on the policy lag)."""
+        while True:
+            await asyncio.sleep(interval_s)
+            reason = self.engine.dead_reason()
+            if reason is not None:
+                self._fail(summary, f"engine dead: {reason}")
+                return
+
+    def _fail(self, summary: WorkerSummary, cause: str) -> None:
+        """A fatal error: keep the first cause, log it once, take no new prompt."""
+        if summary.fatal is None:
+            summary.fatal = cause
+            log.critical("rollout stops: %s", cause)
+        self._stop.set()
 
     async def _until_stop(self, aw: Any) -> bool:
         """Await `aw` unless a stop is requested first (then cancel it); True if it finished."""
@@ -181,8 +231,18 @@ class RolloutWorker:
             outcome = "routing_check_failed" if isinstance(e, RoutingCheckError) else "error"
             self.metrics["r3flow_rollout_trajectories_total"].labels(outcome).inc(
                 self.cfg.sampling.n)
-            log.error("group %s (prompt %s, epoch %d) failed: %s", group_id, rec.prompt_id,
-                      epoch, e)
+            self._errors.error(f"group {group_id} (prompt {rec.prompt_id}, epoch {epoch}) "
+                               f"failed: {e}")
+            self.on_progress(summary)
+            return
+        except Exception as e:  # a dead engine or a bug: no later group can do better
+            summary.groups_abandoned += 1
+            summary.trajectories_abandoned += self.cfg.sampling.n
+            cause = (f"engine dead: {e}" if isinstance(e, EngineDead)
+                     else f"{type(e).__name__} in group {group_id}: {e}")
+            if not isinstance(e, EngineDead):
+                log.exception("group %s failed unexpectedly", group_id)
+            self._fail(summary, cause)
             self.on_progress(summary)
             return
         summary.groups_ok += 1
