@@ -77,6 +77,7 @@ check_chart() {  # helm lint + template + core kinds + CRs + rules + dashboards 
       "$OUT/rendered-$i.yaml"
     "$TPY" tests/chart/crd_validate.py --crds "$SCHEMAS/kuberay-v1.7.0" --strict \
       "$OUT/rendered-$i.yaml"
+    .venv/bin/r3flow plan --check-expected --manifest "$OUT/rendered-$i.yaml"
     "$TPY" tests/chart/extract.py rules "$OUT/rendered-$i.yaml" "$OUT/rules-$i.yaml"
     [ -s "$OUT/rules-$i.yaml" ] && promtool check rules "$OUT/rules-$i.yaml"
     "$TPY" tests/chart/extract.py dashboards "$OUT/rendered-$i.yaml" "$OUT/dash-$i"
@@ -92,6 +93,10 @@ check_specs() {  # k8s/ job specs: core kinds and KubeRay CRs
   "$TOOLS/bin/kubernetes-validate" -k "$KUBE_VERSION" --strict --quiet --no-warn k8s/*.yaml
   "$TPY" tests/chart/crd_validate.py --crds "$SCHEMAS/kuberay-v1.7.0" --strict --require-all \
     k8s/*.yaml
+  # Memory plan of every RayJob: the verdict each spec's r3flow.io/plan-expect annotation records.
+  local spec args=()
+  for spec in k8s/*.yaml; do args+=(--manifest "$spec"); done
+  .venv/bin/r3flow plan --check-expected "${args[@]}"
 }
 
 check_observability() {  # committed dashboards and alert rules, and the rules' unit tests

@@ -89,7 +89,7 @@ def assert_all_parse(commands: list[tuple[str, list[str]]]) -> set[str]:
 @pytest.mark.parametrize("values", ["defaults", "production", "minimal"])
 def test_chart_commands_parse(rendered, values):
     seen = assert_all_parse(r3flow_commands(rendered[values]))
-    expected = {"store", "rollout", "train"} if values != "minimal" else {"store", "rollout"}
+    expected = {"store", "rollout", "train"} if values == "production" else {"store", "rollout"}
     assert expected <= seen, f"{values}: expected {expected} among rendered commands, got {seen}"
 
 

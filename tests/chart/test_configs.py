@@ -54,7 +54,7 @@ def test_k8s_configs_load(k8s_specs, tmp_path):
 
 
 def test_store_address_points_at_the_store_service(rendered):
-    docs = rendered["defaults"]
+    docs = rendered["production"]
     service = find(docs, "Service", "-store")[0]
     port = next(p["port"] for p in service["spec"]["ports"] if p["name"] == "grpc")
     address = f"{service['metadata']['name']}:{port}"
@@ -63,7 +63,7 @@ def test_store_address_points_at_the_store_service(rendered):
     assert rollout["store"] == address and train["data"]["store"] == address
 
 
-@pytest.mark.parametrize("values", ["defaults", "production"])
+@pytest.mark.parametrize("values", ["production"])
 def test_trainer_metrics_port_matches_the_scraped_port(rendered, values):
     docs = rendered[values]
     train = yaml.safe_load(find(docs, "ConfigMap", "-trainer")[0]["data"]["train.yaml"])

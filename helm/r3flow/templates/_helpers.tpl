@@ -115,16 +115,72 @@ app.kubernetes.io/component: {{ .component }}
 {{ tpl (toYaml .config) .ctx }}
 {{- end }}
 
-{{/* The read-only model + dataset volume of rollout and trainer pods. */}}
+{{/* The read-only model + dataset volume of rollout and trainer pods: the user's PVC or the
+     chart-made one `model.download.uri` fills. Neither = a render error, never an empty volume. */}}
+{{- define "r3flow.modelClaim" -}}
+{{- if .Values.model.existingClaim }}
+{{- .Values.model.existingClaim }}
+{{- else if .Values.model.download.uri }}
+{{- include "r3flow.fullname" . }}-model
+{{- else }}
+{{- fail "model: set model.existingClaim (a PVC holding the model) or model.download.uri (hf://ORG/REPO, s3://..., gs://...)" }}
+{{- end }}
+{{- end }}
+
 {{- define "r3flow.modelVolume" -}}
 - name: models
-  {{- if .Values.model.existingClaim }}
   persistentVolumeClaim:
-    claimName: {{ .Values.model.existingClaim }}
-    readOnly: true
-  {{- else }}
-  emptyDir: {}
+    claimName: {{ include "r3flow.modelClaim" . }}
+    readOnly: {{ not .Values.model.download.uri }}
+{{- end }}
+
+{{/* Init container that fetches model.download.uri into the model PVC (no-op once done). */}}
+{{- define "r3flow.modelFetch" -}}
+{{- $ctx := .ctx -}}
+{{- if and $ctx.Values.model.download.uri (not $ctx.Values.model.existingClaim) }}
+- name: model-fetch
+  image: {{ include "r3flow.image" (dict "ctx" $ctx "image" .image) }}
+  command: [r3flow]
+  args: [model, fetch, --uri, {{ $ctx.Values.model.download.uri | quote }}, --out, {{ $ctx.Values.model.path | quote }}]
+  terminationMessagePolicy: FallbackToLogsOnError
+  env:
+    - name: HOME
+      value: /tmp
+  {{- with $ctx.Values.model.download.envFromSecret }}
+  envFrom:
+    - secretRef:
+        name: {{ . }}
   {{- end }}
+  securityContext:
+    {{- include "r3flow.securityContext" $ctx | nindent 4 }}
+  resources:
+    requests: {cpu: "1", memory: 2Gi}
+    limits: {cpu: "2", memory: 2Gi}
+  volumeMounts:
+    - name: models
+      mountPath: /models
+    - name: tmp
+      mountPath: /tmp
+{{- end }}
+{{- end }}
+
+{{/* Fast-network additions of GPU pods (fastNetwork.*): pod-level fields. */}}
+{{- define "r3flow.fastNetworkPod" -}}
+{{- if .Values.fastNetwork.hostNetwork }}
+hostNetwork: true
+dnsPolicy: ClusterFirstWithHostNet
+{{- end }}
+{{- end }}
+
+{{/* Container securityContext of GPU containers: IPC_LOCK added when fastNetwork.ipcLock. */}}
+{{- define "r3flow.gpuSecurityContext" -}}
+{{- $sc := deepCopy .Values.securityContext }}
+{{- if .Values.fastNetwork.ipcLock }}
+{{- $caps := $sc.capabilities | default dict }}
+{{- $_ := set $caps "add" (list "IPC_LOCK") }}
+{{- $_ := set $sc "capabilities" $caps }}
+{{- end }}
+{{- toYaml $sc }}
 {{- end }}
 
 {{/* ---- Access control (services/common/auth.py): TLS and role tokens, mounted from Secrets. */}}
