@@ -22,7 +22,7 @@ def dashboard_schemas():
 
 
 def test_rayjobs_are_valid_and_typos_are_not(rendered, k8s_specs, crd_validators):
-    jobs = find(rendered["defaults"], "RayJob") + find(k8s_specs["qwen3-30b-a3b-grpo-r3.yaml"],
+    jobs = find(rendered["production"], "RayJob") + find(k8s_specs["qwen3-30b-a3b-grpo-r3.yaml"],
                                                        "RayJob")
     assert len(jobs) == 2 and validate_docs(jobs, crd_validators) == []
     bad = copy.deepcopy(jobs[1])
