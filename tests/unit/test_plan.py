@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from services import cli
-from trainer.plan.memory import GiB, Arch, Layout, plan
+from trainer.plan.memory import Arch, GiB, Layout, plan
 from trainer.plan.models import QWEN3_30B_A3B, tiny_moe_config
 
 ROOT = Path(__file__).resolve().parents[2]

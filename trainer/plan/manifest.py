@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from trainer.plan.memory import GiB, Arch, Layout, Plan, plan
+from trainer.plan.memory import Arch, GiB, Layout, Plan, plan
 from trainer.plan.models import load_model_config
 
 PREFIX = "r3flow.io/plan-"
