@@ -40,6 +40,19 @@ class Sample:
     routing_TLK: np.ndarray | None = None  # [P+R-1, L_moe, K] trainer MoE layers, or None
     policy_version: int = 0
     temperature: np.ndarray | None = None  # [R] sampling temperature per token (None = 1)
+    trajectory_id: str = ""
+    segment_lens: tuple[int, ...] = ()  # tokens per segment (() = one segment)
+
+    def agreement_units(self) -> list[tuple[str, int, int]]:
+        """(name, first row, end row) of the units routing agreement is judged on: the prompt
+        rows, then each segment's rows (the rows whose outputs predict its tokens, i.e. the
+        rows that segment's engine pass produced); the padded last row is left out."""
+        p, end = self.prompt_len, self.tokens.size - 1
+        units, row = [("prompt", 0, p - 1)], p - 1
+        for j, n in enumerate(self.segment_lens or (self.tokens.size - p,)):
+            units.append((f"segment {j}", row, min(row + n, end)))
+            row += n
+        return [u for u in units if u[2] > u[1]]
 
 
 def _decode_chunks(traj, decode: Callable, num_experts: int, top_k: int | None
@@ -99,7 +112,8 @@ def sample_from_trajectory(traj, layer_map: LayerMap | None, num_experts: int,
                     np.asarray(logprobs, np.float32), mask.astype(bool), float(traj.reward),
                     traj.group_id,
                     policy_version=min((s.policy_version for s in traj.segments), default=0),
-                    temperature=temps)
+                    temperature=temps, trajectory_id=traj.trajectory_id,
+                    segment_lens=tuple(len(s.token_ids) for s in traj.segments))
     if layer_map is not None:
         if decode is None:
             from services.common.wire import routing_from_proto

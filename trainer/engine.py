@@ -3,11 +3,14 @@
 One Trainer per rank. `train_step(samples)` is one GRPO/PPO optimizer step:
   1. group-normalised advantages; samples cut into padded micro-batches (trainer.batch);
   2. old-policy logprob pass (no grad): r3 replays the rollout routing and measures routing
-     agreement (step fails below the floor), r2 records the policy's own routing, off routes
-     naturally; |rollout - trainer| logprob diff is measured here;
+     agreement per layer and per trajectory unit (RoutingAgreementError below the floor names
+     the groups to quarantine), r2 records the policy's own routing, off routes naturally;
+     |rollout - trainer| logprob diff is measured here;
   3. reference pass (when kl_coef > 0) replaying the same routing;
   4. update: megatron forward_backward_func over the micro-batches (replay per micro-batch, FIFO
-     REPLAY_BACKWARD when MoE activations are recomputed), grad clip + Adam; ids cleared.
+     REPLAY_BACKWARD when MoE activations are recomputed), grad clip + Adam; ids cleared. Every
+     replaying forward (r3 and r2) checks that the experts used are the replayed ids, and the
+     agreement floor is checked again before the optimizer step.
 Legend: B batch rows, S sequence, V vocabulary, T router rows (S*B), K top-k.
 """
 
@@ -124,9 +127,10 @@ class Trainer(OldPolicyPass):
         for mb in mbs:
             rows = self._rows(mb, mode)
             self._drive(ctl, rows, record=mode == ReplayMode.R2 and not reference)
-            self.agreement.valid_T = mb.valid_rows_BS.t().reshape(-1)
             out.append(token_logprobs(self._logits(model.module, mb), mb.labels_BS,
                                       mb.temperature_BS))
+            if not reference:
+                self.agreement.collect(mb)
             if mode == ReplayMode.R2 and rows is None and not reference:
                 mb.replay_rows = ctl.recorded()
             ctl.end_step()
@@ -151,6 +155,7 @@ class Trainer(OldPolicyPass):
         rows = self._rows(mb, mode)
         self._drive(self.replay, rows, record=False)
         logits = self._logits(model, mb)
+        self.agreement.collect(mb)
         self.replay.after_forward()
         return logits, partial(loss_fn, mb)
 
@@ -160,15 +165,23 @@ class Trainer(OldPolicyPass):
 
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
+        check = mode != ReplayMode.OFF and self.cfg.replay.check_agreement
+        self.agreement.reset()
+        self.agreement.enabled = check
         try:
             get_forward_backward_func()(
                 forward_step_func=partial(self._forward_step, mode, loss_fn),
                 data_iterator=iter(mbs), model=[self.ddp], num_microbatches=len(mbs),
                 seq_length=int(mbs[0].tokens_BS.shape[1]),
                 micro_batch_size=int(mbs[0].tokens_BS.shape[0]), forward_only=False)
+            # Every rank finished its forward/backward: raising here strands no collective.
+            self.agreement.check_used()
+            if check:
+                self.agreement.check(self.cfg.replay.agreement_floor)
             ok, grad_norm, _ = self.optimizer.step()
         finally:
             self.replay.end_step()
+            self.agreement.enabled = False
         if not ok:
             raise FloatingPointError("optimizer step skipped (non-finite gradients)")
         return float(grad_norm) if grad_norm is not None else float("nan")

@@ -51,8 +51,13 @@ class OldPolicyPass:
         if self.cfg.replay.compare_off and mode != ReplayMode.OFF:
             # Same batch, same weights, natural routing: what replay bought on this step.
             metrics |= diff_metrics(mbs, self.compute_logprobs(mbs, ReplayMode.OFF), "_off")
+        self.agreement.check_used()
         if check:
             metrics["routing_agreement"] = self.agreement.overall()
             metrics["routing_agreement_by_layer"] = self.agreement.per_layer()
+            worst = self.agreement.worst()
+            if worst is not None:
+                metrics["routing_agreement_min"] = worst[1]
+                metrics["routing_agreement_worst"] = worst[0]
             self.agreement.check(self.cfg.replay.agreement_floor)
         return metrics

@@ -7,10 +7,13 @@ the ids and REPLAY_FORWARD; `after_forward()` switches to REPLAY_BACKWARD when M
 recomputed (megatron pops the ids FIFO, one entry per micro-batch forward, so recompute uses each
 micro-batch's own routing); `end_step()` clears ids and action after every step.
 
-`AgreementMonitor` hooks each router (a forward hook, no patching): it recomputes the router's own
-logits with `router.gating(input)`, takes their top-k and counts how many replayed ids the router
-would also have picked. A misaligned layer map, an off-by-one row offset or all-zero routes bring
-it near chance (K/E); below `floor` the step fails with `RoutingAgreementError` naming the layer.
+`AgreementMonitor` hooks each router (a forward hook, no patching). In every replaying forward it
+checks that the experts the router used are exactly the replayed ids (ReplayDesyncError: replay
+bypassed or out of step), and recomputes the router's own logits with `router.gating(input)` to
+count how many replayed ids its top-k would also have picked, per layer and per trajectory unit
+(prompt rows, each segment's rows). A misaligned layer map, a row offset in any one segment or
+bad ids bring a unit near chance (K/E); below `floor` `RoutingAgreementError` names the worst
+trajectory/segment and layer and lists the groups to quarantine.
 Legend: T router tokens (local, sequence-major), E experts, K top-k.
 """
 
@@ -28,7 +31,18 @@ class ReplayMode(StrEnum):
 
 
 class RoutingAgreementError(ValueError):
-    """Replayed routing disagrees with the trainer's router below the configured floor."""
+    """Replayed routing disagrees with the trainer's router below the configured floor.
+
+    `bad_groups`: GRPO group id -> what was wrong in it (the groups to quarantine)."""
+
+    def __init__(self, message: str, bad_groups: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.bad_groups = bad_groups or {}
+
+
+class ReplayDesyncError(RuntimeError):
+    """A router used experts other than the ids replayed to it: replay bypassed or out of step
+    (a system fault, never a data fault: it is raised, not quarantined)."""
 
 
 class ModelReplay:
@@ -81,38 +95,76 @@ class ModelReplay:
 
 
 class AgreementMonitor:
-    """Per-layer fraction of replayed expert ids that the router itself would choose."""
+    """Routing agreement of replayed ids with the router's own choice, per layer and per
+    trajectory unit (prompt rows, each segment's rows), and the used-equals-replayed check.
+
+    The router hooks fire in every forward that replays (old-policy, update passes; r3 and r2):
+      * used == replayed: the experts the router output (its routing map) must be exactly the
+        ids set on its RouterReplay; anything else is a bypassed or desynchronised replay;
+      * agreement (when `enabled`): how many replayed ids the router's own top-k also holds, per
+        router token; `collect(mb)` then files the micro-batch's hits per layer and per sample
+        unit, so a fault in a few rows of one segment is not diluted by the rest of the batch.
+    """
+
+    desync: str | None  # the first used-vs-replayed mismatch since reset()
 
     def __init__(self, routers: list, hf_layers: tuple[int, ...], top_k: int) -> None:
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
         self._fwd = RouterReplayAction.REPLAY_FORWARD
         self.hf_layers, self.top_k = hf_layers, top_k
-        self.valid_T: torch.Tensor | None = None  # rows to count (real engine routing)
         self.enabled = True
-        self.agree = [0] * len(routers)
-        self.total = [0] * len(routers)
+        self.reset()
         self._handles = [r.register_forward_hook(self._hook(m)) for m, r in enumerate(routers)]
 
     def _hook(self, m: int):
         def hook(router, inputs, outputs) -> None:
             replay = router.router_replay
-            if not self.enabled or replay is None or replay.router_replay_action != self._fwd:
-                return  # natural routing, RECORD, or a backward recompute: nothing to compare
+            if replay is None or replay.router_replay_action != self._fwd \
+                    or replay.target_topk_idx is None:
+                return  # natural routing, RECORD, or a backward recompute: nothing replayed
             with torch.no_grad():
+                used_TE = outputs[1].bool()
+                want_TE = torch.zeros_like(used_TE)
+                want_TE.scatter_(1, replay.target_topk_idx.to(used_TE.device).long(), True)
+                if self.desync is None and not torch.equal(used_TE, want_TE):
+                    bad = int((used_TE != want_TE).any(-1).sum())
+                    self.desync = (f"MoE layer {m} (HF layer {self.hf_layers[m]}): the router "
+                                   f"used experts other than the replayed ids for {bad} of "
+                                   f"{used_TE.shape[0]} tokens (replay bypassed or out of step)")
+                if not self.enabled:
+                    return
                 logits_TE = router.gating(inputs[0]).view(-1, router.config.num_moe_experts)
-                own_TE = torch.zeros_like(outputs[1], dtype=torch.bool)
+                own_TE = torch.zeros_like(used_TE)
                 own_TE.scatter_(1, logits_TE.topk(self.top_k, dim=-1).indices, True)
-                hits_T = (own_TE & outputs[1].bool()).sum(-1)
-                valid = self.valid_T if self.valid_T is not None else torch.ones_like(hits_T)
-                valid = valid.to(hits_T.device).bool()
-                self.agree[m] += int(hits_T[valid].sum())
-                self.total[m] += int(valid.sum()) * self.top_k
+                self._hits[m] = (own_TE & want_TE).sum(-1)
         return hook
 
     def reset(self) -> None:
-        self.agree = [0] * len(self.agree)
-        self.total = [0] * len(self.total)
+        n = len(self.hf_layers)
+        self.agree, self.total = [0] * n, [0] * n
+        self._hits: list[torch.Tensor | None] = [None] * n
+        self.units: dict[tuple[str, str, str], list[int]] = {}  # (group, traj, unit) -> [a, t]
+        self.desync = None
+
+    def collect(self, mb) -> None:
+        """File the hits of `mb`'s forward (padded [B, S], router order t = s*B + b)."""
+        hits, self._hits = self._hits, [None] * len(self.hf_layers)
+        if any(h is None for h in hits):
+            return
+        b, s = mb.tokens_BS.shape
+        hits_LBS = torch.stack([h.view(s, b).t() for h in hits]).cpu()  # type: ignore[union-attr]
+        valid_BS = mb.valid_rows_BS.bool().cpu()
+        for m in range(hits_LBS.shape[0]):
+            self.agree[m] += int(hits_LBS[m][valid_BS].sum())
+            self.total[m] += int(valid_BS.sum()) * self.top_k
+        hits_BS = hits_LBS.sum(0)
+        per_row = len(self.hf_layers) * self.top_k
+        for i, sample in enumerate(mb.samples):
+            for name, a, e in sample.agreement_units():
+                cell = self.units.setdefault((sample.group_id, sample.trajectory_id, name), [0, 0])
+                cell[0] += int(hits_BS[i, a:e].sum())
+                cell[1] += (e - a) * per_row
 
     def per_layer(self) -> dict[int, float]:
         """MoE layer index -> agreement ratio (layers that saw no replayed tokens are left out)."""
@@ -123,15 +175,43 @@ class AgreementMonitor:
         total = sum(self.total)
         return sum(self.agree) / total if total else None
 
+    def worst(self) -> tuple[str, float] | None:
+        """('trajectory T unit U (group G)', ratio) of the unit with the lowest agreement."""
+        scored = {k: a / t for k, (a, t) in self.units.items() if t}
+        if not scored:
+            return None
+        g, tid, unit = min(scored, key=lambda k: scored[k])
+        return f"trajectory {tid} {unit} (group {g})", scored[(g, tid, unit)]
+
+    def check_used(self) -> None:
+        """Raise ReplayDesyncError if any replaying forward used other experts than replayed."""
+        if self.desync is not None:
+            raise ReplayDesyncError(self.desync)
+
     def check(self, floor: float) -> None:
-        """Raise RoutingAgreementError naming the worst layer below `floor`."""
-        bad = {m: r for m, r in self.per_layer().items() if r < floor}
-        if bad:
-            m = min(bad, key=lambda layer: bad[layer])
-            raise RoutingAgreementError(
-                f"routing agreement {bad[m]:.3f} < floor {floor} at MoE layer {m} (HF layer "
-                f"{self.hf_layers[m]}); MoE layers below floor: {sorted(bad)} - misaligned "
-                "layer map, row offset or bad ids?")
+        """Raise RoutingAgreementError naming the worst unit (and layer) below `floor`; its
+        `bad_groups` are every group with a unit below the floor."""
+        self.check_used()
+        layers = self.per_layer()
+        bad_units = {k: a / t for k, (a, t) in self.units.items() if t and a / t < floor}
+        bad_layers = {m: r for m, r in layers.items() if r < floor}
+        if not bad_units and not bad_layers:
+            return
+        m = min(layers, key=lambda layer: layers[layer])
+        where = f"MoE layer {m} (HF layer {self.hf_layers[m]}) reads {layers[m]:.3f}"
+        if bad_units:
+            (g, tid, unit) = min(bad_units, key=lambda k: bad_units[k])
+            head = (f"routing agreement {bad_units[(g, tid, unit)]:.3f} < floor {floor} at "
+                    f"trajectory {tid} {unit} (group {g}); {len(bad_units)} units below floor; "
+                    f"worst {where}")
+        else:
+            head = f"routing agreement below floor {floor}: {where}"
+        groups: dict[str, str] = {}
+        for (g, tid, unit), r in sorted(bad_units.items(), key=lambda kv: kv[1]):
+            groups.setdefault(g, f"routing agreement {r:.3f} < floor {floor} at trajectory "
+                                 f"{tid} {unit}")
+        raise RoutingAgreementError(
+            f"{head} - misaligned layer map, row offset or bad ids?", groups)
 
     def remove(self) -> None:
         for h in self._handles:

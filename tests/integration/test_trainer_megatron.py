@@ -247,8 +247,12 @@ def test_r2_replays_old_policy_routing_after_weight_change(trainer, hf, model_di
         trainer.compute_logprobs(mbs, "off")
         natural = [c[2] for c in calls]
         calls.clear()
+        # The router was moved far from the recorded routing on purpose: the update's
+        # agreement floor would (rightly) stop this step; here only replay itself is tested.
+        trainer.cfg.replay.check_agreement = False
         trainer._run_update(mbs, ReplayMode.R2, _zero_loss)
     finally:
+        trainer.cfg.replay.check_agreement = True
         for h in handles:
             h.remove()
     used = [c[2] for c in calls if c[0] == A.REPLAY_FORWARD]
@@ -272,6 +276,7 @@ def test_recompute_uses_each_microbatch_routing(model_dir, hf, trainer):
 
     cfg = trainer.cfg.model_copy(deep=True)
     cfg.model.recompute_moe = True
+    cfg.replay.check_agreement = False  # random routing: replay plumbing only, no agreement
     rec = Trainer(TrainerConfig.model_validate(cfg.model_dump()))
     mbs = rec.prepare(make_samples(hf, n=4, routing="random", seed=7))
     assert len(mbs) == 2
@@ -319,3 +324,70 @@ def test_ppo_epochs_and_mini_batches_take_several_updates_per_step(trainer, hf, 
     assert m["updates"] == 4 and m["policy_version"] == v0 + 1  # one version per step
     assert m["ppo_kl"] != 0.0 and np.isfinite(m["ppo_kl"])  # later updates see a moved policy
     assert np.isfinite(m["loss"]) and m["grad_norm"] > 0
+
+
+# ---------------------------------------------------------------- detector (issue 19 item 8)
+def segmented(samples, seg1_len=3):
+    """Name the samples and split each response into two segments (the last `seg1_len`
+    tokens form segment 1, as after a partial-rollout resume)."""
+    for i, s in enumerate(samples):
+        r = s.tokens.size - s.prompt_len
+        s.trajectory_id, s.segment_lens = f"t{i}", (r - seg1_len, seg1_len)
+    return samples
+
+
+def shift_segment1(s) -> None:
+    """Segment 1's rows off by one (row i carries row i+1's routing); other rows untouched."""
+    r = s.tokens.size - s.prompt_len
+    a, e = s.prompt_len - 1 + s.segment_lens[0], s.prompt_len - 1 + r  # e = P+R-1 rows
+    rows = s.routing_TLK.copy()
+    rows[a:e - 1] = s.routing_TLK[a + 1:e]
+    s.routing_TLK = rows
+
+
+def test_shifted_rows_of_one_segment_of_one_trajectory_are_caught(trainer, hf, model_dir):
+    from trainer.replay import RoutingAgreementError
+
+    reload(trainer, model_dir)
+    samples = segmented(make_samples(hf, n=4, seed=11))
+    shift_segment1(samples[2])
+    with pytest.raises(RoutingAgreementError, match="at trajectory t2 segment 1 \\(group g0\\)") \
+            as err:
+        trainer.old_policy_pass(trainer.prepare(samples), ReplayMode.R3)
+    assert set(err.value.bad_groups) == {"g0"}  # the group to quarantine, and only it
+
+
+def _bypass_replay(monkeypatch):
+    """Replay silently ignored inside the model: the router routes by its own top-k."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    def natural(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+        return default_compute_topk(scores, topk, num_groups, group_topk)
+    monkeypatch.setattr(RouterReplay, "get_replay_topk", natural)
+
+
+def test_replay_bypassed_inside_the_model_is_caught_r3(trainer, hf, model_dir, monkeypatch):
+    from trainer.replay import ReplayDesyncError
+
+    reload(trainer, model_dir)
+    mbs = trainer.prepare(make_samples(hf, n=2, routing="random", seed=12))
+    _bypass_replay(monkeypatch)
+    with pytest.raises(ReplayDesyncError, match=r"HF layer \d\): the router used experts other"):
+        trainer.old_policy_pass(mbs, ReplayMode.R3)
+
+
+def test_replay_bypassed_inside_the_model_is_caught_r2(trainer, hf, model_dir, monkeypatch):
+    from trainer.replay import ReplayDesyncError
+
+    reload(trainer, model_dir)
+    mbs = trainer.prepare(make_samples(hf, n=2, seed=13))
+    trainer.compute_logprobs(mbs, "r2")  # records the routing of these weights
+    with torch.no_grad():
+        for r in trainer.policy.routers:
+            r.weight.add_(torch.randn_like(r.weight) * 2.0)  # natural routing moves away
+    _bypass_replay(monkeypatch)
+    try:
+        with pytest.raises(ReplayDesyncError, match="replay bypassed or out of step"):
+            trainer._run_update(mbs, ReplayMode.R2, _zero_loss)
+    finally:
+        reload(trainer, model_dir)

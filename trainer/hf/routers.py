@@ -153,6 +153,11 @@ class HFAgreementMonitor(AgreementMonitor):
         self.total = [0] * len(self.hf_layers)
         self._pending: list[list[torch.Tensor]] = [[] for _ in self.hf_layers]
         self._valid: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor] | None = None
+        self.units: dict[tuple[str, str, str], list[int]] = {}  # not filed per unit here yet
+        self.desync = None
+
+    def collect(self, mb) -> None:
+        """Per-unit agreement is not filed by the HF backend yet (per-layer only)."""
 
     def _valid_mask(self, hits_T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(float mask, its sum) of `valid_T`, computed once per micro-batch, not per layer."""
