@@ -32,9 +32,20 @@ from trainer.hf_mapping import export_hf_state_dict
 from trainer.loss import group_advantages, ppo_loss, sft_loss, token_logprobs
 from trainer.model import BuiltModel, build_model, init_parallel
 from trainer.old_policy import OldPolicyPass
-from trainer.replay import AgreementMonitor, ModelReplay, ReplayMode
+from trainer.replay import AgreementMonitor, ModelReplay, ReplayMode, RoutingAgreementError
 
 log = logging.getLogger(__name__)
+
+
+def any_rank(flag: bool) -> bool:
+    """True if `flag` is set on any trainer rank (an all-reduce over the world group)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return flag
+    t = torch.tensor([int(flag)], device="cuda" if torch.cuda.is_available() else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
 
 
 def _tokens(mbs: Sequence[MicroBatch]) -> float:
@@ -208,12 +219,39 @@ class Trainer(OldPolicyPass):
         acc["loss"] = acc.get("loss", 0.0) + float(loss.detach()) / n_mb
         return loss, {"loss": loss.detach()}
 
+    def _checked_old_policy(self, samples: list[Sample], mode: ReplayMode
+                            ) -> tuple[list[MicroBatch], dict, dict[str, str]]:
+        """Old-policy pass; groups below the agreement floor are quarantined and the pass is
+        redone without them. Every rank takes part in every redo (agreed after each pass, before
+        the next collective), so one rank's bad group never strands its peers in all-to-all."""
+        dropped: dict[str, str] = {}
+        while True:
+            mbs = self.prepare(samples)
+            bad: dict[str, str] = {}
+            try:
+                metrics = self.old_policy_pass(mbs, mode) if mbs else {}
+            except RoutingAgreementError as e:
+                if not e.bad_groups:
+                    raise
+                bad, metrics = e.bad_groups, {}
+            if not any_rank(bool(bad)):
+                return mbs, metrics, dropped
+            for g, why in bad.items():
+                log.error("quarantining group %s: %s", g, why)
+            dropped |= {g: "routing_agreement" for g in bad}
+            samples = [s for s in samples if s.group_id not in bad]
+
     def train_step(self, samples: Sequence[Sample], replay: ReplayMode | str | None = None) -> dict:
-        """One GRPO/PPO optimizer step on `samples`; returns its metrics."""
+        """One GRPO/PPO optimizer step on `samples`; returns its metrics (`dropped`: group id ->
+        reason of the groups quarantined in this step)."""
         t0 = time.perf_counter()
         mode = ReplayMode(replay or self.cfg.replay.mode)
-        mbs = self.prepare(samples)
-        metrics = self.old_policy_pass(mbs, mode)
+        mbs, metrics, dropped = self._checked_old_policy(list(samples), mode)
+        samples = [s for s in samples if s.group_id not in dropped]
+        metrics["dropped"] = dropped
+        if not any_rank(bool(mbs)):
+            return metrics | {"trajectories": 0, "policy_version": self.policy_version,
+                              "replay": mode.value, "skipped": True}
         total = float(sum(mb.num_tokens for mb in mbs))
         acc: dict = {}
         updates = update_schedule(mbs, self.cfg.optim.ppo_epochs, self.cfg.optim.mini_batches)

@@ -1,6 +1,8 @@
-"""Pulled GRPO groups -> training samples, trajectory by trajectory.
+"""Pulled GRPO groups -> training samples, trajectory by trajectory; bad groups quarantined.
 
-Every trajectory is mapped with ITS OWN engine layer ids (rollout workers of one run may report
+A group whose routing or sampling fails a check (`quarantine_reason`) is set aside with a
+reason instead of failing the step: the trainer acks it to the store as dropped, so a restarted
+trainer never pulls it again (no crash loop). Every trajectory is mapped with ITS OWN engine layer ids (rollout workers of one run may report
 layers differently, e.g. after an engine upgrade): one trajectory's `layer_ids` never stand in
 for another's. Aborted trajectories are skipped; r3 needs routing on every trajectory.
 """
@@ -11,8 +13,8 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from trainer.alignment import LayerMap
-from trainer.batch import Sample, sample_from_trajectory
+from trainer.alignment import InvalidRoutingError, LayerMap, RoutingLayoutError
+from trainer.batch import Sample, UnreproducibleSamplingError, sample_from_trajectory
 from trainer.replay import ReplayMode
 
 log = logging.getLogger(__name__)
@@ -46,3 +48,28 @@ def group_samples(group: Any, mode: ReplayMode, layer_map: Callable[[Sequence[in
             lmap = layer_map(layer_ids)
         samples.append(sample_from_trajectory(t, lmap, num_experts, top_k=top_k))
     return samples
+
+
+def quarantine_reason(err: ValueError) -> str:
+    """The bounded reason label of a group-level data error."""
+    for cls, reason in ((RoutingLayoutError, "routing_layout"),
+                        (InvalidRoutingError, "invalid_routing"),
+                        (UnreproducibleSamplingError, "unreproducible_sampling")):
+        if isinstance(err, cls):
+            return reason
+    return "bad_routing"  # layer map, row coverage, decode errors
+
+
+def intake_groups(groups: Sequence[Any], mode: ReplayMode,
+                  layer_map: Callable[[Sequence[int]], LayerMap], num_experts: int, top_k: int
+                  ) -> tuple[list[Sample], dict[str, str]]:
+    """(samples of the good groups, group id -> reason of the quarantined ones)."""
+    samples: list[Sample] = []
+    dropped: dict[str, str] = {}
+    for g in groups:
+        try:
+            samples += group_samples(g, mode, layer_map, num_experts, top_k)
+        except ValueError as e:
+            dropped[g.group_id] = quarantine_reason(e)
+            log.error("quarantining group %s (%s): %s", g.group_id, dropped[g.group_id], e)
+    return samples, dropped

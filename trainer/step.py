@@ -141,7 +141,12 @@ class TrainLoop:
         """Scatter whole groups to the ranks; each aligns routing and steps; reduce metrics."""
         n = self.ranks.world_size
         shares = [[g.SerializeToString() for g in groups[r::n]] for r in range(n)]
-        metrics = reduce_metrics(self.ranks.call("train", [(s,) for s in shares]))
+        per_rank = self.ranks.call("train", [(s,) for s in shares])
+        dropped = {g: why for m in per_rank for g, why in m.pop("dropped", {}).items()}
+        metrics = reduce_metrics(per_rank)
+        self.quarantine([g for g in groups if g.group_id in dropped], dropped)
+        groups = [g for g in groups if g.group_id not in dropped]
+        metrics["groups_quarantined"] = len(dropped)
         self.pos.step += 1
         self.pos.policy_version = int(metrics["policy_version"])
         self.pos.remember([g.group_id for g in groups])
@@ -150,6 +155,19 @@ class TrainLoop:
                           "trajectory_ids": [t.trajectory_id for g in groups
                                              for t in g.trajectories]})
         return metrics
+
+    def quarantine(self, groups: list, reasons: dict[str, str]) -> None:
+        """Ack quarantined groups to the store as dropped (dropped_by_reason) right away: never
+        trained on, never redelivered to a restarted trainer (no crash loop)."""
+        if not groups:
+            return
+        self.client.ack(self.cfg.data.consumer, [], dropped=[
+            (g.delivery_id, reasons[g.group_id], len(g.trajectories)) for g in groups])
+        counter = self.metrics.get("r3flow_trainer_groups_quarantined_total")
+        for g in groups:
+            log.error("group %s quarantined: %s", g.group_id, reasons[g.group_id])
+            if counter is not None:
+                counter.labels(reason=reasons[g.group_id]).inc()
 
     def _append_ids(self, rec: dict) -> None:
         # Flushed before the checkpoint that covers the step, so a crash can only leave a line

@@ -15,7 +15,7 @@ from dataclasses import asdict
 from trainer.batch import Sample
 from trainer.checkpoint import CheckpointManager, DataPosition
 from trainer.config import TrainerConfig
-from trainer.intake import group_samples
+from trainer.intake import group_samples, intake_groups
 from trainer.weight_push import RankSender
 
 log = logging.getLogger(__name__)
@@ -48,8 +48,17 @@ class RankWorker:
                                        self.trainer.layer_map, arch.num_experts, arch.top_k)]
 
     def train(self, groups_bytes: Sequence[bytes]) -> dict:
-        """align_routing + one GRPO/PPO step on this rank's share."""
-        return self.trainer.train_step(self.align_routing(groups_bytes))
+        """Aligned samples of this rank's share -> one GRPO/PPO step; `dropped` in the metrics
+        names the groups quarantined (bad routing, unreproducible sampling, low agreement)."""
+        from services.common.pb.r3flow.v1 import store_pb2
+
+        arch = self.trainer.arch
+        samples, dropped = intake_groups(
+            [store_pb2.PulledGroup.FromString(b) for b in groups_bytes], self.cfg.replay.mode,
+            self.trainer.layer_map, arch.num_experts, arch.top_k)
+        metrics = self.trainer.train_step(samples)
+        metrics["dropped"] = dropped | metrics.get("dropped", {})
+        return metrics
 
     def save(self, pos: dict) -> str:
         return str(self.ckpt.save(self.trainer.policy.module, self.trainer.optimizer,

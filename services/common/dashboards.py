@@ -94,6 +94,9 @@ BACKLOG_GROWING = (f"{BACKLOG} > 10000 and "
 STALE_POLICY = (f"{ROLLOUT_VERSION} < on() group_left() "
                 f"(max({TRAINER_VERSION}) - 2)")
 
+# Any group the trainer set aside (bad routing or sampling, agreement below floor).
+QUARANTINED = "increase(r3flow_trainer_groups_quarantined_total[10m]) > 0"
+
 ALERTS = (
     Alert("R3flowPpoKlSpike", PPO_KL_SPIKE, "1m", "warning",
           "ppo_kl spiked to {{ $value | humanize }} (over 5x its 30-minute median)",
@@ -106,6 +109,10 @@ ALERTS = (
           "routing agreement {{ $value | humanizePercentage }} on layer {{ $labels.layer }}",
           "Replayed expert ids disagree with the trainer's router at near-chance level: a wrong "
           "layer map, an off-by-one row or physical/logical expert ids."),
+    Alert("R3flowTrainerGroupsQuarantined", QUARANTINED, "0m", "warning",
+          "trainer quarantined GRPO groups ({{ $labels.reason }})",
+          "Groups were acked as dropped instead of trained on; the trainer log names each "
+          "group and what failed (see docs/replay_guarantees.md)."),
     Alert("R3flowStoreBacklogGrowing", BACKLOG_GROWING, "10m", "warning",
           "store backlog keeps growing ({{ $value | humanize }} tokens)",
           "Rollouts produce faster than trainers consume, or trainers are not acking."),

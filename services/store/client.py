@@ -157,9 +157,13 @@ class StoreClient:
             # their lease expires.
         return got
 
-    def ack(self, consumer: str, delivery_ids: Sequence[str]) -> int:
-        """Ack delivered groups; returns how many were acked now (0 for repeats)."""
-        req = store_pb2.AckRequest(consumer=consumer, delivery_ids=list(delivery_ids))
+    def ack(self, consumer: str, delivery_ids: Sequence[str],
+            dropped: Sequence[tuple[str, str, int]] = ()) -> int:
+        """Ack delivered groups, and `dropped` (delivery id, reason, trajectories) ones as
+        quarantined; returns how many were acked now (0 for repeats)."""
+        req = store_pb2.AckRequest(consumer=consumer, delivery_ids=list(delivery_ids), dropped=[
+            store_pb2.DroppedDelivery(delivery_id=d, reason=r, trajectories=n)
+            for d, r, n in dropped])
         return self._with_retry(lambda: self._stub.Ack(
             req, timeout=self.timeout_s, metadata=self._metadata).acked, "ack")
 

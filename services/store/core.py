@@ -8,6 +8,7 @@ first claims entries whose lease expired, then reads new ones.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -26,6 +27,7 @@ from services.store.config import StoreConfig
 from services.store.keys import CONSUMER_GROUP, Keys
 
 log = logging.getLogger(__name__)
+_REASON = re.compile(r"[a-z_]{1,40}")
 
 
 @dataclass
@@ -195,6 +197,19 @@ class TrajectoryStoreCore:
             acked += done == 1
         self._metric("r3flow_store_groups_acked_total").inc(acked)
         return acked
+
+    def drop(self, consumer: str, delivery_id: str, reason: str, trajectories: int) -> int:
+        """Ack a delivered group the trainer quarantined, counted as dropped by `reason`."""
+        check_delivery_id(delivery_id, "dropped.delivery_id")
+        if not _REASON.fullmatch(reason) or reason in ("acked", "stale", "aborted", "missing"):
+            raise ValueError(f"dropped.reason: {reason!r} must match [a-z_]{{1,40}} and not be "
+                             "a reason of the store's own")
+        done = self._release(delivery_id, consumer, reason, trajectories)
+        if done == 1:
+            self._metric("r3flow_store_dropped_total", reason).inc(trajectories)
+            log.warning("group of delivery %s quarantined by %s: %s (%d trajectories)",
+                        delivery_id, consumer, reason, trajectories)
+        return int(done == 1)
 
     def _release(self, eid: str, consumer: str, reason: str, dropped: int) -> int:
         k = self.keys

@@ -113,7 +113,10 @@ class TrajectoryStoreServicer(store_pb2_grpc.TrajectoryStoreServicer):
     def Ack(self, request, context):  # noqa: N802
         if not request.consumer:
             raise ValueError("consumer: required")
-        return store_pb2.AckResponse(acked=self.core.ack(request.consumer, request.delivery_ids))
+        acked = self.core.ack(request.consumer, request.delivery_ids)
+        acked += sum(self.core.drop(request.consumer, d.delivery_id, d.reason, d.trajectories)
+                     for d in request.dropped)
+        return store_pb2.AckResponse(acked=acked)
 
     @_unary
     def PublishPolicyVersion(self, request, context):  # noqa: N802

@@ -55,7 +55,8 @@ def test_unknown_metric_is_refused():
 def test_alerts_cover_the_issue_list():
     names = {a.name for a in gen.ALERTS}
     assert names == {"R3flowPpoKlSpike", "R3flowKlRefSpike", "R3flowRoutingAgreementLow",
-                     "R3flowStoreBacklogGrowing", "R3flowRolloutStalePolicy"}
+                     "R3flowStoreBacklogGrowing", "R3flowRolloutStalePolicy",
+                     "R3flowTrainerGroupsQuarantined"}
     # ppo_kl is judged against its own recent median, not a fixed number.
     assert "quantile_over_time(0.5, r3flow_trainer_ppo_kl" in gen.PPO_KL_SPIKE
 

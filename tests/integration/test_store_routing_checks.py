@@ -109,3 +109,16 @@ def test_store_refuses_routing_of_a_model_it_does_not_serve(redis_url: str) -> N
     core = TrajectoryStoreCore(redis.Redis.from_url(redis_url), cfg)
     message = refused(core, group_stream())  # top-2 routing
     assert "num_experts=8, top_k=2; registered models: tiny-k3 (num_experts=8, top_k=3)" in message
+
+
+def test_a_quarantined_group_is_counted_as_dropped_by_reason(redis_url: str) -> None:
+    core = make_core(redis_url)
+    core.append(group_stream())
+    (d,) = core.pull("trainer-0", 1, lease_seconds=60, wait_ms=0)
+    with pytest.raises(ValueError, match="dropped.reason"):
+        core.drop("trainer-0", d.delivery_id, "Bad Reason!", 2)
+    assert core.drop("trainer-0", d.delivery_id, "routing_agreement", 2) == 1
+    assert core.drop("trainer-0", d.delivery_id, "routing_agreement", 2) == 0  # a repeat
+    stats = core.stats()
+    assert stats.dropped_by_reason() == {"routing_agreement": 2}
+    assert core.pull("trainer-0", 1, lease_seconds=60, wait_ms=0) == []

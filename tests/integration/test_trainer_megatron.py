@@ -391,3 +391,15 @@ def test_replay_bypassed_inside_the_model_is_caught_r2(trainer, hf, model_dir, m
             trainer._run_update(mbs, ReplayMode.R2, _zero_loss)
     finally:
         reload(trainer, model_dir)
+
+
+def test_a_group_with_one_shifted_segment_is_quarantined_and_the_step_goes_on(
+        trainer, hf, model_dir):
+    reload(trainer, model_dir)
+    samples = segmented(make_samples(hf, n=4, seed=11))
+    shift_segment1(samples[2])  # group g0
+    m = trainer.train_step(samples)
+    assert m["dropped"] == {"g0": "routing_agreement"}
+    assert m["trajectories"] == 2 and np.isfinite(m["grad_norm"])  # g1 trained
+    assert m["routing_agreement_min"] > 0.9
+    reload(trainer, model_dir)

@@ -59,3 +59,19 @@ def test_a_trajectory_lacking_a_moe_layer_is_refused_even_when_not_first():
     b, _ = trajectory("t1", (0, 1, 3), seed=2)  # HF layer 2 missing
     with pytest.raises(ValueError, match=r"lacks MoE layers \[2\]"):
         rank().align_routing([group(a, b)])
+
+
+def test_a_bad_group_is_quarantined_with_a_reason_and_the_rest_kept():
+    from trainer.intake import intake_groups
+    from trainer.replay import ReplayMode
+
+    good, _ = trajectory("t0", (0, 1, 2), seed=1)
+    bad, _ = trajectory("t1", (0, 1, 3), seed=2)  # lacks MoE layer 2
+    odd, _ = trajectory("t2", (0, 1, 2), seed=3)
+    odd.segments[1].sampling.temperature, odd.segments[1].sampling.top_p = 1.0, 0.9
+    groups = [store_pb2.PulledGroup(group_id=g, trajectories=[t])
+              for g, t in (("ga", good), ("gb", bad), ("gc", odd))]
+    w = rank()
+    samples, dropped = intake_groups(groups, ReplayMode.R3, w.trainer.layer_map, 8, 2)
+    assert [s.trajectory_id for s in samples] == ["t0"]
+    assert dropped == {"gb": "bad_routing", "gc": "unreproducible_sampling"}

@@ -91,3 +91,41 @@ def test_reduce_metrics():
     got = reduce_metrics([{"a": 1.0, "x_max": 1.0, "d": {0: 1.0}, "s": "r3"},
                           {"a": 3.0, "x_max": 5.0, "d": {0: 0.0}, "s": "r3"}])
     assert got == {"a": 2.0, "x_max": 5.0, "d": {0: 0.5}, "s": "r3"}
+
+
+class QuarantiningRanks(FakeRanks):
+    """Rank 1 quarantines its group (bad routing) and trains on nothing else."""
+
+    def call(self, method, per_rank_args):
+        out = super().call(method, per_rank_args)
+        if method == "train":
+            for r, m in enumerate(out):
+                m["dropped"] = {"g1": "invalid_routing"} if r == 1 else {}
+        return out
+
+
+class DroppingStore(FakeStore):
+    def __init__(self, groups) -> None:
+        super().__init__(groups)
+        self.dropped = []
+
+    def ack(self, consumer, ids, dropped=()):
+        super().ack(consumer, ids)
+        self.dropped += list(dropped)
+
+
+def test_quarantined_group_is_acked_as_dropped_at_once_and_the_step_goes_on(tmp_path):
+    registry = CollectorRegistry()
+    metrics = create_metrics(registry, "trainer")
+    groups = [store_pb2.PulledGroup(delivery_id=f"d{i}", group_id=f"g{i}", trajectories=[
+        {"trajectory_id": f"g{i}/{j}"} for j in range(3)]) for i in range(2)]
+    store = DroppingStore(groups)
+    loop = TrainLoop(_cfg(tmp_path), QuarantiningRanks(2), store, metrics)
+    m = loop.train_step(loop.pull_batch())
+    assert store.dropped == [("d1", "invalid_routing", 3)]  # acked now, before any checkpoint
+    assert m["groups_quarantined"] == 1 and loop.pending_acks == ["d0"]
+    assert loop.pos.trained_group_ids == ["g0"]
+    assert registry.get_sample_value("r3flow_trainer_groups_quarantined_total",
+                                     {"reason": "invalid_routing"}) == 1.0
+    ids = [json.loads(x) for x in (tmp_path / "trained_ids.jsonl").read_text().splitlines()]
+    assert ids[-1]["trajectory_ids"] == ["g0/0", "g0/1", "g0/2"]

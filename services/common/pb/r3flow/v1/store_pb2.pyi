@@ -89,12 +89,24 @@ class PulledGroup(_message.Message):
     def __init__(self, delivery_id: _Optional[str] = ..., group_id: _Optional[str] = ..., trajectories: _Optional[_Iterable[_Union[_trajectory_pb2.Trajectory, _Mapping]]] = ..., delivery_count: _Optional[int] = ...) -> None: ...
 
 class AckRequest(_message.Message):
-    __slots__ = ("consumer", "delivery_ids")
+    __slots__ = ("consumer", "delivery_ids", "dropped")
     CONSUMER_FIELD_NUMBER: _ClassVar[int]
     DELIVERY_IDS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
     consumer: str
     delivery_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, consumer: _Optional[str] = ..., delivery_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    dropped: _containers.RepeatedCompositeFieldContainer[DroppedDelivery]
+    def __init__(self, consumer: _Optional[str] = ..., delivery_ids: _Optional[_Iterable[str]] = ..., dropped: _Optional[_Iterable[_Union[DroppedDelivery, _Mapping]]] = ...) -> None: ...
+
+class DroppedDelivery(_message.Message):
+    __slots__ = ("delivery_id", "reason", "trajectories")
+    DELIVERY_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    TRAJECTORIES_FIELD_NUMBER: _ClassVar[int]
+    delivery_id: str
+    reason: str
+    trajectories: int
+    def __init__(self, delivery_id: _Optional[str] = ..., reason: _Optional[str] = ..., trajectories: _Optional[int] = ...) -> None: ...
 
 class AckResponse(_message.Message):
     __slots__ = ("acked",)
