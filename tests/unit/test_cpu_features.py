@@ -40,10 +40,28 @@ def test_refused_request_returns_false_and_warns(monkeypatch: pytest.MonkeyPatch
 
 
 def test_vllm_discovers_the_plugin() -> None:
-    from vllm.plugins import load_plugins_by_group
+    plugins_mod = pytest.importorskip("vllm.plugins")
+    load_plugins_by_group = plugins_mod.load_plugins_by_group
 
     plugins = load_plugins_by_group("vllm.general_plugins")
     assert plugins.get("r3flow_cpu_features") is cpu_features.vllm_plugin
+
+
+PLUGIN_ONLY = """
+from services.common import cpu_features as c
+before = c.amx_permitted()
+c.vllm_plugin()
+print(before, c.amx_permitted())
+"""
+
+
+@pytest.mark.skipif(not HAS_AMX, reason="this CPU has no AMX (no amx_tile flag)")
+def test_fresh_process_gets_amx_permission_from_the_plugin_function() -> None:
+    """The function the entry point names grants the permission in a fresh interpreter (runs
+    where vLLM is not installed too, e.g. a lent GPU host)."""
+    out = subprocess.run([sys.executable, "-c", PLUGIN_ONLY], capture_output=True, text=True,
+                         timeout=120, check=True).stdout.split()
+    assert out[-2:] == ["False", "True"]
 
 
 SPAWNED = """
@@ -57,6 +75,7 @@ print(before, c.amx_permitted())
 
 @pytest.mark.skipif(not HAS_AMX, reason="this CPU has no AMX (no amx_tile flag)")
 def test_fresh_process_gets_amx_permission_from_vllms_plugin_loader() -> None:
+    pytest.importorskip("vllm")
     """A freshly spawned interpreter starts without the permission (it is not inherited across
     exec) and has it once vLLM loaded its general plugins, as its engine and workers do."""
     out = subprocess.run([sys.executable, "-c", SPAWNED], capture_output=True, text=True,
