@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import signal
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +25,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, help="seed of model init, data and sampling")
     parser.add_argument("--warm-start-steps", type=int, help="supervised steps before GRPO")
     parser.add_argument("--runs-dir", help="parent folder of the run folders")
+    parser.add_argument("--compare", type=_arms, default=[], metavar="ARM[,ARM]",
+                        help="also run these replay arms (off, r2, r3) on the same seed and "
+                        "data, one after the other, and write one report overlaying them")
+
+
+def _arms(text: str) -> list[str]:
+    arms = [a.strip() for a in text.split(",") if a.strip()]
+    bad = [a for a in arms if a not in ("r3", "r2", "off")]
+    if bad or not arms:
+        raise argparse.ArgumentTypeError(f"--compare: expected arms among r3, r2, off; got "
+                                         f"{text!r}")
+    return arms
 
 
 def load(args: argparse.Namespace):
@@ -78,13 +91,41 @@ def print_failure(s: dict) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    cfg = load(args)
+    # Ctrl-C / SIGTERM: stop every child by pid before leaving.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    if not args.compare:
+        return run_one(cfg)[0]
+    return run_arms(cfg, list(dict.fromkeys([cfg.replay, *args.compare])))
+
+
+def run_arms(cfg, arms: list[str]) -> int:
+    """One complete local run per replay arm, then the overlay report."""
+    from services.local import compare
+    from services.local.report import read_log
+
+    out = compare.compare_dir(cfg.runs_dir)
+    rows: dict[str, list[dict]] = {}
+    for i, arm in enumerate(arms):
+        print(f"\n=== arm {i + 1}/{len(arms)}: replay={arm} ===")
+        arm_cfg = cfg.model_copy(update={"replay": arm, "runs_dir": str(out / arm)})
+        rc, summary = run_one(arm_cfg)
+        if rc != 0:
+            return rc
+        rows[arm] = read_log(Path(summary["run_dir"]) / "trainer" / "train_log.jsonl")
+    data = compare.write_comparison(out, rows)
+    print(f"\n=== r3flow local: {len(arms)} arms on seed {cfg.seed} ({out}/compare.png) ===")
+    for s in data["arms"]:
+        print(compare.summary_line(s))
+    return 0
+
+
+def run_one(cfg) -> tuple[int, dict]:
+    """One local run; (exit code, its summary)."""
     from services.local.procs import ChildDied
     from services.local.run import LocalRun
 
-    cfg = load(args)
     local = LocalRun(cfg)
-    # Ctrl-C / SIGTERM: stop every child by pid before leaving.
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         init_dir = local.prepare()
         model_dir = local.warm_start(init_dir)
@@ -92,13 +133,14 @@ def run(args: argparse.Namespace) -> int:
         rows = local.train(model_dir)
         summary = local.finish(rows)
     except ChildDied as died:
-        print_failure(local.abort(died))
-        return 1
+        failed = local.abort(died)
+        print_failure(failed)
+        return 1, failed
     except KeyboardInterrupt:
         print("\ninterrupted: stopping every child process")
-        return 130
+        return 130, {}
     finally:
         local.close()
     print_summary(summary)
     log.debug("summary: %s", json.dumps(summary))
-    return 0
+    return 0, summary

@@ -1,0 +1,113 @@
+"""`r3flow local --compare off,r2`: the same local run once per replay arm (same seed, data,
+model and machine, one after the other) and one report that overlays the arms step by step.
+
+Each arm is a complete `LocalRun` in `<compare dir>/<arm>/local-*`; the comparison writes
+`compare.json` (per-arm summary lines) and `compare.png` (reward, ppo_kl, clip fraction,
+rollout/train |logprob diff| and routing agreement per step, one line per arm).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+from services.local.report import mean_of
+
+# (panel title, JSONL key) of the overlay, one line per arm in each panel
+OVERLAY = [
+    ("reward (mean)", "reward_mean"),
+    ("ppo_kl", "ppo_kl"),
+    ("clip fraction", "clip_ratio"),
+    ("rollout vs train logprob |diff|", "logprob_diff_mean"),
+    ("routing agreement", "routing_agreement"),
+]
+# The chart's R3flowPpoKlSpike rule, applied per step instead of per scrape: ppo_kl above
+# SPIKE_FACTOR x the running median of the steps before it, and above SPIKE_FLOOR.
+SPIKE_FACTOR, SPIKE_FLOOR = 5.0, 5e-4
+
+
+def compare_dir(runs_dir: str) -> Path:
+    path = Path(runs_dir) / f"compare-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    path.mkdir(parents=True)
+    return path
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-quantile (0..1) by linear interpolation; nan for no values."""
+    vals = sorted(v for v in values if math.isfinite(v))
+    if not vals:
+        return float("nan")
+    pos = q * (len(vals) - 1)
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return vals[lo] + (vals[hi] - vals[lo]) * (pos - lo)
+
+
+def count_spikes(values: list[float]) -> int:
+    """Steps whose value is a spike against the running median of the steps before it."""
+    spikes = 0
+    for i, v in enumerate(values):
+        before = [x for x in values[:i] if math.isfinite(x)]
+        if before and math.isfinite(v) and v > SPIKE_FLOOR and \
+                v > SPIKE_FACTOR * percentile(before, 0.5):
+            spikes += 1
+    return spikes
+
+
+def arm_summary(arm: str, rows: list[dict], reference: list[dict] | None) -> dict:
+    """One arm's headline figures; `reference` is the replay-off arm's rows (if any)."""
+    diff = mean_of(rows, "logprob_diff_mean")
+    out = {"arm": arm, "steps": len(rows), "logprob_diff_mean": diff,
+           "reward_first5": mean_of(rows[:5], "reward_mean"),
+           "reward_last5": mean_of(rows[-5:], "reward_mean"),
+           "ppo_kl_p99": percentile([r.get("ppo_kl", math.nan) for r in rows], 0.99),
+           "ppo_kl_spikes": count_spikes([r.get("ppo_kl", math.nan) for r in rows]),
+           "clip_fraction_mean": mean_of(rows, "clip_ratio"),
+           "routing_agreement": mean_of(rows, "routing_agreement")}
+    off = mean_of(reference, "logprob_diff_mean") if reference else math.nan
+    out["logprob_diff_ratio_vs_off"] = diff / off if off > 0 else None
+    return out
+
+
+def summary_line(s: dict) -> str:
+    ratio = s["logprob_diff_ratio_vs_off"]
+    return (f"{s['arm']:>4}: |Δlogprob| {s['logprob_diff_mean']:.3e}"
+            f"{'' if ratio is None else f' ({ratio:.2f} x off)'}, ppo_kl p99 "
+            f"{s['ppo_kl_p99']:.2e}, ppo_kl spikes {s['ppo_kl_spikes']}, clip fraction "
+            f"{s['clip_fraction_mean']:.3f}, agreement {s['routing_agreement']:.3f}, reward "
+            f"{s['reward_first5']:.3f} -> {s['reward_last5']:.3f}")
+
+
+def write_comparison(out_dir: Path, arms: dict[str, list[dict]]) -> dict:
+    """compare.json and compare.png for the arms' step rows; returns the JSON's content."""
+    reference = arms.get("off")
+    summaries = [arm_summary(arm, rows, reference) for arm, rows in arms.items()]
+    data = {"arms": summaries}
+    (out_dir / "compare.json").write_text(json.dumps(data, indent=2))
+    plot_comparison(arms, out_dir / "compare.png")
+    return data
+
+
+def plot_comparison(arms: dict[str, list[dict]], out_png: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    for ax, (title, key) in zip(axes.flat, OVERLAY, strict=False):
+        for arm, rows in arms.items():
+            ax.plot([r["step"] for r in rows], [r.get(key, math.nan) for r in rows],
+                    marker=".", label=arm)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    axes.flat[-1].axis("off")
+    fig.suptitle("r3flow local — replay arms on the same seed, data and machine")
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=90)
+    plt.close(fig)
+    return out_png

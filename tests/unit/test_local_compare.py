@@ -1,0 +1,47 @@
+"""`r3flow local --compare`: per-arm summary figures and the overlay report."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from services.local import compare
+from services.local.cli import _arms
+
+
+def _rows(diff: float, kls: list[float]) -> list[dict]:
+    return [{"step": i + 1, "reward_mean": 0.1 * i, "ppo_kl": kl, "clip_ratio": 0.01,
+             "logprob_diff_mean": diff, "routing_agreement": 0.9} for i, kl in enumerate(kls)]
+
+
+def test_percentile_interpolates_and_ignores_nan() -> None:
+    assert compare.percentile([1.0, 2.0, 3.0, 4.0, math.nan], 0.5) == 2.5
+    assert compare.percentile([5.0], 0.99) == 5.0
+    assert math.isnan(compare.percentile([], 0.5))
+
+
+def test_spikes_are_counted_against_the_running_median() -> None:
+    flat = [1e-3] * 10
+    assert compare.count_spikes(flat) == 0
+    assert compare.count_spikes(flat[:5] + [1e-2] + flat[5:]) == 1
+    assert compare.count_spikes([1e-5, 1e-4]) == 0  # 10x, but under the floor
+
+
+def test_comparison_writes_summary_per_arm_with_ratio_to_off(tmp_path: Path) -> None:
+    arms = {"r3": _rows(1e-3, [1e-4] * 6), "off": _rows(4e-3, [1e-4] * 5 + [5e-3])}
+    data = compare.write_comparison(tmp_path, arms)
+    by_arm = {s["arm"]: s for s in data["arms"]}
+    assert by_arm["r3"]["logprob_diff_ratio_vs_off"] == pytest.approx(0.25)
+    assert by_arm["off"]["ppo_kl_spikes"] == 1 and by_arm["r3"]["ppo_kl_spikes"] == 0
+    assert json.loads((tmp_path / "compare.json").read_text()) == data
+    assert (tmp_path / "compare.png").stat().st_size > 10_000
+    assert "(0.25 x off)" in compare.summary_line(by_arm["r3"])
+
+
+def test_compare_flag_names_bad_arms() -> None:
+    assert _arms("off,r2") == ["off", "r2"]
+    with pytest.raises(Exception, match="--compare"):
+        _arms("r4")
