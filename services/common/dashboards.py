@@ -6,6 +6,12 @@ committed (helm/r3flow/dashboards/*.json, helm/r3flow/rules/r3flow-alerts.yaml, 
 and tests/chart checks they equal what this module generates:
 
     python -m services.common.dashboards --out helm/r3flow/dashboards/
+
+Several releases (and their named runs) may share one Prometheus, so every alert aggregates and
+joins `by (namespace, release)` (`release` is the Helm release, set on every target by the
+chart's ServiceMonitor; `job` is the Service name, which differs per component and so cannot join
+trainer and rollout series), and every dashboard query is filtered by the dashboard's namespace
+and release variables.
 """
 
 from __future__ import annotations
@@ -24,6 +30,10 @@ CATALOG: dict[str, MetricSpec] = {s.name: s for specs in ALL.values() for s in s
 _HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 _METRIC_RE = re.compile(r"\br3flow_[a-z0-9_]+\b")
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
+# The labels that tell one deployment from another in a shared Prometheus.
+SCOPE = ("namespace", "release")
+_BY_SCOPE = f"by ({', '.join(SCOPE)})"
+_SELECTOR_RE = re.compile(r"\b(r3flow_[a-z0-9_]+)\b(\{)?")
 
 
 def _m(name: str) -> str:
@@ -91,8 +101,9 @@ AGREEMENT_LOW = f"{AGREEMENT} < 0.5"
 # Growing: the 15-minute linear trend adds more than a quarter of the current backlog.
 BACKLOG_GROWING = (f"{BACKLOG} > 10000 and "
                    f"deriv({BACKLOG}[15m]) * 900 > 0.25 * avg_over_time({BACKLOG}[15m])")
-STALE_POLICY = (f"{ROLLOUT_VERSION} < on() group_left() "
-                f"(max({TRAINER_VERSION}) - 2)")
+# Joined on the deployment: a rollout is stale against its own release's trainer only.
+STALE_POLICY = (f"{ROLLOUT_VERSION} < on({', '.join(SCOPE)}) group_left() "
+                f"(max {_BY_SCOPE} ({TRAINER_VERSION}) - 2)")
 
 # Any group the trainer set aside (bad routing or sampling, agreement below floor).
 QUARANTINED = "increase(r3flow_trainer_groups_quarantined_total[10m]) > 0"
@@ -209,8 +220,28 @@ PIPELINE_PANELS = (
 
 
 # ---- Grafana JSON -------------------------------------------------------------------------------
+def scoped(expr: str) -> str:
+    """`expr` with every r3flow selector limited to the dashboard's namespace and release."""
+    matchers = ", ".join(f'{label}="${label}"' for label in SCOPE)
+
+    def add(m: re.Match[str]) -> str:
+        return f"{m.group(1)}{{{matchers}, " if m.group(2) else f"{m.group(1)}{{{matchers}}}"
+    return _SELECTOR_RE.sub(add, expr)
+
+
+def _scope_variables(metric: str) -> list[dict]:
+    """Single-choice namespace and release variables (choosing both never mixes deployments)."""
+    out, selector = [], metric
+    for label in SCOPE:
+        out.append({"type": "query", "name": label, "label": label, "datasource": DATASOURCE,
+                    "query": f"label_values({selector}, {label})", "refresh": 2, "sort": 1,
+                    "multi": False, "includeAll": False})
+        selector = f'{metric}{{{label}="${label}"}}'
+    return out
+
+
 def _panel_json(panel: Panel, pid: int) -> dict:
-    targets = [{"datasource": DATASOURCE, "expr": q.expr, "legendFormat": q.legend,
+    targets = [{"datasource": DATASOURCE, "expr": scoped(q.expr), "legendFormat": q.legend,
                 "refId": chr(ord("A") + i), "range": True} for i, q in enumerate(panel.queries)]
     return {
         "type": "timeseries", "id": pid, "title": panel.title, "description": panel.description,
@@ -228,10 +259,11 @@ def _panel_json(panel: Panel, pid: int) -> dict:
 
 def _annotation(name: str, expr: str, color: str) -> dict:
     return {"name": name, "datasource": DATASOURCE, "enable": True, "iconColor": color,
-            "expr": expr}
+            "expr": scoped(expr)}
 
 
-def _dashboard(uid: str, title: str, panels: tuple[Panel, ...], annotations: list[dict]) -> dict:
+def _dashboard(uid: str, title: str, panels: tuple[Panel, ...], annotations: list[dict],
+               scope_metric: str) -> dict:
     datasource_var = {"type": "datasource", "name": "datasource", "label": "Prometheus",
                       "query": "prometheus", "current": {"text": "Prometheus",
                                                          "value": "prometheus"}}
@@ -240,7 +272,7 @@ def _dashboard(uid: str, title: str, panels: tuple[Panel, ...], annotations: lis
         "editable": True, "graphTooltip": 1, "schemaVersion": 41, "refresh": "30s",
         "time": {"from": "now-6h", "to": "now"},
         "annotations": {"list": annotations},
-        "templating": {"list": [datasource_var]},
+        "templating": {"list": [datasource_var, *_scope_variables(scope_metric)]},
         "panels": [_panel_json(p, i + 1) for i, p in enumerate(panels)],
     }
 
@@ -251,8 +283,9 @@ def dashboards() -> dict[str, dict]:
               _annotation("KL spike", KL_REF_SPIKE, "orange")]
     return {
         "r3-training-health.json": _dashboard("r3flow-training", "r3flow: R3 training health",
-                                              TRAINING_PANELS, spikes),
-        "pipeline.json": _dashboard("r3flow-pipeline", "r3flow: pipeline", PIPELINE_PANELS, []),
+                                              TRAINING_PANELS, spikes, TRAINER_VERSION),
+        "pipeline.json": _dashboard("r3flow-pipeline", "r3flow: pipeline", PIPELINE_PANELS, [],
+                                    _m("r3flow_store_policy_version")),
     }
 
 

@@ -4,6 +4,7 @@ no panel, annotation or alert points at a metric nobody exports."""
 from __future__ import annotations
 
 import json
+import re
 
 import yaml
 from conftest import CHART, ROOT, find
@@ -76,3 +77,50 @@ def test_metrics_doc_lists_every_metric():
     doc = (ROOT / "docs" / "metrics.md").read_text()
     for name in gen.CATALOG:
         assert f"`{name}`" in doc
+
+
+_AGGREGATION_RE = re.compile(
+    r"\b(sum|min|max|avg|count|stddev|stdvar|topk|bottomk|quantile)\s*(?:by\s*\(([^)]*)\)\s*)?\(")
+_JOIN_RE = re.compile(r"\b(on|ignoring)\s*\(([^)]*)\)")
+
+
+def _scope_problems(expr: str) -> list[str]:
+    """Aggregations or joins in an alert expression that would mix two deployments."""
+    out = []
+    for m in _AGGREGATION_RE.finditer(expr):
+        labels = {x.strip() for x in (m.group(2) or "").split(",")}
+        if not set(gen.SCOPE) <= labels:
+            out.append(f"{m.group(0)!r} aggregates across {gen.SCOPE}")
+    for m in _JOIN_RE.finditer(expr):
+        labels = {x.strip() for x in m.group(2).split(",")}
+        if m.group(1) == "ignoring" or not set(gen.SCOPE) <= labels:
+            out.append(f"{m.group(0)!r} joins across {gen.SCOPE}")
+    return out
+
+
+def test_alerts_never_aggregate_or_join_across_deployments():
+    for alert in gen.ALERTS:
+        assert not _scope_problems(alert.expr), alert.name
+    # The check itself: the pre-fix stale-policy rule is refused.
+    assert _scope_problems("r3flow_rollout_policy_version < on() group_left() "
+                           "(max(r3flow_trainer_policy_version) - 2)")
+
+
+def test_every_dashboard_query_is_scoped_to_one_deployment():
+    scope = ", ".join(f'{label}="${label}"' for label in gen.SCOPE)
+    for name, dash in gen.dashboards().items():
+        variables = {v["name"]: v for v in dash["templating"]["list"]}
+        for label in gen.SCOPE:
+            assert variables[label]["multi"] is False and not variables[label]["includeAll"]
+        for expr in _exprs_of_dashboard(dash):
+            selectors = re.findall(r"\br3flow_[a-z0-9_]+\b\{?[^}\[]*", expr)
+            assert selectors
+            for sel in selectors:
+                assert sel.split("{", 1)[-1].startswith(scope), (name, expr)
+
+
+def test_service_monitor_labels_every_target_with_its_release(rendered):
+    monitor = find(rendered["production"], "ServiceMonitor")[0]
+    relabel = monitor["spec"]["endpoints"][0]["relabelings"]
+    assert {"sourceLabels": ["__meta_kubernetes_service_label_app_kubernetes_io_instance"],
+            "targetLabel": "release"} in relabel
