@@ -5,6 +5,13 @@ Layout under `<run_dir>/checkpoints/`:
   step_000012/optim_rank0.pt            megatron optimizer state_dict (Adam moments, step)
   step_000012/meta.json                 step, policy version, data position (rank 0 writes)
   latest                                name of the newest complete checkpoint (rank 0, atomic)
+Shards: every rank writes only its own parameters and optimizer state (its local experts and its
+copy of the dense layers); no rank gathers another's. Without Megatron's distributed optimizer
+the dense layers' state is still replicated across data-parallel ranks (see `r3flow plan`).
+Retention (`keep`): after `latest` moves, rank 0 removes all but the newest `keep` complete
+checkpoints, never the one `latest` names or the one this run resumed from. A checkpoint is
+first renamed to `.deleting-<name>` (atomic), then removed, so a crash mid-delete never leaves a
+half-deleted directory that looks like a checkpoint.
 Data position: the delivery ids acked after this checkpoint and the group ids trained so far
 (bounded), so a group the store redelivers after a crash is recognised and not trained twice.
 """
@@ -12,11 +19,18 @@ Data position: the delivery ids acked after this checkpoint and the group ids tr
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
+import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+
+log = logging.getLogger(__name__)
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+_DELETING = ".deleting-"
 
 
 @dataclass
@@ -30,6 +44,12 @@ class DataPosition:
 
     def remember(self, group_ids: list[str], keep: int = 10000) -> None:
         self.trained_group_ids = (self.trained_group_ids + list(group_ids))[-keep:]
+
+
+def _step_of(path: Path) -> int:
+    m = _STEP_DIR.match(path.name)
+    assert m, path
+    return int(m.group(1))
 
 
 def _rank() -> int:
@@ -46,10 +66,15 @@ def _barrier() -> None:
 
 
 class CheckpointManager:
-    """Save/resume for one trainer rank (every rank calls save/load; rank 0 writes meta)."""
+    """Save/resume for one trainer rank (every rank calls save/load; rank 0 writes meta and
+    prunes); `keep` = how many complete checkpoints to keep (0 = all)."""
 
-    def __init__(self, run_dir: str | Path) -> None:
+    def __init__(self, run_dir: str | Path, keep: int = 0) -> None:
+        if keep < 0:
+            raise ValueError(f"run.keep_checkpoints: {keep} < 0")
         self.root = Path(run_dir) / "checkpoints"
+        self.keep = keep
+        self.resumed_from: Path | None = None
 
     def latest(self) -> Path | None:
         ptr = self.root / "latest"
@@ -73,8 +98,35 @@ class CheckpointManager:
             tmp = self.root / "latest.tmp"
             tmp.write_text(path.name)
             os.replace(tmp, self.root / "latest")
+            self.prune()
         _barrier()
         return path
+
+    def prune(self) -> list[Path]:
+        """Remove checkpoints beyond the newest `keep` (never `latest`'s nor the resumed one)."""
+        for leftover in self.root.glob(f"{_DELETING}*"):  # a crash mid-delete
+            shutil.rmtree(leftover, ignore_errors=True)
+        latest = self.latest()
+        if not self.keep or latest is None:
+            return []
+        # Only directories up to latest: a newer one may be a save in progress. An older one
+        # without meta.json is a save a crash interrupted (never resumable): removed too.
+        older = [p for n, p in self._step_dirs() if n <= _step_of(latest)]
+        complete = [p for p in older if (p / "meta.json").is_file()]
+        keep = {*complete[-self.keep:], latest, self.resumed_from}
+        removed = [p for p in older if p not in keep]
+        for p in removed:
+            doomed = p.with_name(_DELETING + p.name)
+            os.replace(p, doomed)
+            shutil.rmtree(doomed)
+        if removed:
+            log.info("checkpoints: removed %s (keeping %d)", [p.name for p in removed], self.keep)
+        return removed
+
+    def _step_dirs(self) -> list[tuple[int, Path]]:
+        """(step, directory) of every step_N directory, oldest first."""
+        return sorted((_step_of(p), p) for p in self.root.iterdir()
+                      if _STEP_DIR.match(p.name) and p.is_dir())
 
     def load(self, module: torch.nn.Module, optimizer, path: Path | None = None) -> DataPosition:
         """Restore this rank's shard and the optimizer; returns the saved data position."""
@@ -89,4 +141,5 @@ class CheckpointManager:
         copy_into(module, load_file(str(path / f"model_rank{rank}.safetensors")))
         state = torch.load(path / f"optim_rank{rank}.pt", weights_only=False)
         optimizer.load_state_dict(state)
+        self.resumed_from = path
         return DataPosition(**json.loads((path / "meta.json").read_text()))

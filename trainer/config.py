@@ -67,6 +67,9 @@ class RunConfig(StrictConfig):
     run_dir: str = Field("runs/train", description="checkpoints and the JSONL run log")
     steps: int = Field(10, ge=0, description="optimizer steps to take (0 = until stopped)")
     checkpoint_every: int = Field(5, ge=1, description="save a checkpoint every N steps")
+    keep_checkpoints: int = Field(
+        3, ge=0, description="keep the newest N checkpoints, deleting older ones after each "
+        "save (never the latest or the one this run resumed from); 0 = keep all")
     metrics_host: str = "127.0.0.1"
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus port (0 = any free)")
     push_weights_every: int = Field(1, ge=0, description="weight push every N steps (0 = never)")

@@ -36,7 +36,7 @@ class RankWorker:
         self.rank, self.node_ip = rank, node_ip
         self.cfg = TrainerConfig.model_validate_json(cfg_json)
         self.trainer = Trainer(self.cfg)
-        self.ckpt = CheckpointManager(self.cfg.run.run_dir)
+        self.ckpt = CheckpointManager(self.cfg.run.run_dir, self.cfg.run.keep_checkpoints)
 
     def align_routing(self, groups_bytes: Sequence[bytes]) -> list[Sample]:
         """Decode groups; each trajectory's routing -> its layer map -> this model's MoE layers."""

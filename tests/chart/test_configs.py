@@ -69,3 +69,17 @@ def test_trainer_metrics_port_matches_the_scraped_port(rendered, values):
     train = yaml.safe_load(find(docs, "ConfigMap", "-trainer")[0]["data"]["train.yaml"])
     service = find(docs, "Service", "-trainer-metrics")[0]
     assert train["run"]["metrics_port"] == service["spec"]["ports"][0]["targetPort"]
+
+
+def _trainer_configs(docs: list[dict], tmp_path) -> list:
+    return [check_loads(name, key, text, tmp_path) for name, key, text in config_files(docs)
+            if key == "train.yaml"]
+
+
+def test_every_trainer_bounds_its_checkpoints(rendered, k8s_specs, tmp_path):
+    # A checkpoint of the example is ~TBs: an unbounded run fills its volume.
+    cfgs = _trainer_configs(rendered["production"], tmp_path)
+    cfgs += [c for docs in k8s_specs.values() for c in _trainer_configs(docs, tmp_path)]
+    assert len(cfgs) >= 2
+    for cfg in cfgs:
+        assert cfg.run.keep_checkpoints > 0, cfg.run.run_dir  # type: ignore[attr-defined]
