@@ -88,13 +88,25 @@ class TrainLoop:
         self.run_log.parent.mkdir(parents=True, exist_ok=True)
 
     def resume(self) -> None:
-        """Restore every rank from the latest checkpoint, if any."""
+        """Restore every rank from the latest checkpoint, if any; a run with none starts at the
+        store's current policy version (a new named run against a long-lived release)."""
         got = self.ranks.call("resume", [()] * self.ranks.world_size)[0]
         if got is not None:
             self.pos = DataPosition(**got)
             log.info("resumed at step %d, policy version %d", self.pos.step, self.pos.policy_version)
             self._version_above_engines()
+        else:
+            self._version_of_store()
         self._append_ids({"resumed_at": self.pos.step})
+
+    def _version_of_store(self) -> None:
+        """The store and its engines may be at version N from earlier runs: they ignore plans
+        and versions at or below what they have, so a fresh run continues from N."""
+        current = max([w.policy_version for w in self.client.list_workers()]
+                      + [self.client.stats().policy_version])
+        if current > self.pos.policy_version:
+            log.info("no checkpoint: continuing from the store's policy version v%d", current)
+            self._set_version(current)
 
     def _version_above_engines(self) -> None:
         """A crash between a weight push and its checkpoint leaves engines serving a version
