@@ -21,6 +21,7 @@ from trainer.alignment import (
     RoutingChunk,
     RoutingLayoutError,
     assemble_rows,
+    filler_row,
     pack_routing,
     pad_last_row,
 )
@@ -187,6 +188,17 @@ def make_microbatch(samples: Sequence[Sample], pad_multiple: int = 8) -> MicroBa
         routing = torch.from_numpy(pack_routing([pad_last_row(r) for r in per_sample], s))
     pos = torch.arange(s).unsqueeze(0).expand(b, s).contiguous()
     return MicroBatch(tokens, pos, labels, mask, old, adv, routing, valid, list(samples), temp)
+
+
+def filler_microbatch(seq_len: int, num_layers: int, top_k: int) -> MicroBatch:
+    """A [1, seq_len] micro-batch that trains nothing: zero loss mask, no sample, no real routing
+    row (filler routes only, so replay has ids to set and agreement counts none of it). Ranks
+    pad with it to the micro-batch count of their peers (EP all-to-all, DP grad reduction)."""
+    z = torch.zeros(1, seq_len)
+    routing = torch.from_numpy(np.ascontiguousarray(
+        np.broadcast_to(filler_row(num_layers, top_k), (1, seq_len, num_layers, top_k))))
+    return MicroBatch(z.long(), torch.arange(seq_len).unsqueeze(0), z.long(), z.clone(),
+                      z.clone(), z.clone(), routing, z.bool(), [], torch.ones(1, seq_len))
 
 
 def split_microbatches(samples: Sequence[Sample], micro_batch_size: int,

@@ -25,7 +25,13 @@ import numpy as np
 import torch
 
 from trainer.alignment import LayerMap, check_routes, to_router_rows
-from trainer.batch import MicroBatch, Sample, split_microbatches, update_schedule
+from trainer.batch import (
+    MicroBatch,
+    Sample,
+    filler_microbatch,
+    split_microbatches,
+    update_schedule,
+)
 from trainer.config import TrainerConfig
 from trainer.cpu_shims import cuda_tensor_type_names
 from trainer.hf_mapping import export_hf_state_dict
@@ -37,15 +43,20 @@ from trainer.replay import AgreementMonitor, ModelReplay, ReplayMode, RoutingAgr
 log = logging.getLogger(__name__)
 
 
-def any_rank(flag: bool) -> bool:
-    """True if `flag` is set on any trainer rank (an all-reduce over the world group)."""
+def max_over_ranks(value: int) -> int:
+    """The largest `value` of all trainer ranks (an all-reduce over the world group)."""
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return flag
-    t = torch.tensor([int(flag)], device="cuda" if torch.cuda.is_available() else "cpu")
+        return value
+    t = torch.tensor([value], device="cuda" if torch.cuda.is_available() else "cpu")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
+    return int(t.item())
+
+
+def any_rank(flag: bool) -> bool:
+    """True if `flag` is set on any trainer rank (an all-reduce over the world group)."""
+    return bool(max_over_ranks(int(flag)))
 
 
 def _tokens(mbs: Sequence[MicroBatch]) -> float:
@@ -94,6 +105,7 @@ class Trainer(OldPolicyPass):
         self.device = torch.device("cuda", torch.cuda.current_device()) \
             if torch.cuda.is_available() else torch.device("cpu")
         self._layer_maps: dict[tuple[int, ...], LayerMap] = {}
+        self.padded = 0  # filler micro-batches of the last `microbatches` call
 
     # ------------------------------------------------------------------ routing
     def layer_map(self, engine_layer_ids: Sequence[int]) -> LayerMap:
@@ -151,9 +163,7 @@ class Trainer(OldPolicyPass):
     def sample_logprobs(self, samples: Sequence[Sample], replay: ReplayMode | str
                         ) -> list[np.ndarray]:
         """Trainer logprob of every response token of each sample (input order), no grad."""
-        d = self.cfg.data
-        mbs = [mb.to(self.device) for mb in
-               split_microbatches(samples, d.micro_batch_size, d.pad_multiple)]
+        mbs = self.microbatches(samples)
         by_id = {}
         for mb, lp in zip(mbs, self.compute_logprobs(mbs, replay), strict=True):
             for b, s in enumerate(mb.samples):
@@ -198,15 +208,29 @@ class Trainer(OldPolicyPass):
         return float(grad_norm) if grad_norm is not None else float("nan")
 
     # ------------------------------------------------------------------ steps
+    def microbatches(self, samples: Sequence[Sample]) -> list[MicroBatch]:
+        """Padded micro-batches of `samples`, as many on every rank (collective: every rank
+        calls it in every pass). Ranks hold different sample counts (groups of different sizes,
+        partial releases, quarantined groups) and every forward is an EP all-to-all and every
+        update a DP grad reduction, so a rank with fewer pads up to the most with micro-batches
+        that train nothing (`filler_microbatch`); `padded` counts them."""
+        d = self.cfg.data
+        mbs = split_microbatches(samples, d.micro_batch_size, d.pad_multiple)
+        n = max_over_ranks(len(mbs))
+        self.padded = n - len(mbs)
+        if self.padded:
+            log.info("%d micro-batches padded to the %d of the busiest rank", len(mbs), n)
+        mbs += [filler_microbatch(d.pad_multiple, len(self.arch.moe_layers), self.arch.top_k)
+                for _ in range(self.padded)]
+        return [mb.to(self.device) for mb in mbs]
+
     def prepare(self, samples: Sequence[Sample]) -> list[MicroBatch]:
-        """Advantages (GRPO, per group) and padded micro-batches."""
+        """Advantages (GRPO, per group) and padded micro-batches (as many on every rank)."""
         adv = group_advantages([s.reward for s in samples], [s.group_id for s in samples],
                                self.cfg.loss.adv_eps, self.cfg.loss.adv_std_normalize)
         for s, a in zip(samples, adv, strict=True):
             s.advantage = float(a)
-        d = self.cfg.data
-        return [mb.to(self.device) for mb in
-                split_microbatches(samples, d.micro_batch_size, d.pad_multiple)]
+        return self.microbatches(samples)
 
     def _ppo_loss_fn(self, total_tokens: float, n_mb: int, acc: dict, mb: MicroBatch, logits):
         old = mb.old_logprobs_BS if self.cfg.data.old_logprobs == "rollout" else mb.train_old_lp
@@ -249,7 +273,7 @@ class Trainer(OldPolicyPass):
         mbs, metrics, dropped = self._checked_old_policy(list(samples), mode)
         samples = [s for s in samples if s.group_id not in dropped]
         metrics["dropped"] = dropped
-        if not any_rank(bool(mbs)):
+        if not mbs:  # as many micro-batches on every rank: none anywhere
             return metrics | {"trajectories": 0, "policy_version": self.policy_version,
                               "replay": mode.value, "skipped": True}
         total = float(sum(mb.num_tokens for mb in mbs))
@@ -265,8 +289,9 @@ class Trainer(OldPolicyPass):
         metrics |= {"clip_ratio": acc.get("clipped", 0.0) / max(seen, 1.0),
                     "loss": acc.get("loss", 0.0) / len(updates),
                     "grad_norm": float(np.mean(norms)), "updates": len(updates),
-                    "reward_mean": float(np.mean([s.reward for s in samples])),
-                    "trajectories": len(samples),
+                    "reward_mean": float(np.mean([s.reward for s in samples]))
+                    if samples else None,
+                    "trajectories": len(samples), "microbatches_padded": self.padded,
                     "step_seconds": dt, "tokens": total,
                     "tokens_per_second": sum(s.tokens.size for s in samples) / dt,
                     "policy_version": self.policy_version, "replay": mode.value}
@@ -274,9 +299,7 @@ class Trainer(OldPolicyPass):
 
     def sft_step(self, samples: Sequence[Sample]) -> dict:
         """Supervised step: cross-entropy on the response tokens (loss_mask), natural routing."""
-        d = self.cfg.data
-        mbs = [mb.to(self.device) for mb in
-               split_microbatches(samples, d.micro_batch_size, d.pad_multiple)]
+        mbs = self.microbatches(samples)
         total, acc = float(sum(mb.num_tokens for mb in mbs)), {"loss": 0.0}
 
         def loss_fn(mb, logits):

@@ -9,7 +9,8 @@ its checkpoint is written, and a resumed trainer appends a `resumed_at` line: li
 after a `resumed_at` step were rolled back by the crash (see `read_trained_ids`), so "trained on
 exactly once" can be checked from the trainer's side across restarts.
 Batches are split between data-parallel ranks by whole GRPO groups (advantages are per group)
-and every rank gets the same number of groups (EP all-to-all needs equal micro-batch counts).
+and every rank gets the same number of groups; groups differ in size and some get quarantined,
+so the ranks also agree on a micro-batch count per pass (trainer.engine: `microbatches`).
 """
 
 from __future__ import annotations
@@ -55,12 +56,16 @@ class LocalRanks:
 
 
 def reduce_metrics(per_rank: list[dict]) -> dict:
-    """Mean over ranks (max for *_max); dict values (per-layer agreement) averaged per key."""
+    """Mean over ranks (max for *_max); dict values (per-layer agreement) averaged per key.
+    A rank that trained only padding micro-batches has no value (None or no key) for what it
+    did not measure (reward, agreement): such a metric is reduced over the ranks that have it."""
     out: dict = {}
-    for k, v in per_rank[0].items():
-        vals = [r[k] for r in per_rank]
+    for k in dict.fromkeys(k for r in per_rank for k in r):
+        vals = [r[k] for r in per_rank if r.get(k) is not None]
+        v = vals[0] if vals else None
         if isinstance(v, dict):
-            out[k] = {kk: float(np.mean([x[kk] for x in vals])) for kk in v}
+            out[k] = {kk: float(np.mean([x[kk] for x in vals if kk in x]))
+                      for kk in dict.fromkeys(kk for x in vals for kk in x)}
         elif k == "trajectories":
             out[k] = int(sum(vals))
         elif isinstance(v, int | float) and not isinstance(v, bool):

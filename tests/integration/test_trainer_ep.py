@@ -26,10 +26,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_two_ranks_ep2_step_with_identical_grad_norms(tmp_path):
-    from services.rollout.tiny_moe import TinyMoeConfig, build_tiny_moe
-
-    model = build_tiny_moe(tmp_path / "tiny", TinyMoeConfig(num_layers=3, first_k_dense=1))
+def _run_ranks(tmp_path, model, mode: str) -> list[dict]:
     port, root = _free_port(), Path(__file__).resolve().parents[2]
     procs = []
     for rank in range(2):
@@ -37,7 +34,8 @@ def test_two_ranks_ep2_step_with_identical_grad_norms(tmp_path):
                             "MASTER_PORT": str(port), "PYTHONPATH": str(root),
                             "OMP_NUM_THREADS": "1"}
         procs.append(subprocess.Popen([sys.executable, __file__, str(model),
-                                       str(tmp_path / f"rank{rank}.json")], env=env, cwd=root))
+                                       str(tmp_path / f"rank{rank}.json"), mode],
+                                      env=env, cwd=root))
     try:
         codes = [p.wait(timeout=200) for p in procs]
     finally:
@@ -45,7 +43,14 @@ def test_two_ranks_ep2_step_with_identical_grad_norms(tmp_path):
             if p.poll() is None:
                 p.kill()
     assert codes == [0, 0]
-    res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_two_ranks_ep2_step_with_identical_grad_norms(tmp_path):
+    from services.rollout.tiny_moe import TinyMoeConfig, build_tiny_moe
+
+    model = build_tiny_moe(tmp_path / "tiny", TinyMoeConfig(num_layers=3, first_k_dense=1))
+    res = _run_ranks(tmp_path, model, "steps")
     assert all(r["export_exact"] for r in res)
     assert [r["local_experts"] for r in res] == [4, 4]
     for key in ("grad_norm_r2", "grad_norm_r3"):
@@ -53,6 +58,24 @@ def test_two_ranks_ep2_step_with_identical_grad_norms(tmp_path):
         assert res[0][key] == pytest.approx(res[1][key], rel=1e-6), key
     assert all(r["agreement_r3"] == 1.0 for r in res)
     assert res[0]["loss_r3"] != res[1]["loss_r3"]  # each rank trained on its own shard
+
+
+def test_ep2_ranks_with_unequal_microbatch_counts_step_together(tmp_path):
+    """Rank 0 holds 4 samples (2 micro-batches), rank 1 one sample, then none (its groups
+    quarantined): with mini_batches=2 every pass and every update is still an all-to-all both
+    ranks join. Each rank must pad to the busiest rank's micro-batch count (no hang, no
+    mismatched collective) and padding must train nothing."""
+    from services.rollout.tiny_moe import TinyMoeConfig, build_tiny_moe
+
+    model = build_tiny_moe(tmp_path / "tiny", TinyMoeConfig(num_layers=3, first_k_dense=1))
+    res = _run_ranks(tmp_path, model, "uneven")
+    assert [r["trajectories"] for r in res] == [[4, 4], [1, 0]]
+    assert [r["padded"] for r in res] == [[0, 0], [1, 2]]
+    for step in range(2):
+        assert res[0]["grad_norm"][step] > 0
+        assert res[0]["grad_norm"][step] == pytest.approx(res[1]["grad_norm"][step], rel=1e-6)
+    assert res[1]["loss"][1] == 0.0  # only padding on rank 1 in the r3 step
+    assert all(r["policy_version"] == 2 for r in res)
 
 
 # ---------------------------------------------------------------- worker (one per rank)
@@ -103,5 +126,34 @@ def _worker(model_dir: str, out_path: str) -> None:
     torch.distributed.destroy_process_group()
 
 
+def _uneven_worker(model_dir: str, out_path: str) -> None:
+    """r2 step on 4 vs 1 samples, then r3 on 4 vs 0 samples (mini_batches=2)."""
+    import faulthandler
+
+    import torch
+
+    from trainer.config import TrainerConfig
+    from trainer.engine import Trainer
+
+    faulthandler.dump_traceback_later(120, exit=True)  # a stranded collective fails, not hangs
+    rank = int(os.environ["RANK"])
+    cfg = TrainerConfig(model_dir=model_dir, model={"expert_parallel": 2},
+                        data={"micro_batch_size": 2}, optim={"lr": 1e-4, "mini_batches": 2})
+    tr = Trainer(cfg)
+    samples = _samples(rank)[:4 if rank == 0 else 1]
+    r2 = tr.train_step(samples, "r2")
+    samples = samples if rank == 0 else []
+    _attach_recorded_routing(tr, samples)
+    r3 = tr.train_step(samples, "r3")
+    steps = (r2, r3)
+    Path(out_path).write_text(json.dumps({
+        "trajectories": [m["trajectories"] for m in steps],
+        "padded": [m["microbatches_padded"] for m in steps],
+        "grad_norm": [m["grad_norm"] for m in steps], "loss": [m["loss"] for m in steps],
+        "policy_version": tr.policy_version}))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
 if __name__ == "__main__":
-    _worker(sys.argv[1], sys.argv[2])
+    (_uneven_worker if sys.argv[3:] == ["uneven"] else _worker)(sys.argv[1], sys.argv[2])

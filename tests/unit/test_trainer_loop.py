@@ -93,6 +93,16 @@ def test_reduce_metrics():
     assert got == {"a": 2.0, "x_max": 5.0, "d": {0: 0.5}, "s": "r3"}
 
 
+def test_reduce_metrics_over_the_ranks_that_measured():
+    """A rank that trained only padding micro-batches measured no reward and no agreement."""
+    got = reduce_metrics([{"reward_mean": None, "routing_agreement": None, "by_layer": {},
+                           "trajectories": 0},
+                          {"reward_mean": 0.5, "routing_agreement": 0.9, "by_layer": {0: 0.8},
+                           "routing_agreement_min": 0.7, "trajectories": 4}])
+    assert got == {"reward_mean": 0.5, "routing_agreement": 0.9, "by_layer": {0: 0.8},
+                   "routing_agreement_min": 0.7, "trajectories": 4}
+
+
 class QuarantiningRanks(FakeRanks):
     """Rank 1 quarantines its group (bad routing) and trains on nothing else."""
 
