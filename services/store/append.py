@@ -19,7 +19,7 @@ import redis
 from services.common.pb.r3flow.v1 import store_pb2
 from services.store import lua, validate
 from services.store.config import StoreConfig
-from services.store.errors import CapacityError, SizeLimitError
+from services.store.errors import CapacityError, SizeLimitError, is_redis_oom, redis_full
 from services.store.keys import Keys
 from services.store.routing_checks import RoutingChecks, in_context
 from services.store.validate import GroupState, TrajState, Write
@@ -81,6 +81,9 @@ class Appender:
             raise
         if before_commit is not None:
             before_commit()
+        if self.cfg.redis_memory_reserve and any(isinstance(w, validate.BeginWrite)
+                                                 for w in writes):
+            self._check_memory()
         result = self._commit(writes)
         result.duplicates += duplicates
         self._metric("r3flow_store_appends_total", "duplicate").inc(result.duplicates)
@@ -223,6 +226,10 @@ class Appender:
             p.evalsha(self._sha["FINISH"], len(keys), *keys, *args)
 
     def _account(self, w: Write, reply: object, result: AppendResult) -> None:
+        if isinstance(reply, redis.ResponseError) and is_redis_oom(reply):
+            self._metric("r3flow_store_rejections_total", "redis_full").inc()
+            raise redis_full(f"append [trajectory_id={w.trajectory_id!r} sequence_number="
+                             f"{w.seq}]", self.r.info("memory"), self.cfg.backpressure_retry_ms)
         if isinstance(reply, Exception):
             raise reply
         code = (reply[0] if isinstance(reply, list) else reply).decode()  # type: ignore[union-attr]
@@ -245,6 +252,18 @@ class Appender:
             self._metric("r3flow_store_routing_encoded_bytes_total").inc(encoded)
         elif isinstance(w, validate.FinishWrite) and w.aborted:
             self._metric("r3flow_store_dropped_total", "aborted").inc()
+
+    def _check_memory(self) -> None:
+        """Refuse new trajectories once Redis is within `redis_memory_reserve` of its
+        maxmemory: the reserve is what open trajectories finish into and what pulls and acks
+        (which free memory) write their leases into; at maxmemory itself they would fail too."""
+        mem = self.r.info("memory")
+        limit = int(mem.get("maxmemory", 0))
+        if limit and int(mem["used_memory"]) >= limit * (1 - self.cfg.redis_memory_reserve):
+            self._metric("r3flow_store_rejections_total", "redis_full").inc()
+            raise redis_full(f"begin (store redis_memory_reserve="
+                             f"{self.cfg.redis_memory_reserve})", mem,
+                             self.cfg.backpressure_retry_ms)
 
     def _refuse(self, code: str) -> None:
         self._metric("r3flow_store_rejections_total", code).inc()

@@ -67,6 +67,10 @@ class StoreConfig(StrictConfig):
         100_000, ge=1, description="begun, not yet finished trajectories")
     max_backlog_tokens: int = Field(
         1 << 30, ge=1, description="tokens appended, not yet acked; above it begins are refused")
+    redis_memory_reserve: float = Field(
+        0.05, ge=0, lt=1, description="fraction of Redis maxmemory kept free: above "
+        "(1 - reserve) x maxmemory new trajectories are refused (RESOURCE_EXHAUSTED), so open "
+        "ones can finish and pulls and acks, which free memory, still work (0 = none)")
     backpressure_retry_ms: int = Field(500, ge=1, description="retry hint sent with refusals")
     max_policy_lag: int | None = Field(
         4, ge=0, description="drop groups whose oldest segment lags more versions (None = never)")

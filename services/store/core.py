@@ -24,6 +24,7 @@ from services.store import lua
 from services.store.append import Appender, AppendResult
 from services.store.assemble import Delivery, assemble_group
 from services.store.config import StoreConfig
+from services.store.errors import CapacityError, redis_full
 from services.store.keys import CONSUMER_GROUP, Keys
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,12 @@ class TrajectoryStoreCore:
         except redis.ResponseError as e:
             if "BUSYGROUP" not in str(e):
                 raise
+
+    def redis_full(self, what: str, exc: Exception) -> CapacityError:
+        """A write Redis refused at its maxmemory, as backpressure naming the limit."""
+        log.warning("%s refused by Redis: %s", what, exc)
+        self._metric("r3flow_store_rejections_total", "redis_full").inc()
+        return redis_full(what, self.r.info("memory"), self.cfg.backpressure_retry_ms)
 
     def _metric(self, name: str, *labels: str) -> Any:
         m: Any = self.metrics[name]

@@ -14,3 +14,23 @@ class CapacityError(Exception):
 
 class SizeLimitError(Exception):
     """A message over a configured size: RESOURCE_EXHAUSTED without a retry hint (never retry)."""
+
+
+def is_redis_oom(exc: BaseException) -> bool:
+    """Redis refused a write at its maxmemory (a plain command's OutOfMemoryError, or the same
+    error raised from inside a Lua script, which redis-py reports as a ResponseError)."""
+    return "command not allowed when used memory" in str(exc)
+
+
+def redis_full(what: str, memory: dict, retry_after_ms: int) -> CapacityError:
+    """The refusal for a write Redis denied with OOM (maxmemory reached, policy noeviction):
+    the Lua script it hit did not run (Redis denies a script at its first write), so nothing
+    of the message was stored; or the store's own check that keeps a reserve below maxmemory.
+    `memory` is Redis's INFO memory section."""
+    used, limit = memory.get("used_memory", "?"), memory.get("maxmemory", "?")
+    policy = memory.get("maxmemory_policy", "?")
+    return CapacityError(
+        f"{what}: Redis is full (used_memory {used} B of maxmemory {limit} B, "
+        f"maxmemory-policy {policy}); nothing was stored. Trainers acking groups free memory; "
+        f"otherwise lower store max_backlog_tokens or raise Redis maxmemory (chart: "
+        f"redis.maxmemory); retry later", reason="redis_full", retry_after_ms=retry_after_ms)

@@ -1,7 +1,7 @@
 """gRPC TrajectoryStore servicer (thin: proto <-> core) and the server that hosts it.
 
-Errors: ValueError -> INVALID_ARGUMENT; CapacityError -> RESOURCE_EXHAUSTED with a
-`retry-after-ms` trailer; SizeLimitError -> RESOURCE_EXHAUSTED (no hint); Redis unreachable -> UNAVAILABLE (clients retry); anything else ->
+Errors: ValueError -> INVALID_ARGUMENT; CapacityError (backlog, in-flight, Redis full at its
+maxmemory) -> RESOURCE_EXHAUSTED with a `retry-after-ms` trailer; SizeLimitError -> RESOURCE_EXHAUSTED (no hint); Redis unreachable -> UNAVAILABLE (clients retry); anything else ->
 INTERNAL with a log line. grpc.health.v1 reports NOT_SERVING while Redis is unreachable.
 """
 
@@ -32,7 +32,7 @@ from services.common.pb.r3flow.v1 import store_pb2, store_pb2_grpc
 from services.store.config import StoreConfig
 from services.store.control import ControlPlane
 from services.store.core import StatsSnapshot, TrajectoryStoreCore
-from services.store.errors import CapacityError, SizeLimitError
+from services.store.errors import CapacityError, SizeLimitError, is_redis_oom
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ def _unary(fn: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return fn(self, request, context)
         except Exception as e:  # noqa: BLE001 (mapped to a status code, never swallowed)
-            _abort(context, e)
+            _abort(context, self.core.redis_full(fn.__name__, e) if is_redis_oom(e) else e)
     return wrapper
 
 
@@ -73,7 +73,7 @@ def _streaming(fn: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any]]
         try:
             yield from fn(self, request, context)
         except Exception as e:  # noqa: BLE001
-            _abort(context, e)
+            _abort(context, self.core.redis_full(fn.__name__, e) if is_redis_oom(e) else e)
     return wrapper
 
 
