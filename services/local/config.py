@@ -124,6 +124,8 @@ def trainer_config(cfg: LocalConfig, run_dir: Path, model_dir: Path) -> dict:
         "weight_sync": {"timeout_s": g.weight_push_timeout_s},
         "run": {"run_dir": str(run_dir / "trainer"), "steps": g.steps, "checkpoint_every": 1,
                 "push_weights_every": 1, "launcher": cfg.trainer_launcher},
+        # A private Ray on loopback even when the user's shell has RAY_ADDRESS set.
+        "ray": {"address": "local"},
     }
 
 
