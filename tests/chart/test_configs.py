@@ -83,3 +83,31 @@ def test_every_trainer_bounds_its_checkpoints(rendered, k8s_specs, tmp_path):
     assert len(cfgs) >= 2
     for cfg in cfgs:
         assert cfg.run.keep_checkpoints > 0, cfg.run.run_dir  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("values", ["defaults", "production", "minimal"])
+def test_store_registers_the_model_the_release_serves(rendered, values, tmp_path):
+    # Without registered models the store accepts routing of any layout: a rollout pod on the
+    # wrong model would fill the backlog with routing the trainer then refuses.
+    from conftest import CHART, VALUES_FILES
+
+    from trainer.plan.models import load_model_config
+
+    plan_model = yaml.safe_load((CHART / "values.yaml").read_text())["plan"]["model"]
+    if VALUES_FILES[values]:
+        override = yaml.safe_load(VALUES_FILES[values].read_text()) or {}
+        plan_model = override.get("plan", {}).get("model", plan_model)
+    arch = load_model_config(plan_model)  # the architecture this release is planned for
+    (store,) = [check_loads(n, k, t, tmp_path) for n, k, t in config_files(rendered[values])
+                if k == "store.yaml"]
+    layouts = {(m.num_experts, m.top_k) for m in store.models}  # type: ignore[attr-defined]
+    assert (arch["num_experts"], arch["num_experts_per_tok"]) in layouts
+
+
+def test_store_models_value_is_the_only_source(helm, tmp_path):
+    from conftest import CHART, run_helm
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("store:\n  config:\n    models: []\n")
+    out = run_helm(helm, "template", "x", str(CHART), "-f", str(bad))
+    assert out.returncode != 0 and "set the registered models in store.models" in out.stderr
