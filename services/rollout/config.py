@@ -72,7 +72,9 @@ class RolloutConfig(StrictConfig):
     routing_codec_mode: Literal["canonical", "exact"] = Field(
         "canonical", description="canonical sorts top-k ids (equal routing -> equal bytes)")
     partial_rollout_policy: Literal["segment", "replace"] = Field(
-        "segment", description="segment keeps each token's generating routing (verl #6046)")
+        "segment", description="segment: each segment keeps the rows its own engine pass "
+        "computed (verl #6046); replace: the last pass's rows everywhere (for comparison); what "
+        "each guarantees across a weight update: docs/replay_guarantees.md")
     store: str | None = Field(None, description="store gRPC address; unset = do not send")
     store_auth: ClientAuthConfig = Field(
         default_factory=ClientAuthConfig,  # type: ignore[arg-type]

@@ -122,6 +122,23 @@ def hf_token_logprobs(model: Any, ids: list[int], prompt_len: int) -> np.ndarray
     return lsm[pos, torch.tensor(ids[prompt_len:])].numpy()
 
 
+def hf_replayed_logprobs(model: Any, ids: list[int], prompt_len: int,
+                         rows_TLK: np.ndarray) -> np.ndarray:
+    """`hf_token_logprobs` with the MoE routing replaced by `rows_TLK` ([len(ids) - 1, MoE
+    layers, K], as stored; the last token's row copies the one before), via the HF backend's
+    router hooks (ids replayed, gate weights recomputed from the model's own logits)."""
+    from trainer.hf.routers import HFModelReplay, find_routers
+
+    rows = np.concatenate([rows_TLK, rows_TLK[-1:]]).astype(np.int64)
+    replay = HFModelReplay(find_routers(model))
+    try:
+        replay.replay_forward([torch.from_numpy(rows[:, m].copy()) for m in range(rows.shape[1])])
+        return hf_token_logprobs(model, ids, prompt_len)
+    finally:
+        replay.end_step()
+        replay.remove()
+
+
 def hf_greedy(model: Any, prompt: list[int], n: int) -> list[int]:
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
