@@ -91,7 +91,7 @@ def transformer_config(a: MoeArch, cfg: ModelConfig):
     bf16 = cfg.dtype == "bf16"
     recompute = dict(recompute_granularity="selective", recompute_modules=["moe"]) \
         if cfg.recompute_moe else {}
-    return TransformerConfig(
+    tcfg = TransformerConfig(
         num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_heads,
         num_query_groups=a.num_kv_heads, kv_channels=a.head_dim, ffn_hidden_size=a.dense_ffn,
         num_moe_experts=a.num_experts, moe_router_topk=a.top_k, moe_ffn_hidden_size=a.moe_ffn,
@@ -107,6 +107,31 @@ def transformer_config(a: MoeArch, cfg: ModelConfig):
         expert_model_parallel_size=cfg.expert_parallel, use_cpu_initialization=True,
         bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
         pipeline_dtype=torch.bfloat16 if bf16 else torch.float32, **recompute)
+    r = a.rope_scaling
+    if r.type == "yarn":
+        # megatron-core 0.19: GPTModel(position_embedding_type="yarn") and every attention
+        # layer (the mscale on q and k) read these off the config with getattr; TransformerConfig
+        # has no fields for them outside MLA.
+        for key, value in {"rotary_scaling_factor": r.factor,
+                           "original_max_position_embeddings": r.original_max_positions,
+                           "beta_fast": r.beta_fast, "beta_slow": r.beta_slow,
+                           "mscale": r.mscale, "mscale_all_dim": r.mscale_all_dim,
+                           "correction_range_round_to_int": r.truncate}.items():
+            setattr(tcfg, f"yarn_{key}", value)
+    return tcfg
+
+
+def rope_kwargs(a: MoeArch) -> dict[str, Any]:
+    """GPTModel's RoPE arguments for the HF config's RoPE (scaling included)."""
+    r = a.rope_scaling
+    kw: dict[str, Any] = {"position_embedding_type": "rope", "rotary_base": a.rope_theta}
+    if r.type == "linear":  # positions / factor == HF's inv_freq / factor
+        kw["seq_len_interpolation_factor"] = r.factor
+    elif r.type == "llama3":
+        kw |= {"rope_scaling": True, "rope_scaling_factor": r.factor}
+    elif r.type == "yarn":
+        kw["position_embedding_type"] = "yarn"
+    return kw
 
 
 def _routers(module: torch.nn.Module) -> list:
@@ -140,8 +165,8 @@ def build_model(hf_dir: str | Path, cfg: ModelConfig, load_weights: bool = True)
     RouterReplay.clear_global_router_replay_instances()
     spec = get_gpt_decoder_block_spec(tcfg, use_transformer_engine=False, normalization="RMSNorm")
     module = GPTModel(config=tcfg, transformer_layer_spec=spec, vocab_size=arch.vocab_size,
-                      max_sequence_length=arch.max_positions, position_embedding_type="rope",
-                      rotary_base=int(arch.rope_theta), share_embeddings_and_output_weights=False)
+                      max_sequence_length=arch.max_positions,
+                      share_embeddings_and_output_weights=False, **rope_kwargs(arch))
     if cfg.dtype == "bf16":
         # What megatron's Float16Module does to the weights: norms too (the local spec builds
         # them in fp32), so every layer runs in bf16 like the rollout engine's bf16 weights.

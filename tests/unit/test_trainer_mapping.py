@@ -117,3 +117,37 @@ def test_example_config_loads():
     path = Path(__file__).resolve().parents[2] / "trainer/configs/tiny_r3.toml"
     cfg = load_config(TrainerConfig, path, {"data.store": "127.0.0.1:1"})
     assert cfg.replay.mode == "r3" and cfg.data.store == "127.0.0.1:1"
+
+
+def test_rope_scaling_megatron_can_build_is_kept():
+    from trainer.hf_mapping import RopeScaling
+
+    a = arch_from_hf_config(CFG)
+    assert a.rope_scaling == RopeScaling()
+    lin = arch_from_hf_config(CFG | {"rope_parameters": None, "rope_theta": 5e5,
+                                     "rope_scaling": {"type": "linear", "factor": 2.0}})
+    assert (lin.rope_theta, lin.rope_scaling.type, lin.rope_scaling.factor) == (5e5, "linear", 2)
+    yarn = arch_from_hf_config(CFG | {"max_position_embeddings": 4096, "rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+        "original_max_position_embeddings": 1024}})
+    assert yarn.rope_scaling == RopeScaling("yarn", 4.0, 1024)
+    # transformers 5 writes rope_parameters; a 4.x rope_scaling next to it still scales
+    both = arch_from_hf_config(CFG | {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
+    assert both.rope_scaling == RopeScaling("llama3", 8.0, 8192) and both.rope_theta == 1e6
+
+
+@pytest.mark.parametrize("rope, field", [
+    ({"rope_type": "dynamic", "factor": 2.0}, "rope_scaling.type"),
+    ({"type": "longrope", "factor": 2.0}, "rope_scaling.type"),
+    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0},
+     "rope_scaling.low_freq_factor"),
+    ({"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 4096},
+     "rope_scaling.original_max_position_embeddings"),
+    ({"rope_type": "yarn", "factor": 4.0, "attention_factor": 1.0},
+     "rope_scaling.attention_factor"),
+    ({"rope_type": "linear", "factor": 0.5}, "rope_scaling.factor"),
+    ({"rope_type": "default", "partial_rotary_factor": 0.5}, "rope_scaling.partial_rotary_factor"),
+])
+def test_rope_scaling_megatron_cannot_build_is_refused_by_name(rope, field):
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        arch_from_hf_config(CFG | {"rope_scaling": rope})
