@@ -34,9 +34,9 @@ from trainer.batch import (
 )
 from trainer.config import TrainerConfig
 from trainer.cpu_shims import cuda_tensor_type_names
-from trainer.hf_mapping import export_hf_state_dict
+from trainer.hf_mapping import export_hf_state_dict, load_arch
 from trainer.loss import group_advantages, ppo_loss, sft_loss, token_logprobs
-from trainer.model import BuiltModel, build_model, init_parallel
+from trainer.model import BuiltModel, build_model, init_parallel, resolve_router_dtype
 from trainer.old_policy import OldPolicyPass
 from trainer.replay import AgreementMonitor, ModelReplay, ReplayMode, RoutingAgreementError
 
@@ -89,6 +89,10 @@ class Trainer(OldPolicyPass):
         if not cfg.model_dir:
             raise ValueError("model_dir: an HF checkpoint directory is required")
         init_parallel(cfg.model)
+        # `auto` settings resolved against the checkpoint, so self.cfg says what runs.
+        cfg = cfg.model_copy(update={"model": resolve_router_dtype(
+            cfg.model, load_arch(cfg.model_dir).family)})
+        log.info("resolved model config: %s", cfg.model.model_dump_json())
         self.cfg = cfg
         self.policy = build_model(cfg.model_dir, cfg.model)
         self.arch = self.policy.arch

@@ -137,6 +137,7 @@ class MoeArch:
     norm_topk_prob: bool
     max_positions: int
     rope_scaling: RopeScaling = RopeScaling()
+    family: str = "qwen3_moe"  # HF model_type
 
     @property
     def moe_layer_freq(self) -> list[int]:
@@ -163,7 +164,7 @@ def arch_from_hf_config(cfg: dict) -> MoeArch:
         num_experts=cfg.get("num_experts") or cfg["num_local_experts"], top_k=cfg["num_experts_per_tok"],
         moe_ffn=cfg["moe_intermediate_size"], dense_ffn=cfg["intermediate_size"],
         vocab_size=cfg["vocab_size"], rms_eps=cfg.get("rms_norm_eps", 1e-6),
-        rope_theta=rope_theta, rope_scaling=rope_scaling,
+        rope_theta=rope_theta, rope_scaling=rope_scaling, family=cfg["model_type"],
         norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
         max_positions=cfg.get("max_position_embeddings", 4096))
 

@@ -32,9 +32,30 @@ class ModelConfig(StrictConfig):
         "alltoall", description="megatron MoE token dispatcher")
     recompute_moe: bool = Field(False, description="recompute MoE activations in backward "
                                 "(replay then switches to REPLAY_BACKWARD per micro-batch)")
-    router_dtype: Literal["fp32", "native"] = Field(
-        "fp32", description="dtype of the router logits (fp32 matches engines that upcast)")
+    router_dtype: Literal["auto", "fp32", "native"] = Field(
+        "auto", description="dtype of the router logits: fp32 (upcast), native (the model "
+        "dtype), auto = what the rollout engine does for this model family (ENGINE_ROUTER_DTYPE; "
+        "qwen3_moe: native), resolved when the model is built and logged")
     seed: int = Field(1234, description="megatron RNG seed (init of unused params, dropout)")
+
+
+# What the rollout engine computes router logits in, per HF model_type: `router_dtype: auto`.
+ENGINE_ROUTER_DTYPE: dict[str, tuple[str, str]] = {
+    "qwen3_moe": ("native", "vLLM 0.30 Qwen3MoeSparseMoeBlock: the gate is a ReplicatedLinear "
+                  "in the model dtype"),
+}
+
+
+def resolve_router_dtype(cfg: ModelConfig, family: str) -> ModelConfig:
+    """`cfg` with `router_dtype: auto` replaced by the engine's choice for `family` (logged)."""
+    if cfg.router_dtype != "auto":
+        return cfg
+    if family not in ENGINE_ROUTER_DTYPE:
+        raise ValueError(f"model.router_dtype: auto knows no engine default for model_type "
+                         f"{family!r}; set fp32 or native")
+    dtype, why = ENGINE_ROUTER_DTYPE[family]
+    log.info("model.router_dtype: auto -> %s (%s)", dtype, why)
+    return cfg.model_copy(update={"router_dtype": dtype})
 
 
 @dataclass
@@ -88,6 +109,7 @@ def transformer_config(a: MoeArch, cfg: ModelConfig):
     """The megatron TransformerConfig equivalent to the HF architecture `a`."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    cfg = resolve_router_dtype(cfg, a.family)
     bf16 = cfg.dtype == "bf16"
     recompute = dict(recompute_granularity="selective", recompute_modules=["moe"]) \
         if cfg.recompute_moe else {}

@@ -141,6 +141,11 @@ def test_round_trip_hf_megatron_hf_is_exact(trainer, model_dir):
     assert all(torch.equal(out[k], ref[k]) for k in ref)
 
 
+def test_router_dtype_auto_is_resolved_to_the_engines_at_boot(trainer):
+    assert trainer.cfg.model.router_dtype == "native"  # qwen3_moe: vLLM's gate dtype
+    assert trainer.policy.config.moe_router_dtype is None  # megatron: router in model dtype
+
+
 def test_logits_match_hf_under_same_forced_routing(trainer, hf, model_dir):
     from trainer.alignment import to_router_rows
 

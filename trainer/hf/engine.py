@@ -54,6 +54,9 @@ class HFTrainer(OldPolicyPass):
             raise ValueError("model_dir: an HF checkpoint directory is required")
         if cfg.model.expert_parallel != 1:
             raise ValueError("model.expert_parallel: the hf backend shards with FSDP2, EP must be 1")
+        if cfg.model.router_dtype == "fp32" and cfg.model.dtype == "bf16":
+            log.warning("model.router_dtype=fp32 is ignored by the hf backend: HF routers run in "
+                        "the model dtype (bf16), as vLLM's do")
         self.cfg, self.hf = cfg, hf or HFBackendConfig.model_validate({})
         self.rank, self.world_size = init_process_group()
         self.sharded = self._use_fsdp()
