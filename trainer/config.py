@@ -70,6 +70,13 @@ class RunConfig(StrictConfig):
     keep_checkpoints: int = Field(
         3, ge=0, description="keep the newest N checkpoints, deleting older ones after each "
         "save (never the latest or the one this run resumed from); 0 = keep all")
+    hf_export_every: int = Field(
+        0, ge=0, description="write the full weights in HF format (safetensors + config + "
+        "tokenizer, what vLLM and transformers load) to <run_dir>/hf/step-N every N steps and "
+        "point <run_dir>/hf/latest at it (trainer.hf_export); 0 = never")
+    hf_keep: int = Field(
+        2, ge=0, description="keep the newest N HF exports, deleting older ones after each "
+        "export (never the one hf/latest names); 0 = keep all")
     metrics_host: str = "127.0.0.1"
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus port (0 = any free)")
     push_weights_every: int = Field(1, ge=0, description="weight push every N steps (0 = never)")

@@ -1,5 +1,6 @@
 """The store-driven training loop, split into named steps:
-pull_batch -> (ranks) align_routing + train_step -> push_weights -> checkpoint (+ ack).
+pull_batch -> (ranks) align_routing + train_step -> push_weights -> checkpoint (+ ack)
+-> export_hf (every run.hf_export_every steps: HF-format weights for evaluation).
 
 Data position: groups are acked only once a checkpoint that contains their step is written, so
 a crashed trainer's un-acked groups are redelivered by the store after their lease and nothing
@@ -87,6 +88,7 @@ class TrainLoop:
         self.metrics, self.push_fn = metrics or {}, push_fn
         self.pending_acks: list[str] = []
         self._last_resync = 0.0
+        self._hf_exported = -1  # step of the last HF export (no second one at the same step)
         self.pos = DataPosition()
         self.run_log = Path(cfg.run.run_dir) / "train_log.jsonl"
         self.ids_log = Path(cfg.run.run_dir) / "trained_ids.jsonl"
@@ -235,6 +237,17 @@ class TrainLoop:
             self.client.ack(self.cfg.data.consumer, acks)
         self.client.publish_policy_version(self.pos.policy_version)
 
+    def export_hf(self, final: bool = False) -> None:
+        """Every `run.hf_export_every` steps (and at the end of a run): the full weights in HF
+        format under `<run_dir>/hf/step-N`, `hf/latest` moved to it (rank 0 writes)."""
+        every = self.cfg.run.hf_export_every
+        if not every or self._hf_exported == self.pos.step or (
+                not final and self.pos.step % every):
+            return
+        path = self.ranks.call("export_hf_dir", [(self.pos.step,)] * self.ranks.world_size)[0]
+        self._hf_exported = self.pos.step
+        log.info("step %d: HF export %s", self.pos.step, path)
+
     def run(self, steps: int, stop: Callable[[], bool] = lambda: False) -> list[dict]:
         """Take `steps` optimizer steps (0 = until `stop()`); returns their metrics."""
         history: list[dict] = []
@@ -245,10 +258,12 @@ class TrainLoop:
             metrics = self.train_step(groups)
             self.push_weights()
             self.checkpoint()
+            self.export_hf()
             self.record(metrics)
             history.append(metrics)
         if history:
             self.checkpoint(force=True)
+            self.export_hf(final=True)
         return history
 
     # ------------------------------------------------------------------ observability

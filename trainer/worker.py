@@ -3,7 +3,8 @@
 The driver (trainer.step.TrainLoop) pulls groups from the store and hands each rank its share
 as serialized `PulledGroup` bytes (the wire format, never pickled tensors). The rank decodes and
 aligns the routing (`align_routing`), trains (`train`), saves/resumes its checkpoint shard and
-exports HF weights. The same class runs in-process (1 rank) or as a Ray actor (trainer.ray_launch).
+exports HF weights (to the weight push; to `<run_dir>/hf/` for evaluation: `export_hf_dir`).
+The same class runs in-process (1 rank) or as a Ray actor (trainer.ray_launch).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import asdict
 from trainer.batch import Sample
 from trainer.checkpoint import CheckpointManager, DataPosition
 from trainer.config import TrainerConfig
+from trainer.hf_export import HFExport
 from trainer.intake import group_samples, intake_groups
 from trainer.weight_push import RankSender
 
@@ -37,6 +39,7 @@ class RankWorker:
         self.cfg = TrainerConfig.model_validate_json(cfg_json)
         self.trainer = Trainer(self.cfg)
         self.ckpt = CheckpointManager(self.cfg.run.run_dir, self.cfg.run.keep_checkpoints)
+        self.hf_export = HFExport(self.cfg.run.run_dir, self.cfg.model_dir, self.cfg.run.hf_keep)
 
     def align_routing(self, groups_bytes: Sequence[bytes]) -> list[Sample]:
         """Decode groups; each trajectory's routing -> its layer map -> this model's MoE layers."""
@@ -75,6 +78,14 @@ class RankWorker:
     def export_hf(self) -> dict:
         """HF-named weights (collective over EP: every rank must call it)."""
         return self.trainer.export_hf_state_dict()
+
+    def export_hf_dir(self, step: int) -> str | None:
+        """Every rank joins the export; rank 0 writes `<run_dir>/hf/step-N` and moves
+        `hf/latest` to it (trainer.hf_export). Returns the directory on rank 0, else None."""
+        weights = self.export_hf()
+        if self.rank:
+            return None
+        return str(self.hf_export.write(weights, step))
 
     def plan_push(self, version: int, workers: list[bytes]) -> bytes | None:
         """Rank 0: the serialized weight-sync plan of push `version` (others: None)."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import posixpath
+
 import pytest
 import yaml
 from conftest import find
@@ -174,3 +176,48 @@ def test_submitter_passes_pod_security_restricted(rendered):
         sc = c["securityContext"]
         assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"]["drop"] == ["ALL"]
     assert not spec.get("hostNetwork") and spec["restartPolicy"] == "Never"
+
+
+def _on_volume(spec: dict, path: str) -> tuple[str | None, str]:
+    """(PVC claim, path inside the volume) of `path` as the pod's first container sees it."""
+    mounts = [m for m in spec["containers"][0].get("volumeMounts", [])
+              if (path + "/").startswith(m["mountPath"].rstrip("/") + "/")]
+    assert mounts, f"{path} is on no volume"
+    m = max(mounts, key=lambda m: len(m["mountPath"]))
+    vol = next(v for v in spec["volumes"] if v["name"] == m["name"])
+    claim = vol.get("persistentVolumeClaim", {}).get("claimName")
+    return claim, posixpath.relpath(path, m["mountPath"])
+
+
+def _train_config(docs: list[dict]):
+    from trainer.config import TrainerConfig
+
+    cm = next(d for d in find(docs, "ConfigMap") if "train.yaml" in (d.get("data") or {}))
+    return TrainerConfig.model_validate(yaml.safe_load(cm["data"]["train.yaml"]))
+
+
+def test_eval_job_serves_the_hf_export_a_named_run_writes(k8s_specs):
+    """The eval job's model is `<run_dir>/hf/latest` of exactly one named run that exports:
+    same PVC, same path inside it, as every pod of the run (rank 0 writes it on a worker)."""
+    docs = k8s_specs["eval-job.yaml"]
+    model = yaml.safe_load(find(docs, "ConfigMap")[0]["data"]["eval.yaml"])["engine"]["model"]
+    job = find(docs, "Job")[0]["spec"]["template"]["spec"]
+    wanted = _on_volume(job, model)
+    assert wanted[0], f"eval model {model} is not on a PVC: no trainer could have written it"
+    writers = []
+    for name, run_docs in k8s_specs.items():
+        for ray_job in find(run_docs, "RayJob"):
+            cfg = _train_config(run_docs)
+            latest = posixpath.join(cfg.run.run_dir, "hf", "latest")
+            places = {_on_volume(spec, latest) for _, spec, _ in _pods([ray_job])}
+            assert len(places) == 1, f"{name}: pods see {latest} on different volumes {places}"
+            if places == {wanted}:
+                writers.append((name, cfg))
+    assert len(writers) == 1, f"eval model {model}: written by {[n for n, _ in writers]}"
+    name, cfg = writers[0]
+    assert cfg.run.hf_export_every > 0, f"{name}: run.hf_export_every 0, hf/latest never written"
+
+
+def test_chart_trainer_exports_hf_weights(rendered):
+    docs = rendered["production"]
+    assert _train_config(find(docs, "ConfigMap", "-trainer")).run.hf_export_every > 0

@@ -23,6 +23,7 @@ import torch
 from trainer.checkpoint import CheckpointManager, DataPosition
 from trainer.config import TrainerConfig
 from trainer.hf.config import HFBackendConfig
+from trainer.hf_export import HFExport
 from trainer.worker import RankWorker
 
 log = logging.getLogger(__name__)
@@ -40,7 +41,8 @@ class _LocalShards:
 
 
 class HFRankWorker(RankWorker):
-    """RankWorker (routing alignment, train, export) around an HFTrainer."""
+    """RankWorker (routing alignment, train, weight export, `export_hf_dir`) around an
+    HFTrainer; export_hf is HFTrainer's (checkpoint-named, FSDP2 shards gathered)."""
 
     def __init__(self, cfg_json: str, hf_json: str = "{}") -> None:
         from trainer.hf.engine import HFTrainer
@@ -49,7 +51,9 @@ class HFRankWorker(RankWorker):
         self.hf = HFBackendConfig.model_validate_json(hf_json)
         self.hf_trainer = HFTrainer(self.cfg, self.hf)
         self.trainer = self.hf_trainer  # type: ignore[assignment]  # RankWorker's methods use it
-        self.ckpt = CheckpointManager(self.cfg.run.run_dir)
+        self.rank = self.hf_trainer.rank  # only rank 0 writes the HF export (export_hf_dir)
+        self.ckpt = CheckpointManager(self.cfg.run.run_dir, self.cfg.run.keep_checkpoints)
+        self.hf_export = HFExport(self.cfg.run.run_dir, self.cfg.model_dir, self.cfg.run.hf_keep)
 
     def save(self, pos: dict) -> str:
         shards: Any = _LocalShards(self.hf_trainer.model)
