@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry
 
 from services.common.metrics import MetricsServer, create_metrics
 from services.rollout.config import RolloutConfig
+from services.rollout.engine import EngineDead
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,9 @@ def _watch_weight_sync(client: Any, worker: Any, loop: asyncio.AbstractEventLoop
         try:
             fut.result()
         except concurrent.futures.CancelledError:  # the worker is shutting down
+            return
+        except EngineDead as e:  # the worker stops on its own; nothing more to receive
+            log.error("weight sync v%d not applied: engine dead: %s", plan.version, e)
             return
         except Exception:  # a failed push leaves the old weights serving: log, keep watching
             log.exception("weight sync v%d failed", plan.version)

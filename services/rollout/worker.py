@@ -30,6 +30,7 @@ from services.rollout.verifiers import VerifierRegistry
 log = logging.getLogger(__name__)
 
 MAX_KEPT_ERRORS = 100  # a long run keeps the first messages; every failure is counted
+MAX_FAILURE_BACKOFF_S = 2.0  # the longest a failed group holds its slot (failures in a row)
 FATAL_GRACE_S = 5.0  # after a fatal error, groups still sending to the store may finish
 
 
@@ -126,6 +127,7 @@ class RolloutWorker:
         self._requests = asyncio.Semaphore(cfg.concurrency)
         self._stop = asyncio.Event()
         self._errors = RepeatedLog(log)
+        self._failures_in_row = 0
         # Called with the live summary whenever a group starts or ends (progress file).
         self.on_progress: Callable[[WorkerSummary], None] = lambda _: None
 
@@ -149,7 +151,9 @@ class RolloutWorker:
         for seq, (epoch, rec) in enumerate(prompts):
             if not await self._until_stop(slots.acquire()):
                 break
-            if not await self._until_stop(self._wait_for_policy_lag()):
+            # A stop may come while a free slot is taken at once (groups that fail at once on
+            # a dead engine free theirs at once): check it before every new group.
+            if self._stop.is_set() or not await self._until_stop(self._wait_for_policy_lag()):
                 slots.release()
                 break
             task = asyncio.create_task(self._group_task(seq, epoch, rec, summary))
@@ -234,6 +238,11 @@ class RolloutWorker:
             self._errors.error(f"group {group_id} (prompt {rec.prompt_id}, epoch {epoch}) "
                                f"failed: {e}")
             self.on_progress(summary)
+            # Failures in a row hold their slot a little longer each time (up to
+            # MAX_FAILURE_BACKOFF_S), so a cause that fails every group cannot spin the loop.
+            self._failures_in_row += 1
+            backoff = 0.01 * 2 ** min(self._failures_in_row, 10)
+            await asyncio.sleep(min(MAX_FAILURE_BACKOFF_S, backoff))
             return
         except Exception as e:  # a dead engine or a bug: no later group can do better
             summary.groups_abandoned += 1
@@ -245,6 +254,7 @@ class RolloutWorker:
             self._fail(summary, cause)
             self.on_progress(summary)
             return
+        self._failures_in_row = 0
         summary.groups_ok += 1
         summary.trajectories_sent += len(group.trajectories)
         summary.generated_tokens += group.generated_tokens
@@ -325,7 +335,11 @@ class RolloutWorker:
         return count
 
     async def apply_weight_sync(self, plan: Any) -> int:
-        """Receive a trainer push (a `WeightSyncPlan`) into the engine under pause/resume."""
+        """Receive a trainer push (a `WeightSyncPlan`) into the engine under pause/resume;
+        EngineDead when the engine is gone."""
+        reason = self.engine.dead_reason()
+        if reason is not None:
+            raise EngineDead(reason)
         if plan.version <= self.engine.policy_version:
             log.warning("weight sync v%d ignored: engine already serves v%d", plan.version,
                         self.engine.policy_version)

@@ -88,6 +88,9 @@ def test_killed_engine_worker_fails_the_rollout_and_the_local_run_fast():
     assert f"engine dead: vLLM process gone: worker pid {victim}" in text, text[-3000:]
     assert final["final"] and "engine dead" in final["fatal"], final
     assert final["groups_in_flight"] == 0 and final["groups_abandoned"] >= 1, final
+    # No new group after the engine died: at most the groups that were in flight then (the
+    # worker holds two groups per engine slot; 16 requests / groups of 4 -> 8 slots).
+    assert final["groups_abandoned"] <= 8, final
     assert run_summary["failure"]["child"] == "rollout-0"
     assert run_summary["failure"]["exit_code"] == 3
     assert "engine dead" in run_summary["failure"]["cause"]
