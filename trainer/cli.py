@@ -46,7 +46,7 @@ def _ranks(cfg):
         from trainer.ray_launch import RayRanks
 
         return RayRanks(cfg, cfg.run.world_size)
-    from trainer.step import LocalRanks
+    from trainer.loop.ranks import LocalRanks
 
     return LocalRanks(cfg)
 
@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     from services.common.auth import ClientAuth
     from services.common.metrics import MetricsServer, create_metrics
     from services.store.client import StoreClient
-    from trainer.step import TrainLoop
+    from trainer.loop.loop import TrainLoop
     from trainer.weight_push import StoreWeightPush
 
     cfg = load(args)

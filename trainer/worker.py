@@ -1,6 +1,6 @@
 """One trainer rank: a Trainer plus the per-rank halves of the loop's named steps.
 
-The driver (trainer.step.TrainLoop) pulls groups from the store and hands each rank its share
+The driver (trainer.loop.loop.TrainLoop) pulls groups from the store and hands each rank its share
 as serialized `PulledGroup` bytes (the wire format, never pickled tensors). The rank decodes and
 aligns the routing (`align_routing`), trains (`train`), saves/resumes its checkpoint shard and
 exports HF weights (to the weight push; to `<run_dir>/hf/` for evaluation: `export_hf_dir`).

@@ -22,7 +22,7 @@ from services.local.config import GrpoConfig, LocalConfig, rollout_concurrency
 from services.local.procs import wait_for
 from services.local.run import LocalRun
 from services.store.client import StoreClient
-from trainer.step import read_trained_ids
+from trainer.loop.ledger import read_trained_ids
 
 log = logging.getLogger(__name__)
 

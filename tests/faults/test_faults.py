@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from fault_harness import FaultRun, fault_config
 
-from trainer.step import read_trained_ids
+from trainer.loop.ledger import read_trained_ids
 
 pytestmark = [pytest.mark.faults]
 ROOT = Path(__file__).resolve().parents[2]

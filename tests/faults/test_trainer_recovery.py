@@ -10,7 +10,8 @@ import pytest
 
 from services.common.pb.r3flow.v1 import store_pb2, trajectory_pb2
 from trainer.config import TrainerConfig
-from trainer.step import TrainLoop, read_trained_ids
+from trainer.loop.ledger import read_trained_ids
+from trainer.loop.loop import TrainLoop
 
 pytestmark = [pytest.mark.faults]
 

@@ -28,7 +28,7 @@ def _checkpoint_named(model_dir) -> dict[str, torch.Tensor]:
 def _ranks(backend: str, cfg):
     from trainer.hf.cli_support import HFLocalRanks
     from trainer.hf.config import HFBackendConfig
-    from trainer.step import LocalRanks
+    from trainer.loop.ranks import LocalRanks
 
     return LocalRanks(cfg) if backend == "megatron" else HFLocalRanks(cfg, HFBackendConfig())
 
@@ -40,7 +40,7 @@ def test_short_run_exports_hf_latest_that_transformers_loads(tmp_path, store_pro
     from services.rollout.tiny_moe import TinyMoeConfig, build_tiny_moe
     from services.store.client import StoreClient
     from trainer.config import TrainerConfig
-    from trainer.step import TrainLoop
+    from trainer.loop.loop import TrainLoop
 
     model = build_tiny_moe(tmp_path / "tiny", TinyMoeConfig(num_layers=3, first_k_dense=1))
     hf = _hf(model)
@@ -85,8 +85,8 @@ def test_ray_ep2_ranks_all_join_the_export_and_rank0_writes_it(tmp_path):
 
     from services.rollout.tiny_moe import TinyMoeConfig, build_tiny_moe
     from trainer.config import TrainerConfig
+    from trainer.loop.loop import TrainLoop
     from trainer.ray_launch import RayRanks
-    from trainer.step import TrainLoop
 
     model = build_tiny_moe(tmp_path / "tiny", TinyMoeConfig(num_layers=3, first_k_dense=1))
     run_dir = tmp_path / "run"

@@ -73,8 +73,8 @@ def test_ray_actors_ep2_train_via_loop(tmp_path):
     from services.common.pb.r3flow.v1 import store_pb2
     from services.rollout.tiny_moe import TinyMoeConfig, build_tiny_moe
     from trainer.config import TrainerConfig
+    from trainer.loop.loop import TrainLoop
     from trainer.ray_launch import RayRanks
-    from trainer.step import TrainLoop
     from trainer.weight_push import StoreWeightPush
 
     model = build_tiny_moe(tmp_path / "tiny", TinyMoeConfig(num_layers=3, first_k_dense=1))

@@ -8,7 +8,7 @@ import pytest
 
 from services.store.client import StoreClient
 from trainer.config import TrainerConfig
-from trainer.step import TrainLoop
+from trainer.loop.loop import TrainLoop
 
 pytestmark = pytest.mark.timeout(120)
 

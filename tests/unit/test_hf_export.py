@@ -136,7 +136,7 @@ def test_loop_exports_every_n_steps_after_the_checkpoint_and_at_the_end(tmp_path
     from test_trainer_loop import FakeRanks, FakeStore, _group
 
     from trainer.config import TrainerConfig
-    from trainer.step import TrainLoop
+    from trainer.loop.loop import TrainLoop
 
     cfg = TrainerConfig(data={"groups_per_step": 2},
                         run={"run_dir": str(tmp_path), "checkpoint_every": 1,

@@ -11,7 +11,8 @@ from prometheus_client import CollectorRegistry
 from services.common.metrics import create_metrics
 from services.common.pb.r3flow.v1 import store_pb2
 from trainer.config import TrainerConfig
-from trainer.step import TrainLoop, reduce_metrics
+from trainer.loop.loop import TrainLoop
+from trainer.loop.metrics import reduce_metrics
 
 
 class FakeRanks:

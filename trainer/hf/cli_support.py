@@ -1,4 +1,4 @@
-"""`r3flow train --backend hf`: the store-driven loop (trainer.step.TrainLoop) on HFTrainer ranks.
+"""`r3flow train --backend hf`: the store-driven loop (trainer.loop.loop.TrainLoop) on HFTrainer ranks.
 
 Everything but the rank's trainer is the megatron backend's: config, store pull/ack, metrics and
 run log, weight push, checkpoint layout (trainer.checkpoint, one file per rank; under FSDP2 each
@@ -70,7 +70,7 @@ class HFRankWorker(RankWorker):
 
 
 class HFLocalRanks:
-    """One in-process HF rank (trainer.step.Ranks)."""
+    """One in-process HF rank (trainer.loop.ranks.RankTransport)."""
 
     world_size = 1
 
@@ -96,7 +96,7 @@ def run_hf(cfg: TrainerConfig, args: argparse.Namespace) -> int:
     from services.common.auth import ClientAuth
     from services.common.metrics import MetricsServer, create_metrics
     from services.store.client import StoreClient
-    from trainer.step import TrainLoop
+    from trainer.loop.loop import TrainLoop
     from trainer.weight_push import StoreWeightPush
 
     if cfg.run.launcher != "local":

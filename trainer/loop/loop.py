@@ -5,13 +5,11 @@ pull_batch -> (ranks) align_routing + train_step -> push_weights -> checkpoint (
 Data position: groups are acked only once a checkpoint that contains their step is written, so
 a crashed trainer's un-acked groups are redelivered by the store after their lease and nothing
 is lost; a redelivered group whose id is in the checkpoint's trained set is acked, not retrained.
-Every trained step also appends the trajectory ids it trained on to `trained_ids.jsonl` before
-its checkpoint is written, and a resumed trainer appends a `resumed_at` line: lines of steps
-after a `resumed_at` step were rolled back by the crash (see `read_trained_ids`), so "trained on
-exactly once" can be checked from the trainer's side across restarts.
-Batches are split between data-parallel ranks by whole GRPO groups (advantages are per group)
-and every rank gets the same number of groups; groups differ in size and some get quarantined,
-so the ranks also agree on a micro-batch count per pass (trainer.engine: `microbatches`).
+Every trained step is also written to the trained-ids ledger (trainer.loop.ledger) before its
+checkpoint. Batches are split between data-parallel ranks by whole GRPO groups (advantages are
+per group) and every rank gets the same number of groups; groups differ in size and some get
+quarantined, so the ranks also agree on a micro-batch count per pass (the backends'
+`microbatches`).
 """
 
 from __future__ import annotations
@@ -20,91 +18,51 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import asdict
 from pathlib import Path
-from typing import Protocol
-
-import numpy as np
+from typing import Any
 
 from trainer.checkpoint import DataPosition
 from trainer.config import TrainerConfig
+from trainer.loop.ledger import TrainedIdsLedger
+from trainer.loop.metrics import TrainerMetrics, reduce_metrics
+from trainer.loop.ranks import Ranks, RankTransport
 
 log = logging.getLogger(__name__)
 
 RESYNC_INTERVAL_S = 10.0  # how often an idle trainer re-pushes to workers behind its version
-
-
-class Ranks(Protocol):
-    """Calls a RankWorker method on every rank (in-process or Ray actors)."""
-
-    world_size: int
-
-    def call(self, method: str, per_rank_args: list[tuple]) -> list: ...
-
-
-class LocalRanks:
-    """A single in-process rank."""
-
-    world_size = 1
-
-    def __init__(self, cfg: TrainerConfig) -> None:
-        from trainer.worker import RankWorker
-
-        self.worker = RankWorker(cfg.model_dump_json())
-
-    def call(self, method: str, per_rank_args: list[tuple]) -> list:
-        return [getattr(self.worker, method)(*per_rank_args[0])]
-
-
-def reduce_metrics(per_rank: list[dict]) -> dict:
-    """Mean over ranks (max for *_max); dict values (per-layer agreement) averaged per key.
-    A rank that trained only padding micro-batches has no value (None or no key) for what it
-    did not measure (reward, agreement): such a metric is reduced over the ranks that have it."""
-    out: dict = {}
-    for k in dict.fromkeys(k for r in per_rank for k in r):
-        vals = [r[k] for r in per_rank if r.get(k) is not None]
-        v = vals[0] if vals else None
-        if isinstance(v, dict):
-            out[k] = {kk: float(np.mean([x[kk] for x in vals if kk in x]))
-                      for kk in dict.fromkeys(kk for x in vals for kk in x)}
-        elif k == "trajectories":
-            out[k] = int(sum(vals))
-        elif isinstance(v, int | float) and not isinstance(v, bool):
-            out[k] = float(np.max(vals)) if "_max" in k else float(np.mean(vals))
-        else:
-            out[k] = v
-    return out
+PushFn = Callable[[RankTransport, int], None]  # trainer.weight_push.StoreWeightPush
 
 
 class TrainLoop:
     """Drives the ranks from the store; owns acks, metrics and the run log."""
 
-    def __init__(self, cfg: TrainerConfig, ranks: Ranks, client, metrics: dict | None = None,
-                 push_fn: Callable[[Ranks, int], None] | None = None) -> None:
+    def __init__(self, cfg: TrainerConfig, ranks: Ranks | RankTransport, client,
+                 metrics: dict[str, Any] | None = None, push_fn: PushFn | None = None) -> None:
         if cfg.data.groups_per_step % ranks.world_size:
             raise ValueError(f"data.groups_per_step: {cfg.data.groups_per_step} not divisible "
                              f"by {ranks.world_size} ranks")
-        self.cfg, self.ranks, self.client = cfg, ranks, client
-        self.metrics, self.push_fn = metrics or {}, push_fn
+        self.ranks = ranks if isinstance(ranks, Ranks) else Ranks(ranks)
+        self.cfg, self.client = cfg, client
+        self.metrics, self.push_fn = TrainerMetrics.of(metrics), push_fn
         self.pending_acks: list[str] = []
         self._last_resync = 0.0
         self._hf_exported = -1  # step of the last HF export (no second one at the same step)
         self.pos = DataPosition()
         self.run_log = Path(cfg.run.run_dir) / "train_log.jsonl"
-        self.ids_log = Path(cfg.run.run_dir) / "trained_ids.jsonl"
+        self.ledger = TrainedIdsLedger(Path(cfg.run.run_dir) / "trained_ids.jsonl")
         self.run_log.parent.mkdir(parents=True, exist_ok=True)
 
     def resume(self) -> None:
         """Restore every rank from the latest checkpoint, if any; a run with none starts at the
         store's current policy version (a new named run against a long-lived release)."""
-        got = self.ranks.call("resume", [()] * self.ranks.world_size)[0]
+        got = self.ranks.resume()
         if got is not None:
             self.pos = DataPosition(**got)
             log.info("resumed at step %d, policy version %d", self.pos.step, self.pos.policy_version)
             self._version_above_engines()
         else:
             self._version_of_store()
-        self._append_ids({"resumed_at": self.pos.step})
+        self.ledger.resumed(self.pos.step)
 
     def _version_of_store(self) -> None:
         """The store and its engines may be at version N from earlier runs: they ignore plans
@@ -129,7 +87,7 @@ class TrainLoop:
             self._set_version(served)
 
     def _set_version(self, version: int) -> None:
-        self.ranks.call("set_policy_version", [(version,)] * self.ranks.world_size)
+        self.ranks.set_policy_version(version)
         self.pos.policy_version = version
 
     def pull_batch(self, stop: Callable[[], bool] = lambda: False) -> list:
@@ -160,7 +118,7 @@ class TrainLoop:
         """Scatter whole groups to the ranks; each aligns routing and steps; reduce metrics."""
         n = self.ranks.world_size
         shares = [[g.SerializeToString() for g in groups[r::n]] for r in range(n)]
-        per_rank = self.ranks.call("train", [(s,) for s in shares])
+        per_rank = self.ranks.train(shares)
         dropped = {g: why for m in per_rank for g, why in m.pop("dropped", {}).items()}
         metrics = reduce_metrics(per_rank)
         self.quarantine([g for g in groups if g.group_id in dropped], dropped)
@@ -170,9 +128,8 @@ class TrainLoop:
         self.pos.policy_version = int(metrics["policy_version"])
         self.pos.remember([g.group_id for g in groups])
         self.pending_acks += [g.delivery_id for g in groups]
-        self._append_ids({"step": self.pos.step, "policy_version": self.pos.policy_version,
-                          "trajectory_ids": [t.trajectory_id for g in groups
-                                             for t in g.trajectories]})
+        self.ledger.step(self.pos.step, self.pos.policy_version,
+                         [t.trajectory_id for g in groups for t in g.trajectories])
         return metrics
 
     def quarantine(self, groups: list, reasons: dict[str, str]) -> None:
@@ -182,17 +139,9 @@ class TrainLoop:
             return
         self.client.ack(self.cfg.data.consumer, [], dropped=[
             (g.delivery_id, reasons[g.group_id], len(g.trajectories)) for g in groups])
-        counter = self.metrics.get("r3flow_trainer_groups_quarantined_total")
         for g in groups:
             log.error("group %s quarantined: %s", g.group_id, reasons[g.group_id])
-            if counter is not None:
-                counter.labels(reason=reasons[g.group_id]).inc()
-
-    def _append_ids(self, rec: dict) -> None:
-        # Flushed before the checkpoint that covers the step, so a crash can only leave a line
-        # too many (rolled back by the next `resumed_at`), never one too few.
-        with self.ids_log.open("a+b") as f:
-            f.write((b"\n" if _torn(f) else b"") + json.dumps(rec).encode() + b"\n")
+            self.metrics.quarantined(reasons[g.group_id])
 
     def resync_lagging_workers(self) -> None:
         """While no group is ready, push the current weights again (at most every
@@ -223,8 +172,8 @@ class TrainLoop:
     def _push_now(self) -> None:
         assert self.push_fn is not None
         t0 = time.perf_counter()
-        self.push_fn(self.ranks, self.pos.policy_version)  # rank 0 exports and sends
-        self._observe("r3flow_trainer_weight_push_seconds", time.perf_counter() - t0)
+        self.push_fn(self.ranks.transport, self.pos.policy_version)  # rank 0 exports, sends
+        self.metrics.weight_push(time.perf_counter() - t0)
 
     def checkpoint(self, force: bool = False) -> None:
         """Save every rank's shard, then ack what it covers and publish the policy version."""
@@ -232,7 +181,7 @@ class TrainLoop:
             return
         acks, self.pending_acks = self.pending_acks, []
         self.pos.acked_delivery_ids = acks
-        self.ranks.call("save", [(asdict(self.pos),)] * self.ranks.world_size)
+        self.ranks.save(self.pos)
         if acks:
             self.client.ack(self.cfg.data.consumer, acks)
         self.client.publish_policy_version(self.pos.policy_version)
@@ -244,7 +193,7 @@ class TrainLoop:
         if not every or self._hf_exported == self.pos.step or (
                 not final and self.pos.step % every):
             return
-        path = self.ranks.call("export_hf_dir", [(self.pos.step,)] * self.ranks.world_size)[0]
+        path = self.ranks.export_hf_dir(self.pos.step)
         self._hf_exported = self.pos.step
         log.info("step %d: HF export %s", self.pos.step, path)
 
@@ -267,51 +216,8 @@ class TrainLoop:
         return history
 
     # ------------------------------------------------------------------ observability
-    def _observe(self, name: str, value: float) -> None:
-        if name in self.metrics:
-            self.metrics[name].observe(value)
-
     def record(self, m: dict) -> None:
         """Export a step's metrics to Prometheus and append them to the JSONL run log."""
-        gauges = {"ppo_kl": "ppo_kl", "kl_ref": "kl_ref", "clip_ratio": "clip_ratio",
-                  "logprob_diff_mean": "logprob_diff_mean", "logprob_diff_max": "logprob_diff_max",
-                  "grad_norm": "grad_norm", "entropy": "entropy", "reward_mean": "reward_mean",
-                  "tokens_per_second": "tokens_per_second", "policy_version": "policy_version"}
-        for key, suffix in gauges.items():
-            g = self.metrics.get(f"r3flow_trainer_{suffix}")
-            if g is not None and key in m:
-                g.set(m[key])
-        agree = self.metrics.get("r3flow_trainer_routing_agreement_ratio")
-        if agree is not None and m.get("routing_agreement") is not None:
-            agree.labels(layer="all").set(m["routing_agreement"])
-            for layer, v in m.get("routing_agreement_by_layer", {}).items():
-                agree.labels(layer=str(layer)).set(v)
-        self._observe("r3flow_trainer_step_seconds", m.get("step_seconds", 0.0))
-        if "r3flow_trainer_steps_total" in self.metrics:
-            self.metrics["r3flow_trainer_steps_total"].inc()
+        self.metrics.export_step(m)
         with self.run_log.open("a") as f:
             f.write(json.dumps({"step": self.pos.step, "time": time.time(), **m}) + "\n")
-
-
-def _torn(f) -> bool:
-    """True when a file open for append does not end in a newline (a kill mid-write)."""
-    if f.seek(0, 2) == 0:
-        return False
-    f.seek(-1, 2)
-    return f.read(1) != b"\n"
-
-
-def read_trained_ids(path: str | Path) -> dict[int, list[str]]:
-    """Step -> trajectory ids of the steps that survived every restart (a `resumed_at: k` line
-    discards the steps after k that the crashed trainer took but never checkpointed)."""
-    steps: dict[int, list[str]] = {}
-    for line in Path(path).read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # torn by a kill mid-write: a step that was never checkpointed
-        if "resumed_at" in rec:
-            steps = {s: ids for s, ids in steps.items() if s <= rec["resumed_at"]}
-        else:
-            steps[int(rec["step"])] = list(rec["trajectory_ids"])
-    return steps

@@ -1,0 +1,85 @@
+"""Step metrics: reduced over ranks, exported to Prometheus through typed handles.
+
+`TrainerMetrics` resolves every catalogued trainer metric (services.common.metric_catalog) once,
+by name, when it is built; the loop then uses attributes, so a misspelt metric is a type error
+instead of a silent no-op. A handle is None where the registry has no such metric (tests).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+PREFIX = "r3flow_trainer_"
+# step-metric key -> gauge (r3flow_trainer_<key>), set from each step's metrics when present
+GAUGE_KEYS = ("ppo_kl", "kl_ref", "clip_ratio", "logprob_diff_mean", "logprob_diff_max",
+              "grad_norm", "entropy", "reward_mean", "tokens_per_second", "policy_version")
+
+
+def reduce_metrics(per_rank: list[dict]) -> dict:
+    """Mean over ranks (max for *_max); dict values (per-layer agreement) averaged per key.
+    A rank that trained only padding micro-batches has no value (None or no key) for what it
+    did not measure (reward, agreement): such a metric is reduced over the ranks that have it."""
+    out: dict = {}
+    for k in dict.fromkeys(k for r in per_rank for k in r):
+        vals = [r[k] for r in per_rank if r.get(k) is not None]
+        v = vals[0] if vals else None
+        if isinstance(v, dict):
+            out[k] = {kk: float(np.mean([x[kk] for x in vals if kk in x]))
+                      for kk in dict.fromkeys(kk for x in vals for kk in x)}
+        elif k == "trajectories":
+            out[k] = int(sum(vals))
+        elif isinstance(v, int | float) and not isinstance(v, bool):
+            out[k] = float(np.max(vals)) if "_max" in k else float(np.mean(vals))
+        else:
+            out[k] = v
+    return out
+
+
+@dataclass
+class TrainerMetrics:
+    """The trainer's Prometheus handles (None: not registered)."""
+
+    gauges: dict[str, Any]  # GAUGE_KEYS entry -> its gauge
+    routing_agreement: Any = None
+    step_seconds: Any = None
+    steps: Any = None
+    groups_quarantined: Any = None
+    weight_push_seconds: Any = None
+    weight_push_failures: Any = None
+
+    @classmethod
+    def of(cls, registered: dict[str, Any] | None) -> TrainerMetrics:
+        """Handles from services.common.metrics.create_metrics(registry, "trainer")."""
+        r = registered or {}
+        return cls(
+            gauges={k: r[PREFIX + k] for k in GAUGE_KEYS if PREFIX + k in r},
+            routing_agreement=r.get(PREFIX + "routing_agreement_ratio"),
+            step_seconds=r.get(PREFIX + "step_seconds"), steps=r.get(PREFIX + "steps_total"),
+            groups_quarantined=r.get(PREFIX + "groups_quarantined_total"),
+            weight_push_seconds=r.get(PREFIX + "weight_push_seconds"),
+            weight_push_failures=r.get(PREFIX + "weight_push_failures_total"))
+
+    def export_step(self, m: dict) -> None:
+        """Set the gauges, agreement per layer, step time and step count of one step."""
+        for key, gauge in self.gauges.items():
+            if key in m:
+                gauge.set(m[key])
+        if self.routing_agreement is not None and m.get("routing_agreement") is not None:
+            self.routing_agreement.labels(layer="all").set(m["routing_agreement"])
+            for layer, v in m.get("routing_agreement_by_layer", {}).items():
+                self.routing_agreement.labels(layer=str(layer)).set(v)
+        if self.step_seconds is not None:
+            self.step_seconds.observe(m.get("step_seconds", 0.0))
+        if self.steps is not None:
+            self.steps.inc()
+
+    def quarantined(self, reason: str) -> None:
+        if self.groups_quarantined is not None:
+            self.groups_quarantined.labels(reason=reason).inc()
+
+    def weight_push(self, seconds: float) -> None:
+        if self.weight_push_seconds is not None:
+            self.weight_push_seconds.observe(seconds)

@@ -1,0 +1,72 @@
+"""The trainer ranks as the loop sees them: typed calls over a rank transport.
+
+A transport (`RankTransport`: `LocalRanks` in-process, trainer.ray_launch.RayRanks as Ray actors)
+calls a named trainer.worker.RankWorker method on every rank; `Ranks` is the only place that
+names those methods, so the loop calls typed methods and a typo fails at type-check time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any, Protocol
+
+from trainer.checkpoint import DataPosition
+from trainer.config import TrainerConfig
+
+
+class RankTransport(Protocol):
+    """Calls a RankWorker method on every rank (in-process or Ray actors)."""
+
+    world_size: int
+
+    def call(self, method: str, per_rank_args: list[tuple]) -> list: ...
+
+
+class LocalRanks:
+    """A single in-process rank (a RankTransport)."""
+
+    world_size = 1
+
+    def __init__(self, cfg: TrainerConfig) -> None:
+        from trainer.worker import RankWorker
+
+        self.worker = RankWorker(cfg.model_dump_json())
+
+    def call(self, method: str, per_rank_args: list[tuple]) -> list:
+        return [getattr(self.worker, method)(*per_rank_args[0])]
+
+
+class Ranks:
+    """Every rank of the trainer, one typed method per RankWorker step."""
+
+    def __init__(self, transport: RankTransport) -> None:
+        self.transport = transport
+
+    @property
+    def world_size(self) -> int:
+        return self.transport.world_size
+
+    def _all(self, method: str, *args: Any) -> list:
+        return self.transport.call(method, [args] * self.world_size)
+
+    def resume(self) -> dict | None:
+        """Every rank loads the latest checkpoint; rank 0's data position (None: none yet)."""
+        return self._all("resume")[0]
+
+    def set_policy_version(self, version: int) -> None:
+        self._all("set_policy_version", version)
+
+    def train(self, shares: list[list[bytes]]) -> list[dict]:
+        """Rank r trains on `shares[r]` (serialized PulledGroups); per-rank metrics."""
+        return self.transport.call("train", [(s,) for s in shares])
+
+    def save(self, pos: DataPosition) -> None:
+        self._all("save", asdict(pos))
+
+    def export_hf_dir(self, step: int) -> str | None:
+        """Every rank joins the HF export of `step`; the directory rank 0 wrote."""
+        return self._all("export_hf_dir", step)[0]
+
+    def export_hf(self) -> dict:
+        """Every rank joins; rank 0's HF-named weights."""
+        return self._all("export_hf")[0]
