@@ -62,10 +62,11 @@ class Accounting:
 
     @classmethod
     def collect(cls, store_addr: str, summaries: list[dict], group_size: int,
-                max_in_flight: int) -> Accounting:
+                max_in_flight: int, auth=None) -> Accounting:
+        """`auth`: a services.common.auth.ClientAuth for a secured store (None: plaintext)."""
         from services.store.client import StoreClient
 
-        with StoreClient(store_addr, timeout_s=10, max_retries=3) as client:
+        with StoreClient(store_addr, timeout_s=10, max_retries=3, auth=auth) as client:
             before = client.stats()
             trained = int(before.groups_acked) * group_size
             unused = drain(client)
