@@ -8,7 +8,7 @@ STAMP := $(VENV)/.r3flow-setup
 export PYTHONUNBUFFERED := 1
 
 .PHONY: setup run test test-unit test-integration lint proto proto-check bench bench-codec \
-        bench-store bench-rollout bench-trainer bench-weights bench-hf chart-check test-faults clean
+        bench-store bench-rollout bench-trainer bench-weights bench-hf chart-check test-faults test-cluster clean
 
 setup: $(STAMP)
 
@@ -28,6 +28,12 @@ test-unit: setup
 
 test-integration: setup
 	$(PY) -m pytest tests/integration -q
+
+# The rendered chart + k8s/tiny-moe-smoke.yaml run as processes in network namespaces (root;
+# docs/cluster-test.md). setup.sh installs nftables/iproute2 and fetches helm.
+test-cluster: setup
+	bash tests/cluster/setup.sh
+	$(PY) -m pytest tests/cluster -q -s -p no:cacheprovider
 
 lint: setup
 	$(VENV)/bin/ruff check services trainer tests

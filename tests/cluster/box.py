@@ -23,6 +23,13 @@ PREFIX = "r3c"
 BRIDGE = f"{PREFIX}-br"
 SUBNET = "198.18.7"  # a /24 of the 198.18.0.0/15 benchmark range, never routed anywhere
 HOST_TABLE = f"{PREFIX}_host"
+# A pod's resolv.conf, as kubelet writes it for namespace r3flow, except that the cluster DNS is
+# the hosts file: the nameserver is the pod's own loopback, where nothing listens, so a query
+# for what the hosts file lacks is refused at once. With the host's nameserver inherited instead,
+# resolvers that query DNS besides the hosts file (gRPC's c-ares: Ray's GCS clients) wait for
+# answers the bridge drops and time out (Ray workers never reached the head's GCS that way).
+RESOLV_CONF = ("search r3flow.svc.cluster.local svc.cluster.local cluster.local\n"
+               "nameserver 127.0.0.1\noptions ndots:5 timeout:1 attempts:1\n")
 
 
 def run(*argv: str, check: bool = True, input: str | None = None) -> subprocess.CompletedProcess:
@@ -96,13 +103,15 @@ table inet {HOST_TABLE} {{
         return pod
 
     def write_hosts(self, names: dict[str, list[str]]) -> None:
-        """Every pod's /etc/hosts: localhost, itself, and `names` (name -> IPs, first wins)."""
+        """Every pod's /etc/hosts: localhost, itself, and `names` (name -> IPs, first wins),
+        and its /etc/resolv.conf (RESOLV_CONF)."""
         for pod in self.pods.values():
             lines = ["127.0.0.1 localhost", f"{pod.ip} {pod.name}"]
             lines += [f"{ips[0]} {n}" for n, ips in names.items() if ips]
             d = Path("/etc/netns") / pod.ns
             d.mkdir(parents=True, exist_ok=True)
             (d / "hosts").write_text("\n".join(lines) + "\n")
+            (d / "resolv.conf").write_text(RESOLV_CONF)
 
     def enforce(self, pod: NsPod, rules: list[str] | None) -> None:
         """The pod's ingress NetworkPolicy as an nft input chain in its own namespace."""

@@ -155,6 +155,16 @@ def ray_container_argv(pod: Pod) -> list[str]:
     return ["/bin/bash", "-c", f"{user} && {gen}" if user.strip() else gen]
 
 
+def submitter_pod(job: dict, cluster: str) -> Pod:
+    """The K8sJobMode submitter pod: the RayJob's submitterPodTemplate (KubeRay adds its own
+    labels to the template's)."""
+    t = job["spec"].get("submitterPodTemplate") or {"metadata": {}, "spec": {}}
+    labels = {**(t["metadata"].get("labels") or {}), "ray.io/originated-from-crd": "RayJob",
+              "ray.io/originated-from-cr-name": job["metadata"]["name"]}
+    containers = t["spec"].get("containers") or [{}]
+    return Pod(f"{cluster}-submitter", labels, t["spec"], containers[0], "submitter")
+
+
 def submitter_argv(job: dict, head_svc: str, submission_id: str) -> list[str]:
     """job.go BuildJobSubmitCommand, K8sJobMode: wait for the dashboard, submit once (--no-wait,
     the submission id), then follow the logs."""

