@@ -66,6 +66,27 @@ def test_sums_wrap_like_int64():
         _torch_sums(t.view(torch.uint8), [entry])
 
 
+@pytest.mark.parametrize("start", [0, 16])  # a 64-byte aligned bucket, and one that is not
+def test_wide_paths_equal_torch_on_long_extents(start: int):
+    """Extents long enough for the AVX-512 / AVX2 loops (where the CPU has them), with ragged
+    ends, in a bucket whose start is or is not 64-byte aligned (the wide stores need it)."""
+    g = torch.Generator().manual_seed(3)
+    sizes = [4096, 70_000, 128 * 1000 + 8, 8, 300_000 + 46]
+    named = [(f"t{i}", torch.randint(-2**15, 2**15, (n // 2,), dtype=torch.int16,
+                                     generator=g).view(torch.bfloat16))
+             for i, n in enumerate(sizes)]
+    [spec] = bk.iter_buckets(named, 1 << 22, torch.bfloat16, CPU, 1 << 30)
+    raw = torch.full((spec.nbytes + 128,), 0xAB, dtype=torch.uint8)
+    start += -raw.data_ptr() % 64
+    bucket = raw[start: start + spec.nbytes]
+    sums = bk.pack_and_sum(bucket, spec.entries, spec.sources)
+    assert sums is not None
+    reference = bk.fill(torch.zeros(spec.nbytes, dtype=torch.uint8), spec)
+    assert torch.equal(bucket, reference)
+    assert sums.tolist() == _torch_sums(reference, spec.entries)
+    assert bk.checksum_tensor(bucket, spec.entries).tolist() == sums.tolist()
+
+
 @pytest.mark.parametrize("offset,nbytes,end", [(8, 8, 16), (0, 100, 200), (0, 16, 12),
                                                (0, 64, 4096)])
 def test_malformed_extents_are_refused(offset, nbytes, end):

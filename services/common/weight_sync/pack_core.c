@@ -12,18 +12,30 @@
  * whole bucket instead of one torch reduction per tensor.
  *
  * Checksum (see buckets.py): sum64 = wrapping sum of the little-endian 64-bit words of an
- * extent [start, end), end - start a multiple of 8. Plain C99 + SSE2; no CPython API (ctypes).
+ * extent [start, end), end - start a multiple of 8. C99 + SSE2; no CPython API (ctypes).
+ *
+ * Where the CPU has AVX-512 (AVX2: the sums), the passes use 64-byte (32-byte) loads and
+ * stores, asked at run time (the build stays x86-64-v2; nothing depends on the vendor). One
+ * core, cold 64 MiB buffers, on the lent machines' Intel Xeon: sums 9.0-11.8 -> 14.1-18.9
+ * GB/s, copy + sum 7.1-10.8 -> 9.5-11.5 GB/s; on AMD EPYC (Zen 4) about the same either way.
+ * On a 2-core push every byte these passes read is CPU taken from the transport threads.
  */
 #include <stdint.h>
 #include <string.h>
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define WS_WIDE 1
+#else
+#define WS_WIDE 0
+#endif
 
 enum { WS_OK = 0, WS_ERR_EXTENT = -1 };
 
-/* Sum of n bytes (n a multiple of 8) at p. */
-static uint64_t sum_words(const uint8_t *p, int64_t n)
+/* Sum of n bytes (n a multiple of 8) at p, 16-byte loads. */
+static uint64_t sum_words_sse2(const uint8_t *p, int64_t n)
 {
     uint64_t acc = 0;
     int64_t i = 0;
@@ -47,9 +59,82 @@ static uint64_t sum_words(const uint8_t *p, int64_t n)
     return acc;
 }
 
+#if WS_WIDE
+__attribute__((target("avx512f"))) static uint64_t sum_words_avx512(const uint8_t *p, int64_t n)
+{
+    __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
+    int64_t i = 0;
+    for (; i + 128 <= n; i += 128) {
+        a0 = _mm512_add_epi64(a0, _mm512_loadu_si512((const void *)(p + i)));
+        a1 = _mm512_add_epi64(a1, _mm512_loadu_si512((const void *)(p + i + 64)));
+    }
+    return (uint64_t)_mm512_reduce_add_epi64(_mm512_add_epi64(a0, a1)) +
+           sum_words_sse2(p + i, n - i);
+}
+
+__attribute__((target("avx2"))) static uint64_t sum_words_avx2(const uint8_t *p, int64_t n)
+{
+    __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
+    int64_t i = 0;
+    for (; i + 128 <= n; i += 128) {
+        a0 = _mm256_add_epi64(a0, _mm256_loadu_si256((const __m256i *)(p + i)));
+        a1 = _mm256_add_epi64(a1, _mm256_loadu_si256((const __m256i *)(p + i + 32)));
+        a0 = _mm256_add_epi64(a0, _mm256_loadu_si256((const __m256i *)(p + i + 64)));
+        a1 = _mm256_add_epi64(a1, _mm256_loadu_si256((const __m256i *)(p + i + 96)));
+    }
+    uint64_t lanes[4];
+    _mm256_storeu_si256((__m256i *)lanes, _mm256_add_epi64(a0, a1));
+    return lanes[0] + lanes[1] + lanes[2] + lanes[3] + sum_words_sse2(p + i, n - i);
+}
+#endif
+
+/* Sum of n bytes (n a multiple of 8) at p: the widest loads the CPU supports, for extents
+ * long enough to pay for the check. */
+static uint64_t sum_words(const uint8_t *p, int64_t n)
+{
+#if WS_WIDE
+    if (n >= 4096) {
+        __builtin_cpu_init(); /* idempotent; fills the feature bits libgcc's checks read */
+        if (__builtin_cpu_supports("avx512f")) return sum_words_avx512(p, n);
+        if (__builtin_cpu_supports("avx2")) return sum_words_avx2(p, n);
+    }
+#endif
+    return sum_words_sse2(p, n);
+}
+
+#if WS_WIDE
+/* copy_sum_blocks with 64-byte loads and non-temporal stores; dst 64-byte aligned. */
+__attribute__((target("avx512f"))) static uint64_t copy_sum_avx512(uint8_t *dst,
+                                                                   const uint8_t *src, int64_t n)
+{
+    __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
+    int64_t i = 0;
+    for (; i + 128 <= n; i += 128) {
+        __m512i v0 = _mm512_loadu_si512((const void *)(src + i));
+        __m512i v1 = _mm512_loadu_si512((const void *)(src + i + 64));
+        _mm512_stream_si512((void *)(dst + i), v0);
+        _mm512_stream_si512((void *)(dst + i + 64), v1);
+        a0 = _mm512_add_epi64(a0, v0);
+        a1 = _mm512_add_epi64(a1, v1);
+    }
+    if (i < n) { /* one 64-byte block left */
+        __m512i v0 = _mm512_loadu_si512((const void *)(src + i));
+        _mm512_stream_si512((void *)(dst + i), v0);
+        a0 = _mm512_add_epi64(a0, v0);
+    }
+    return (uint64_t)_mm512_reduce_add_epi64(_mm512_add_epi64(a0, a1));
+}
+#endif
+
 /* Copy n bytes (a multiple of 64) src -> dst and return their sum; dst 16-byte aligned. */
 static uint64_t copy_sum_blocks(uint8_t *dst, const uint8_t *src, int64_t n)
 {
+#if WS_WIDE
+    if (n >= 4096 && !((uintptr_t)dst & 63)) {
+        __builtin_cpu_init();
+        if (__builtin_cpu_supports("avx512f")) return copy_sum_avx512(dst, src, n);
+    }
+#endif
 #if defined(__SSE2__)
     __m128i a0 = _mm_setzero_si128(), a1 = _mm_setzero_si128();
     for (int64_t i = 0; i < n; i += 64) {
