@@ -280,7 +280,8 @@ def main() -> int:
         missed = [k for k, v in r.get("targets_met", {}).items() if not v]
         if missed:
             print(f"{name}: missed {', '.join(missed)}")
-    print(f"wrote {args.out.relative_to(REPO)}")
+    out = args.out.resolve()
+    print(f"wrote {out.relative_to(REPO) if out.is_relative_to(REPO) else out}")
     return 0 if ok else 1
 
 

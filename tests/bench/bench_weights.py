@@ -164,11 +164,14 @@ def _receiver_main(device: str, raw_port: int, cmds: mp.Queue, replies: mp.Queue
         if cmd[0] == "raw":
             if buf is None:  # allocated once, like the receiver's staging buffers
                 buf = torch.empty(cmd[1], dtype=torch.uint8, device=dev)
-            replies.put(("raw", _raw_broadcast(raw_pg, buf, cmd[2], cmd[3], dev)))
+            c0 = time.process_time()
+            t_end = _raw_broadcast(raw_pg, buf, cmd[2], cmd[3], dev)
+            replies.put(("raw", t_end, time.process_time() - c0))
         elif cmd[0] == "push":
+            c0 = time.process_time()
             last = rx.receive(store_pb2.WeightSyncPlan.FromString(cmd[1]))
             _sync(dev)
-            replies.put(("push", time.monotonic()))
+            replies.put(("push", time.monotonic(), time.process_time() - c0))
         elif cmd[0] == "load":
             t0 = time.monotonic()
             if model is None:
@@ -202,23 +205,27 @@ def _sync(dev: torch.device) -> None:
 # ---- sender side ------------------------------------------------------------------------
 
 def raw_send(pg, buf: torch.Tensor, chunk: int, all_at_once: bool, cmds, replies,
-             dev: torch.device) -> float:
+             dev: torch.device) -> tuple[float, tuple[float, float]]:
+    """Seconds, and CPU seconds of (sender, receiver) process (all their threads)."""
     cmds.put(("raw", buf.numel(), chunk, all_at_once))
     time.sleep(0.2)  # the receiver posts first, as in a push where engines joined already
-    t0 = time.monotonic()
+    t0, c0 = time.monotonic(), time.process_time()
     _raw_broadcast(pg, buf, chunk, all_at_once, dev)
-    kind, t_end = replies.get(timeout=600)
-    return t_end - t0
+    cpu = time.process_time() - c0
+    kind, t_end, rx_cpu = replies.get(timeout=600)
+    return t_end - t0, (cpu, rx_cpu)
 
 
-def push_once(sender: WeightSender, version: int, named, cmds, replies) -> tuple[float, object]:
+def push_once(sender: WeightSender, version: int, named, cmds, replies
+              ) -> tuple[float, object, tuple[float, float]]:
     plan = sender.plan(version, [store_pb2.WorkerInfo(worker_id="bench-engine", world_size=1)])
     cmds.put(("push", plan.SerializeToString()))
     time.sleep(0.2)  # engines get the plan from the store watch while the trainer finishes
-    t0 = time.monotonic()
+    t0, c0 = time.monotonic(), time.process_time()
     report = sender.push(plan, named)
-    kind, t_end = replies.get(timeout=600)
-    return t_end - t0, report
+    cpu = time.process_time() - c0
+    kind, t_end, rx_cpu = replies.get(timeout=600)
+    return t_end - t0, report, (cpu, rx_cpu)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -281,19 +288,23 @@ def sender_config(**fields):
 
 def _measure(args, c, named, sender, raw_pg, cmds, replies, dev, bucket) -> dict:
     push_s, raw_all_s, raw_seq_s, phases, report = [], [], [], [], None
+    cpu: dict[str, list[tuple[float, float]]] = {"push": [], "raw_all": [], "raw_seq": []}
     raw_buf = None
     for rep in range(args.repeats + 1):  # rep 0 warms up (group setup, buffers, NCCL init)
-        t_push, report = push_once(sender, rep + 1, named, cmds, replies)
+        t_push, report, c_push = push_once(sender, rep + 1, named, cmds, replies)
         if raw_buf is None:
             raw_buf = torch.empty(report.num_bytes, dtype=torch.uint8, device=dev)
-        t_all = raw_send(raw_pg, raw_buf, bucket, True, cmds, replies, dev)
-        t_seq = raw_send(raw_pg, raw_buf, bucket, False, cmds, replies, dev)
+        t_all, c_all = raw_send(raw_pg, raw_buf, bucket, True, cmds, replies, dev)
+        t_seq, c_seq = raw_send(raw_pg, raw_buf, bucket, False, cmds, replies, dev)
         if rep:
             push_s.append(t_push)
             raw_all_s.append(t_all)
             raw_seq_s.append(t_seq)
             phases.append(report.phases)
+            for key, used in (("push", c_push), ("raw_all", c_all), ("raw_seq", c_seq)):
+                cpu[key].append(used)
     raw_s = min((raw_all_s, raw_seq_s), key=statistics.median)
+    raw_cpu = cpu["raw_all"] if raw_s is raw_all_s else cpu["raw_seq"]
     cmds.put(("load", c))
     _, model_kind, build_s, load_s, load_ok = replies.get(timeout=900)
     nbytes = report.num_bytes
@@ -310,6 +321,10 @@ def _measure(args, c, named, sender, raw_pg, cmds, replies, dev, bucket) -> dict
         "push_phases_s_median": {k: statistics.median(p[k] for p in phases)
                                  for k in (phases[0] if phases else {})},
         "raw_s": raw_s, "push_s_median": push_med, "raw_s_median": raw_med,
+        # CPU seconds per operation of each process (all its threads: gloo's included)
+        "cpu_s_median": {f"{op}_{side}": statistics.median(c[i] for c in runs)
+                         for op, runs in (("push", cpu["push"]), ("raw", raw_cpu))
+                         for i, side in enumerate(("sender", "receiver"))},
         "push_gb_s": nbytes / push_med / 1e9, "raw_gb_s": nbytes / raw_med / 1e9,
         "ratio_to_raw": raw_med / push_med, "target_ratio": 0.8,
         "load_model": model_kind, "model_build_s": build_s, "load_s": load_s,
@@ -336,6 +351,10 @@ def print_table(r: dict) -> None:
     print(f"{'WeightSender.push':<22}{r['push_s_median']:>10.3f}{r['push_gb_s']:>10.2f}")
     steps = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in r["push_phases_s_median"].items())
     print(f"push steps on the sender (median ms after push()): {steps}")
+    c = r["cpu_s_median"]
+    print(f"CPU ms per op (median, whole process): push sender {c['push_sender'] * 1e3:.1f} / "
+          f"receiver {c['push_receiver'] * 1e3:.1f}, raw sender {c['raw_sender'] * 1e3:.1f} / "
+          f"receiver {c['raw_receiver'] * 1e3:.1f}")
     print(f"ratio_to_raw = {r['ratio_to_raw']:.2f} vs the faster raw "
           f"(target >= {r['target_ratio']})")
     print(f"loaded into: {r['load_model']} in {r['load_s']:.2f} s "
