@@ -47,15 +47,8 @@ install_tools() {
     install_helm
     touch "$STAMP"
   fi
-  if ! command -v promtool >/dev/null; then
-    log "installing promtool (Debian package prometheus)"
-    command -v apt-get >/dev/null || die "promtool missing and apt-get unavailable"
-    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-        --no-install-recommends prometheus; } >/dev/null 2>&1 \
-      || die "apt-get install prometheus failed (needs root and the Debian mirror)"
-    # The package starts a Prometheus server on Debian; CI only needs the promtool binary.
-    { systemctl stop prometheus || service prometheus stop; } >/dev/null 2>&1 || true
-  fi
+  command -v promtool >/dev/null || bash "$(dirname "$0")/install_prometheus.sh" \
+    || die "promtool missing and its install failed"
   "$HELM" version --short >/dev/null || die "helm at $HELM does not run"
 }
 

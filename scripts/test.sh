@@ -5,6 +5,8 @@ PY=.venv/bin/python
 # Lint first, so it cannot rot: ruff, then mypy (the same as `make lint`).
 .venv/bin/ruff check services trainer tests
 .venv/bin/mypy services trainer
+# A real Prometheus for the local-run test (and promtool for the chart checks).
+bash scripts/install_prometheus.sh
 "$PY" -m pytest tests/unit tests/integration tests/faults -q -m "not gpu" --timeout=900 -p no:cacheprovider
 if [ -f scripts/chart_check.sh ]; then
   bash scripts/chart_check.sh

@@ -70,6 +70,13 @@ def print_summary(s: dict) -> None:
           f"+ unused at end {t['unused_at_end']} + leased at stop {t['leased_at_stop']} "
           f"+ in groups unfinished at stop {t['in_incomplete_groups']}"
           f"  [{'balanced' if t['balanced'] else 'NOT BALANCED'}]")
+    prom = s.get("prometheus") or {}
+    if prom:
+        fired = ", ".join(f"{a['alert']} at {a['first']:.0f}-{a['last']:.0f} s"
+                          for a in prom["alerts_fired"]) or "none"
+        print(f"alerts fired      {fired} (chart rules, Prometheus at {prom['url']})")
+        empty = f"; no data: {', '.join(prom['empty_panels'])}" if prom["empty_panels"] else ""
+        print(f"dashboards        {', '.join(prom['dashboards'])} ({prom['panels']} panels{empty})")
 
 
 def print_failure(s: dict) -> None:

@@ -34,6 +34,7 @@ from services.local.config import (
 from services.local.procs import ChildDied, Supervisor, free_port, tail
 
 if TYPE_CHECKING:
+    from services.local.prom import LocalPrometheus
     from services.store.redis_server import EmbeddedRedis
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,7 @@ class LocalRun:
         self.redis: EmbeddedRedis | None = None
         self.store_addr = ""
         self.metrics_urls: dict[str, str] = {}
+        self.prom: LocalPrometheus | None = None
         self._last_scrape = 0.0
         self.started = time.monotonic()
 
@@ -172,8 +174,42 @@ class LocalRun:
 
     def train(self, model_dir: Path) -> list[dict]:
         trainer = self.start_trainer(model_dir)
+        self.start_prometheus()
         self.print_endpoints()
         return self._follow(trainer)
+
+    def start_prometheus(self) -> None:
+        """A real Prometheus scraping every child with the chart's alert rules, when the
+        binary is on the PATH (else one line, and the run goes on without it)."""
+        from services.local.prom import LocalPrometheus
+
+        binary = LocalPrometheus.binary_on_path()
+        if binary is None:
+            tqdm.write("prometheus: not on the PATH (Debian package `prometheus`): no alerts "
+                       "evaluated, dashboards not rendered")
+            return
+        self.prom = LocalPrometheus(binary, self.dir / "prometheus", free_port())
+        self.prom.start(self.metrics_urls)
+
+    def prometheus_report(self) -> dict:
+        """Alerts that fired and every dashboard panel drawn from its own PromQL (PNG per
+        dashboard under dashboards/); {} without a Prometheus."""
+        from services.local.prom import plot_dashboards
+
+        if self.prom is None:
+            return {}
+        end = time.time()
+        time.sleep(3)  # one more scrape and rule evaluation of the last step
+        alerts = self.prom.alerts_fired(self.prom.started, time.time())
+        panels = self.prom.dashboard_data(self.prom.started, time.time())
+        pngs = plot_dashboards(panels, self.dir / "dashboards", self.prom.started)
+        rel = lambda t: round(t - self.prom.started, 1)  # noqa: E731
+        return {"url": self.prom.url, "seconds": round(end - self.prom.started, 1),
+                "alerts_fired": [{**a, "first": rel(a["first"]), "last": rel(a["last"])}
+                                 for a in alerts],
+                "dashboards": [str(p) for p in pngs],
+                "panels": len(panels),
+                "empty_panels": [f"{p.dashboard} / {p.title}" for p in panels if p.empty]}
 
     def _follow(self, trainer) -> list[dict]:
         """Print a table row per step as the trainer logs it; wait for the trainer to exit."""
@@ -218,6 +254,9 @@ class LocalRun:
 
     def print_endpoints(self) -> None:
         tqdm.write(f"store gRPC on {self.store_addr} (loopback, no TLS: local mode)")
+        if self.prom is not None:
+            tqdm.write(f"prometheus {self.prom.url} (the chart's alert rules; data in "
+                       f"{self.prom.dir})")
         for name, url in self.metrics_urls.items():
             tqdm.write(f"metrics: {name:<10} {url}")
 
@@ -231,7 +270,8 @@ class LocalRun:
         """Stop the workers, account for every trajectory, write summary + report."""
         self.snapshot_metrics()
         self.stop_rollouts()
-        summary = self._summary(rows, self._account().as_dict())
+        summary = self._summary(rows, self._account().as_dict(),
+                                prometheus=self.prometheus_report())
         report.plot_report(rows, self.dir / "report.png",
                            f"r3flow local — replay={self.cfg.replay}, {len(rows)} GRPO steps")
         return summary
@@ -267,6 +307,8 @@ class LocalRun:
         return summary
 
     def close(self) -> None:
+        if self.prom is not None:
+            self.prom.stop()
         self.sup.stop_all()
         if self.redis is not None:
             self.redis.stop()

@@ -5,6 +5,8 @@ every trajectory accounted for, the report written, every dashboard/alert metric
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -74,3 +76,27 @@ def test_every_dashboard_and_alert_metric_is_exported(run_dir: Path):
                      (n.removesuffix("_total") if kinds[n] == "counter" else n) not in exported)
     assert {p.stem for p in (run_dir / "metrics").glob("*.prom")} >= {"store", "rollout-0", "trainer"}
     assert not missing, f"dashboards/alerts reference metrics no process exported: {missing}"
+
+
+def _chart_panels() -> int:
+    boards = (ROOT / "helm" / "r3flow" / "dashboards").glob("*.json")
+    return sum(1 for b in boards for p in json.loads(b.read_text())["panels"]
+               if any(t.get("expr") for t in p.get("targets", [])))
+
+
+def test_dashboards_drawn_from_a_real_prometheus(run_dir: Path):
+    """With a `prometheus` binary on the PATH (make test installs it), the run scraped every
+    child with the chart's alert rules and every panel of every chart dashboard got data from
+    its own PromQL: no panel is empty because of a wrong metric name or label."""
+    if shutil.which("prometheus") is None:
+        if os.environ.get("CI"):
+            pytest.fail("prometheus is not on the PATH under CI (scripts/install_prometheus.sh)")
+        pytest.skip("no prometheus binary on the PATH")
+    prom = json.loads((run_dir / "summary.json").read_text())["prometheus"]
+    assert prom["panels"] == _chart_panels() > 0
+    assert prom["empty_panels"] == [], prom["empty_panels"]
+    assert all(Path(p).stat().st_size > 20_000 for p in prom["dashboards"]), prom["dashboards"]
+    assert len(prom["dashboards"]) == len(list((ROOT / "helm/r3flow/dashboards").glob("*.json")))
+    rules = (run_dir / "prometheus" / "r3flow-alerts.yaml").read_text()
+    assert rules == (ROOT / "helm/r3flow/rules/r3flow-alerts.yaml").read_text()
+    assert isinstance(prom["alerts_fired"], list)
