@@ -132,7 +132,7 @@ class CheckpointManager:
         """Restore this rank's shard and the optimizer; returns the saved data position."""
         from safetensors.torch import load_file
 
-        from trainer.model import copy_into
+        from trainer.megatron.model import copy_into
 
         path = path or self.latest()
         if path is None:

@@ -10,7 +10,7 @@ from services.common.auth import ClientAuthConfig
 from services.common.config import StrictConfig
 from services.common.weight_sync.config import WeightSyncConfig
 from trainer.loss import LossConfig
-from trainer.model import ModelConfig
+from trainer.megatron.model import ModelConfig
 from trainer.ray_launch import RayLaunchConfig
 from trainer.replay import ReplayMode
 

@@ -33,7 +33,7 @@ class RankWorker:
     _sender: RankSender | None = None  # rank 0's weight-sync sender, made at the first push
 
     def __init__(self, cfg_json: str, rank: int = 0, node_ip: str = "") -> None:
-        from trainer.engine import Trainer
+        from trainer.megatron.engine import Trainer
 
         self.rank, self.node_ip = rank, node_ip
         self.cfg = TrainerConfig.model_validate_json(cfg_json)

@@ -2,7 +2,7 @@
 
 `python -m services.local.warm_start --config warm.json` reads an SFT JSONL file of
 {"prompt", "answer"} pairs, takes `steps` cross-entropy steps on prompt+answer+EOS (loss on the
-answer and EOS only) with `trainer.engine.Trainer.sft_step`, then writes an HF checkpoint
+answer and EOS only) with `trainer.megatron.engine.Trainer.sft_step`, then writes an HF checkpoint
 (exported weights + the initial model's config and tokenizer) that the rollout workers and the
 GRPO trainer both start from. Progress goes to stdout as JSON lines for `r3flow local`.
 """
@@ -83,7 +83,7 @@ def save_hf(trainer, src_dir: str, out_dir: str) -> Path:
 
 
 def run(cfg: WarmStartConfig) -> Path:
-    from trainer.engine import Trainer
+    from trainer.megatron.engine import Trainer
 
     examples = tokenize_examples(cfg.model_dir, cfg.sft_path)
     trainer = Trainer(trainer_config(cfg))

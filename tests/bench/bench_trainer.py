@@ -103,7 +103,7 @@ def main() -> int:
 
 def run(model: Path, rollouts: list, steps: int) -> dict:
     from trainer.config import TrainerConfig
-    from trainer.engine import Trainer
+    from trainer.megatron.engine import Trainer
 
     rng = np.random.default_rng(0)
     tr = Trainer(TrainerConfig(model_dir=str(model), model={"dtype": "bf16"},
@@ -198,7 +198,7 @@ def _bf16_noise_floor(model, tr, samples) -> dict:
     import torch
 
     from trainer.config import TrainerConfig
-    from trainer.engine import Trainer
+    from trainer.megatron.engine import Trainer
 
     fp32 = Trainer(TrainerConfig(model_dir=str(model), data={"micro_batch_size": 4}))
     lp16, lp32 = tr.sample_logprobs(samples, "r3"), fp32.sample_logprobs(samples, "r3")

@@ -49,7 +49,7 @@ def _cfg(model_dir, **kw):
 
 @pytest.fixture(scope="module")
 def megatron(model_dir, plain):
-    from trainer.engine import Trainer
+    from trainer.megatron.engine import Trainer
 
     return {dt: Trainer(_cfg(model_dir, model={"dtype": dt})) for dt in ("fp32", "bf16")}
 

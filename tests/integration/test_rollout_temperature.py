@@ -78,7 +78,7 @@ def trajectories(tmp_path_factory):
 def test_trainer_and_rollout_logprobs_agree_at_temperature_0_6(trajectories):
     from trainer.batch import sample_from_trajectory
     from trainer.config import TrainerConfig
-    from trainer.engine import Trainer
+    from trainer.megatron.engine import Trainer
 
     model, trajs = trajectories
     assert all(s.sampling.temperature == pytest.approx(TEMPERATURE)

@@ -13,7 +13,7 @@ def test_resume_continues_exactly(tmp_path):
     from services.rollout.tiny_moe import TinyMoeConfig, build_tiny_moe
     from trainer.checkpoint import CheckpointManager, DataPosition
     from trainer.config import TrainerConfig
-    from trainer.engine import Trainer
+    from trainer.megatron.engine import Trainer
 
     model = build_tiny_moe(tmp_path / "tiny", TinyMoeConfig(num_layers=2))
     cfg = TrainerConfig(model_dir=str(model), replay={"mode": "r2"}, optim={"lr": 1e-3},

@@ -104,7 +104,7 @@ def _worker(model_dir: str, out_path: str) -> None:
     from safetensors.torch import load_file
 
     from trainer.config import TrainerConfig
-    from trainer.engine import Trainer
+    from trainer.megatron.engine import Trainer
 
     rank = int(os.environ["RANK"])
     cfg = TrainerConfig(model_dir=model_dir, model={"expert_parallel": 2},
@@ -133,7 +133,7 @@ def _uneven_worker(model_dir: str, out_path: str) -> None:
     import torch
 
     from trainer.config import TrainerConfig
-    from trainer.engine import Trainer
+    from trainer.megatron.engine import Trainer
 
     faulthandler.dump_traceback_later(120, exit=True)  # a stranded collective fails, not hangs
     rank = int(os.environ["RANK"])

@@ -33,7 +33,7 @@ def hf(model_dir):
 @pytest.fixture(scope="module")
 def trainer(model_dir, hf):  # hf first: it must load before megatron's process group exists
     from trainer.config import TrainerConfig
-    from trainer.engine import Trainer
+    from trainer.megatron.engine import Trainer
 
     cfg = TrainerConfig(model_dir=str(model_dir), loss={"kl_coef": 0.05},
                         data={"micro_batch_size": 2}, optim={"lr": 1e-4},
@@ -125,7 +125,7 @@ def capture_routing(trainer):
 
 
 def reload(trainer, model_dir):
-    from trainer.model import load_hf_weights
+    from trainer.megatron.model import load_hf_weights
 
     load_hf_weights(trainer.policy, model_dir)
 
@@ -277,7 +277,7 @@ def test_recompute_uses_each_microbatch_routing(model_dir, hf, trainer):
 
     from trainer.alignment import to_router_rows
     from trainer.config import TrainerConfig
-    from trainer.engine import Trainer
+    from trainer.megatron.engine import Trainer
 
     cfg = trainer.cfg.model_copy(deep=True)
     cfg.model.recompute_moe = True

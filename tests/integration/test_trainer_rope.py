@@ -73,8 +73,8 @@ def _hf_logits(model_dir, tokens_BS, forced_BSK):
 
 def _megatron_logits(model_dir, tokens_BS, forced_BSK):
     from trainer.alignment import to_router_rows
-    from trainer.model import ModelConfig, build_model, init_parallel
-    from trainer.replay import ModelReplay
+    from trainer.megatron.model import ModelConfig, build_model, init_parallel
+    from trainer.megatron.replay import ModelReplay
 
     cfg = ModelConfig()
     init_parallel(cfg)
@@ -105,7 +105,7 @@ def test_scaled_rope_logits_match_hf(base_dir, tmp_path, name):
 
 
 def test_dynamic_ntk_is_refused_by_name(base_dir, tmp_path):
-    from trainer.hf_mapping import load_arch
+    from trainer.megatron.hf_mapping import load_arch
 
     model_dir = _with_rope(base_dir, tmp_path, {"rope_type": "dynamic", "factor": 2.0})
     with pytest.raises(ValueError, match=r"rope_scaling\.type: 'dynamic'"):

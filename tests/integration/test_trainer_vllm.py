@@ -79,7 +79,7 @@ def _samples(rollouts, layer_map):
 
 def test_r3_vs_off_logprob_diff_bf16(rollouts, tmp_path):
     from trainer.config import TrainerConfig
-    from trainer.engine import Trainer
+    from trainer.megatron.engine import Trainer
 
     model, data = rollouts
     tr = Trainer(TrainerConfig(model_dir=str(model), model={"dtype": "bf16"},

@@ -209,7 +209,7 @@ def _trainer(model_dir: str, work: Path) -> None:
     from services.common.weight_sync import WeightSyncConfig
     from services.rollout.worker_ext import tensor_digest
     from trainer.config import TrainerConfig
-    from trainer.engine import Trainer
+    from trainer.megatron.engine import Trainer
     from trainer.weight_push import RankSender
 
     rank = int(os.environ["RANK"])

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.hf_mapping import (
+from trainer.megatron.hf_mapping import (
     arch_from_hf_config,
     hf_to_megatron,
     megatron_to_hf,
@@ -120,7 +120,7 @@ def test_example_config_loads():
 
 
 def test_rope_scaling_megatron_can_build_is_kept():
-    from trainer.hf_mapping import RopeScaling
+    from trainer.megatron.hf_mapping import RopeScaling
 
     a = arch_from_hf_config(CFG)
     assert a.rope_scaling == RopeScaling()

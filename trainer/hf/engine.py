@@ -1,9 +1,9 @@
 """HFTrainer: the GRPO/PPO trainer on an HF transformers MoE model (FSDP2), with routing replay.
 
-Same public methods and metrics as trainer.engine.Trainer (megatron backend) and the same pieces
+Same public methods and metrics as trainer.megatron.engine.Trainer (megatron backend) and the same pieces
 underneath: advantages, PPO/SFT loss and logprob diff from trainer.loss, samples and padded
 micro-batches from trainer.batch (or packed ones from trainer.hf.packing), the layer map and
-route checks from trainer.alignment, the agreement floor and its error from trainer.replay.
+route checks from trainer.alignment, the agreement floor and its error from trainer.megatron.replay.
 Replay is trainer.hf.routers (router forward hooks). Per step:
   1. advantages; micro-batches (packed [1, T] by default);
   2. old-policy pass (no grad): r3 replays the rollout routing and checks agreement, r2 records

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from trainer.alignment import shard_sequence_parallel
-from trainer.replay import AgreementMonitor
+from trainer.replay import AgreementStats
 
 
 def softmax_topk_weights(router: Any, logits_TE: torch.Tensor,
@@ -133,31 +133,23 @@ class ReplayAction(StrEnum):
     RECORD = "record"  # the router's own top-k, kept for a later replay (R2)
 
 
-class HFAgreementMonitor(AgreementMonitor):
+class HFAgreementMonitor(AgreementStats):
     """Routing agreement for HF routers: same counters, per-layer/overall/check (and error) as
-    trainer.replay.AgreementMonitor; fed by the replay hook, which already holds the router's
-    own top-k, instead of megatron router hooks (so the megatron constructor is not used).
+    trainer.megatron.replay.AgreementMonitor (trainer.replay.AgreementStats); fed by the replay
+    hook, which already holds the router's own top-k, instead of megatron router hooks.
     Counts accumulate on the router's device and are read back only when asked for: a host sync
     per layer per micro-batch stalls the GPU queue (with it and the per-pass route check, r3/off
     was 1.06-1.13 on an H200)."""
 
     def __init__(self, hf_layers: tuple[int, ...], top_k: int, num_experts: int) -> None:
-        self.hf_layers, self.top_k, self.num_experts = hf_layers, top_k, num_experts
+        self.num_experts = num_experts
         self.valid_T: torch.Tensor | None = None
-        self.enabled = True
-        self._handles: list = []
-        self.reset()
+        super().__init__(hf_layers, top_k)  # per-unit agreement is not filed here yet
 
     def reset(self) -> None:
-        self.agree = [0] * len(self.hf_layers)
-        self.total = [0] * len(self.hf_layers)
+        super().reset()
         self._pending: list[list[torch.Tensor]] = [[] for _ in self.hf_layers]
         self._valid: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor] | None = None
-        self.units: dict[tuple[str, str, str], list[int]] = {}  # not filed per unit here yet
-        self.desync = None
-
-    def collect(self, mb) -> None:
-        """Per-unit agreement is not filed by the HF backend yet (per-layer only)."""
 
     def _valid_mask(self, hits_T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(float mask, its sum) of `valid_T`, computed once per micro-batch, not per layer."""
@@ -201,7 +193,7 @@ class HFAgreementMonitor(AgreementMonitor):
 class HFModelReplay:
     """Replay control for ONE model's routers (policy or reference), through forward hooks.
 
-    Same driving API as trainer.replay.ModelReplay: `replay_forward(rows)` per micro-batch,
+    trainer.replay.ReplayController, as trainer.megatron.replay.ModelReplay: `replay_forward(rows)` per micro-batch,
     `record()` / `recorded()` for R2, `natural()`, `end_step()`. Ids stay set until `end_step`, so
     an activation-checkpointing recompute in backward re-runs the router with the same ids
     (`after_forward` has nothing to switch, unlike megatron's FIFO).

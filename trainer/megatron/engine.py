@@ -33,12 +33,13 @@ from trainer.batch import (
     update_schedule,
 )
 from trainer.config import TrainerConfig
-from trainer.cpu_shims import cuda_tensor_type_names
-from trainer.hf_mapping import export_hf_state_dict, load_arch
 from trainer.loss import group_advantages, ppo_loss, sft_loss, token_logprobs
-from trainer.model import BuiltModel, build_model, init_parallel, resolve_router_dtype
+from trainer.megatron.cpu_shims import cuda_tensor_type_names
+from trainer.megatron.hf_mapping import export_hf_state_dict, load_arch
+from trainer.megatron.model import BuiltModel, build_model, init_parallel, resolve_router_dtype
+from trainer.megatron.replay import AgreementMonitor, ModelReplay
 from trainer.old_policy import OldPolicyPass
-from trainer.replay import AgreementMonitor, ModelReplay, ReplayMode, RoutingAgreementError
+from trainer.replay import ReplayMode, RoutingAgreementError
 
 log = logging.getLogger(__name__)
 

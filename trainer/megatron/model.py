@@ -18,7 +18,7 @@ import torch
 from pydantic import Field
 
 from services.common.config import StrictConfig
-from trainer.hf_mapping import MoeArch, hf_to_megatron, load_arch
+from trainer.megatron.hf_mapping import MoeArch, hf_to_megatron, load_arch
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ def init_parallel(cfg: ModelConfig) -> None:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from services.common.cpu_features import request_amx_permission
-    from trainer.cpu_shims import apply_cpu_shims
+    from trainer.megatron.cpu_shims import apply_cpu_shims
 
     request_amx_permission()  # bf16 CPU kernels may use AMX (no-op without it)
     on_cpu = apply_cpu_shims()

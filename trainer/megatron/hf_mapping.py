@@ -37,7 +37,7 @@ _GLOBAL = {"model.embed_tokens.weight": "embedding.word_embeddings.weight",
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """RoPE scaling of an HF config, as megatron-core 0.19 builds it (`trainer.model`)."""
+    """RoPE scaling of an HF config, as megatron-core 0.19 builds it (`trainer.megatron.model`)."""
 
     type: str = "default"  # default | linear | llama3 | yarn
     factor: float = 1.0
