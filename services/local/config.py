@@ -37,6 +37,9 @@ class GrpoConfig(StrictConfig):
         True, description="divide advantages by the group's reward std (GRPO; false: Dr. GRPO)")
     max_policy_lag: int = Field(
         0, ge=0, description="store drops groups older than this (0: strictly on-policy)")
+    old_logprobs: Literal["trainer", "rollout"] = Field(
+        "trainer", description="PPO ratio denominator: the trainer's old-policy pass, or the "
+        "rollout engine's sampled-token logprobs (the behaviour policy of an async run)")
     backlog_steps: int = Field(2, ge=2, description="store backlog limit, in optimizer steps")
     lease_seconds: int = Field(
         120, ge=5, description="trainer lease: a crashed trainer's groups come back after it")
@@ -120,7 +123,8 @@ def trainer_config(cfg: LocalConfig, run_dir: Path, model_dir: Path) -> dict:
                  "adv_std_normalize": g.adv_std_normalize},
         "replay": {"mode": cfg.replay, "compare_off": g.compare_off},
         "data": {"groups_per_step": g.groups_per_step, "micro_batch_size": 16,
-                 "lease_seconds": g.lease_seconds, "wait_ms": 2000},
+                 "lease_seconds": g.lease_seconds, "wait_ms": 2000,
+                 "old_logprobs": g.old_logprobs},
         "weight_sync": {"timeout_s": g.weight_push_timeout_s},
         "run": {"run_dir": str(run_dir / "trainer"), "steps": g.steps, "checkpoint_every": 1,
                 "push_weights_every": 1, "launcher": cfg.trainer_launcher},
