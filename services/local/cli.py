@@ -65,7 +65,8 @@ def print_summary(s: dict) -> None:
     print(f"|logprob diff|    with replay {_fmt(s['logprob_diff_mean'])}, without replay (same "
           f"batches) {_fmt(s['logprob_diff_mean_off'])}, ratio {_fmt(s['logprob_diff_ratio_vs_off'])}")
     print(f"routing agreement {_fmt(s['routing_agreement'])}")
-    dropped = ", ".join(f"{k} {v}" for k, v in t["dropped"].items()) or "none"
+    dropped = ", ".join(f"{k} {v} ({v / max(t['produced'], 1):.1%})"
+                        for k, v in t["dropped"].items()) or "none"
     print(f"trajectories      produced {t['produced']} = trained {t['trained']} + dropped ({dropped}) "
           f"+ unused at end {t['unused_at_end']} + leased at stop {t['leased_at_stop']} "
           f"+ in groups unfinished at stop {t['in_incomplete_groups']}"
