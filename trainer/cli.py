@@ -1,8 +1,10 @@
-"""`r3flow train`: the megatron-core GRPO/PPO trainer with routing replay, fed by the store.
+"""`r3flow train`: the GRPO/PPO trainer with routing replay, fed by the store.
 
 Command-line flags override the config file (`--store` -> data.store, `--model` -> model_dir,
 `--replay` -> replay.mode, `--steps` -> run.steps, `--run-dir` -> run.run_dir,
-`--metrics-port` -> run.metrics_port). Heavy imports happen inside `run` (instant --help).
+`--metrics-port` -> run.metrics_port, `--backend` -> backend, `--hf-config FILE` -> the hf
+section). One path for both backends (megatron-core, HF + FSDP2); heavy imports happen inside
+`train` (instant --help).
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import threading
 log = logging.getLogger(__name__)
 
 _OVERRIDES = {"store": "data.store", "model": "model_dir", "replay": "replay.mode",
-              "steps": "run.steps", "run_dir": "run.run_dir", "metrics_port": "run.metrics_port"}
+              "steps": "run.steps", "run_dir": "run.run_dir", "metrics_port": "run.metrics_port",
+              "backend": "backend"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -26,18 +29,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, help="optimizer steps (0 = until SIGTERM)")
     p.add_argument("--run-dir", help="checkpoints and train_log.jsonl")
     p.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (0 = free port)")
-    p.add_argument("--backend", choices=["megatron", "hf"], default="megatron",
+    p.add_argument("--backend", choices=["megatron", "hf"],
                    help="megatron-core (default) or HF transformers + FSDP2 (docs/hf_backend.md)")
-    p.add_argument("--hf-config", help="HFBackendConfig file (with --backend hf)")
+    p.add_argument("--hf-config", help="HFBackendConfig file: the config's hf section")
 
 
 def load(args: argparse.Namespace):
     """TrainerConfig from --config plus flag overrides (ConfigError names a bad key)."""
-    from services.common.config import load_config
+    from services.common.config import load_config, read_mapping
     from trainer.config import TrainerConfig
 
     overrides = {key: getattr(args, name) for name, key in _OVERRIDES.items()
                  if getattr(args, name, None) is not None}
+    if getattr(args, "hf_config", None):
+        overrides["hf"] = read_mapping(args.hf_config)
     return load_config(TrainerConfig, args.config, overrides)
 
 
@@ -52,6 +57,12 @@ def _ranks(cfg):
 
 
 def run(args: argparse.Namespace) -> int:
+    """`r3flow train ARGS`; returns the exit code."""
+    return train(load(args))
+
+
+def train(cfg) -> int:
+    """Train from the store with `cfg.backend` until `run.steps` or SIGTERM; the exit code."""
     from prometheus_client import CollectorRegistry
 
     from services.common.auth import ClientAuth
@@ -60,26 +71,25 @@ def run(args: argparse.Namespace) -> int:
     from trainer.loop.loop import TrainLoop
     from trainer.weight_push import StoreWeightPush
 
-    cfg = load(args)
-    if args.backend == "hf":
-        from trainer.hf.cli_support import run_hf
-
-        return run_hf(cfg, args)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     registry = CollectorRegistry()
     metrics = create_metrics(registry, "trainer")
     server = MetricsServer(registry, cfg.run.metrics_host, cfg.run.metrics_port).start()
     log.info("trainer metrics on %s", server.url)
-    with StoreClient(cfg.data.store, auth=ClientAuth.from_config(cfg.data.store_auth)) as client:
-        client.wait_ready(cfg.run.store_ready_timeout_s)
-        ranks = _ranks(cfg)
-        push = (StoreWeightPush(client,
-                                metrics.get("r3flow_trainer_weight_push_failures_total"))
-                if cfg.run.push_weights_every else None)
-        loop = TrainLoop(cfg, ranks, client, metrics, push_fn=push)
-        loop.resume()
-        history = loop.run(cfg.run.steps, stop=stop.is_set)
-    server.stop()
-    log.info("trained %d steps; policy version %d", len(history), loop.pos.policy_version)
+    try:
+        auth = ClientAuth.from_config(cfg.data.store_auth)
+        with StoreClient(cfg.data.store, auth=auth) as client:
+            client.wait_ready(cfg.run.store_ready_timeout_s)
+            ranks = _ranks(cfg)
+            push = (StoreWeightPush(client,
+                                    metrics.get("r3flow_trainer_weight_push_failures_total"))
+                    if cfg.run.push_weights_every else None)
+            loop = TrainLoop(cfg, ranks, client, metrics, push_fn=push)
+            loop.resume()
+            history = loop.run(cfg.run.steps, stop=stop.is_set)
+    finally:
+        server.stop()
+    log.info("trained %d steps (%s backend); policy version %d", len(history), cfg.backend,
+             loop.pos.policy_version)
     return 0

@@ -9,6 +9,7 @@ from pydantic import Field, model_validator
 from services.common.auth import ClientAuthConfig
 from services.common.config import StrictConfig
 from services.common.weight_sync.config import WeightSyncConfig
+from trainer.hf.config import HFBackendConfig
 from trainer.loss import LossConfig
 from trainer.megatron.model import ModelConfig
 from trainer.ray_launch import RayLaunchConfig
@@ -89,6 +90,11 @@ class RunConfig(StrictConfig):
 class TrainerConfig(StrictConfig):
     """`r3flow train --config FILE`."""
 
+    backend: Literal["megatron", "hf"] = Field(
+        "megatron", description="megatron: megatron-core GPTModel (trainer.megatron); hf: HF "
+        "transformers + FSDP2 (trainer.hf, docs/hf_backend.md)")
+    hf: HFBackendConfig = Field(default_factory=HFBackendConfig,  # type: ignore[arg-type]
+                                description="knobs of the hf backend only")
     model_dir: str = Field("", description="HF checkpoint directory (Qwen3-MoE)")
     model: ModelConfig = Field(default_factory=ModelConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
@@ -106,4 +112,7 @@ class TrainerConfig(StrictConfig):
     def _launcher_world(self) -> TrainerConfig:
         if self.run.launcher == "local" and self.run.world_size != 1:
             raise ValueError("run.world_size: the local launcher runs exactly 1 rank (use ray)")
+        if self.backend == "hf" and self.run.launcher != "local":
+            raise ValueError("run.launcher: the hf backend supports only 'local' (one in-process "
+                             "rank) for now")
         return self

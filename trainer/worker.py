@@ -1,4 +1,5 @@
-"""One trainer rank: a Trainer plus the per-rank halves of the loop's named steps.
+"""One trainer rank: a GRPOStep over the configured backend (trainer.backend.make_trainer) plus
+the per-rank halves of the loop's named steps.
 
 The driver (trainer.loop.loop.TrainLoop) pulls groups from the store and hands each rank its share
 as serialized `PulledGroup` bytes (the wire format, never pickled tensors). The rank decodes and
@@ -13,6 +14,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import asdict
 
+from trainer.backend import make_trainer
 from trainer.batch import Sample
 from trainer.checkpoint import CheckpointManager, DataPosition
 from trainer.config import TrainerConfig
@@ -33,11 +35,9 @@ class RankWorker:
     _sender: RankSender | None = None  # rank 0's weight-sync sender, made at the first push
 
     def __init__(self, cfg_json: str, rank: int = 0, node_ip: str = "") -> None:
-        from trainer.megatron.engine import Trainer
-
         self.rank, self.node_ip = rank, node_ip
         self.cfg = TrainerConfig.model_validate_json(cfg_json)
-        self.trainer = Trainer(self.cfg)
+        self.trainer = make_trainer(self.cfg)
         self.ckpt = CheckpointManager(self.cfg.run.run_dir, self.cfg.run.keep_checkpoints)
         self.hf_export = HFExport(self.cfg.run.run_dir, self.cfg.model_dir, self.cfg.run.hf_keep)
 
@@ -45,7 +45,7 @@ class RankWorker:
         """Decode groups; each trajectory's routing -> its layer map -> this model's MoE layers."""
         from services.common.pb.r3flow.v1 import store_pb2
 
-        arch = self.trainer.arch
+        arch = self.trainer.backend
         return [s for b in groups_bytes
                 for s in group_samples(store_pb2.PulledGroup.FromString(b), self.cfg.replay.mode,
                                        self.trainer.layer_map, arch.num_experts, arch.top_k)]
@@ -55,7 +55,7 @@ class RankWorker:
         names the groups quarantined (bad routing, unreproducible sampling, low agreement)."""
         from services.common.pb.r3flow.v1 import store_pb2
 
-        arch = self.trainer.arch
+        arch = self.trainer.backend
         samples, dropped = intake_groups(
             [store_pb2.PulledGroup.FromString(b) for b in groups_bytes], self.cfg.replay.mode,
             self.trainer.layer_map, arch.num_experts, arch.top_k)
@@ -64,14 +64,13 @@ class RankWorker:
         return metrics
 
     def save(self, pos: dict) -> str:
-        return str(self.ckpt.save(self.trainer.policy.module, self.trainer.optimizer,
-                                  DataPosition(**pos)))
+        return str(self.ckpt.save(*self.trainer.backend.checkpoint_state(), DataPosition(**pos)))
 
     def resume(self) -> dict | None:
         """Load the latest checkpoint if there is one; returns its data position."""
         if self.ckpt.latest() is None:
             return None
-        pos = self.ckpt.load(self.trainer.policy.module, self.trainer.optimizer)
+        pos = self.ckpt.load(*self.trainer.backend.checkpoint_state())
         self.trainer.policy_version = pos.policy_version
         return asdict(pos)
 
@@ -111,3 +110,4 @@ class RankWorker:
     def set_policy_version(self, version: int) -> None:
         """Relabel the current weights (resume above what engines serve; an idle re-push)."""
         self.trainer.policy_version = version
+

@@ -2,9 +2,9 @@
 
 `python -m services.local.warm_start --config warm.json` reads an SFT JSONL file of
 {"prompt", "answer"} pairs, takes `steps` cross-entropy steps on prompt+answer+EOS (loss on the
-answer and EOS only) with `trainer.megatron.engine.Trainer.sft_step`, then writes an HF checkpoint
-(exported weights + the initial model's config and tokenizer) that the rollout workers and the
-GRPO trainer both start from. Progress goes to stdout as JSON lines for `r3flow local`.
+answer and EOS only) with `trainer.grpo.GRPOStep.sft_step` (megatron backend), then writes an
+HF checkpoint (exported weights + the initial model's config and tokenizer) that the rollout
+workers and the GRPO trainer both start from. Progress goes to stdout as JSON lines for `r3flow local`.
 """
 
 from __future__ import annotations
@@ -83,10 +83,10 @@ def save_hf(trainer, src_dir: str, out_dir: str) -> Path:
 
 
 def run(cfg: WarmStartConfig) -> Path:
-    from trainer.megatron.engine import Trainer
+    from trainer.backend import make_trainer
 
     examples = tokenize_examples(cfg.model_dir, cfg.sft_path)
-    trainer = Trainer(trainer_config(cfg))
+    trainer = make_trainer(trainer_config(cfg))
     rng = random.Random(cfg.seed)
     for step in range(1, cfg.steps + 1):
         t0 = time.perf_counter()

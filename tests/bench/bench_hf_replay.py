@@ -1,7 +1,7 @@
 """HF/FSDP2 backend benchmark: step time with routing replay (r3) vs without (off), same run.
 
 Workload: an HF Qwen3-MoE built locally (default: the tiny MoE of `r3flow local`, 3 layers with
-layer 0 dense, 8 experts top-2; `--width` scales it up), HFTrainer with packed micro-batches. The
+layer 0 dense, 8 experts top-2; `--width` scales it up), the hf backend with packed micro-batches. The
 rollout routing is the model's own natural routing (recorded once before timing), so both modes
 run the same experts on the same tokens and the difference is the replay machinery itself: route
 validation, the hook's gate-weight recompute and the agreement check. Rounds run off/r3, then
@@ -39,7 +39,7 @@ def _samples(tr, n: int, prompt_len: int, resp_len: int, seed: int) -> list:
         toks = rng.integers(4, 90, prompt_len + resp_len)
         out.append(Sample(toks, prompt_len, np.zeros(resp_len, np.float32),
                           np.ones(resp_len, bool), float(rng.random()), f"g{i // 2}"))
-    mbs = tr.microbatches(out)
+    mbs = tr.backend.microbatches(out)
     tr.compute_logprobs(mbs, "r2")  # records natural routing per micro-batch
     for mb in mbs:
         rows_TLK = np.stack([r.cpu().numpy() for r in mb.replay_rows], 1)
@@ -51,11 +51,11 @@ def _samples(tr, n: int, prompt_len: int, resp_len: int, seed: int) -> list:
 
 def run(model: Path, dtype: str, steps: int, n: int, prompt_len: int, resp_len: int,
         warmup: int = 2) -> dict:
+    from trainer.backend import make_trainer
     from trainer.config import TrainerConfig
-    from trainer.hf.engine import HFTrainer
 
-    tr = HFTrainer(TrainerConfig.model_validate({
-        "model_dir": str(model), "model": {"dtype": dtype}, "optim": {"lr": 1e-7},
+    tr = make_trainer(TrainerConfig.model_validate({
+        "model_dir": str(model), "backend": "hf", "model": {"dtype": dtype}, "optim": {"lr": 1e-7},
         "data": {"micro_batch_size": 4}, "replay": {"agreement_floor": 0.5}}))
     samples = _samples(tr, n, prompt_len, resp_len, seed=0)
     times: dict[str, list[float]] = {"off": [], "r3": [], "off_cpu": [], "r3_cpu": []}
@@ -70,7 +70,7 @@ def run(model: Path, dtype: str, steps: int, n: int, prompt_len: int, resp_len: 
                 agreement.append(m["routing_agreement"])
     med = {k: statistics.median(v) for k, v in times.items()}
     paired = statistics.median(r / o for r, o in zip(times["r3"], times["off"], strict=True))
-    return {"dtype": dtype, "sharded": tr.sharded, "device": str(tr.device),
+    return {"dtype": dtype, "sharded": tr.backend.sharded, "device": str(tr.backend.device),
             "replay_overhead_ratio": med["r3"] / med["off"], "paired_ratio_median": paired,
             "cpu_seconds_ratio": med["r3_cpu"] / med["off_cpu"],
             "step_seconds_off_median": med["off"], "step_seconds_r3_median": med["r3"],

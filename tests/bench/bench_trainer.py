@@ -102,11 +102,11 @@ def main() -> int:
 
 
 def run(model: Path, rollouts: list, steps: int) -> dict:
+    from trainer.backend import make_trainer
     from trainer.config import TrainerConfig
-    from trainer.megatron.engine import Trainer
 
     rng = np.random.default_rng(0)
-    tr = Trainer(TrainerConfig(model_dir=str(model), model={"dtype": "bf16"},
+    tr = make_trainer(TrainerConfig(model_dir=str(model), model={"dtype": "bf16"},
                                optim={"lr": 1e-6}, data={"micro_batch_size": 4},
                                replay={"agreement_floor": 0.5}))
     lmap = tr.layer_map(range(rollouts[0][2].shape[1]))
@@ -197,13 +197,13 @@ def _bf16_noise_floor(model, tr, samples) -> dict:
     bf16-rounded weights (each side's own rounding noise)."""
     import torch
 
+    from trainer.backend import make_trainer
     from trainer.config import TrainerConfig
-    from trainer.megatron.engine import Trainer
 
-    fp32 = Trainer(TrainerConfig(model_dir=str(model), data={"micro_batch_size": 4}))
+    fp32 = make_trainer(TrainerConfig(model_dir=str(model), data={"micro_batch_size": 4}))
     lp16, lp32 = tr.sample_logprobs(samples, "r3"), fp32.sample_logprobs(samples, "r3")
     with torch.no_grad():
-        for p in fp32.policy.module.parameters():
+        for p in fp32.backend.policy.module.parameters():
             p.copy_(p.bfloat16().float())
     lp32r = fp32.sample_logprobs(samples, "r3")
     vllm = [s.rollout_logprobs for s in samples]

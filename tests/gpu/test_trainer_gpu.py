@@ -59,10 +59,10 @@ def hf(model_dir):
 
 
 def _trainer(model_dir, **model):
+    from trainer.backend import make_trainer
     from trainer.config import TrainerConfig
-    from trainer.megatron.engine import Trainer
 
-    return Trainer(TrainerConfig(model_dir=str(model_dir), model=model, optim={"lr": 1e-6},
+    return make_trainer(TrainerConfig(model_dir=str(model_dir), model=model, optim={"lr": 1e-6},
                                  data={"micro_batch_size": 4}, replay={"agreement_floor": 0.9}))
 
 

@@ -49,16 +49,16 @@ def _cfg(model_dir, **kw):
 
 @pytest.fixture(scope="module")
 def megatron(model_dir, plain):
-    from trainer.megatron.engine import Trainer
+    from trainer.backend import make_trainer
 
-    return {dt: Trainer(_cfg(model_dir, model={"dtype": dt})) for dt in ("fp32", "bf16")}
+    return {dt: make_trainer(_cfg(model_dir, model={"dtype": dt})) for dt in ("fp32", "bf16")}
 
 
 @pytest.fixture(scope="module")
 def hf_trainer(model_dir, megatron):  # after megatron: shares its 1-rank process group
-    from trainer.hf.engine import HFTrainer
+    from trainer.backend import make_trainer
 
-    return HFTrainer(_cfg(model_dir, loss={"kl_coef": 0.05}))
+    return make_trainer(_cfg(model_dir, backend="hf", loss={"kl_coef": 0.05}))
 
 
 def make_samples(plain, n=4, seed=0, routing="natural", prompt_len=6):
@@ -88,7 +88,7 @@ def reload(tr, model_dir):
     """Put the checkpoint weights back into an (unsharded) HF trainer's policy."""
     from trainer.hf.model import load_model
 
-    tr.model.load_state_dict(load_model(model_dir).state_dict())
+    tr.backend.model.load_state_dict(load_model(model_dir).state_dict())
 
 
 def moe_blocks(model):
@@ -119,10 +119,10 @@ def test_shifted_routing_is_caught(hf_trainer, plain, model_dir):
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_megatron_and_hf_logprobs_agree_under_same_routing(dtype, megatron, model_dir, plain,
                                                            request):
-    from trainer.hf.engine import HFTrainer
+    from trainer.backend import make_trainer
 
     tr = request.getfixturevalue("hf_trainer") if dtype == "fp32" else \
-        HFTrainer(_cfg(model_dir, model={"dtype": "bf16"}))
+        make_trainer(_cfg(model_dir, backend="hf", model={"dtype": "bf16"}))
     if dtype == "fp32":
         reload(tr, model_dir)
     samples = make_samples(plain, n=6, seed=3, routing="random")
@@ -133,7 +133,7 @@ def test_megatron_and_hf_logprobs_agree_under_same_routing(dtype, megatron, mode
     if dtype == "fp32":
         assert d.max() < 1e-4
     else:
-        assert tr.sharded and d.mean() < 0.02 and d.max() < 0.08
+        assert tr.backend.sharded and d.mean() < 0.02 and d.max() < 0.08
 
 
 def test_grpo_step_r3_with_replaying_reference(hf_trainer, plain, model_dir):
@@ -146,7 +146,7 @@ def test_grpo_step_r3_with_replaying_reference(hf_trainer, plain, model_dir):
     assert second["kl_ref"] > 0 and second["routing_agreement"] < 1.0 + 1e-9
     assert second["policy_version"] == first["policy_version"] + 1
     assert second["logprob_diff_mean"] > first["logprob_diff_mean"]  # weights moved off HF
-    assert hf_trainer.routers[0].module.weight.grad is not None  # gradients reach the router
+    assert hf_trainer.backend.routers[0].module.weight.grad is not None  # gradients reach the router
 
 
 def test_r2_update_replays_old_policy_routing_after_weight_change(hf_trainer, plain, model_dir):
@@ -155,15 +155,15 @@ def test_r2_update_replays_old_policy_routing_after_weight_change(hf_trainer, pl
     hf_trainer.compute_logprobs(mbs, "r2")
     recorded = [t for mb in mbs for t in mb.replay_rows]
     with torch.no_grad():
-        for r in hf_trainer.routers:
+        for r in hf_trainer.backend.routers:
             r.module.weight.add_(torch.randn_like(r.module.weight))
     used: list[torch.Tensor] = []
     hooks = [b.experts.register_forward_pre_hook(lambda mod, a: used.append(a[1].clone()))
-             for b in moe_blocks(hf_trainer.model)]
+             for b in moe_blocks(hf_trainer.backend.model)]
     try:
         hf_trainer.compute_logprobs(mbs, "off")
         natural, used[:] = list(used), []
-        hf_trainer._run_update(mbs, ReplayMode.R2, lambda mb, logits: logits.float().mean() * 0)
+        hf_trainer.backend.update(mbs, ReplayMode.R2, lambda mb, logits: logits.float().mean() * 0)
     finally:
         for h in hooks:
             h.remove()
@@ -187,13 +187,12 @@ def test_sft_step_lowers_loss_and_export_round_trips(hf_trainer, plain, model_di
 
 
 def test_warns_when_kl_reference_does_not_replay(model_dir, megatron, caplog):
-    from trainer.hf.config import HFBackendConfig
-    from trainer.hf.engine import HFTrainer
+    from trainer.backend import make_trainer
 
     with caplog.at_level(logging.WARNING, logger="trainer.hf.engine"):
-        tr = HFTrainer(_cfg(model_dir, loss={"kl_coef": 0.1}),
-                       HFBackendConfig(reference_replay=False))
-    assert tr.ref_replay is None
+        tr = make_trainer(_cfg(model_dir, backend="hf", loss={"kl_coef": 0.1},
+                               hf={"reference_replay": False}))
+    assert tr.backend.ref_replay is None
     assert "reference routes naturally" in caplog.text
 
 
@@ -208,13 +207,13 @@ def _fsdp_rank(rank, world, port, model_dir, shares, out_dir):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    from trainer.hf.engine import HFTrainer
+    from trainer.backend import make_trainer
 
-    tr = HFTrainer(_cfg(model_dir))
+    tr = make_trainer(_cfg(model_dir, backend="hf"))
     before = tr.export_hf_state_dict()
     m = tr.train_step(shares[rank], "r3")
     after = tr.export_hf_state_dict()
-    res = {"sharded": tr.sharded, "grad_norm": m["grad_norm"],
+    res = {"sharded": tr.backend.sharded, "grad_norm": m["grad_norm"],
            "agreement": m["routing_agreement"], "moved": max(
                float((after[k] - before[k]).abs().max()) for k in before),
            "checksum": float(sum(v.double().sum() for v in after.values()))}

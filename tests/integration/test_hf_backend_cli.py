@@ -1,11 +1,10 @@
-"""`r3flow train --backend hf` (trainer.hf.cli_support.run_hf) against a real store: pulls groups
-with HF-natural routing (partial rollouts, a dense layer in the engine's view), trains in r3,
-checkpoints, acks, and a restarted trainer resumes from its checkpoint. In-process: the CLI
-flag lands in trainer/cli.py separately, `run_hf(cfg, args)` is what it dispatches to."""
+"""`r3flow train --backend hf` (trainer.cli.train with backend: hf) against a real store: pulls
+groups with HF-natural routing (partial rollouts, a dense layer in the engine's view), trains in
+r3, checkpoints, acks, and a restarted trainer resumes from its checkpoint. In-process: `train(cfg)`
+is what `r3flow train` runs after loading its config."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import signal
@@ -20,25 +19,24 @@ def test_run_hf_pulls_trains_checkpoints_and_resumes(tmp_path, store_process, ca
 
     from services.rollout.tiny_moe import TinyMoeConfig, build_tiny_moe
     from services.store.client import StoreClient
+    from trainer.cli import train
     from trainer.config import TrainerConfig
-    from trainer.hf.cli_support import run_hf
 
     model = build_tiny_moe(tmp_path / "tiny", TinyMoeConfig(num_layers=3, first_k_dense=1))
     hf = _hf(model)
     cfg = TrainerConfig.model_validate({
-        "model_dir": str(model), "replay": {"mode": "r3", "agreement_floor": 0.9},
+        "model_dir": str(model), "backend": "hf", "replay": {"mode": "r3", "agreement_floor": 0.9},
         "data": {"store": store_process.address, "groups_per_step": 2, "wait_ms": 5000,
                  "micro_batch_size": 2, "consumer": "trainer-hf"},
         "run": {"run_dir": str(tmp_path / "run"), "checkpoint_every": 1, "steps": 1}})
-    args = argparse.Namespace(hf_config=None)
     old_handler = signal.getsignal(signal.SIGTERM)
     try:
         with StoreClient(store_process.address) as client, caplog.at_level(logging.INFO):
             for g in range(4):
                 for traj in make_group(hf, f"hf-{g}", 2, seed=g):
                     client.append_trajectory(traj)
-            assert run_hf(cfg, args) == 0
-            assert run_hf(cfg, args) == 0  # a restarted trainer: resumes from the checkpoint
+            assert train(cfg) == 0
+            assert train(cfg) == 0  # a restarted trainer: resumes from the checkpoint
             stats = client.stats()
     finally:
         signal.signal(signal.SIGTERM, old_handler)
@@ -51,9 +49,9 @@ def test_run_hf_pulls_trains_checkpoints_and_resumes(tmp_path, store_process, ca
 
 
 def test_run_hf_refuses_the_ray_launcher(tmp_path):
+    from trainer.cli import train
     from trainer.config import TrainerConfig
-    from trainer.hf.cli_support import run_hf
 
-    cfg = TrainerConfig(model_dir=str(tmp_path), run={"launcher": "ray", "world_size": 2})
     with pytest.raises(ValueError, match="run.launcher"):
-        run_hf(cfg, argparse.Namespace(hf_config=None))
+        train(TrainerConfig(model_dir=str(tmp_path), backend="hf",
+                            run={"launcher": "ray", "world_size": 2}))

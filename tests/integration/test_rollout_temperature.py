@@ -76,16 +76,16 @@ def trajectories(tmp_path_factory):
 
 
 def test_trainer_and_rollout_logprobs_agree_at_temperature_0_6(trajectories):
+    from trainer.backend import make_trainer
     from trainer.batch import sample_from_trajectory
     from trainer.config import TrainerConfig
-    from trainer.megatron.engine import Trainer
 
     model, trajs = trajectories
     assert all(s.sampling.temperature == pytest.approx(TEMPERATURE)
                for t in trajs for s in t.segments)
-    tr = Trainer(TrainerConfig(model_dir=str(model)))
+    tr = make_trainer(TrainerConfig(model_dir=str(model)))
     samples = [sample_from_trajectory(t, tr.layer_map(t.segments[0].routing[0].layer_ids),
-                                      tr.arch.num_experts, top_k=tr.arch.top_k) for t in trajs]
+                                      tr.backend.arch.num_experts, top_k=tr.backend.arch.top_k) for t in trajs]
     rollout = np.concatenate([s.rollout_logprobs for s in samples])
     at_t = np.concatenate(tr.sample_logprobs(samples, "r3"))
     for s in samples:

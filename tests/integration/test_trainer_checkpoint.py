@@ -11,30 +11,30 @@ pytestmark = pytest.mark.timeout(240)
 
 def test_resume_continues_exactly(tmp_path):
     from services.rollout.tiny_moe import TinyMoeConfig, build_tiny_moe
+    from trainer.backend import make_trainer
     from trainer.checkpoint import CheckpointManager, DataPosition
     from trainer.config import TrainerConfig
-    from trainer.megatron.engine import Trainer
 
     model = build_tiny_moe(tmp_path / "tiny", TinyMoeConfig(num_layers=2))
     cfg = TrainerConfig(model_dir=str(model), replay={"mode": "r2"}, optim={"lr": 1e-3},
                         data={"micro_batch_size": 2})
     ckpt = CheckpointManager(tmp_path / "run")
-    first = Trainer(cfg)
+    first = make_trainer(cfg)
     for seed in (1, 2):
         first.train_step(toy_samples(seed))
     pos = DataPosition(step=2, policy_version=first.policy_version,
                        acked_delivery_ids=["d1", "d2"], trained_group_ids=["g0", "g1"])
-    ckpt.save(first.policy.module, first.optimizer, pos)
+    ckpt.save(first.backend.policy.module, first.backend.optimizer, pos)
     expected = first.train_step(toy_samples(3))
-    want = {k: v.detach().clone() for k, v in first.policy.module.named_parameters()}
+    want = {k: v.detach().clone() for k, v in first.backend.policy.module.named_parameters()}
 
-    second = Trainer(cfg)  # a fresh process would see the same: weights from the HF checkpoint
+    second = make_trainer(cfg)  # a fresh process would see the same: weights from the HF checkpoint
     assert ckpt.latest() is not None and ckpt.latest().name == "step_000002"
-    got_pos = ckpt.load(second.policy.module, second.optimizer)
+    got_pos = ckpt.load(second.backend.policy.module, second.backend.optimizer)
     second.policy_version = got_pos.policy_version
     assert got_pos == pos
     again = second.train_step(toy_samples(3))
     assert again["policy_version"] == expected["policy_version"] == 3
     assert again["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-6)
-    for k, v in second.policy.module.named_parameters():  # Adam moments restored too
+    for k, v in second.backend.policy.module.named_parameters():  # Adam moments restored too
         torch.testing.assert_close(v, want[k], atol=1e-6, rtol=1e-5)

@@ -103,13 +103,13 @@ def _worker(model_dir: str, out_path: str) -> None:
     import torch
     from safetensors.torch import load_file
 
+    from trainer.backend import make_trainer
     from trainer.config import TrainerConfig
-    from trainer.megatron.engine import Trainer
 
     rank = int(os.environ["RANK"])
     cfg = TrainerConfig(model_dir=model_dir, model={"expert_parallel": 2},
                         data={"micro_batch_size": 2}, optim={"lr": 1e-4})
-    tr = Trainer(cfg)
+    tr = make_trainer(cfg)
     ref = load_file(str(Path(model_dir) / "model.safetensors"))
     exported = tr.export_hf_state_dict()
     exact = set(ref) == set(exported) and all(torch.equal(ref[k], exported[k].cpu()) for k in ref)
@@ -117,7 +117,7 @@ def _worker(model_dir: str, out_path: str) -> None:
     r2 = tr.train_step(samples, "r2")
     _attach_recorded_routing(tr, samples)
     r3 = tr.train_step(samples, "r3")
-    local = len(tr.policy.module.decoder.layers[1].mlp.experts.local_experts)
+    local = len(tr.backend.policy.module.decoder.layers[1].mlp.experts.local_experts)
     Path(out_path).write_text(json.dumps({
         "export_exact": exact, "local_experts": local, "grad_norm_r2": r2["grad_norm"],
         "grad_norm_r3": r3["grad_norm"], "agreement_r3": r3["routing_agreement"],
@@ -132,14 +132,14 @@ def _uneven_worker(model_dir: str, out_path: str) -> None:
 
     import torch
 
+    from trainer.backend import make_trainer
     from trainer.config import TrainerConfig
-    from trainer.megatron.engine import Trainer
 
     faulthandler.dump_traceback_later(120, exit=True)  # a stranded collective fails, not hangs
     rank = int(os.environ["RANK"])
     cfg = TrainerConfig(model_dir=model_dir, model={"expert_parallel": 2},
                         data={"micro_batch_size": 2}, optim={"lr": 1e-4, "mini_batches": 2})
-    tr = Trainer(cfg)
+    tr = make_trainer(cfg)
     samples = _samples(rank)[:4 if rank == 0 else 1]
     r2 = tr.train_step(samples, "r2")
     samples = samples if rank == 0 else []

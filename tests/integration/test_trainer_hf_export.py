@@ -26,11 +26,9 @@ def _checkpoint_named(model_dir) -> dict[str, torch.Tensor]:
 
 
 def _ranks(backend: str, cfg):
-    from trainer.hf.cli_support import HFLocalRanks
-    from trainer.hf.config import HFBackendConfig
     from trainer.loop.ranks import LocalRanks
 
-    return LocalRanks(cfg) if backend == "megatron" else HFLocalRanks(cfg, HFBackendConfig())
+    return LocalRanks(cfg.model_copy(update={"backend": backend}))
 
 
 @pytest.mark.parametrize("backend", ["megatron", "hf"])

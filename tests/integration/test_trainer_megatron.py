@@ -32,13 +32,13 @@ def hf(model_dir):
 
 @pytest.fixture(scope="module")
 def trainer(model_dir, hf):  # hf first: it must load before megatron's process group exists
+    from trainer.backend import make_trainer
     from trainer.config import TrainerConfig
-    from trainer.megatron.engine import Trainer
 
     cfg = TrainerConfig(model_dir=str(model_dir), loss={"kl_coef": 0.05},
                         data={"micro_batch_size": 2}, optim={"lr": 1e-4},
                         replay={"agreement_floor": 0.9})
-    return Trainer(cfg)
+    return make_trainer(cfg)
 
 
 # ---------------------------------------------------------------- HF reference (test helpers)
@@ -120,14 +120,14 @@ def capture_routing(trainer):
         rm = out[1].bool()
         sets = rm.nonzero()[:, 1].view(rm.shape[0], -1).sort(-1).values
         calls.append((router.router_replay.router_replay_action, router.layer_number, sets))
-    handles = [r.register_forward_hook(hook) for r in trainer.policy.routers]
+    handles = [r.register_forward_hook(hook) for r in trainer.backend.policy.routers]
     return calls, handles
 
 
 def reload(trainer, model_dir):
     from trainer.megatron.model import load_hf_weights
 
-    load_hf_weights(trainer.policy, model_dir)
+    load_hf_weights(trainer.backend.policy, model_dir)
 
 
 # ---------------------------------------------------------------- tests
@@ -143,7 +143,7 @@ def test_round_trip_hf_megatron_hf_is_exact(trainer, model_dir):
 
 def test_router_dtype_auto_is_resolved_to_the_engines_at_boot(trainer):
     assert trainer.cfg.model.router_dtype == "native"  # qwen3_moe: vLLM's gate dtype
-    assert trainer.policy.config.moe_router_dtype is None  # megatron: router in model dtype
+    assert trainer.backend.policy.config.moe_router_dtype is None  # megatron: router in model dtype
 
 
 def test_logits_match_hf_under_same_forced_routing(trainer, hf, model_dir):
@@ -156,11 +156,11 @@ def test_logits_match_hf_under_same_forced_routing(trainer, hf, model_dir):
     forced = forced.view(2, 12, 2, 2)
     hf_logits, natural = hf_forward(hf, tokens, forced)
     assert not torch.equal(natural.sort(-1).values, forced.sort(-1).values)
-    trainer.replay.replay_forward(to_router_rows(forced))
+    trainer.backend.replay.replay_forward(to_router_rows(forced))
     with torch.no_grad():
-        mc = trainer.policy.module(input_ids=tokens, position_ids=torch.arange(12).expand(2, 12),
+        mc = trainer.backend.policy.module(input_ids=tokens, position_ids=torch.arange(12).expand(2, 12),
                                    attention_mask=None)
-    trainer.replay.end_step()
+    trainer.backend.replay.end_step()
     torch.testing.assert_close(mc, hf_logits, atol=1e-4, rtol=1e-4)
 
 
@@ -245,7 +245,7 @@ def test_r2_replays_old_policy_routing_after_weight_change(trainer, hf, model_di
     trainer.compute_logprobs(mbs, "r2")  # old policy: records its own routing per micro-batch
     recorded = [[t.sort(-1).values for t in mb.replay_rows] for mb in mbs]
     with torch.no_grad():
-        for r in trainer.policy.routers:
+        for r in trainer.backend.policy.routers:
             r.weight.add_(torch.randn_like(r.weight) * 2.0)
     calls, handles = capture_routing(trainer)
     try:
@@ -255,7 +255,7 @@ def test_r2_replays_old_policy_routing_after_weight_change(trainer, hf, model_di
         # The router was moved far from the recorded routing on purpose: the update's
         # agreement floor would (rightly) stop this step; here only replay itself is tested.
         trainer.cfg.replay.check_agreement = False
-        trainer._run_update(mbs, ReplayMode.R2, _zero_loss)
+        trainer.backend.update(mbs, ReplayMode.R2, _zero_loss)
     finally:
         trainer.cfg.replay.check_agreement = True
         for h in handles:
@@ -268,26 +268,25 @@ def test_r2_replays_old_policy_routing_after_weight_change(trainer, hf, model_di
 
 
 def _zero_loss(mb, logits):
-    loss = logits.float().mean() * 0.0
-    return loss, {"loss": loss.detach()}
+    return logits.float().mean() * 0.0
 
 
 def test_recompute_uses_each_microbatch_routing(model_dir, hf, trainer):
     from megatron.core.transformer.moe.router_replay import RouterReplayAction as A
 
     from trainer.alignment import to_router_rows
+    from trainer.backend import make_trainer
     from trainer.config import TrainerConfig
-    from trainer.megatron.engine import Trainer
 
     cfg = trainer.cfg.model_copy(deep=True)
     cfg.model.recompute_moe = True
     cfg.replay.check_agreement = False  # random routing: replay plumbing only, no agreement
-    rec = Trainer(TrainerConfig.model_validate(cfg.model_dump()))
+    rec = make_trainer(TrainerConfig.model_validate(cfg.model_dump()))
     mbs = rec.prepare(make_samples(hf, n=4, routing="random", seed=7))
     assert len(mbs) == 2
     calls, handles = capture_routing(rec)
     try:
-        rec._run_update(mbs, ReplayMode.R3, _zero_loss)
+        rec.backend.update(mbs, ReplayMode.R3, _zero_loss)
     finally:
         for h in handles:
             h.remove()
@@ -388,12 +387,12 @@ def test_replay_bypassed_inside_the_model_is_caught_r2(trainer, hf, model_dir, m
     mbs = trainer.prepare(make_samples(hf, n=2, seed=13))
     trainer.compute_logprobs(mbs, "r2")  # records the routing of these weights
     with torch.no_grad():
-        for r in trainer.policy.routers:
+        for r in trainer.backend.policy.routers:
             r.weight.add_(torch.randn_like(r.weight) * 2.0)  # natural routing moves away
     _bypass_replay(monkeypatch)
     try:
         with pytest.raises(ReplayDesyncError, match="replay bypassed or out of step"):
-            trainer._run_update(mbs, ReplayMode.R2, _zero_loss)
+            trainer.backend.update(mbs, ReplayMode.R2, _zero_loss)
     finally:
         reload(trainer, model_dir)
 

@@ -78,11 +78,11 @@ def _samples(rollouts, layer_map):
 
 
 def test_r3_vs_off_logprob_diff_bf16(rollouts, tmp_path):
+    from trainer.backend import make_trainer
     from trainer.config import TrainerConfig
-    from trainer.megatron.engine import Trainer
 
     model, data = rollouts
-    tr = Trainer(TrainerConfig(model_dir=str(model), model={"dtype": "bf16"},
+    tr = make_trainer(TrainerConfig(model_dir=str(model), model={"dtype": "bf16"},
                                data={"micro_batch_size": 4}))
     lmap = tr.layer_map(range(data[0][2].shape[1]))  # vLLM reports every hidden layer
     assert lmap.columns == (1, 2, 3, 4, 5)

@@ -208,14 +208,14 @@ def _trainer(model_dir: str, work: Path) -> None:
     from services.common.pb.r3flow.v1 import store_pb2
     from services.common.weight_sync import WeightSyncConfig
     from services.rollout.worker_ext import tensor_digest
+    from trainer.backend import make_trainer
     from trainer.config import TrainerConfig
-    from trainer.megatron.engine import Trainer
     from trainer.weight_push import RankSender
 
     rank = int(os.environ["RANK"])
     cfg = TrainerConfig(model_dir=model_dir, model={"expert_parallel": 2},
                         data={"micro_batch_size": 2}, optim={"lr": 2e-2})
-    tr = Trainer(cfg)
+    tr = make_trainer(cfg)
     tr.train_step(_samples(rank), "r2")
     exported = tr.export_hf_state_dict()  # collective over the EP group
     if rank == 0:

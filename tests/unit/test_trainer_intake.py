@@ -21,7 +21,7 @@ def rank(**cfg) -> RankWorker:
     w = RankWorker.__new__(RankWorker)
     w.cfg = TrainerConfig.model_validate(cfg)
     w.trainer = SimpleNamespace(
-        arch=SimpleNamespace(moe_layers=MOE_LAYERS, num_experts=8, top_k=2),
+        backend=SimpleNamespace(moe_layers=MOE_LAYERS, num_experts=8, top_k=2),
         layer_map=lambda ids: LayerMap.build(MOE_LAYERS, ids))
     return w
 

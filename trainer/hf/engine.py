@@ -1,35 +1,30 @@
-"""HFTrainer: the GRPO/PPO trainer on an HF transformers MoE model (FSDP2), with routing replay.
+"""HFBackend (trainer.backend.TrainBackend): an HF transformers MoE model (FSDP2), AdamW and
+routing replay through router forward hooks (trainer.hf.routers); the step is trainer.grpo's.
 
-Same public methods and metrics as trainer.megatron.engine.Trainer (megatron backend) and the same pieces
-underneath: advantages, PPO/SFT loss and logprob diff from trainer.loss, samples and padded
-micro-batches from trainer.batch (or packed ones from trainer.hf.packing), the layer map and
-route checks from trainer.alignment, the agreement floor and its error from trainer.megatron.replay.
-Replay is trainer.hf.routers (router forward hooks). Per step:
-  1. advantages; micro-batches (packed [1, T] by default);
-  2. old-policy pass (no grad): r3 replays the rollout routing and checks agreement, r2 records
-     the policy's own routing, off routes naturally; reference pass replays the same routing;
-  3. update: per micro-batch forward + backward (FSDP2 reduce-scatters on the last one), grad
-     clip, AdamW; replay ids cleared after the step.
+Micro-batches are packed [1, T] (hf.packing) or padded [B, S] (trainer.batch). An update is a
+per micro-batch forward + backward (FSDP2 reduce-scatters on the last one), grad clip, AdamW;
+replay ids cleared after the step. r3 ids are validated and moved to the device once per
+micro-batch, before the first forward of a pass (`_stage`).
 Legend: B batch rows, S sequence, V vocabulary, T router tokens, K top-k.
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable, Sequence
-from functools import partial
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 import torch
 
-from trainer.alignment import LayerMap, check_routes
-from trainer.batch import MicroBatch, Sample, split_microbatches, update_schedule
+from trainer.alignment import check_routes
+from trainer.backend import LossFn
+from trainer.batch import MicroBatch, Sample, split_microbatches
 from trainer.config import TrainerConfig
 from trainer.hf.config import HFBackendConfig
 from trainer.hf.model import export_hf, init_process_group, load_model, shard
-from trainer.hf.packing import hf_router_rows, pack_microbatches, response_logprobs
+from trainer.hf.packing import hf_router_rows, pack_microbatches
 from trainer.hf.routers import (
     HFAgreementMonitor,
     HFModelReplay,
@@ -37,16 +32,11 @@ from trainer.hf.routers import (
     decoder_layers,
     find_routers,
 )
-from trainer.loss import group_advantages, ppo_loss, sft_loss, token_logprobs
-from trainer.old_policy import OldPolicyPass
-from trainer.replay import ReplayMode
+from trainer.replay import ReplayMode, drive
 
 log = logging.getLogger(__name__)
 
-LossFn = Callable[[MicroBatch, torch.Tensor], torch.Tensor]
-
-
-class HFTrainer(OldPolicyPass):
+class HFBackend:
     """Policy (+ frozen reference) HF model, AdamW and routing replay on this rank."""
 
     def __init__(self, cfg: TrainerConfig, hf: HFBackendConfig | None = None) -> None:
@@ -57,7 +47,7 @@ class HFTrainer(OldPolicyPass):
         if cfg.model.router_dtype == "fp32" and cfg.model.dtype == "bf16":
             log.warning("model.router_dtype=fp32 is ignored by the hf backend: HF routers run in "
                         "the model dtype (bf16), as vLLM's do")
-        self.cfg, self.hf = cfg, hf or HFBackendConfig.model_validate({})
+        self.cfg, self.hf = cfg, hf or cfg.hf
         self.rank, self.world_size = init_process_group()
         self.sharded = self._use_fsdp()
         self.model = self._build(trainable=True)
@@ -82,9 +72,8 @@ class HFTrainer(OldPolicyPass):
                 log.warning("loss.kl_coef=%s with replay.mode=%s but hf.reference_replay is off: "
                             "the reference routes naturally, so kl_ref mixes routing and policy "
                             "drift", cfg.loss.kl_coef, cfg.replay.mode.value)
-        self.policy_version = 0
         self.device = next(self.model.parameters()).device
-        self._layer_maps: dict[tuple[int, ...], LayerMap] = {}
+        self.padded = 0  # micro-batches are not padded across ranks here
 
     def _use_fsdp(self) -> bool:
         if self.hf.fsdp == "off":
@@ -108,13 +97,6 @@ class HFTrainer(OldPolicyPass):
         return model
 
     # ------------------------------------------------------------------ routing
-    def layer_map(self, engine_layer_ids: Sequence[int]) -> LayerMap:
-        """Engine layer columns -> this model's MoE layers (checked against the model)."""
-        key = tuple(int(x) for x in engine_layer_ids)
-        if key not in self._layer_maps:
-            self._layer_maps[key] = LayerMap.build(self.moe_layers, key)
-        return self._layer_maps[key]
-
     def _rows(self, mb: MicroBatch, mode: ReplayMode) -> list[torch.Tensor] | None:
         if mode == ReplayMode.R3:
             return self._r3_rows(mb)
@@ -144,43 +126,38 @@ class HFTrainer(OldPolicyPass):
         return rows
 
     @staticmethod
-    def _drive(ctl: HFModelReplay, rows: list[torch.Tensor] | None, record: bool) -> None:
-        if rows is not None:
-            ctl.replay_forward(rows)
-        elif record:
-            ctl.record()
-        else:
-            ctl.natural()
-
-    @staticmethod
     def _logits(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
         # no attention mask: causal, and block-diagonal for packed rows (restarting positions)
         return model(input_ids=mb.tokens_BS, position_ids=mb.position_ids_BS,
                      use_cache=False).logits
 
-    # ------------------------------------------------------------------ passes
-    @torch.no_grad()
-    def compute_logprobs(self, mbs: Sequence[MicroBatch], replay: ReplayMode | str,
-                         reference: bool = False) -> list[torch.Tensor]:
-        """Per micro-batch [B, S] logprobs of the labels (no grad); r2 records routing."""
-        mode = ReplayMode(replay)
+    # ------------------------------------------------------------------ no-grad passes
+    @contextmanager
+    def no_grad_pass(self, mbs: Sequence[MicroBatch], mode: ReplayMode,
+                     reference: bool) -> Iterator[None]:
         model = self.reference if reference else self.model
         assert model is not None
-        ctl = self.ref_replay if reference else self.replay
         model.eval()
         self._stage(mbs, mode)
-        out = []
-        for mb in mbs:
-            rows = self._rows(mb, mode)
-            if ctl is not None:
-                self._drive(ctl, rows, record=mode == ReplayMode.R2 and not reference)
-            self.agreement.valid_T = mb.valid_rows_BS.reshape(-1)
-            out.append(token_logprobs(self._logits(model, mb), mb.labels_BS, mb.temperature_BS))
-            if ctl is not None and mode == ReplayMode.R2 and rows is None and not reference:
-                mb.replay_rows = ctl.recorded()
-            if ctl is not None:
-                ctl.end_step()
-        model.train()
+        try:
+            yield
+        finally:
+            model.train()
+
+    def logits(self, mb: MicroBatch, mode: ReplayMode, reference: bool = False) -> torch.Tensor:
+        """[B, S, V] logits of `mb` (no grad); r2 records the policy's routing on `mb`."""
+        model, ctl = (self.reference, self.ref_replay) if reference else (self.model,
+                                                                          self.replay)
+        rows = self._rows(mb, mode)
+        record = mode == ReplayMode.R2 and not reference
+        if ctl is not None:
+            drive(ctl, rows, record)
+        self.agreement.valid_T = mb.valid_rows_BS.reshape(-1)
+        out = self._logits(model, mb)
+        if ctl is not None and record and rows is None:
+            mb.replay_rows = ctl.recorded()
+        if ctl is not None:
+            ctl.end_step()
         return out
 
     def microbatches(self, samples: Sequence[Sample]) -> list[MicroBatch]:
@@ -189,17 +166,7 @@ class HFTrainer(OldPolicyPass):
         cut = pack_microbatches if self.hf.packing else split_microbatches
         return [mb.to(self.device) for mb in cut(samples, d.micro_batch_size, d.pad_multiple)]
 
-    def sample_logprobs(self, samples: Sequence[Sample], replay: ReplayMode | str
-                        ) -> list[np.ndarray]:
-        """Trainer logprob of every response token of each sample (input order), no grad."""
-        mbs = self.microbatches(samples)
-        by_id = {}
-        for mb, lp in zip(mbs, self.compute_logprobs(mbs, replay), strict=True):
-            for s, resp in zip(mb.samples, response_logprobs(mb, lp), strict=True):
-                by_id[id(s)] = resp
-        return [by_id[id(s)] for s in samples]
-
-    def _run_update(self, mbs: Sequence[MicroBatch], mode: ReplayMode, loss_fn: LossFn) -> float:
+    def update(self, mbs: Sequence[MicroBatch], mode: ReplayMode, loss_fn: LossFn) -> float:
         """Forward/backward over `mbs` + clip + AdamW; returns the (global) grad norm."""
         self.optimizer.zero_grad(set_to_none=True)
         self._stage(mbs, mode)
@@ -207,7 +174,7 @@ class HFTrainer(OldPolicyPass):
             for i, mb in enumerate(mbs):
                 if self.sharded:  # accumulate unsharded grads; reduce-scatter once at the end
                     self.model.set_requires_gradient_sync(i == len(mbs) - 1)
-                self._drive(self.replay, self._rows(mb, mode), record=False)
+                drive(self.replay, self._rows(mb, mode), record=False)
                 loss_fn(mb, self._logits(self.model, mb)).backward()
                 self.replay.end_step()
         finally:
@@ -221,66 +188,23 @@ class HFTrainer(OldPolicyPass):
         self.optimizer.step()
         return norm
 
-    # ------------------------------------------------------------------ steps
-    def prepare(self, samples: Sequence[Sample]) -> list[MicroBatch]:
-        """Advantages (GRPO, per group) and micro-batches."""
-        adv = group_advantages([s.reward for s in samples], [s.group_id for s in samples],
-                               self.cfg.loss.adv_eps, self.cfg.loss.adv_std_normalize)
-        for s, a in zip(samples, adv, strict=True):
-            s.advantage = float(a)
-        return self.microbatches(samples)
-
-    def _ppo_loss(self, total: float, acc: dict, mb: MicroBatch, logits: torch.Tensor):
-        old = mb.old_logprobs_BS if self.cfg.data.old_logprobs == "rollout" else mb.train_old_lp
-        assert old is not None, "old-policy pass must run before the update"
-        sums = ppo_loss(logits, mb.labels_BS, mb.loss_mask_BS, mb.advantages_BS, old,
-                        mb.ref_lp, self.cfg.loss, mb.temperature_BS)
-        for k in ("ppo_kl", "kl_ref", "clipped", "entropy"):
-            acc[k] = acc.get(k, 0.0) + getattr(sums, k)
-        loss = sums.loss / max(total, 1.0)
-        acc["loss"] = acc.get("loss", 0.0) + float(loss.detach())
-        return loss
-
-    def train_step(self, samples: Sequence[Sample], replay: ReplayMode | str | None = None) -> dict:
-        """One GRPO/PPO optimizer step on `samples`; returns its metrics."""
-        t0 = time.perf_counter()
-        mode = ReplayMode(replay or self.cfg.replay.mode)
-        mbs = self.prepare(samples)
-        metrics = self.old_policy_pass(mbs, mode)
-        total = float(sum(mb.num_tokens for mb in mbs))
-        acc: dict = {}
-        updates = update_schedule(mbs, self.cfg.optim.ppo_epochs, self.cfg.optim.mini_batches)
-        norms = [self._run_update(u, mode, partial(
-            self._ppo_loss, float(sum(mb.num_tokens for mb in u)), acc)) for u in updates]
-        self.policy_version += 1  # one version per step, however many updates it took
-        dt = time.perf_counter() - t0
-        seen = total * self.cfg.optim.ppo_epochs
-        per_tok = {k: acc.get(k, 0.0) / max(seen, 1.0) for k in ("ppo_kl", "kl_ref", "entropy")}
-        return metrics | per_tok | {
-            "clip_ratio": acc.get("clipped", 0.0) / max(seen, 1.0),
-            "loss": acc.get("loss", 0.0) / len(updates), "updates": len(updates),
-            "grad_norm": float(np.mean(norms)),
-            "reward_mean": float(np.mean([s.reward for s in samples])),
-            "step_seconds": dt, "tokens": total,
-            "tokens_per_second": sum(s.tokens.size for s in samples) / dt,
-            "policy_version": self.policy_version, "replay": mode.value}
-
-    def sft_step(self, samples: Sequence[Sample]) -> dict:
-        """Supervised step: cross-entropy on the response tokens (loss_mask), natural routing."""
-        mbs = self.microbatches(samples)
-        total, acc = float(sum(mb.num_tokens for mb in mbs)), {"loss": 0.0}
-
-        def loss_fn(mb: MicroBatch, logits: torch.Tensor) -> torch.Tensor:
-            s, _ = sft_loss(logits, mb.labels_BS, mb.loss_mask_BS)
-            acc["loss"] += float(s.detach()) / max(total, 1.0)
-            return s / max(total, 1.0)
-
-        grad_norm = self._run_update(mbs, ReplayMode.OFF, loss_fn)
-        self.policy_version += 1
-        return {"loss": acc["loss"], "grad_norm": grad_norm, "tokens": total,
-                "policy_version": self.policy_version}
-
+    # ------------------------------------------------------------------ weights
     def export_hf_state_dict(self) -> dict[str, torch.Tensor]:
         """Checkpoint-named full weights (collective under FSDP2: every rank must call it)."""
         dtype = torch.bfloat16 if self.cfg.model.dtype == "bf16" else torch.float32
         return export_hf(self.model, dtype)
+
+    def checkpoint_state(self) -> tuple[Any, Any]:
+        """This rank's FSDP2 parameter shards (as plain tensors) and its optimizer."""
+        return _LocalShards(self.model), self.optimizer
+
+
+class _LocalShards:
+    """This rank's parameters as plain tensors (FSDP2 DTensor -> local shard) for checkpoints."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, p in self.module.named_parameters():
+            yield name, p.to_local() if hasattr(p, "to_local") else p

@@ -1,0 +1,227 @@
+"""One GRPO/PPO step, written once over a `TrainBackend` (trainer.backend).
+
+`train_step(samples)`:
+  1. group-normalised advantages; micro-batches (the backend cuts them);
+  2. old-policy logprob pass (no grad): r3 replays the rollout routing and measures routing
+     agreement per layer and per trajectory unit (RoutingAgreementError below the floor names
+     the groups to quarantine; the pass is redone without them on every rank), r2 records the
+     policy's own routing, off routes naturally; |rollout - trainer| logprob diff is measured;
+  3. reference pass (when kl_coef > 0) replaying the same routing;
+  4. updates: `optim.ppo_epochs` x `optim.mini_batches` backend updates with the PPO loss.
+Legend: B batch rows, S sequence.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from functools import partial
+from typing import Any
+
+import numpy as np
+import torch
+
+from trainer.alignment import LayerMap
+from trainer.backend import TrainBackend
+from trainer.batch import MicroBatch, Sample, update_schedule
+from trainer.hf.packing import response_logprobs
+from trainer.loss import group_advantages, logprob_diff, ppo_loss, sft_loss, token_logprobs
+from trainer.replay import ReplayMode, RoutingAgreementError
+
+log = logging.getLogger(__name__)
+
+PPO_SUMS = ("ppo_kl", "kl_ref", "clipped", "entropy")
+
+
+def max_over_ranks(value: int) -> int:
+    """The largest `value` of all trainer ranks (an all-reduce over the world group)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    t = torch.tensor([value], device="cuda" if torch.cuda.is_available() else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def any_rank(flag: bool) -> bool:
+    """True if `flag` is set on any trainer rank (an all-reduce over the world group)."""
+    return bool(max_over_ranks(int(flag)))
+
+
+def diff_metrics(mbs: Sequence[MicroBatch], lps: Sequence[torch.Tensor], suffix: str) -> dict:
+    """Token-weighted mean and max |rollout - trainer| logprob over the trained tokens."""
+    diffs = [logprob_diff(mb.old_logprobs_BS, lp, mb.loss_mask_BS)
+             for mb, lp in zip(mbs, lps, strict=True)]
+    w = np.array([mb.num_tokens for mb in mbs], dtype=np.float64)
+    return {f"logprob_diff_mean{suffix}": float(np.dot([d[0] for d in diffs], w) / max(w.sum(), 1)),
+            f"logprob_diff_max{suffix}": max(d[1] for d in diffs)}
+
+
+def _tokens(mbs: Sequence[MicroBatch]) -> float:
+    return float(sum(mb.num_tokens for mb in mbs))
+
+
+class GRPOStep:
+    """Advantages, old-policy and reference passes, the update schedule, agreement and metrics
+    of one rank, over `backend`."""
+
+    def __init__(self, backend: TrainBackend) -> None:
+        self.backend, self.cfg = backend, backend.cfg
+        self.policy_version = 0
+        self._layer_maps: dict[tuple[int, ...], LayerMap] = {}
+
+    def layer_map(self, engine_layer_ids: Sequence[int]) -> LayerMap:
+        """Engine layer columns -> this model's MoE layers (checked against the model)."""
+        key = tuple(int(x) for x in engine_layer_ids)
+        if key not in self._layer_maps:
+            self._layer_maps[key] = LayerMap.build(self.backend.moe_layers, key)
+        return self._layer_maps[key]
+
+    # ------------------------------------------------------------------ passes
+    @torch.no_grad()
+    def compute_logprobs(self, mbs: Sequence[MicroBatch], replay: ReplayMode | str,
+                         reference: bool = False) -> list[torch.Tensor]:
+        """Per micro-batch [B, S] logprobs of the labels (no grad); r2 records routing."""
+        mode, b = ReplayMode(replay), self.backend
+        with b.no_grad_pass(mbs, mode, reference):
+            return [token_logprobs(b.logits(mb, mode, reference), mb.labels_BS, mb.temperature_BS)
+                    for mb in mbs]
+
+    def sample_logprobs(self, samples: Sequence[Sample], replay: ReplayMode | str
+                        ) -> list[np.ndarray]:
+        """Trainer logprob of every response token of each sample (input order), no grad."""
+        mbs = self.backend.microbatches(samples)
+        by_id = {}
+        for mb, lp in zip(mbs, self.compute_logprobs(mbs, replay), strict=True):
+            for s, resp in zip(mb.samples, response_logprobs(mb, lp), strict=True):
+                by_id[id(s)] = resp
+        return [by_id[id(s)] for s in samples]
+
+    def prepare(self, samples: Sequence[Sample]) -> list[MicroBatch]:
+        """Advantages (GRPO, per group) and the backend's micro-batches."""
+        adv = group_advantages([s.reward for s in samples], [s.group_id for s in samples],
+                               self.cfg.loss.adv_eps, self.cfg.loss.adv_std_normalize)
+        for s, a in zip(samples, adv, strict=True):
+            s.advantage = float(a)
+        return self.backend.microbatches(samples)
+
+    def old_policy_pass(self, mbs: Sequence[MicroBatch], mode: ReplayMode) -> dict:
+        """Old-policy logprobs (+ agreement in r3), reference logprobs; returns metrics."""
+        agreement = self.backend.agreement
+        check = mode == ReplayMode.R3 and self.cfg.replay.check_agreement
+        agreement.reset()
+        agreement.enabled = check
+        try:
+            old = self.compute_logprobs(mbs, mode)
+        finally:
+            agreement.enabled = False
+        for mb, lp in zip(mbs, old, strict=True):
+            mb.train_old_lp = lp
+            if self.cfg.loss.kl_coef > 0:
+                mb.ref_lp = self.compute_logprobs([mb], mode, reference=True)[0]
+        metrics: dict[str, Any] = diff_metrics(mbs, old, "")
+        if self.cfg.replay.compare_off and mode != ReplayMode.OFF:
+            # Same batch, same weights, natural routing: what replay bought on this step.
+            metrics |= diff_metrics(mbs, self.compute_logprobs(mbs, ReplayMode.OFF), "_off")
+        agreement.check_used()
+        if check:
+            metrics |= self._agreement_metrics()
+            agreement.check(self.cfg.replay.agreement_floor)
+        return metrics
+
+    def _agreement_metrics(self) -> dict[str, Any]:
+        a = self.backend.agreement
+        out: dict[str, Any] = {"routing_agreement": a.overall(),
+                               "routing_agreement_by_layer": a.per_layer()}
+        worst = a.worst()
+        if worst is not None:
+            out["routing_agreement_min"], out["routing_agreement_worst"] = worst[1], worst[0]
+        return out
+
+    def _checked_old_policy(self, samples: list[Sample], mode: ReplayMode
+                            ) -> tuple[list[MicroBatch], dict, dict[str, str]]:
+        """Old-policy pass; groups below the agreement floor are quarantined and the pass is
+        redone without them. Every rank takes part in every redo (agreed after each pass, before
+        the next collective), so one rank's bad group never strands its peers in all-to-all."""
+        dropped: dict[str, str] = {}
+        while True:
+            mbs = self.prepare(samples)
+            bad: dict[str, str] = {}
+            try:
+                metrics = self.old_policy_pass(mbs, mode) if mbs else {}
+            except RoutingAgreementError as e:
+                if not e.bad_groups:
+                    raise
+                bad, metrics = e.bad_groups, {}
+            if not any_rank(bool(bad)):
+                return mbs, metrics, dropped
+            for g, why in bad.items():
+                log.error("quarantining group %s: %s", g, why)
+            dropped |= {g: "routing_agreement" for g in bad}
+            samples = [s for s in samples if s.group_id not in bad]
+
+    # ------------------------------------------------------------------ steps
+    def _ppo_loss(self, total_tokens: float, acc: dict, mb: MicroBatch,
+                  logits: torch.Tensor) -> torch.Tensor:
+        old = mb.old_logprobs_BS if self.cfg.data.old_logprobs == "rollout" else mb.train_old_lp
+        assert old is not None, "old-policy pass must run before the update"
+        sums = ppo_loss(logits, mb.labels_BS, mb.loss_mask_BS, mb.advantages_BS, old,
+                        mb.ref_lp, self.cfg.loss, mb.temperature_BS)
+        for k in PPO_SUMS:
+            acc[k] = acc.get(k, 0.0) + getattr(sums, k)
+        loss = sums.loss / max(total_tokens, 1.0)
+        acc["loss"] = acc.get("loss", 0.0) + float(loss.detach())
+        return loss
+
+    def train_step(self, samples: Sequence[Sample], replay: ReplayMode | str | None = None) -> dict:
+        """One GRPO/PPO optimizer step on `samples`; returns its metrics (`dropped`: group id ->
+        reason of the groups quarantined in this step)."""
+        t0 = time.perf_counter()
+        mode = ReplayMode(replay or self.cfg.replay.mode)
+        mbs, metrics, dropped = self._checked_old_policy(list(samples), mode)
+        samples = [s for s in samples if s.group_id not in dropped]
+        metrics["dropped"] = dropped
+        if not mbs:  # as many micro-batches on every rank: none anywhere
+            return metrics | {"trajectories": 0, "policy_version": self.policy_version,
+                              "replay": mode.value, "skipped": True}
+        acc: dict = {}
+        updates = update_schedule(mbs, self.cfg.optim.ppo_epochs, self.cfg.optim.mini_batches)
+        norms = [self.backend.update(u, mode, partial(self._ppo_loss, _tokens(u), acc))
+                 for u in updates]
+        self.policy_version += 1  # one version per step, however many updates it took
+        return metrics | self._step_metrics(samples, mbs, acc, norms, mode, t0)
+
+    def _step_metrics(self, samples: Sequence[Sample], mbs: Sequence[MicroBatch], acc: dict,
+                      norms: list[float], mode: ReplayMode, t0: float) -> dict:
+        """Per-token means over every update (ppo_kl is 0 in the first, > 0 after it)."""
+        dt, total = time.perf_counter() - t0, _tokens(mbs)
+        seen = max(total * self.cfg.optim.ppo_epochs, 1.0)
+        return {k: acc.get(k, 0.0) / seen for k in ("ppo_kl", "kl_ref", "entropy")} | {
+            "clip_ratio": acc.get("clipped", 0.0) / seen, "loss": acc.get("loss", 0.0) / len(norms),
+            "grad_norm": float(np.mean(norms)), "updates": len(norms),
+            "reward_mean": float(np.mean([s.reward for s in samples])) if samples else None,
+            "trajectories": len(samples), "microbatches_padded": self.backend.padded,
+            "step_seconds": dt, "tokens": total,
+            "tokens_per_second": sum(s.tokens.size for s in samples) / dt,
+            "policy_version": self.policy_version, "replay": mode.value}
+
+    def sft_step(self, samples: Sequence[Sample]) -> dict:
+        """Supervised step: cross-entropy on the response tokens (loss_mask), natural routing."""
+        mbs = self.backend.microbatches(samples)
+        total, acc = _tokens(mbs), {"loss": 0.0}
+
+        def loss_fn(mb: MicroBatch, logits: torch.Tensor) -> torch.Tensor:
+            s, _ = sft_loss(logits, mb.labels_BS, mb.loss_mask_BS)
+            acc["loss"] += float(s.detach()) / max(total, 1.0)
+            return s / max(total, 1.0)
+
+        grad_norm = self.backend.update(mbs, ReplayMode.OFF, loss_fn)
+        self.policy_version += 1
+        return {"loss": acc["loss"], "grad_norm": grad_norm, "tokens": total,
+                "policy_version": self.policy_version}
+
+    def export_hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """HF-named full weights (a collective: every rank must call it)."""
+        return self.backend.export_hf_state_dict()
