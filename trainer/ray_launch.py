@@ -151,6 +151,11 @@ def rank_bundles(cfg: RayLaunchConfig, world_size: int, cluster_gpus: float) -> 
     return [dict(bundle) for _ in range(world_size)]
 
 
+# How long a rank whose collective failed waits for Ray to report a peer's death (a dead node is
+# noticed by the GCS health checks: seconds to tens of seconds).
+DEAD_PEER_WAIT_S = 60.0
+
+
 class RankDiedError(RuntimeError):
     """A rank actor (or its node) died: the world is broken, the trainer must restart."""
 
@@ -215,12 +220,36 @@ class RayRanks:
             try:
                 ray.get(done[0])
             except ray.exceptions.RayActorError as e:
-                r = refs.index(done[0])
-                raise RankDiedError(
-                    f"trainer rank {r} (node {self.nodes[r]}) died during {method!r} "
-                    f"({type(e).__name__}); the job stops here and resumes from its last "
-                    f"checkpoint when submitted again") from e
+                raise self._died(refs.index(done[0]), method, e) from e
+            except ray.exceptions.RayTaskError as e:
+                # A survivor's collective often fails first (its peer's socket reset) while
+                # Ray has yet to report the peer's death: name the dead rank when there is one.
+                dead = self._dead_rank(refs, pending)
+                if dead is None:
+                    raise
+                raise self._died(dead[0], method, dead[1]) from e
         return ray.get(refs)
+
+    def _died(self, rank: int, method: str, e: BaseException) -> RankDiedError:
+        return RankDiedError(
+            f"trainer rank {rank} (node {self.nodes[rank]}) died during {method!r} "
+            f"({type(e).__name__}); the job stops here and resumes from its last "
+            f"checkpoint when submitted again")
+
+    def _dead_rank(self, refs: list, pending: list,
+                   timeout_s: float = DEAD_PEER_WAIT_S) -> tuple[int, BaseException] | None:
+        """The first of `pending` whose actor died within `timeout_s` (None: none did)."""
+        import ray
+
+        done, _ = ray.wait(pending, num_returns=len(pending), timeout=timeout_s)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as e:
+                return refs.index(ref), e
+            except Exception:  # noqa: BLE001 - another survivor's failure
+                continue
+        return None
 
     def shutdown(self) -> None:
         import ray

@@ -17,8 +17,11 @@ A failed push is reported (the member named) and counted; the next push re-forms
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -54,6 +57,8 @@ class RankSender:
         from services.common.weight_sync import WeightSyncError
 
         plan = store_pb2.WeightSyncPlan.FromString(plan_bytes)
+        if self.cfg.export_digests_dir:
+            write_export_digests(self.cfg, plan.version, weights)
         try:
             r = self.sender.push(plan, weights.items())
         except WeightSyncError as e:
@@ -64,6 +69,24 @@ class RankSender:
 
     def close(self) -> None:
         self.sender.close()
+
+
+def write_export_digests(cfg: WeightSyncConfig, version: int,
+                         weights: Mapping[str, torch.Tensor]) -> Path:
+    """`<export_digests_dir>/v<version>.json`: the digest of each tensor as it goes on the wire
+    (floating ones cast to the wire dtype), written atomically."""
+    from services.common.weight_sync.buckets import dtype_on_wire, wire_dtype
+    from services.rollout.worker_ext import tensor_digest
+
+    wire = wire_dtype(cfg.wire_dtype)
+    digests = {n: tensor_digest(t.to(dtype_on_wire(t.dtype, wire))) for n, t in weights.items()}
+    d = Path(cfg.export_digests_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    target = d / f"v{version}.json"
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.write_text(json.dumps({"version": version, "digests": digests}))
+    os.replace(tmp, target)
+    return target
 
 
 class StoreWeightPush:

@@ -91,3 +91,8 @@ class RolloutConfig(StrictConfig):
     max_policy_lag: int | None = Field(
         None, ge=0,
         description="hold new groups while the trainer's published version is ahead by more")
+    weight_digests_file: str | None = Field(
+        None, description="test/debug aid, off when unset: after each weight push received, "
+        "write {version, worker_id, digests: HF name -> tensor_digest of each tensor handed to "
+        "the loader} to this JSON file, atomically (compare with the trainer's "
+        "weight_sync.export_digests_dir; reads every byte once more)")

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import json
 import logging
+import os
 import re
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from services.common.pb.r3flow.v1 import trajectory_pb2
@@ -344,9 +347,14 @@ class RolloutWorker:
             log.warning("weight sync v%d ignored: engine already serves v%d", plan.version,
                         self.engine.policy_version)
             return 0
+        digests = self.cfg.weight_digests_file
         count = await self.engine.update_weights(
-            "receive_weights", plan.SerializeToString(), self.cfg.worker_id,
+            "receive_weights", plan.SerializeToString(), self.cfg.worker_id, bool(digests),
             version=plan.version)
+        if digests:
+            got = (await self.engine.llm.collective_rpc("last_load_digests"))[0]
+            write_json_atomic(digests, {"version": plan.version, "worker_id": self.cfg.worker_id,
+                                        "digests": got})
         await self.report_version()
         return count
 
@@ -363,3 +371,12 @@ class RolloutWorker:
         while lag is not None and self.trainer_version is not None and \
                 self.trainer_version - self.engine.policy_version > lag:
             await asyncio.sleep(0.1)
+
+
+def write_json_atomic(path: str, data: Any) -> None:
+    """`data` as JSON at `path` (a reader never sees half a file)."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, target)

@@ -37,6 +37,11 @@ class WeightSyncConfig(StrictConfig):
     """How often each receiver refreshes its heartbeat key."""
     heartbeat_timeout_s: float = Field(default=3.0, gt=0)
     """A member whose heartbeat is older than this is dead or stalled."""
+    export_digests_dir: str = ""
+    """Test/debug aid, off when '': the sender writes `<dir>/v<version>.json` ({"version",
+    "digests": HF name -> `tensor_digest` of the tensor as sent, floating ones in the wire dtype})
+    for every push, atomically; compare with the rollout's `weight_digests_file`. Reads every
+    byte once more."""
 
     @model_validator(mode="after")
     def _check(self) -> WeightSyncConfig:
