@@ -17,6 +17,9 @@ class MetricSpec:
     help: str
     labels: tuple[str, ...] = ()
     buckets: tuple[float, ...] | None = None
+    # Label values exported at 0 from the start (one label only), so a dashboard shows 0 and
+    # rate() works before the first event, instead of "no data".
+    initial: tuple[str, ...] = ()
 
 
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -59,7 +62,7 @@ STORE = [
     MetricSpec("r3flow_store_backlog_tokens", "gauge", "tokens of appended, not yet acked trajectories"),
     MetricSpec("r3flow_store_groups_ready", "gauge", "complete GRPO groups waiting for a trainer"),
     MetricSpec("r3flow_store_dropped_total", "counter", "trajectories dropped, by reason",
-               ("reason",)),
+               ("reason",), initial=("stale",)),
     MetricSpec("r3flow_store_redeliveries_total", "counter",
                "groups redelivered after their lease expired"),
     MetricSpec("r3flow_store_rejections_total", "counter", "rejected requests, by reason",

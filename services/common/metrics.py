@@ -82,6 +82,8 @@ def create_metrics(registry: CollectorRegistry, component: str) -> dict[str, obj
         name = spec.name.removesuffix("_total") if spec.kind == "counter" else spec.name
         if spec.kind == "counter":
             out[spec.name] = Counter(name, spec.help, spec.labels, registry=registry)
+            for value in spec.initial:
+                out[spec.name].labels(value)  # type: ignore[attr-defined]
         elif spec.kind == "gauge":
             out[spec.name] = Gauge(spec.name, spec.help, spec.labels, registry=registry)
         else:
