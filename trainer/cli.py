@@ -88,6 +88,7 @@ def train(cfg) -> int:
             loop = TrainLoop(cfg, ranks, client, metrics, push_fn=push)
             loop.resume()
             history = loop.run(cfg.run.steps, stop=stop.is_set)
+        stop.wait(cfg.run.metrics_linger_s)  # the final values, for one more scrape
     finally:
         server.stop()
     log.info("trained %d steps (%s backend); policy version %d", len(history), cfg.backend,

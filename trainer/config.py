@@ -80,6 +80,9 @@ class RunConfig(StrictConfig):
         "export (never the one hf/latest names); 0 = keep all")
     metrics_host: str = "127.0.0.1"
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus port (0 = any free)")
+    metrics_linger_s: float = Field(
+        0.0, ge=0, le=600, description="after the last step, keep serving /metrics this long "
+        "(a short job's final values reach a scraper; SIGTERM ends it early)")
     push_weights_every: int = Field(1, ge=0, description="weight push every N steps (0 = never)")
     launcher: Literal["local", "ray"] = Field(
         "local", description="local: one in-process rank; ray: one Ray actor per device")

@@ -132,7 +132,10 @@ def trainer_config(cfg: LocalConfig, run_dir: Path, model_dir: Path) -> dict:
                  "old_logprobs": g.old_logprobs},
         "weight_sync": {"timeout_s": g.weight_push_timeout_s},
         "run": {"run_dir": str(run_dir / "trainer"), "steps": g.steps, "checkpoint_every": 1,
-                "push_weights_every": 1, "launcher": cfg.trainer_launcher},
+                "push_weights_every": 1, "launcher": cfg.trainer_launcher,
+                # Prometheus scrapes every 2 s (services/local/prom.py): the last step's values
+                # must be seen by it, even when the final steps take well under a second.
+                "metrics_linger_s": 5.0},
         # A private Ray on loopback even when the user's shell has RAY_ADDRESS set.
         "ray": {"address": "local"},
     }
