@@ -38,8 +38,17 @@ def compile_command(source: Path, output: Path) -> list[str]:
             str(source)]
 
 
+def sources(source: Path) -> list[Path]:
+    """`source` and the files it includes: routing_core.c compiles its sections from
+    routing_core/ as one translation unit."""
+    parts = source.with_suffix("")
+    return [source, *sorted(parts.glob("*.[ch]"))] if parts.is_dir() else [source]
+
+
 def _is_fresh(source: Path, library: Path) -> bool:
-    return library.exists() and library.stat().st_mtime >= source.stat().st_mtime
+    return library.exists() and library.stat().st_mtime >= max(
+        s.stat().st_mtime for s in sources(source)
+    )
 
 
 def _compile(source: Path, library: Path) -> None:

@@ -169,9 +169,11 @@ class Core:
 
 def build_core(rev: str, workdir: Path) -> Path:
     """Compile routing_core.c as of git revision `rev` with the build's own flags."""
-    source = workdir / "routing_core.c"
-    source.write_bytes(subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:{CORE_SOURCE}"],
-                                      capture_output=True, check=True).stdout)
+    # The whole folder: since issue 20 routing_core.c includes its sections from routing_core/.
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, "services/common"],
+                             capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(workdir)], input=archive, check=True)
+    source = workdir / CORE_SOURCE
     library = workdir / "_routing_core_baseline.so"
     subprocess.run(_build.compile_command(source, library), capture_output=True, check=True)
     return library
