@@ -29,6 +29,12 @@ class OptimConfig(StrictConfig):
     mini_batches: int = Field(
         1, ge=1, description="optimizer updates per pass (the batch's micro-batches split "
         "between them); ppo_epochs * mini_batches updates per step, one policy version")
+    test_lr_spike_step: int = Field(
+        0, ge=0, description="TEST ONLY (the alerting test's injected ppo_kl spike): the "
+        "updates of the step that makes this policy version run at lr x test_lr_spike_factor; "
+        "0 = never. Never set it in a real run")
+    test_lr_spike_factor: float = Field(
+        1.0, gt=0, description="TEST ONLY: lr multiplier of test_lr_spike_step")
 
 
 class ReplayConfig(StrictConfig):
@@ -78,7 +84,9 @@ class RunConfig(StrictConfig):
     hf_keep: int = Field(
         2, ge=0, description="keep the newest N HF exports, deleting older ones after each "
         "export (never the one hf/latest names); 0 = keep all")
-    metrics_host: str = "127.0.0.1"
+    metrics_host: str = Field(
+        "127.0.0.1", description="where /metrics listens; 0.0.0.0 on a cluster (a Ray trainer "
+        "refuses loopback there: Prometheus could not scrape it)")
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus port (0 = any free)")
     metrics_linger_s: float = Field(
         0.0, ge=0, le=600, description="after the last step, keep serving /metrics this long "

@@ -40,3 +40,19 @@ def test_trainer_config_takes_the_ray_section():
     assert cfg.ray.placement_strategy == "STRICT_SPREAD" and cfg.weight_sync.advertise_addr == ""
     with pytest.raises(ValueError, match="placement_strategy"):
         TrainerConfig.model_validate({"ray": {"placement_strategy": "ANYWHERE"}})
+
+
+def test_cluster_addresses_refuse_loopback():
+    from trainer.ray_launch import check_cluster_addresses, is_loopback
+
+    assert is_loopback("127.0.0.1") and is_loopback("localhost") and is_loopback("[::1]")
+    assert not is_loopback("r3flow-store") and not is_loopback("198.18.0.5")
+    ok = TrainerConfig.model_validate({"data": {"store": "r3flow-store:50051"},
+                                       "run": {"metrics_host": "0.0.0.0"}})
+    check_cluster_addresses(ok)  # a Service name, all interfaces: fine
+    with pytest.raises(ValueError, match=r"data\.store='127\.0\.0\.1'.*run\.metrics_host"):
+        check_cluster_addresses(TrainerConfig())  # both defaults are loopback
+    bad = ok.model_copy(update={"weight_sync": ok.weight_sync.model_copy(
+        update={"advertise_addr": "localhost"})})
+    with pytest.raises(ValueError, match=r"weight_sync\.advertise_addr='localhost'"):
+        check_cluster_addresses(bad)
