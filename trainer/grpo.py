@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
@@ -188,10 +189,30 @@ class GRPOStep:
                               "replay": mode.value, "skipped": True}
         acc: dict = {}
         updates = update_schedule(mbs, self.cfg.optim.ppo_epochs, self.cfg.optim.mini_batches)
-        norms = [self.backend.update(u, mode, partial(self._ppo_loss, _tokens(u), acc))
-                 for u in updates]
+        with self._test_lr_spike():
+            norms = [self.backend.update(u, mode, partial(self._ppo_loss, _tokens(u), acc))
+                     for u in updates]
         self.policy_version += 1  # one version per step, however many updates it took
         return metrics | self._step_metrics(samples, mbs, acc, norms, mode, t0)
+
+    @contextmanager
+    def _test_lr_spike(self) -> Iterator[None]:
+        """optim.test_lr_spike_*: this step's updates at a multiplied lr (test-only knob)."""
+        o = self.cfg.optim
+        if o.test_lr_spike_step != self.policy_version + 1 or o.test_lr_spike_factor == 1.0:
+            yield
+            return
+        groups = self.backend.checkpoint_state()[1].param_groups
+        saved = [g["lr"] for g in groups]
+        log.warning("test_lr_spike: step to policy version %d at lr x %g",
+                    o.test_lr_spike_step, o.test_lr_spike_factor)
+        for g in groups:
+            g["lr"] *= o.test_lr_spike_factor
+        try:
+            yield
+        finally:
+            for g, lr in zip(groups, saved, strict=True):
+                g["lr"] = lr
 
     def _step_metrics(self, samples: Sequence[Sample], mbs: Sequence[MicroBatch], acc: dict,
                       norms: list[float], mode: ReplayMode, t0: float) -> dict:

@@ -52,6 +52,11 @@ class GrpoConfig(StrictConfig):
         120.0, gt=3, description="a push waits this long for a registered worker that is gone")
     dtype: Literal["fp32", "bf16"] = Field("bf16", description="trainer and engine dtype")
     compare_off: bool = Field(True, description="also measure |logprob diff| without replay")
+    test_lr_spike_step: int = Field(
+        0, ge=0, description="TEST ONLY: the step to this policy version runs at lr x "
+        "test_lr_spike_factor, to inject a ppo_kl spike (tests/integration/"
+        "test_local_alerts.py); 0 = never (trainer optim.test_lr_spike_step)")
+    test_lr_spike_factor: float = Field(1.0, gt=0, description="TEST ONLY: see above")
 
 
 class LocalConfig(StrictConfig):
@@ -74,6 +79,11 @@ class LocalConfig(StrictConfig):
     grpo: GrpoConfig = Field(default_factory=GrpoConfig)
     trainer_launcher: Literal["local", "ray"] = Field("ray", description="ray: a Ray actor rank")
     timeout_s: float = Field(1800.0, gt=0, description="give up on the whole run after this")
+    # Prometheus scrapes every 2 s (services/local/prom.py): the last step's values must be
+    # seen by it, even when the final steps take well under a second.
+    metrics_linger_s: float = Field(
+        5.0, ge=0, le=600, description="the trainer keeps /metrics up this long after its last "
+        "step (trainer run.metrics_linger_s); the alerting test holds its final ppo_kl with it")
 
 
 def seeded(cfg: LocalConfig) -> tuple[TaskConfig, TinyMoeConfig]:
@@ -123,7 +133,9 @@ def trainer_config(cfg: LocalConfig, run_dir: Path, model_dir: Path) -> dict:
         "model_dir": str(model_dir),
         "model": {"dtype": g.dtype},
         "optim": {"lr": g.lr, "adam_beta2": g.adam_beta2, "clip_grad": g.clip_grad,
-                  "ppo_epochs": g.ppo_epochs, "mini_batches": g.mini_batches},
+                  "ppo_epochs": g.ppo_epochs, "mini_batches": g.mini_batches,
+                  "test_lr_spike_step": g.test_lr_spike_step,
+                  "test_lr_spike_factor": g.test_lr_spike_factor},
         "loss": {"kl_coef": g.kl_coef, "entropy_coef": g.entropy_coef,
                  "adv_std_normalize": g.adv_std_normalize},
         "replay": {"mode": cfg.replay, "compare_off": g.compare_off},
@@ -133,9 +145,7 @@ def trainer_config(cfg: LocalConfig, run_dir: Path, model_dir: Path) -> dict:
         "weight_sync": {"timeout_s": g.weight_push_timeout_s},
         "run": {"run_dir": str(run_dir / "trainer"), "steps": g.steps, "checkpoint_every": 1,
                 "push_weights_every": 1, "launcher": cfg.trainer_launcher,
-                # Prometheus scrapes every 2 s (services/local/prom.py): the last step's values
-                # must be seen by it, even when the final steps take well under a second.
-                "metrics_linger_s": 5.0},
+                "metrics_linger_s": cfg.metrics_linger_s},
         # A private Ray on loopback even when the user's shell has RAY_ADDRESS set.
         "ray": {"address": "local"},
     }
