@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import json
 import logging
 import os
 import signal
+import socket
 import threading
 from collections.abc import Callable
 from dataclasses import asdict
@@ -50,27 +50,42 @@ def _watch_weight_sync(client: Any, worker: Any, loop: asyncio.AbstractEventLoop
             log.exception("weight sync v%d failed", plan.version)
 
 
-async def _keep_registered(worker: Any, ttl_s: int | None, stop: asyncio.Event) -> None:
-    """Renew RegisterWorker well inside its TTL (it also carries the current version) until
-    `stop` is set; a renewal in flight then completes before this returns."""
-    while ttl_s:
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(stop.wait(), max(1.0, ttl_s / 3))
-        if stop.is_set():
-            return
-        ttl_s = await worker.report_version()
+class Registration:
+    """Renews this worker's RegisterWorker entry (it carries the served policy version) well
+    inside its TTL from a thread of its own: a busy event loop or a full default executor
+    (appends, engine calls) can then never let it lapse, which would leave this worker out of
+    the trainer's next weight-sync plan."""
+
+    def __init__(self, client: Any, worker: Any, ttl_s: int) -> None:
+        self.client, self.worker, self.ttl_s = client, worker, ttl_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="registration", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        from services.rollout.worker import RepeatedLog
+
+        failures = RepeatedLog(log)
+        while not self._stop.wait(max(1.0, self.ttl_s / 3)):
+            try:
+                self.ttl_s = self.client.register_worker(
+                    self.worker.cfg.worker_id, socket.gethostname(), 1,
+                    self.worker.engine.policy_version)
+            except Exception as e:  # noqa: BLE001 (the store may be restarting: retry)
+                failures.error(f"registration renewal failed: {e}")
+
+    def stop(self) -> None:
+        """Stop renewing; a renewal in flight completes first (it would re-register us)."""
+        self._stop.set()
+        self._thread.join()
 
 
-async def _leave(renew: tuple[asyncio.Task, asyncio.Event] | None, client: Any,
-                 worker_id: str) -> None:
+async def _leave(renewal: Registration | None, client: Any, worker_id: str) -> None:
     """Stop renewing, then withdraw the registration, so the trainer's next weight-sync plan
     leaves this worker out at once (a dead one drops out when its TTL runs out). Best effort:
     the store may be gone already."""
-    if renew is not None:
-        task, stop = renew
-        stop.set()  # not a cancel: an RPC already in its thread would still re-register us
-        with contextlib.suppress(Exception):
-            await task
+    if renewal is not None:
+        await asyncio.to_thread(renewal.stop)
     if client is None:
         return
     try:
@@ -150,16 +165,16 @@ async def serve(cfg: RolloutConfig, summary_file: str | None = None,
                            health_fn=lambda: engine.dead_reason() is None).start()
     log.info("rollout metrics on %s", server.url)
     sink = StoreSink(client, cfg.backpressure_sleep_s) if client is not None else None
-    renew: tuple[asyncio.Task, asyncio.Event] | None = None
+    renewal: Registration | None = None
     try:
         tokenizer = AutoTokenizer.from_pretrained(cfg.engine.model)
         worker = RolloutWorker(cfg, engine, sink, tokenizer, env_factory)
         write_summary = _summary_writer(summary_file, cfg.worker_id, engine.pids)
         worker.on_progress = write_summary
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, worker.request_stop)
-        stop_renew = asyncio.Event()
-        renew = (asyncio.create_task(_keep_registered(worker, await worker.report_version(),
-                                                      stop_renew)), stop_renew)
+        ttl_s = await worker.report_version()
+        if client is not None and ttl_s:
+            renewal = Registration(client, worker, ttl_s)
         if client is not None:
             _start_watchers(cfg, client, worker)
         summary = await worker.run(records, stop_grace_s)
@@ -175,7 +190,7 @@ async def serve(cfg: RolloutConfig, summary_file: str | None = None,
                  summary.generated_tokens / max(summary.seconds, 1e-9))
         return 0 if summary.groups_ok or not summary.groups_failed else 1
     finally:
-        await _leave(renew, client, cfg.worker_id)
+        await _leave(renewal, client, cfg.worker_id)
         server.stop()
         engine.shutdown(ENGINE_SHUTDOWN_S)
         if client is not None:

@@ -1,33 +1,34 @@
-"""A stopping rollout worker stops renewing its registration, then withdraws it
-(services/rollout/app.py: _keep_registered / _leave)."""
+"""A rollout worker's registration: renewed from its own thread (a blocked event loop cannot
+let it lapse), and a stopping worker stops renewing, then withdraws it
+(services/rollout/app.py: Registration / _leave)."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
 import time
+from types import SimpleNamespace
 
-from services.rollout.app import _keep_registered, _leave
+from services.rollout.app import Registration, _leave
 
 
-class _Worker:
-    """report_version blocks in a thread for a while, like a RegisterWorker RPC."""
-
-    def __init__(self, log: list[str]) -> None:
-        self.log = log
-
-    async def report_version(self) -> int:
-        def rpc() -> int:
-            time.sleep(0.3)
-            self.log.append("register")
-            return 3  # TTL 3 s: the next renewal is due after 1 s
-
-        return await asyncio.to_thread(rpc)
+def _worker(version: int = 7) -> SimpleNamespace:
+    return SimpleNamespace(cfg=SimpleNamespace(worker_id="w1"),
+                           engine=SimpleNamespace(policy_version=version))
 
 
 class _Client:
-    def __init__(self, log: list[str], fail: bool = False) -> None:
-        self.log, self.fail = log, fail
+    """register_worker blocks for a while, like the RPC; TTL 3 s: a renewal every 1 s."""
+
+    def __init__(self, log: list[str], fail: bool = False, rpc_s: float = 0.3) -> None:
+        self.log, self.fail, self.rpc_s = log, fail, rpc_s
+
+    def register_worker(self, worker_id: str, host: str, world_size: int, version: int) -> int:
+        time.sleep(self.rpc_s)
+        if self.fail:
+            raise ConnectionError("store gone")
+        self.log.append(f"register {worker_id} v{version}")
+        return 3
 
     def unregister_worker(self, worker_id: str) -> bool:
         if self.fail:
@@ -36,24 +37,37 @@ class _Client:
         return True
 
 
+def test_renewals_go_on_while_the_event_loop_is_blocked():
+    log: list[str] = []
+
+    async def run() -> None:
+        reg = Registration(_Client(log, rpc_s=0.0), _worker(), 3)
+        time.sleep(3.5)  # the loop is stuck (a long engine call): renewals must still happen
+        assert len(log) >= 2 and set(log) == {"register w1 v7"}, log
+        await _leave(reg, None, "w1")
+
+    asyncio.run(run())
+
+
 def test_a_renewal_in_flight_lands_before_the_unregister():
     async def run() -> list[str]:
         log: list[str] = []
-        stop = asyncio.Event()
-        task = asyncio.create_task(_keep_registered(_Worker(log), 1, stop))
+        reg = Registration(_Client(log), _worker(), 3)
         await asyncio.sleep(1.1)  # the first renewal is now inside its (0.3 s) RPC
-        await _leave((task, stop), _Client(log), "w1")
+        await _leave(reg, _Client(log), "w1")
         await asyncio.sleep(1.2)  # no renewal after leaving
         return log
 
-    assert asyncio.run(run()) == ["register", "unregister w1 True"]
+    assert asyncio.run(run()) == ["register w1 v7", "unregister w1 True"]
 
 
-def test_unregister_failure_is_not_fatal():
+def test_renewal_and_unregister_failures_are_not_fatal():
     async def run() -> None:
-        stop = asyncio.Event()
-        task = asyncio.create_task(_keep_registered(_Worker([]), 0, stop))  # no TTL: no renewal
-        await _leave((task, stop), _Client([], fail=True), "w1")
+        reg = Registration(_Client([], fail=True, rpc_s=0.0), _worker(), 3)
+        await asyncio.sleep(1.2)  # one failed renewal: logged, the thread goes on
+        assert reg._thread.is_alive()
+        await _leave(reg, _Client([], fail=True), "w1")
+        assert not reg._thread.is_alive()
         await _leave(None, None, "w1")
 
     asyncio.run(run())
