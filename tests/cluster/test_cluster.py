@@ -365,7 +365,7 @@ def test_cluster_in_a_box(cluster: Cluster):
     pushes = re.findall(r"pushed v(\d+) from ([0-9.]+):(\d+) to (\d+) worker", job_log)
     assert pushes and all(ip == master2 and port == "29600" for _, ip, port, _ in pushes), pushes
     last = int(pushes[-1][0])
-    assert last >= 3 and pushes[-1][3] == "2", pushes
+    assert last >= 3 and pushes[-1][3] == "2", (pushes, _tails(c, rollouts))
     for r in rollouts:
         c.wait_log(r, rf"policy version {last}\b", 60)
     want = json.loads((c.pvcs["tiny-moe-smoke-checkpoints"] / RUN_DIR / "export-digests"
@@ -385,6 +385,11 @@ def test_cluster_in_a_box(cluster: Cluster):
                       "resumed": resumed[0] if resumed else None, "nodes2": nodes2,
                       "pushes": pushes, "digests": len(want["digests"]),
                       "ledger_steps": sorted(ledger), "accounting": acc}))
+
+
+def _tails(c: Cluster, pods: list, chars: int = 2500) -> dict[str, str]:
+    """The last lines of each pod's log, for a failure message."""
+    return {p.name: c.log(p)[-chars:] for p in pods}
 
 
 def train_log(c: Cluster) -> list[dict]:
