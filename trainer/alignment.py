@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from services.common.routing_rules import RoutingRuleError, RoutingSpec, check_ids
+
 
 @dataclass(frozen=True)
 class RoutingChunk:
@@ -147,19 +149,18 @@ class RoutingLayoutError(ValueError):
 
 def check_routes(ids_BSLK: torch.Tensor, valid_BS: torch.Tensor, num_experts: int,
                  hf_layers: Sequence[int], top_k: int | None = None) -> None:
-    """Every real row holds K distinct ids < num_experts (K = the model's top-k when given);
-    the error names the layer and row."""
-    if top_k is not None and ids_BSLK.shape[-1] != top_k:
-        raise RoutingLayoutError(f"routing: {ids_BSLK.shape[-1]} experts per token, the model "
-                                 f"routes top-{top_k} (num_experts_per_tok)")
+    """The routing rules (services/common/routing_rules.py) on a micro-batch's real rows, on
+    their device: K = the model's top-k when given, K distinct ids < num_experts per row; the
+    error names the layer and row."""
+    spec = RoutingSpec(num_experts, top_k=top_k)
     ids = ids_BSLK[valid_BS.bool().to(ids_BSLK.device)]  # [N, L, K]
-    if ids.numel() == 0:
-        return
-    srt = ids.sort(-1).values
-    dup = (srt[..., 1:] == srt[..., :-1]).any(-1) | (srt[..., -1] >= num_experts) | (srt[..., 0] < 0)
-    if dup.any():
-        row, m = (int(x) for x in dup.nonzero()[0])
+    try:
+        check_ids(ids, spec)
+    except RoutingRuleError as e:
+        if e.field == "top_k":
+            raise RoutingLayoutError(f"routing: {e} (num_experts_per_tok)") from None
+        m = e.column
+        assert m is not None
         raise InvalidRoutingError(
             f"routing: MoE layer {m} (HF layer {hf_layers[m]}) has invalid ids "
-            f"{srt[row, m].tolist()} in {int(dup[:, m].sum())} rows (duplicates/all-zero routes "
-            f"or id >= {num_experts})")
+            f"{sorted(e.ids)} in {e.count} rows ({e})") from None

@@ -175,6 +175,28 @@ def _row_error(ids_TLK: np.ndarray, num_experts: int) -> ValueError:
     return ValueError(f"ids: invalid rows (validator code {rc})")
 
 
+def first_invalid_row(ids_TLK: np.ndarray, num_experts: int) -> tuple[int, int] | None:
+    """(token, layer) of the first row (row-major) the compiled validator refuses (an id >=
+    num_experts or a repeated id: the encoder's own check), or None. ids: uint8/uint16, 3 dims
+    (the rules are `routing_rules.check_ids`'s; tests hold both to the same answers)."""
+    if ids_TLK.ndim != 3 or ids_TLK.dtype not in (np.dtype(np.uint8), np.dtype(np.uint16)):
+        raise ValueError(f"ids: expected uint8/uint16 (tokens, layers, topk), got "
+                         f"{ids_TLK.dtype} {ids_TLK.shape}")
+    ids_TLK = np.ascontiguousarray(ids_TLK)
+    tokens, layers, topk = ids_TLK.shape
+    if tokens * layers == 0:
+        return None
+    info = np.zeros(4, np.int64)
+    rc = _LIB.r3_validate(ids_TLK.ctypes.data, ids_TLK.itemsize, tokens, layers, topk,
+                          num_experts, info.ctypes.data)
+    if rc in (_ERR_ID_RANGE, _ERR_DUPLICATE):
+        return int(info[0]), int(info[1])
+    if rc:
+        raise ValueError(f"ids: validator refused its arguments (code {rc}: topk {topk}, "
+                         f"num_experts {num_experts})")
+    return None
+
+
 def encode(ids, num_experts: int, mode: str = "canonical") -> bytes:
     """Compress routed-expert ids (tokens, layers, topk) into a self-describing blob."""
     mode_code = _check_args(num_experts, mode)

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from services.common.routing_rules import RoutingRuleError, RoutingSpec, check_ids
+
 
 class RoutingCheckError(ValueError):
     """Captured routing failed a sanity check; the message names the request."""
@@ -148,28 +150,13 @@ class RolloutState:
 def check_routing(ids_TLK: np.ndarray, *, num_experts: int, moe_layers: list[int],
                   expected_rows: int, request_id: str, dense_layers: tuple[int, ...] = ()
                   ) -> None:
-    """Row count, id range, distinct ids per row (an all-zero row of a top-k >= 2 layer is the
-    capture-bug signature), and dense layers all zero (a non-zero dense column means the layer
+    """The routing rules of services/common/routing_rules.py on an engine view (every hidden
+    layer): row count, id range, distinct ids per row (an all-zero row of a top-k >= 2 layer is
+    the capture-bug signature), dense layers all zero (a non-zero dense column means the layer
     map is off). With top-1 nothing about zeros is wrong: every token may go to expert 0."""
-    if ids_TLK.ndim != 3:
-        raise RoutingCheckError(f"request {request_id}: routing must be [rows, layers, topk], "
-                                f"got shape {ids_TLK.shape}")
-    if ids_TLK.shape[0] != expected_rows:
-        raise RoutingCheckError(f"request {request_id}: {ids_TLK.shape[0]} routing rows, "
-                                f"expected prompt + response - 1 = {expected_rows}")
-    for layer in dense_layers:
-        if ids_TLK[:, layer].any():
-            raise RoutingCheckError(f"request {request_id}: dense layer {layer} has routed "
-                                    "experts (layer map does not match the engine)")
-    moe_TLK = ids_TLK[:, moe_layers].astype(np.int64)
-    if moe_TLK.size and moe_TLK.max() >= num_experts:
-        raise RoutingCheckError(f"request {request_id}: expert id {int(moe_TLK.max())} >= "
-                                f"num_experts {num_experts}")
-    sorted_TLK = np.sort(moe_TLK, axis=-1)
-    dup = np.argwhere((sorted_TLK[..., 1:] == sorted_TLK[..., :-1]).any(-1))
-    if dup.size:
-        row, col = (int(x) for x in dup[0])
-        zero = "all-zero row (capture bug?)" if not moe_TLK[row, col].any() \
-            else "repeated expert id"
-        raise RoutingCheckError(f"request {request_id}: {zero} in row {row}, "
-                                f"layer {moe_layers[col]} ({len(dup)} rows)")
+    spec = RoutingSpec(num_experts, rows=expected_rows, moe_columns=tuple(moe_layers),
+                       dense_columns=tuple(dense_layers))
+    try:
+        check_ids(ids_TLK, spec)
+    except RoutingRuleError as e:
+        raise RoutingCheckError(f"request {request_id}: {e}") from None

@@ -7,7 +7,7 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass, field
 
-from services.common import routing
+from services.common import routing, routing_rules
 from services.common.pb.r3flow.v1 import routing_pb2, store_pb2
 
 
@@ -74,9 +74,18 @@ def check_chunk(chunk: routing_pb2.RoutedExperts, name: str, walk: Walk) -> tupl
         raise ValueError(f"{name}.data: {e}") from None
     if walk.decode and walk.pending is not None:
         walk.pending.add(data, name, walk.req)  # length and payload: before the checks below
-    if list(hdr.shape) != list(chunk.shape):
-        raise ValueError(f"{name}.shape: says {list(chunk.shape)}, data holds {list(hdr.shape)}")
-    if hdr.num_experts != chunk.num_experts:
-        raise ValueError(f"{name}.num_experts: says {chunk.num_experts}, data holds "
-                         f"{hdr.num_experts}")
+    # The chunk's fields are the spec its data must meet (routing_rules: rows, layers, top-k,
+    # num_experts, in that order).
+    declared = routing_rules.RoutingSpec(chunk.num_experts, top_k=chunk.shape[2],
+                                         rows=chunk.shape[0], layers=chunk.shape[1])
+    try:
+        routing_rules.check_rows(hdr.tokens, declared)
+        routing_rules.check_layout(declared, layers=hdr.layers, top_k=hdr.topk,
+                                   num_experts=hdr.num_experts)
+    except routing_rules.RoutingRuleError as e:
+        if e.field == "num_experts":
+            raise ValueError(f"{name}.num_experts: says {chunk.num_experts}, data holds "
+                             f"{hdr.num_experts}") from None
+        raise ValueError(f"{name}.shape: says {list(chunk.shape)}, data holds "
+                         f"{list(hdr.shape)}") from None
     return hdr.tokens, hdr.tokens * hdr.layers * hdr.topk

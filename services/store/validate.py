@@ -18,6 +18,7 @@ import math
 from collections.abc import Container
 from dataclasses import dataclass, field
 
+from services.common import routing_rules
 from services.common.pb.r3flow.v1 import store_pb2, trajectory_pb2
 from services.store import wirefmt
 from services.store.routing_checks import RoutingChecks, Walk, check_chunk
@@ -42,6 +43,11 @@ class Layout:
         layers, topk, num_experts, ids = text.split("/")
         layer_ids = tuple(int(x) for x in ids.split(",")) if ids else ()
         return Layout(int(layers), int(topk), int(num_experts), layer_ids)
+
+    def spec(self) -> routing_rules.RoutingSpec:
+        """The routing rules' view: what every later chunk of the trajectory must match."""
+        return routing_rules.RoutingSpec(self.num_experts, top_k=self.topk,
+                                         layer_ids=self.layer_ids, layers=self.layers)
 
 
 @dataclass
@@ -198,7 +204,7 @@ def validate_segment(req: store_pb2.AppendRequest, state: TrajState, limits: Lim
                          f"max_tokens_per_trajectory={limits.max_tokens_per_trajectory}")
     if seg.policy_version < 0:
         raise ValueError(f"segment.policy_version: {seg.policy_version} < 0")
-    expected = state.prompt_len + n - 1 if j == 0 else n
+    expected = routing_rules.expected_rows(state.prompt_len, n) if j == 0 else n
     prompt_chunk, prompt_field = _prompt_chunk(seg, state)
     walk = Walk(limits.decode_routing, pending, req, limits.models)
     chunks = _check_routing(seg, state, expected, walk, trust_first=prompt_field in known_prompts)
@@ -291,24 +297,42 @@ def _check_routing(seg: trajectory_pb2.Segment, state: TrajState, expected: int,
     return _Chunks(layout, got, raw, sum(len(ch.data) for ch in seg.routing))
 
 
+# RoutingRuleError.field -> (proto field, Layout attribute)
+_LAYOUT_FIELDS = {"layers": ("shape[1]", "layers"), "top_k": ("shape[2]", "topk"),
+                  "num_experts": ("num_experts", "num_experts"),
+                  "layer_ids": ("layer_ids", "layer_ids")}
+
+
 def _check_layout(chunk: object, layout: Layout | None, name: str) -> Layout:
     here = Layout(chunk.shape[1], chunk.shape[2], chunk.num_experts,  # type: ignore[attr-defined]
                   tuple(chunk.layer_ids))  # type: ignore[attr-defined]
     if layout is None:
         return here
-    for attr, label in (("layers", "shape[1]"), ("topk", "shape[2]"),
-                        ("num_experts", "num_experts"), ("layer_ids", "layer_ids")):
-        if getattr(here, attr) != getattr(layout, attr):
-            raise ValueError(f"{name}.{label}: {getattr(here, attr)}, but the trajectory has "
-                             f"{getattr(layout, attr)} ({attr} must not change)")
+    try:
+        routing_rules.check_layout(layout.spec(), layers=here.layers, top_k=here.topk,
+                                   num_experts=here.num_experts, layer_ids=here.layer_ids)
+    except routing_rules.RoutingRuleError as e:
+        label, attr = _LAYOUT_FIELDS[e.field]
+        raise ValueError(f"{name}.{label}: {getattr(here, attr)}, but the trajectory has "
+                         f"{getattr(layout, attr)} ({attr} must not change)") from None
     return layout
+
+
+def _fits(spec: routing_rules.RoutingSpec, layout: Layout) -> bool:
+    try:
+        routing_rules.check_layout(spec, layers=layout.layers, top_k=layout.topk,
+                                   num_experts=layout.num_experts)
+    except routing_rules.RoutingRuleError:
+        return False
+    return True
 
 
 def _check_registered(layout: Layout, models: tuple[tuple[str, int, int], ...],
                       name: str) -> None:
     """A chunk's experts and top-k must be those of a registered model: a rollout with another
     `num_experts_per_tok` would otherwise train with K' experts per token, silently."""
-    if not models or any(e == layout.num_experts and k == layout.topk for _, e, k in models):
+    if not models or any(_fits(routing_rules.RoutingSpec(e, top_k=k), layout)
+                         for _, e, k in models):
         return
     known = ", ".join(f"{n} (num_experts={e}, top_k={k})" for n, e, k in models)
     raise ValueError(f"{name}.num_experts/shape[2]: routing has num_experts={layout.num_experts}"
