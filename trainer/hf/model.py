@@ -10,19 +10,12 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
 import torch
 
 log = logging.getLogger(__name__)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def init_process_group() -> tuple[int, int]:
@@ -34,10 +27,11 @@ def init_process_group() -> tuple[int, int]:
         gpu = torch.cuda.is_available()
         if gpu:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-        # One rank: a private port, and no MASTER_* written to os.environ (children inherit it).
-        init = "env://" if world > 1 else f"tcp://127.0.0.1:{_free_port()}"
-        dist.init_process_group("nccl" if gpu else "gloo", init_method=init, rank=rank,
-                                world_size=world)
+        backend = "nccl" if gpu else "gloo"
+        if world > 1:
+            dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world)
+        else:  # one rank: an in-process store, no port, no MASTER_* for children to inherit
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return dist.get_rank(), dist.get_world_size()
 
 
