@@ -28,6 +28,7 @@ import torch
 
 if TYPE_CHECKING:
     from services.common.weight_sync import WeightSyncConfig
+    from trainer.loop.ranks import Ranks
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ def write_export_digests(cfg: WeightSyncConfig, version: int,
 class StoreWeightPush:
     """`TrainLoop.push_fn(ranks, version)`: rank 0 of `ranks` sends (see the module docstring).
 
-    Ranks expose `plan_push(version, workers)` and `push_weights(plan)` (trainer.worker); every
+    `Ranks.plan_push(version, workers)` and `Ranks.push_weights(plan)` (trainer.worker); every
     rank takes part in `push_weights` (the export is a collective), only rank 0 answers."""
 
     def __init__(self, client, failure_counter=None) -> None:
@@ -101,18 +102,16 @@ class StoreWeightPush:
         self.client = client
         self.last_report: dict[str, Any] | None = None
 
-    def __call__(self, ranks, version: int) -> None:
+    def __call__(self, ranks: Ranks, version: int) -> None:
         workers = self.client.list_workers()
         if not workers:
             log.warning("weight push v%d skipped: no rollout worker registered", version)
             return
         from services.common.pb.r3flow.v1 import store_pb2
 
-        n = ranks.world_size
-        infos = [w.SerializeToString() for w in workers]
-        plan_bytes = ranks.call("plan_push", [(version, infos)] * n)[0]
+        plan_bytes = ranks.plan_push(version, [w.SerializeToString() for w in workers])
         self.client.publish_weight_sync(store_pb2.WeightSyncPlan.FromString(plan_bytes))
-        result = ranks.call("push_weights", [(plan_bytes,)] * n)[0]
+        result = ranks.push_weights(plan_bytes)
         if not result["ok"]:
             # Every receiver discards an aborted push (two-phase commit), so the engines stay
             # consistent on the old version; the next push re-forms the group from whoever

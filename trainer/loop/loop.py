@@ -30,7 +30,7 @@ from trainer.loop.ranks import Ranks, RankTransport
 log = logging.getLogger(__name__)
 
 RESYNC_INTERVAL_S = 10.0  # how often an idle trainer re-pushes to workers behind its version
-PushFn = Callable[[RankTransport, int], None]  # trainer.weight_push.StoreWeightPush
+PushFn = Callable[[Ranks, int], None]  # trainer.weight_push.StoreWeightPush
 
 
 class TrainLoop:
@@ -172,7 +172,7 @@ class TrainLoop:
     def _push_now(self) -> None:
         assert self.push_fn is not None
         t0 = time.perf_counter()
-        self.push_fn(self.ranks.transport, self.pos.policy_version)  # rank 0 exports, sends
+        self.push_fn(self.ranks, self.pos.policy_version)  # rank 0 exports, sends
         self.metrics.weight_push(time.perf_counter() - t0)
 
     def checkpoint(self, force: bool = False) -> None:

@@ -2,16 +2,23 @@
 
 A transport (`RankTransport`: `LocalRanks` in-process, trainer.ray_launch.RayRanks as Ray actors)
 calls a named trainer.worker.RankWorker method on every rank; `Ranks` is the only place that
-names those methods, so the loop calls typed methods and a typo fails at type-check time.
+names those methods (`RankMethod`: a name outside it is a type error; a unit test holds it to
+RankWorker's methods), so the loop and the weight push call typed methods and a typo is an
+AttributeError or a type error.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol, get_args
 
 from trainer.checkpoint import DataPosition
 from trainer.config import TrainerConfig
+
+# The RankWorker methods the loop and the weight push call on every rank.
+RankMethod = Literal["resume", "set_policy_version", "train", "save", "export_hf_dir",
+                     "export_hf", "plan_push", "push_weights"]
+RANK_METHODS: tuple[str, ...] = get_args(RankMethod)
 
 
 class RankTransport(Protocol):
@@ -46,8 +53,11 @@ class Ranks:
     def world_size(self) -> int:
         return self.transport.world_size
 
-    def _all(self, method: str, *args: Any) -> list:
-        return self.transport.call(method, [args] * self.world_size)
+    def _all(self, method: RankMethod, *args: Any) -> list:
+        return self._each(method, [args] * self.world_size)
+
+    def _each(self, method: RankMethod, per_rank_args: list[tuple]) -> list:
+        return self.transport.call(method, per_rank_args)
 
     def resume(self) -> dict | None:
         """Every rank loads the latest checkpoint; rank 0's data position (None: none yet)."""
@@ -58,7 +68,7 @@ class Ranks:
 
     def train(self, shares: list[list[bytes]]) -> list[dict]:
         """Rank r trains on `shares[r]` (serialized PulledGroups); per-rank metrics."""
-        return self.transport.call("train", [(s,) for s in shares])
+        return self._each("train", [(s,) for s in shares])
 
     def save(self, pos: DataPosition) -> None:
         self._all("save", asdict(pos))
@@ -70,3 +80,13 @@ class Ranks:
     def export_hf(self) -> dict:
         """Every rank joins; rank 0's HF-named weights."""
         return self._all("export_hf")[0]
+
+    def plan_push(self, version: int, workers: list[bytes]) -> bytes:
+        """Rank 0 plans the push of `version` to `workers` (serialized WorkerInfo); the
+        serialized WeightSyncPlan."""
+        return self._all("plan_push", version, workers)[0]
+
+    def push_weights(self, plan: bytes) -> dict:
+        """Every rank joins the export (a collective), rank 0 sends; rank 0's report (ok,
+        error, members, address, num_bytes, seconds, gb_s)."""
+        return self._all("push_weights", plan)[0]
