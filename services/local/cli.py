@@ -114,14 +114,15 @@ def run_arms(cfg, arms: list[str]) -> int:
 
     out = compare.compare_dir(cfg.runs_dir)
     rows: dict[str, list[dict]] = {}
+    runs: dict[str, dict] = {}
     for i, arm in enumerate(arms):
         print(f"\n=== arm {i + 1}/{len(arms)}: replay={arm} ===")
         arm_cfg = cfg.model_copy(update={"replay": arm, "runs_dir": str(out / arm)})
-        rc, summary = run_one(arm_cfg)
+        rc, runs[arm] = run_one(arm_cfg)
         if rc != 0:
             return rc
-        rows[arm] = read_log(Path(summary["run_dir"]) / "trainer" / "train_log.jsonl")
-    data = compare.write_comparison(out, rows)
+        rows[arm] = read_log(Path(runs[arm]["run_dir"]) / "trainer" / "train_log.jsonl")
+    data = compare.write_comparison(out, rows, runs)
     print(f"\n=== r3flow local: {len(arms)} arms on seed {cfg.seed} ({out}/compare.png) ===")
     for s in data["arms"]:
         print(compare.summary_line(s))

@@ -56,34 +56,57 @@ def count_spikes(values: list[float]) -> int:
     return spikes
 
 
-def arm_summary(arm: str, rows: list[dict], reference: list[dict] | None) -> dict:
-    """One arm's headline figures; `reference` is the replay-off arm's rows (if any)."""
+def arm_summary(arm: str, rows: list[dict], reference: list[dict] | None,
+                run: dict | None = None) -> dict:
+    """One arm's headline figures; `reference` is the replay-off arm's rows (if any), `run`
+    the arm's `r3flow local` summary (wall time, trajectory accounting)."""
     diff = mean_of(rows, "logprob_diff_mean")
+    kls = [r.get("ppo_kl", math.nan) for r in rows]
     out = {"arm": arm, "steps": len(rows), "logprob_diff_mean": diff,
+           # the same batches with natural routing (r3/r2 arms: replay.compare_off)
+           "logprob_diff_mean_same_batch_off": _finite(mean_of(rows, "logprob_diff_mean_off")),
            "reward_first5": mean_of(rows[:5], "reward_mean"),
            "reward_last5": mean_of(rows[-5:], "reward_mean"),
-           "ppo_kl_p99": percentile([r.get("ppo_kl", math.nan) for r in rows], 0.99),
-           "ppo_kl_spikes": count_spikes([r.get("ppo_kl", math.nan) for r in rows]),
+           "ppo_kl_mean": mean_of(rows, "ppo_kl"), "ppo_kl_p99": percentile(kls, 0.99),
+           "ppo_kl_spikes": count_spikes(kls),
            "clip_fraction_mean": mean_of(rows, "clip_ratio"),
            "routing_agreement": mean_of(rows, "routing_agreement")}
     off = mean_of(reference, "logprob_diff_mean") if reference else math.nan
     out["logprob_diff_ratio_vs_off"] = diff / off if off > 0 else None
-    return out
+    return out | run_figures(run or {})
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def run_figures(run: dict) -> dict:
+    """Wall time and the share of produced trajectories dropped as stale, from a run summary."""
+    t = run.get("trajectories") or {}
+    produced = t.get("produced") or 0
+    stale = (t.get("dropped") or {}).get("stale", 0)
+    return {"wall_seconds": run.get("wall_seconds"),
+            "stale_fraction": stale / produced if produced else None}
 
 
 def summary_line(s: dict) -> str:
-    ratio = s["logprob_diff_ratio_vs_off"]
+    ratio, stale, wall = (s["logprob_diff_ratio_vs_off"], s.get("stale_fraction"),
+                          s.get("wall_seconds"))
     return (f"{s['arm']:>4}: |Δlogprob| {s['logprob_diff_mean']:.3e}"
-            f"{'' if ratio is None else f' ({ratio:.2f} x off)'}, ppo_kl p99 "
-            f"{s['ppo_kl_p99']:.2e}, ppo_kl spikes {s['ppo_kl_spikes']}, clip fraction "
-            f"{s['clip_fraction_mean']:.3f}, agreement {s['routing_agreement']:.3f}, reward "
-            f"{s['reward_first5']:.3f} -> {s['reward_last5']:.3f}")
+            f"{'' if ratio is None else f' ({ratio:.2f} x off)'}, ppo_kl mean "
+            f"{s['ppo_kl_mean']:.2e} p99 {s['ppo_kl_p99']:.2e}, ppo_kl spikes "
+            f"{s['ppo_kl_spikes']}, clip fraction {s['clip_fraction_mean']:.3f}, agreement "
+            f"{s['routing_agreement']:.3f}, reward {s['reward_first5']:.3f} -> "
+            f"{s['reward_last5']:.3f}{'' if stale is None else f', stale {stale:.1%}'}"
+            f"{'' if wall is None else f', {wall:.0f} s'}")
 
 
-def write_comparison(out_dir: Path, arms: dict[str, list[dict]]) -> dict:
-    """compare.json and compare.png for the arms' step rows; returns the JSON's content."""
-    reference = arms.get("off")
-    summaries = [arm_summary(arm, rows, reference) for arm, rows in arms.items()]
+def write_comparison(out_dir: Path, arms: dict[str, list[dict]],
+                     runs: dict[str, dict] | None = None) -> dict:
+    """compare.json and compare.png for the arms' step rows (and their run summaries);
+    returns the JSON's content."""
+    reference, runs = arms.get("off"), runs or {}
+    summaries = [arm_summary(arm, rows, reference, runs.get(arm)) for arm, rows in arms.items()]
     data = {"arms": summaries}
     (out_dir / "compare.json").write_text(json.dumps(data, indent=2))
     plot_comparison(arms, out_dir / "compare.png")

@@ -204,7 +204,8 @@ class LocalRun:
         panels = self.prom.dashboard_data(self.prom.started, time.time())
         pngs = plot_dashboards(panels, self.dir / "dashboards", self.prom.started)
         rel = lambda t: round(t - self.prom.started, 1)  # noqa: E731
-        return {"url": self.prom.url, "seconds": round(end - self.prom.started, 1),
+        return {"url": self.prom.url, "started": self.prom.started,
+                "seconds": round(end - self.prom.started, 1),
                 "alerts_fired": [{**a, "first": rel(a["first"]), "last": rel(a["last"])}
                                  for a in alerts],
                 "dashboards": [str(p) for p in pngs],

@@ -45,3 +45,16 @@ def test_compare_flag_names_bad_arms() -> None:
     assert _arms("off,r2") == ["off", "r2"]
     with pytest.raises(Exception, match="--compare"):
         _arms("r4")
+
+
+def test_summary_line_has_stale_share_and_wall_from_the_run_summary(tmp_path: Path) -> None:
+    rows = _rows(2e-3, [1e-3, 2e-3, 3e-3])
+    for r in rows:
+        r["logprob_diff_mean_off"] = 4e-3
+    run = {"wall_seconds": 321.0, "trajectories": {"produced": 1000, "dropped": {"stale": 53}}}
+    s = compare.arm_summary("r3", rows, None, run)
+    assert s["stale_fraction"] == pytest.approx(0.053) and s["wall_seconds"] == 321.0
+    assert s["ppo_kl_mean"] == pytest.approx(2e-3)
+    assert s["logprob_diff_mean_same_batch_off"] == pytest.approx(4e-3)
+    line = compare.summary_line(s)
+    assert "stale 5.3%" in line and "321 s" in line and "ppo_kl mean 2.00e-03" in line
