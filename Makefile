@@ -10,7 +10,10 @@ export PYTHONUNBUFFERED := 1
 .PHONY: setup run test test-unit test-integration lint proto proto-check bench bench-codec \
         bench-store bench-rollout bench-trainer bench-weights bench-hf chart-check test-faults test-cluster clean
 
+# The C cores (routing codec, weight-push pack) are built here, not on import: the loaders only
+# load, and name this target when a library is missing or older than its sources.
 setup: $(STAMP)
+	@$(PY) -m services.common._build
 
 # Idempotent: re-runs only when the lock or the project metadata changed.
 $(STAMP): requirements/cpu.lock pyproject.toml scripts/setup.sh

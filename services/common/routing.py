@@ -89,7 +89,7 @@ def _exact_floor_bits_per_row(num_experts: int, topk: int) -> float:
 
 
 def _load_library(path: Path | None = None) -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(path or _build.ensure_built()))
+    lib = ctypes.CDLL(str(path or _build.library_path()))
     p, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
     lib.r3_encode.argtypes = [p, i32, i64, i64, i32, i32, i32, ctypes.POINTER(p), p]
     lib.r3_encode.restype = i64

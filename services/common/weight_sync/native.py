@@ -1,14 +1,15 @@
 """ctypes binding of pack_core.c: one-pass pack + checksum of a CPU bucket, and the checksums
 of a bucket's extents in one call (see pack_core.c for why).
 
-Optional: where the library cannot be built (no C compiler), `available()` is False and the
-callers use the torch path, which computes the same checksums (tests compare the two).
+Optional: where the library is not built (`make setup` / `python -m services.common._build`, e.g.
+no C compiler), `available()` is False (a warning says why) and the callers use the torch path, which computes the same checksums (tests compare the two).
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import os
 from collections.abc import Sequence
 
 import numpy as np
@@ -30,7 +31,7 @@ def _load() -> ctypes.CDLL | None:
     try:
         from services.common import _build
 
-        lib = ctypes.CDLL(str(_build.ensure_built(name="pack")))
+        lib = ctypes.CDLL(str(_build.library_path("pack")))
     except (OSError, RuntimeError) as e:
         log.warning("weight sync: C pack/checksum unavailable, using torch ops (%s)", e)
         return None
@@ -39,13 +40,28 @@ def _load() -> ctypes.CDLL | None:
                                 _I64P, _I64P, _I64P, _I64P]
     lib.ws_sum.restype = ctypes.c_int32
     lib.ws_sum.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, _I64P, _I64P,
-                           _I64P]
+                           _I64P, ctypes.c_int32]
     _lib = lib
     return lib
 
 
 def available() -> bool:
     return _load() is not None
+
+
+# More threads than this do not sum faster: one core's loads already take a good share of a
+# socket's memory bandwidth.
+MAX_SUM_THREADS = 4
+
+
+def idle_threads() -> int:
+    """Threads for a sum that nothing else runs beside (the receiver's last bucket, after the
+    last byte landed): the CPUs this process may run on, at most MAX_SUM_THREADS."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(MAX_SUM_THREADS, cpus))
 
 
 def _ptr(a: np.ndarray, kind=_I64P):  # noqa: ANN001, ANN202
@@ -83,13 +99,14 @@ def pack_sum(bucket_u8: torch.Tensor, ext: Extents, sources: Sequence[torch.Tens
     return torch.from_numpy(sums)
 
 
-def sums(bucket_u8: torch.Tensor, ext: Extents) -> torch.Tensor:
-    """int64 checksums of the extents [offset, end) of a contiguous CPU bucket."""
+def sums(bucket_u8: torch.Tensor, ext: Extents, threads: int = 1) -> torch.Tensor:
+    """int64 checksums of the extents [offset, end) of a contiguous CPU bucket, over up to
+    `threads` threads (parts of at least 1 MiB; the GIL is released)."""
     lib = _load()
     assert lib is not None and bucket_u8.device.type == "cpu" and bucket_u8.is_contiguous()
     out = np.empty(len(ext), dtype=np.int64)
     rc = lib.ws_sum(bucket_u8.data_ptr(), bucket_u8.numel(), len(ext), _ptr(ext.offset),
-                    _ptr(ext.end), _ptr(out))
+                    _ptr(ext.end), _ptr(out), threads)
     if rc != 0:
         raise ValueError("bucket: an entry's extent does not fit the bucket (layout bug)")
     return torch.from_numpy(out)
