@@ -13,6 +13,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="model_command", required=True, metavar="MODEL")
     tiny = sub.add_parser("tiny-moe", help="write a small random-init Qwen3-MoE with a local tokenizer")
     tiny.add_argument("--out", required=True, help="output directory (HF format)")
+    tiny.add_argument("--family", default="qwen3_moe",
+                      help="HF model_type to build: qwen3_moe (default), qwen2_moe, mixtral, "
+                      "olmoe, deepseek_v3, glm4_moe, gpt_oss (services/rollout/families.py)")
     tiny.add_argument("--config", help="TOML/YAML file with TinyMoeConfig fields")
     tiny.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                       help="override one TinyMoeConfig field (repeatable), e.g. --set num_layers=3")
@@ -28,7 +31,8 @@ def run(args: argparse.Namespace) -> int:
 
         return run_fetch(args.uri, args.out)
     from services.common.config import load_config
-    from services.rollout.tiny_moe import TinyMoeConfig, build_tiny_moe
+    from services.rollout.families import build_family
+    from services.rollout.tiny_moe import TinyMoeConfig
 
     overrides = {}
     for item in args.set:
@@ -37,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"--set {item!r}: expected KEY=VALUE")
         overrides[key] = value
     cfg = load_config(TinyMoeConfig, args.config, overrides)
-    out = build_tiny_moe(args.out, cfg)
-    log.info("tiny MoE written to %s", out)
+    out = build_family(args.out, args.family, cfg)
+    log.info("tiny %s written to %s", args.family, out)
     print(out)
     return 0

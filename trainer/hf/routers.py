@@ -7,11 +7,15 @@ hook swaps `top_k_index` for the replayed ids and recomputes `top_k_weights` fro
 `router_logits` with the router's own normalisation; the weights stay a differentiable function
 of the router weight, so the router keeps getting gradients. Two families:
   * softmax top-k (Qwen2-MoE, Qwen3-MoE, OLMoE): softmax(logits, fp32) -> gather -> renorm if
-    `norm_topk_prob` -> cast to the logits dtype;
-  * grouped sigmoid (DeepSeek-V3): sigmoid(logits) -> gather (scores WITHOUT
+    `norm_topk_prob` -> cast to the logits dtype; Mixtral always renormalises (no flag);
+  * grouped sigmoid (DeepSeek-V3, GLM-4.x MoE): sigmoid(logits) -> gather (scores WITHOUT
     `e_score_correction_bias`: the bias only steers selection) -> renorm if `norm_topk_prob`
     (+1e-20 as upstream) -> * `routed_scaling_factor`. Group-limited selection (n_group,
-    topk_group) is selection only, so replayed ids need no group constraint.
+    topk_group) is selection only, so replayed ids need no group constraint;
+  * GPT-OSS: logits carry the router's bias; softmax over the k gathered logits, in their dtype.
+The router is the MoE block's `gate` (GPT-OSS: `router`); a shared expert and its gate (Qwen2-MoE's
+sigmoid `shared_expert_gate`, DeepSeek/GLM's ungated `shared_experts`) sit outside the router and
+run unchanged.
 RECORD keeps the router's own choice (R2 old-policy pass). The router still computes its own
 top-k in REPLAY; that choice is what the agreement check compares against.
 Row order is the router's: hidden [B, S, H] flattened batch-major (t = b*S + s); packed samples
@@ -51,6 +55,19 @@ def grouped_sigmoid_weights(router: Any, logits_TE: torch.Tensor,
     return w_TK * router.routed_scaling_factor
 
 
+def renormalised_softmax_weights(router: Any, logits_TE: torch.Tensor,
+                                 ids_TK: torch.Tensor) -> torch.Tensor:
+    """Mixtral gate weights of `ids_TK`: softmax (fp32), gather, always renormalised."""
+    w_TK = torch.softmax(logits_TE, dim=-1, dtype=torch.float).gather(-1, ids_TK)
+    return w_TK / w_TK.sum(dim=-1, keepdim=True)
+
+
+def topk_softmax_weights(router: Any, logits_TE: torch.Tensor,
+                         ids_TK: torch.Tensor) -> torch.Tensor:
+    """GPT-OSS gate weights of `ids_TK`: softmax over the gathered (biased) logits."""
+    return torch.softmax(logits_TE.gather(-1, ids_TK), dim=-1, dtype=logits_TE.dtype)
+
+
 WeightFn = Callable[[Any, torch.Tensor, torch.Tensor], torch.Tensor]
 
 # Router classes whose forward we have read (transformers 5.24). Anything else is refused: a
@@ -59,7 +76,10 @@ ROUTER_FAMILIES: dict[str, tuple[str, WeightFn]] = {
     "Qwen2MoeTopKRouter": ("softmax_topk", softmax_topk_weights),
     "Qwen3MoeTopKRouter": ("softmax_topk", softmax_topk_weights),
     "OlmoeTopKRouter": ("softmax_topk", softmax_topk_weights),
+    "MixtralTopKRouter": ("renormalised_softmax", renormalised_softmax_weights),
     "DeepseekV3TopkRouter": ("grouped_sigmoid", grouped_sigmoid_weights),
+    "Glm4MoeTopkRouter": ("grouped_sigmoid", grouped_sigmoid_weights),
+    "GptOssTopKRouter": ("topk_softmax", topk_softmax_weights),
 }
 
 
@@ -114,6 +134,7 @@ def find_routers(model: torch.nn.Module) -> list[RouterHandle]:
     for i, layer in enumerate(decoder_layers(model)):
         mlp = getattr(layer, "mlp", None)
         gate = getattr(mlp, "gate", None)
+        gate = getattr(mlp, "router", None) if gate is None else gate  # GPT-OSS: `router`
         if gate is None or not hasattr(mlp, "experts"):
             continue  # dense layer
         name = type(gate).__name__
