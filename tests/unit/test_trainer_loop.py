@@ -92,6 +92,9 @@ def test_reduce_metrics():
     got = reduce_metrics([{"a": 1.0, "x_max": 1.0, "d": {0: 1.0}, "s": "r3"},
                           {"a": 3.0, "x_max": 5.0, "d": {0: 0.0}, "s": "r3"}])
     assert got == {"a": 2.0, "x_max": 5.0, "d": {0: 0.5}, "s": "r3"}
+    # the worst rank's minimum is the step's minimum (a mean would hide a bad rank)
+    assert reduce_metrics([{"routing_agreement_min": 0.9}, {"routing_agreement_min": 0.4}]) == {
+        "routing_agreement_min": 0.4}
 
 
 def test_reduce_metrics_over_the_ranks_that_measured():

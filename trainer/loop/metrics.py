@@ -19,7 +19,8 @@ GAUGE_KEYS = ("ppo_kl", "kl_ref", "clip_ratio", "logprob_diff_mean", "logprob_di
 
 
 def reduce_metrics(per_rank: list[dict]) -> dict:
-    """Mean over ranks (max for *_max); dict values (per-layer agreement) averaged per key.
+    """Mean over ranks (max for *_max, min for *_min); dict values (per-layer agreement)
+    averaged per key.
     A rank that trained only padding micro-batches has no value (None or no key) for what it
     did not measure (reward, agreement): such a metric is reduced over the ranks that have it."""
     out: dict = {}
@@ -32,7 +33,8 @@ def reduce_metrics(per_rank: list[dict]) -> dict:
         elif k == "trajectories":
             out[k] = int(sum(vals))
         elif isinstance(v, int | float) and not isinstance(v, bool):
-            out[k] = float(np.max(vals)) if "_max" in k else float(np.mean(vals))
+            reduce = np.max if "_max" in k else np.min if "_min" in k else np.mean
+            out[k] = float(reduce(vals))
         else:
             out[k] = v
     return out
