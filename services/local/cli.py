@@ -64,6 +64,10 @@ def print_summary(s: dict) -> None:
           f"{_fmt(s['reward_last5'])} (gain {_fmt(s['reward_gain'])})")
     print(f"|logprob diff|    with replay {_fmt(s['logprob_diff_mean'])}, without replay (same "
           f"batches) {_fmt(s['logprob_diff_mean_off'])}, ratio {_fmt(s['logprob_diff_ratio_vs_off'])}")
+    print(f"  at step 1       with replay {_fmt(s.get('logprob_diff_step1'))}, without "
+          f"{_fmt(s.get('logprob_diff_step1_off'))}, ratio {_fmt(s.get('logprob_diff_step1_ratio'))}"
+          f" (rollout and trainer on the same weights: the engine/trainer mismatch alone; later"
+          f" batches are up to {s.get('max_policy_lag', '?')} versions old and add policy drift)")
     print(f"routing agreement {_fmt(s['routing_agreement'])}")
     dropped = ", ".join(f"{k} {v} ({v / max(t['produced'], 1):.1%})"
                         for k, v in t["dropped"].items()) or "none"

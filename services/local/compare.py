@@ -73,6 +73,12 @@ def arm_summary(arm: str, rows: list[dict], reference: list[dict] | None,
            "routing_agreement": mean_of(rows, "routing_agreement")}
     off = mean_of(reference, "logprob_diff_mean") if reference else math.nan
     out["logprob_diff_ratio_vs_off"] = diff / off if off > 0 else None
+    # step 1: every sample from the weights the trainer holds (the mismatch without drift)
+    first = rows[0].get("logprob_diff_mean") if rows else None
+    first_off = reference[0].get("logprob_diff_mean") if reference else None
+    out["logprob_diff_step1"] = first
+    out["logprob_diff_step1_ratio_vs_off"] = (first / first_off if first is not None
+                                              and first_off else None)
     return out | run_figures(run or {})
 
 
@@ -92,8 +98,11 @@ def run_figures(run: dict) -> dict:
 def summary_line(s: dict) -> str:
     ratio, stale, wall = (s["logprob_diff_ratio_vs_off"], s.get("stale_fraction"),
                           s.get("wall_seconds"))
+    first, first_ratio = s.get("logprob_diff_step1"), s.get("logprob_diff_step1_ratio_vs_off")
     return (f"{s['arm']:>4}: |Δlogprob| {s['logprob_diff_mean']:.3e}"
-            f"{'' if ratio is None else f' ({ratio:.2f} x off)'}, ppo_kl mean "
+            f"{'' if ratio is None else f' ({ratio:.2f} x off)'}"
+            f"{'' if first is None else f', step 1 {first:.3e}'}"
+            f"{'' if first_ratio is None else f' ({first_ratio:.2f} x off)'}, ppo_kl mean "
             f"{s['ppo_kl_mean']:.2e} p99 {s['ppo_kl_p99']:.2e}, ppo_kl spikes "
             f"{s['ppo_kl_spikes']}, clip fraction {s['clip_fraction_mean']:.3f}, agreement "
             f"{s['routing_agreement']:.3f}, reward {s['reward_first5']:.3f} -> "

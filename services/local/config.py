@@ -26,7 +26,10 @@ class GrpoConfig(StrictConfig):
     groups_per_step: int = Field(32, ge=1, description="groups per optimizer step")
     max_tokens: int = Field(6, ge=1, description="generated tokens per sample")
     temperature: float = Field(1.0, gt=0)
-    lr: float = Field(1e-3, gt=0)
+    # 3e-4 for the 64-expert local model: at 1e-3 its ppo_kl was 0.04-0.26 a step and the clip
+    # fraction 0.13-0.24 (the 8-expert model's 1e-3 gave a median of 8e-3); at 3e-4 ppo_kl is
+    # within +-8e-3 and the reward still rises (BENCHMARKS.md "make run: r3 vs off").
+    lr: float = Field(3e-4, gt=0)
     adam_beta2: float = Field(0.999, ge=0, lt=1)
     clip_grad: float = Field(1.0, ge=0, description="global grad-norm clip (0 = off)")
     ppo_epochs: int = Field(1, ge=1, description="passes of PPO updates over each batch")
@@ -59,6 +62,17 @@ class GrpoConfig(StrictConfig):
     test_lr_spike_factor: float = Field(1.0, gt=0, description="TEST ONLY: see above")
 
 
+def local_model() -> TinyMoeConfig:
+    """The MoE `r3flow local` trains: 64 experts, top-8, 4 MoE layers.
+
+    TinyMoeConfig's own defaults (8 experts, top-2, 2 layers; what most tests build, for speed)
+    have router margins so wide that hardly a routing decision differs between vLLM and the
+    trainer: replay changed |Δlogprob| by 13% (ratio 0.87). With 64 experts top-8 over 4 layers
+    the same batch at the same weights gives 1.84e-3 with replay against 2.79e-3 without (0.66,
+    seed 0; BENCHMARKS.md "make run: r3 vs off")."""
+    return TinyMoeConfig(num_experts=64, top_k=8, num_layers=4)
+
+
 class LocalConfig(StrictConfig):
     """Everything `r3flow local` decides."""
 
@@ -69,7 +83,9 @@ class LocalConfig(StrictConfig):
         None, ge=1, description="groups each rollout worker rolls out, then exits (None = until "
         "the run stops it)")
     seed: int = 0
-    model: TinyMoeConfig = Field(default_factory=TinyMoeConfig)
+    model: TinyMoeConfig = Field(
+        default_factory=local_model, description="sizes of the MoE built for the run ({} = "
+        "TinyMoeConfig's small defaults, as the tests use)")
     # Single-digit operands (100 problems) and a short warm start: GRPO starts at a mid-range
     # reward (~0.5) on a task it can measurably improve within 80 steps. Operands up to 19 with
     # 60 warm-start steps started at ~0.5 too but learnt slowly (gains 0.06-0.21 over 80 steps).

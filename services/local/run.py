@@ -302,6 +302,7 @@ class LocalRun:
 
     def _summary(self, rows: list[dict], trajectories: dict, **extra: object) -> dict:
         summary = {"run_dir": str(self.dir), "replay": self.cfg.replay, "steps": len(rows),
+                   "max_policy_lag": self.cfg.grpo.max_policy_lag,
                    "wall_seconds": round(time.monotonic() - self.started, 1),
                    **report.summarize(rows), "trajectories": trajectories, **extra}
         write_json(self.dir / "summary.json", summary)

@@ -21,6 +21,7 @@ from services.local.accounting import Accounting
 from services.local.config import GrpoConfig, LocalConfig, rollout_concurrency
 from services.local.procs import wait_for
 from services.local.run import LocalRun
+from services.rollout.tiny_moe import TinyMoeConfig
 from services.store.client import StoreClient
 from trainer.loop.ledger import read_trained_ids
 
@@ -36,7 +37,7 @@ def fault_config(runs_dir: Path, num_prompts: int) -> LocalConfig:
                       weight_push_timeout_s=20)
     return LocalConfig(runs_dir=str(runs_dir), workers=1, num_prompts=num_prompts,
                        warm_start_steps=5, grpo=grpo, trainer_launcher="local",
-                       timeout_s=1200)
+                       timeout_s=1200, model=TinyMoeConfig())
 
 
 @dataclass

@@ -19,6 +19,7 @@ import pytest
 
 from services.local.config import GrpoConfig, LocalConfig
 from services.local.procs import wait_for
+from services.rollout.tiny_moe import TinyMoeConfig
 
 pytestmark = [pytest.mark.faults]
 
@@ -31,7 +32,7 @@ def _config(runs: Path) -> Path:
                       lease_seconds=20, compare_off=False, max_policy_lag=2,
                       weight_push_timeout_s=10)
     cfg = LocalConfig(runs_dir=str(runs), workers=1, warm_start_steps=0, grpo=grpo,
-                      trainer_launcher="local", timeout_s=900)
+                      trainer_launcher="local", timeout_s=900, model=TinyMoeConfig())
     path = runs / "local.json"
     path.write_text(cfg.model_dump_json())
     return path

@@ -14,6 +14,7 @@ import pytest
 from services.local.config import GrpoConfig, LocalConfig
 from services.local.procs import wait_for
 from services.local.run import LocalRun
+from services.rollout.tiny_moe import TinyMoeConfig
 from services.store.client import StoreClient
 
 pytestmark = [pytest.mark.faults]
@@ -22,7 +23,8 @@ pytestmark = [pytest.mark.faults]
 def test_sigterm_finishes_or_abandons_in_flight_groups_and_reports_them():
     runs = Path(tempfile.mkdtemp(prefix="r3flow-stop-"))
     grpo = GrpoConfig(group_size=4, groups_per_step=2, max_tokens=6)
-    run = LocalRun(LocalConfig(runs_dir=str(runs), warm_start_steps=0, grpo=grpo))
+    run = LocalRun(LocalConfig(runs_dir=str(runs), warm_start_steps=0, grpo=grpo,
+                               model=TinyMoeConfig()))
     try:
         run.start_services(run.prepare())
         summary_path = run.summary_path("rollout-0")

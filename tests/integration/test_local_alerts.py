@@ -45,8 +45,9 @@ def run_dir(tmp_path_factory) -> Path:
     runs = tmp_path_factory.mktemp("runs")
     cfg = tmp_path_factory.mktemp("cfg") / "spike.json"
     cfg.write_text(json.dumps({
-        "grpo": {"groups_per_step": 8, "steps": STEPS, "test_lr_spike_step": SPIKE_STEP,
-                 "test_lr_spike_factor": FACTOR},
+        "grpo": {"groups_per_step": 8, "steps": STEPS, "lr": 1e-3,
+                 "test_lr_spike_step": SPIKE_STEP, "test_lr_spike_factor": FACTOR},
+        "model": {},  # the tests' small MoE (TinyMoeConfig defaults): quicker than the run's
         "metrics_linger_s": HOLD_S, "warm_start_steps": 5, "runs_dir": str(runs)}))
     cmd = [sys.executable, "-m", "services.cli", "local", "--config", str(cfg)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1500)

@@ -24,7 +24,9 @@ ROOT = Path(__file__).resolve().parents[2]
 def run_dir(tmp_path_factory) -> Path:
     runs = tmp_path_factory.mktemp("runs")
     small = tmp_path_factory.mktemp("cfg") / "small.json"  # CI: small batches, 3 quick steps
-    small.write_text(json.dumps({"grpo": {"groups_per_step": 8}}))
+    # the tests' small MoE (TinyMoeConfig defaults) at the lr it was tuned with, not the run's
+    # 64-expert model
+    small.write_text(json.dumps({"grpo": {"groups_per_step": 8, "lr": 1e-3}, "model": {}}))
     cmd = [sys.executable, "-m", "services.cli", "local", "--config", str(small), "--steps", "3",
            "--warm-start-steps", "5", "--runs-dir", str(runs)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)

@@ -58,3 +58,12 @@ def test_summary_line_has_stale_share_and_wall_from_the_run_summary(tmp_path: Pa
     assert s["logprob_diff_mean_same_batch_off"] == pytest.approx(4e-3)
     line = compare.summary_line(s)
     assert "stale 5.3%" in line and "321 s" in line and "ppo_kl mean 2.00e-03" in line
+
+
+def test_step_one_mismatch_is_reported_against_the_off_arm() -> None:
+    r3, off = _rows(1e-3, [1e-4] * 3), _rows(4e-3, [1e-4] * 3)
+    r3[0]["logprob_diff_mean"], off[0]["logprob_diff_mean"] = 2e-3, 3e-3
+    s = compare.arm_summary("r3", r3, off)
+    assert s["logprob_diff_step1"] == 2e-3
+    assert s["logprob_diff_step1_ratio_vs_off"] == pytest.approx(2 / 3)
+    assert "step 1 2.000e-03 (0.67 x off)" in compare.summary_line(s)
