@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -94,3 +96,30 @@ def test_malformed_extents_are_refused(offset, nbytes, end):
     ext = native.Extents([offset], [nbytes], [end])
     with pytest.raises(ValueError, match="extent"):
         native.pack_sum(bucket, ext, [torch.zeros(nbytes, dtype=torch.uint8)])
+
+
+@pytest.mark.parametrize("threads", [2, 3, 5, 16])
+def test_threaded_sums_equal_one_thread(threads: int):
+    """The receiver's last bucket is summed over several threads: parts of >= 1 MiB cut
+    across and inside extents (a 1-byte-aligned cut would break words: it must not happen)."""
+    g = torch.Generator().manual_seed(4)
+    sizes = [8, 3_000_000 + 6, 64, 1 << 20, 5, 2_500_000, 0, 700_001]
+    entries, offset = [], 0
+    for i, n in enumerate(sizes):
+        entries.append(bk.TensorEntry(f"t{i}", torch.uint8, (n,), offset, n))
+        offset = bk.aligned(offset + n)
+    buf = torch.randint(0, 256, (offset,), dtype=torch.uint8, generator=g)
+    want = _torch_sums(buf, entries)
+    ext = bk.cpu_extents(entries, buf.numel())
+    assert native.sums(buf, ext, 1).tolist() == want
+    assert native.sums(buf, ext, threads).tolist() == want
+    with bk.idle_sum_threads():
+        assert bk.checksum_tensor(buf, entries, ext).tolist() == want
+
+
+def test_idle_threads_follow_the_cpu_affinity():
+    assert 1 <= native.idle_threads() <= native.MAX_SUM_THREADS
+    assert native.idle_threads() <= len(os.sched_getaffinity(0))
+    with bk.idle_sum_threads():
+        assert bk._SUM_THREADS.n == native.idle_threads()
+    assert bk._SUM_THREADS.n == 1

@@ -13,7 +13,9 @@ bool, fp8) travels as-is. Receivers get views into the bucket buffers: no copy i
 
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeAlias
@@ -197,7 +199,8 @@ def checksum_tensor(bucket_u8: torch.Tensor, entries: list[TensorEntry],
                     bounds: ChecksumPlan = None) -> torch.Tensor:
     """sum64 of each entry's extent, as an int64 tensor on the bucket's device (no host
     sync: on GPU it queues behind the bucket's broadcast). `bounds` may be passed in (from
-    `checksum_plan`) when the layout repeats."""
+    `checksum_plan`) when the layout repeats. On the CPU the C core uses the threads that
+    `idle_sum_threads` grants this thread (one by default)."""
     if not entries:
         return torch.zeros(0, dtype=torch.int64, device=bucket_u8.device)
     if bucket_u8.is_cuda and len(entries) > 1:
@@ -207,7 +210,7 @@ def checksum_tensor(bucket_u8: torch.Tensor, entries: list[TensorEntry],
         if native is not None:  # one GIL-free call for the bucket, not a reduction per tensor
             if not isinstance(bounds, native.Extents):
                 bounds = cpu_extents(entries, bucket_u8.numel())
-            return native.sums(bucket_u8, bounds)
+            return native.sums(bucket_u8, bounds, getattr(_SUM_THREADS, "n", 1))
     sums = [bucket_u8[a:b].view(torch.int64).sum()
             for a, b in extents(entries, bucket_u8.numel())]
     return torch.stack(sums)
@@ -220,6 +223,21 @@ def _native():  # noqa: ANN202 (module or None)
     except ImportError:  # numpy missing (a bare GPU machine): the torch path
         return None
     return native if native.available() else None
+
+
+_SUM_THREADS = threading.local()
+
+
+@contextlib.contextmanager
+def idle_sum_threads() -> Iterator[None]:
+    """CPU checksums made by this thread inside the block may use every idle core (for a sum
+    that nothing else runs beside: the receiver's last bucket, after its last byte landed)."""
+    native = _native()
+    _SUM_THREADS.n = native.idle_threads() if native is not None else 1
+    try:
+        yield
+    finally:
+        _SUM_THREADS.n = 1
 
 
 def cpu_extents(entries: list[TensorEntry], bucket_nbytes: int) -> Extents:

@@ -5,6 +5,7 @@ an engine never serves a mix of old and new weights."""
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import logging
@@ -298,7 +299,7 @@ class _Receive:
         """Every layout known up front: post every bucket at once, then finish them in order."""
         staged = [self._post_bucket(k, *lay) for k, lay in enumerate(listed)]
         for cur in staged:
-            self._finish(cur)
+            self._finish(cur, last=cur is staged[-1])
         self.end = bk.decode_header(self._wait_key(Keys.header(len(staged))))
         return staged
 
@@ -309,7 +310,7 @@ class _Receive:
         cur = self._post(0)
         while cur is not None:
             nxt = self._post(cur.index + 1) if self.host_blocking else None
-            self._finish(cur)
+            self._finish(cur, last=self.host_blocking and nxt is None)
             staged.append(cur)
             cur = nxt if self.host_blocking else self._post(cur.index + 1)
         return staged
@@ -329,14 +330,17 @@ class _Receive:
         assert self.pg is not None
         return _Staged(index, entries, bucket, broadcast(self.pg, bucket), bounds)
 
-    def _finish(self, staged: _Staged) -> None:
+    def _finish(self, staged: _Staged, last: bool = False) -> None:
         """Bucket received (gloo: host waits, polled) or queued behind it (NCCL: stream
-        order): checksum it, expose its tensors as views."""
+        order): checksum it, expose its tensors as views. The last bucket of a CPU push is
+        summed on every idle core: the transport is done, and only this sum and the ack stand
+        between its last byte and the commit."""
         if self.host_blocking:
             wait_work(staged.work, self._check_abort, self._deadline(), gloo=True)
         else:
             staged.work.wait()
-        self.sums.append(bk.checksum_tensor(staged.bucket, staged.entries, staged.bounds))
+        with bk.idle_sum_threads() if last else contextlib.nullcontext():
+            self.sums.append(bk.checksum_tensor(staged.bucket, staged.entries, staged.bounds))
         self.entries.append(staged.entries)
         self.buckets.append(staged.bucket)
         self.ntensors += len(staged.entries)
