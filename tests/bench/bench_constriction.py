@@ -8,8 +8,8 @@ trajectory (512 tokens, rows = tokens - 1), canonical mode (rows as sets, the de
 The constriction side codes what ours codes, with the statistics ours uses (routing_core/model.c):
 per layer, a "repeats the previous token's row" flag per row (adaptive Bernoulli), and for each
 fresh row its K gaps in the layer's expert-popularity order, one adaptive categorical per gap
-position; popularity order and tables are rebuilt from the counts so far at rows 8, 16, 32, ...
-(doubling, then every 4,096 rows), identically on both sides. Between rebuilds the model is
+position; popularity order and tables are rebuilt from the counts so far at ours' rows (8, 24,
+72, ..., 5832, then every 4,096), identically on both sides. Between rebuilds the model is
 fixed, so each block's symbols go to constriction in one vectorised call per position
 (`queue.RangeEncoder` + `model.Categorical(perfect=False)`: FIFO, so an adaptive model needs no
 reversal; its leaky quantisation keeps unseen symbols codable). It has no near-uniform fallback
@@ -50,11 +50,12 @@ INIT_COUNT = 0.25  # pseudo-count of every symbol before any is seen
 
 
 def _blocks(tokens: int) -> list[tuple[int, int]]:
-    """[start, end) row ranges between model rebuilds: 0, 8, 16, 32, ... then every 4,096."""
-    out, start, end = [], 0, min(FIRST_REBUILD, tokens)
+    """[start, end) row ranges between model rebuilds, ours (routing_core/model.c
+    rebuild_after): rows 8, 24, 72, ..., 5832 (x3), then every 4,096."""
+    out, start, end = [], 0, FIRST_REBUILD
     while start < tokens:
-        out.append((start, end))
-        start, end = end, min(tokens, end + min(end, REBUILD_STEP))
+        out.append((start, min(end, tokens)))
+        start, end = end, 3 * end if end < REBUILD_STEP else end + REBUILD_STEP
     return out
 
 
