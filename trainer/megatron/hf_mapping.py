@@ -1,4 +1,7 @@
-"""HF Qwen3-MoE checkpoint names/layouts <-> megatron-core GPTModel (local spec), both ways.
+"""HF MoE checkpoint names/layouts <-> megatron-core GPTModel (local spec), both ways.
+
+Qwen3-MoE is the base layout; what other families change (QKV bias, no QK-norm, a gated shared
+expert, Mixtral's `block_sparse_moe.experts.N.w1/w3/w2`) comes from `trainer.megatron.families`.
 
 HF names are the safetensors names the rollout engine loads (one tensor per expert projection).
 Layouts that differ:
@@ -24,12 +27,13 @@ from typing import Any
 
 import torch
 
+from trainer.megatron.families import FamilyArch, family_arch, sizes
+
 _ATTN = {"self_attn.o_proj": "self_attention.linear_proj",
          "self_attn.q_norm": "self_attention.q_layernorm",
          "self_attn.k_norm": "self_attention.k_layernorm",
          "input_layernorm": "input_layernorm",
-         "post_attention_layernorm": "pre_mlp_layernorm",
-         "mlp.gate": "mlp.router"}
+         "post_attention_layernorm": "pre_mlp_layernorm"}
 _GLOBAL = {"model.embed_tokens.weight": "embedding.word_embeddings.weight",
            "model.norm.weight": "decoder.final_layernorm.weight",
            "lm_head.weight": "output_layer.weight"}
@@ -138,6 +142,7 @@ class MoeArch:
     max_positions: int
     rope_scaling: RopeScaling = RopeScaling()
     family: str = "qwen3_moe"  # HF model_type
+    fam: FamilyArch = FamilyArch()  # what the family changes against Qwen3-MoE
 
     @property
     def moe_layer_freq(self) -> list[int]:
@@ -146,12 +151,11 @@ class MoeArch:
 
 
 def arch_from_hf_config(cfg: dict) -> MoeArch:
-    """Read a Qwen3-MoE config.json dict; ValueError names unsupported fields."""
-    if cfg.get("model_type") != "qwen3_moe":
-        raise ValueError(f"model_type: expected 'qwen3_moe', got {cfg.get('model_type')!r}")
+    """Read an HF MoE config.json dict; ValueError names unsupported families and fields."""
+    fam = family_arch(cfg)
     if cfg.get("tie_word_embeddings"):
         raise ValueError("tie_word_embeddings: tied embeddings are not supported")
-    if cfg.get("attention_bias"):
+    if cfg.get("attention_bias") and not fam.qkv_bias:
         raise ValueError("attention_bias: biased attention projections are not supported")
     n, step = int(cfg["num_hidden_layers"]), int(cfg.get("decoder_sparse_step", 1))
     dense = set(cfg.get("mlp_only_layers") or [])
@@ -161,11 +165,10 @@ def arch_from_hf_config(cfg: dict) -> MoeArch:
         num_layers=n, moe_layers=moe, hidden_size=cfg["hidden_size"],
         num_heads=cfg["num_attention_heads"], num_kv_heads=cfg["num_key_value_heads"],
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
-        num_experts=cfg.get("num_experts") or cfg["num_local_experts"], top_k=cfg["num_experts_per_tok"],
-        moe_ffn=cfg["moe_intermediate_size"], dense_ffn=cfg["intermediate_size"],
+        top_k=cfg["num_experts_per_tok"], **sizes(cfg),
         vocab_size=cfg["vocab_size"], rms_eps=cfg.get("rms_norm_eps", 1e-6),
         rope_theta=rope_theta, rope_scaling=rope_scaling, family=cfg["model_type"],
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+        norm_topk_prob=fam.renormalise, fam=fam,
         max_positions=cfg.get("max_position_embeddings", 4096))
 
 
@@ -189,16 +192,53 @@ def qkv_to_hf(qkv: torch.Tensor, a: MoeArch) -> tuple[torch.Tensor, torch.Tensor
     return q.reshape(-1, h), k.reshape(-1, h), v.reshape(-1, h)
 
 
-def _mlp_to_megatron(sd: dict, hf_prefix: str, mc_prefix: str) -> dict[str, torch.Tensor]:
-    fc1 = torch.cat([sd[f"{hf_prefix}.gate_proj.weight"], sd[f"{hf_prefix}.up_proj.weight"]], 0)
+_PROJ = ("gate_proj", "up_proj", "down_proj")
+
+
+def _mlp_to_megatron(sd: dict, hf_prefix: str, mc_prefix: str,
+                     proj: tuple[str, str, str] = _PROJ) -> dict[str, torch.Tensor]:
+    gate, up, down = proj
+    fc1 = torch.cat([sd[f"{hf_prefix}.{gate}.weight"], sd[f"{hf_prefix}.{up}.weight"]], 0)
     return {f"{mc_prefix}.linear_fc1.weight": fc1,
-            f"{mc_prefix}.linear_fc2.weight": sd[f"{hf_prefix}.down_proj.weight"]}
+            f"{mc_prefix}.linear_fc2.weight": sd[f"{hf_prefix}.{down}.weight"]}
 
 
-def _mlp_to_hf(sd: dict, mc_prefix: str, hf_prefix: str) -> dict[str, torch.Tensor]:
+def _mlp_to_hf(sd: dict, mc_prefix: str, hf_prefix: str,
+               proj: tuple[str, str, str] = _PROJ) -> dict[str, torch.Tensor]:
     gate, up = sd[f"{mc_prefix}.linear_fc1.weight"].chunk(2, dim=0)
-    return {f"{hf_prefix}.gate_proj.weight": gate, f"{hf_prefix}.up_proj.weight": up,
-            f"{hf_prefix}.down_proj.weight": sd[f"{mc_prefix}.linear_fc2.weight"]}
+    return {f"{hf_prefix}.{proj[0]}.weight": gate, f"{hf_prefix}.{proj[1]}.weight": up,
+            f"{hf_prefix}.{proj[2]}.weight": sd[f"{mc_prefix}.linear_fc2.weight"]}
+
+
+def _qkv_bias_to_megatron(sd: dict, hf: str, a: MoeArch) -> torch.Tensor:
+    q, k, v = (sd[f"{hf}.self_attn.{p}_proj.bias"].unsqueeze(1) for p in "qkv")
+    return qkv_to_megatron(q, k, v, a).squeeze(1)
+
+
+def _qkv_bias_to_hf(bias: torch.Tensor, a: MoeArch) -> dict[str, torch.Tensor]:
+    q, k, v = qkv_to_hf(bias.unsqueeze(1), a)
+    return {f"self_attn.{p}_proj.bias": t.squeeze(1) for p, t in zip("qkv", (q, k, v), strict=True)}
+
+
+def _moe_extras_to_megatron(sd: dict, a: MoeArch, hf: str, mc: str) -> dict[str, torch.Tensor]:
+    """Router and shared expert (with its sigmoid gate) of one MoE layer."""
+    moe = f"{hf}.{a.fam.moe_prefix}"
+    out = {f"{mc}.mlp.router.weight": sd[f"{moe}.gate.weight"]}
+    if a.fam.shared_ffn:
+        out |= _mlp_to_megatron(sd, f"{moe}.shared_expert", f"{mc}.mlp.shared_experts")
+    if a.fam.shared_gate:
+        out[f"{mc}.mlp.shared_experts.gate_weight"] = sd[f"{moe}.shared_expert_gate.weight"]
+    return out
+
+
+def _moe_extras_to_hf(sd: dict, a: MoeArch, mc: str, hf: str) -> dict[str, torch.Tensor]:
+    moe = f"{hf}.{a.fam.moe_prefix}"
+    out = {f"{moe}.gate.weight": sd[f"{mc}.mlp.router.weight"]}
+    if a.fam.shared_ffn:
+        out |= _mlp_to_hf(sd, f"{mc}.mlp.shared_experts", f"{moe}.shared_expert")
+    if a.fam.shared_gate:
+        out[f"{moe}.shared_expert_gate.weight"] = sd[f"{mc}.mlp.shared_experts.gate_weight"]
+    return out
 
 
 def _local_experts(a: MoeArch, ep_rank: int, ep_size: int) -> range:
@@ -214,10 +254,14 @@ def _layer_to_megatron(sd: dict, a: MoeArch, i: int, ep_rank: int, ep_size: int)
            if f"{hf}.{h}.weight" in sd}
     q, k, v = (sd[f"{hf}.self_attn.{p}_proj.weight"] for p in "qkv")
     out[f"{mc}.self_attention.linear_qkv.weight"] = qkv_to_megatron(q, k, v, a)
+    if a.fam.qkv_bias:
+        out[f"{mc}.self_attention.linear_qkv.bias"] = _qkv_bias_to_megatron(sd, hf, a)
     if i not in a.moe_layers:
         return out | _mlp_to_megatron(sd, f"{hf}.mlp", f"{mc}.mlp")
+    out |= _moe_extras_to_megatron(sd, a, hf, mc)
     for local, e in enumerate(_local_experts(a, ep_rank, ep_size)):
-        out |= _mlp_to_megatron(sd, f"{hf}.mlp.experts.{e}", f"{mc}.mlp.experts.local_experts.{local}")
+        out |= _mlp_to_megatron(sd, f"{hf}.{a.fam.moe_prefix}.experts.{e}",
+                                f"{mc}.mlp.experts.local_experts.{local}", a.fam.expert_proj)
     return out
 
 
@@ -228,10 +272,15 @@ def _layer_to_hf(sd: dict, a: MoeArch, i: int, ep_rank: int, ep_size: int) -> di
     q, k, v = qkv_to_hf(sd[f"{mc}.self_attention.linear_qkv.weight"], a)
     out |= {f"{hf}.self_attn.q_proj.weight": q, f"{hf}.self_attn.k_proj.weight": k,
             f"{hf}.self_attn.v_proj.weight": v}
+    if a.fam.qkv_bias:
+        out |= {f"{hf}.{n}": t for n, t in _qkv_bias_to_hf(
+            sd[f"{mc}.self_attention.linear_qkv.bias"], a).items()}
     if i not in a.moe_layers:
         return out | _mlp_to_hf(sd, f"{mc}.mlp", f"{hf}.mlp")
+    out |= _moe_extras_to_hf(sd, a, mc, hf)
     for local, e in enumerate(_local_experts(a, ep_rank, ep_size)):
-        out |= _mlp_to_hf(sd, f"{mc}.mlp.experts.local_experts.{local}", f"{hf}.mlp.experts.{e}")
+        out |= _mlp_to_hf(sd, f"{mc}.mlp.experts.local_experts.{local}",
+                          f"{hf}.{a.fam.moe_prefix}.experts.{e}", a.fam.expert_proj)
     return out
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -18,6 +18,8 @@ import torch
 from pydantic import Field
 
 from services.common.config import StrictConfig
+from trainer.megatron.families import ENGINE_ROUTER_DTYPE as FAMILY_ROUTER_DTYPE
+from trainer.megatron.families import config_overrides
 from trainer.megatron.hf_mapping import MoeArch, hf_to_megatron, load_arch
 
 log = logging.getLogger(__name__)
@@ -43,6 +45,7 @@ class ModelConfig(StrictConfig):
 ENGINE_ROUTER_DTYPE: dict[str, tuple[str, str]] = {
     "qwen3_moe": ("native", "vLLM 0.30 Qwen3MoeSparseMoeBlock: the gate is a ReplicatedLinear "
                   "in the model dtype"),
+    **FAMILY_ROUTER_DTYPE,  # the other families (trainer.megatron.families)
 }
 
 
@@ -129,6 +132,8 @@ def transformer_config(a: MoeArch, cfg: ModelConfig):
         expert_model_parallel_size=cfg.expert_parallel, use_cpu_initialization=True,
         bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
         pipeline_dtype=torch.bfloat16 if bf16 else torch.float32, **recompute)
+    # the family's router, QK-norm, QKV bias and shared expert (trainer.megatron.families)
+    tcfg = replace(tcfg, **config_overrides(a.fam))
     r = a.rope_scaling
     if r.type == "yarn":
         # megatron-core 0.19: GPTModel(position_embedding_type="yarn") and every attention

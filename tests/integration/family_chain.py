@@ -1,0 +1,189 @@
+"""The end-to-end chain of one MoE model family (used by tests/integration/test_family_*.py).
+
+1. `r3flow model tiny-moe --family F` builds the tiny model (services.rollout.families);
+2. the trainer backend loads it and exports HF weights (HFExport, what the weight push sends);
+3. vLLM-CPU (fp32, a child process: this file as a script) runs the EXPORTED weights greedily with
+   routed-expert capture;
+4. the checks: the captured ids equal the original HF model's own router choice, teacher-forced;
+   vLLM's greedy tokens equal HF's; the trainer's R3 logprobs equal HF's logprobs under the same
+   forced routing (HF backend router hooks on the plain model) in fp32.
+Legend: T tokens, L layers, K top-k.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[2]
+PROMPTS = [[1, 40, 41, 42, 43, 44, 45, 46], [1, 70, 20, 33, 81, 5, 9, 62]]
+MAX_TOKENS = 8
+# fp32 |trainer logprob - HF forced logprob| bound (measured ~1e-6 on the tiny models)
+FP32_LOGPROB_TOL = 1e-4
+
+
+def tiny_config(family: str):
+    """Small enough for a 2-core CI box; families with dense layers get one leading dense layer."""
+    from services.rollout.tiny_moe import TinyMoeConfig
+
+    dense = family in ("qwen2_moe", "deepseek_v3", "glm4_moe")
+    return TinyMoeConfig(num_layers=3 if dense else 2, first_k_dense=int(dense))
+
+
+def vllm_greedy(model_dir: str, out: str, dtype: str = "float32") -> None:
+    """vLLM-CPU greedy decoding of PROMPTS with routed experts -> .npz (child process)."""
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=model_dir, dtype=dtype, max_model_len=128, max_num_seqs=2, block_size=32,
+              enforce_eager=True, seed=0, enable_return_routed_experts=True)
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    arrays = {}
+    for i, res in enumerate(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp,
+                                         use_tqdm=False)):
+        c = res.outputs[0]
+        arrays[f"tokens_{i}"] = np.array(PROMPTS[i] + list(c.token_ids), np.int64)
+        arrays[f"routing_{i}"] = np.asarray(c.routed_experts).astype(np.int64)
+    np.savez(out, **arrays)
+
+
+def run_vllm(model_dir: Path, out: Path, dtype: str = "float32") -> list[tuple[np.ndarray, ...]]:
+    env = os.environ | {"PYTHONPATH": str(REPO), "VLLM_CPU_OMP_THREADS_BIND": "auto",
+                        "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    subprocess.run([sys.executable, __file__, str(model_dir), str(out), dtype], env=env,
+                   cwd=REPO, check=True, timeout=600)  # vLLM start on a loaded 2-core box
+    data = np.load(out)
+    return [(data[f"tokens_{i}"], data[f"routing_{i}"]) for i in range(len(PROMPTS))]
+
+
+@dataclass
+class Chain:
+    family: str
+    model_dir: Path  # the tiny model as built
+    export_dir: Path  # the trainer's HF export (what vLLM ran)
+    hf: Any  # the original model, fp32, plain transformers
+    moe_layers: tuple[int, ...]
+    rollouts: list[tuple[np.ndarray, np.ndarray]]  # (tokens [P+R], routing [P+R-1, L, K])
+
+
+def trainer_config(model_dir: Path, backend: str):
+    from trainer.config import TrainerConfig
+
+    model = {"dtype": "fp32", "router_dtype": "fp32"} if backend == "megatron" else {}
+    return TrainerConfig.model_validate(dict(
+        model_dir=str(model_dir), backend=backend, data={"micro_batch_size": 2},
+        replay={"agreement_floor": 0.9}, **({"model": model} if model else {})))
+
+
+def build_chain(root: Path, family: str, export_backend: str) -> Chain:
+    """Steps 1-3 of the module docstring."""
+    from services.rollout.families import build_family
+    from trainer.backend import make_trainer
+    from trainer.hf.routers import find_routers
+    from trainer.hf_export import HFExport
+
+    model_dir = build_family(root / "model", family, tiny_config(family))
+    hf = load_plain(model_dir)
+    tr = make_trainer(trainer_config(model_dir, export_backend))
+    export = HFExport(root / "run", model_dir).write(tr.backend.export_hf_state_dict(), 0)
+    rollouts = run_vllm(export, root / "vllm.npz")
+    return Chain(family, model_dir, export, hf, tuple(r.hf_layer for r in find_routers(hf)),
+                 rollouts)
+
+
+def load_plain(model_dir: Path) -> Any:
+    """The HF model in fp32, eval mode, RoPE buffers recomputed (see trainer_fixtures)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from trainer.hf.model import _reset_rotary_buffers
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        _reset_rotary_buffers(hf)
+    return hf
+
+
+def hf_natural_rows(hf: Any, tokens: np.ndarray) -> np.ndarray:
+    """The HF model's own top-k ids, teacher-forced on `tokens[:-1]`: [T-1, MoE layers, K]."""
+    import torch
+
+    from trainer.hf.routers import HFModelReplay, find_routers
+
+    ctl = HFModelReplay(find_routers(hf))
+    try:
+        ctl.record()
+        with torch.no_grad():
+            hf(torch.from_numpy(tokens[None, :-1]), use_cache=False)
+        return torch.stack(ctl.recorded(), 1).numpy()
+    finally:
+        ctl.remove()
+
+
+def captured_moe_rows(chain: Chain, routing_TLK: np.ndarray) -> np.ndarray:
+    """vLLM reports every hidden layer; keep the MoE layers'."""
+    return routing_TLK[:, list(chain.moe_layers)]
+
+
+def check_capture_equals_hf(chain: Chain) -> float:
+    """Fraction of token-layers whose captured id set equals HF's own choice (returned)."""
+    same, total = 0, 0
+    for tokens, routing in chain.rollouts:
+        assert routing.shape[0] == tokens.size - 1  # engine convention: P + R - 1 rows
+        got = np.sort(captured_moe_rows(chain, routing), -1)
+        want = np.sort(hf_natural_rows(chain.hf, tokens), -1)
+        same += int((got == want).all(-1).sum())
+        total += got.shape[0] * got.shape[1]
+    return same / total
+
+
+def check_greedy_equals_hf(chain: Chain) -> None:
+    import torch
+
+    for tokens, _ in chain.rollouts:
+        prompt = tokens[:len(PROMPTS[0])]
+        with torch.no_grad():
+            out = chain.hf.generate(torch.from_numpy(prompt[None]), max_new_tokens=MAX_TOKENS,
+                                    min_new_tokens=MAX_TOKENS, do_sample=False,
+                                    eos_token_id=None, pad_token_id=0)
+        assert out[0, prompt.size:].tolist() == tokens[prompt.size:].tolist(), chain.family
+
+
+def forced_samples(chain: Chain) -> list:
+    """Samples whose routing is vLLM's capture and whose rollout logprobs are HF's own logprobs
+    under that same routing forced through the HF router hooks."""
+    from rollout_fixtures import hf_replayed_logprobs
+
+    from trainer.batch import Sample
+
+    p = len(PROMPTS[0])
+    out = []
+    for i, (tokens, routing) in enumerate(chain.rollouts):
+        rows = captured_moe_rows(chain, routing)
+        lp = hf_replayed_logprobs(chain.hf, tokens.tolist(), p, rows).astype(np.float32)
+        out.append(Sample(tokens, p, lp, np.ones(lp.size, bool), float(i), f"g{i}",
+                          routing_TLK=rows))
+    return out
+
+
+def check_trainer_r3_equals_hf_forced(chain: Chain, backend: str) -> dict:
+    """The trainer (`backend`) scores the rollouts replaying vLLM's routing: |Δlogprob| against
+    HF-forced logprobs within FP32_LOGPROB_TOL; returns the old-policy metrics."""
+    from trainer.backend import make_trainer
+    from trainer.replay import ReplayMode
+
+    tr = make_trainer(trainer_config(chain.model_dir, backend))
+    assert tr.backend.moe_layers == chain.moe_layers
+    m = tr.old_policy_pass(tr.prepare(forced_samples(chain)), ReplayMode.R3)
+    assert m["logprob_diff_max"] < FP32_LOGPROB_TOL, (chain.family, backend, m)
+    assert m["routing_agreement"] >= 0.95, (chain.family, backend, m)
+    return m
+
+
+if __name__ == "__main__":
+    vllm_greedy(sys.argv[1], sys.argv[2], sys.argv[3])

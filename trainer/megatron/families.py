@@ -1,0 +1,98 @@
+"""Which HF MoE families the megatron backend builds, and how each maps onto megatron-core 0.19.
+
+Owns, per HF `model_type`: the facts `hf_mapping.MoeArch` reads beyond Qwen3-MoE's (expert count
+and width keys, dense layers, QKV bias, QK-norm, shared expert and its gate), the TransformerConfig
+options that reproduce the family's router (`config_overrides`), and the refusal of a family
+megatron-core 0.19's local spec cannot run or r3flow does not map yet, naming the missing piece.
+The model provider (trainer.megatron.model) applies `config_overrides` on top of its base config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+SUPPORTED = ("qwen3_moe", "qwen2_moe", "mixtral")
+
+# model_type -> why the megatron backend refuses it (the HF backend, trainer.backend=hf, runs all).
+REFUSED: dict[str, str] = {
+    "olmoe": "OLMoE normalises q and k over the whole projection (q_norm of width heads*head_dim); "
+             "megatron-core 0.19's qk_layernorm normalises each head (width head_dim)",
+    "deepseek_v3": "MLA is not mapped by r3flow yet (megatron-core's MLASelfAttention with "
+                   "DeepSeek's interleaved rope and the e_score_correction_bias router buffer)",
+    "glm4_moe": "the e_score_correction_bias router buffer (megatron expert_bias) and partial "
+                "rotary are not mapped by r3flow yet",
+    "gpt_oss": "GPT-OSS experts (interleaved gate/up, clamped swiglu with alpha 1.702 and (up+1), "
+               "expert biases) and attention sinks are not mapped by r3flow yet",
+}
+
+
+@dataclass(frozen=True)
+class FamilyArch:
+    """What a family changes against Qwen3-MoE in the layer layout (default: Qwen3-MoE)."""
+
+    qkv_bias: bool = False  # q/k/v projections carry a bias (Qwen2-MoE)
+    qk_norm: bool = True  # per-head RMSNorm of q and k (Qwen3-MoE)
+    shared_ffn: int = 0  # shared-expert FFN width (0: none)
+    shared_gate: bool = False  # sigmoid gate on the shared expert (Qwen2-MoE)
+    renormalise: bool = True  # softmax over the top-k (HF norm_topk_prob / Mixtral always)
+    moe_prefix: str = "mlp"  # HF module of the MoE block (Mixtral: block_sparse_moe)
+    expert_proj: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # Mixtral: w1 w3 w2
+
+
+def check_supported(cfg: dict) -> str:
+    """The family (HF model_type) of `cfg`; ValueError naming what the megatron backend lacks."""
+    family = cfg.get("model_type")
+    if family in REFUSED:
+        raise ValueError(f"model_type: {family!r} is not supported by the megatron trainer: "
+                         f"{REFUSED[family]}; use trainer backend 'hf'")
+    if family not in SUPPORTED:
+        raise ValueError(f"model_type: expected one of {', '.join(SUPPORTED)}, got {family!r}")
+    if cfg.get("sliding_window") and cfg.get("use_sliding_window", True) \
+            and family == "mixtral":
+        raise ValueError("sliding_window: Mixtral's sliding-window attention is not mapped")
+    return str(family)
+
+
+def family_arch(cfg: dict) -> FamilyArch:
+    """The FamilyArch of a supported HF config dict."""
+    family = check_supported(cfg)
+    if family == "qwen2_moe":
+        return FamilyArch(qkv_bias=bool(cfg.get("qkv_bias", True)), qk_norm=False,
+                          shared_ffn=int(cfg.get("shared_expert_intermediate_size") or 0),
+                          shared_gate=True,
+                          renormalise=bool(cfg.get("norm_topk_prob", False)))
+    if family == "mixtral":
+        return FamilyArch(qk_norm=False, renormalise=True, moe_prefix="block_sparse_moe",
+                          expert_proj=("w1", "w3", "w2"))
+    return FamilyArch(renormalise=bool(cfg.get("norm_topk_prob", True)))
+
+
+def sizes(cfg: dict) -> dict[str, int]:
+    """Experts, expert FFN and dense FFN widths under each family's key names."""
+    if cfg.get("model_type") == "mixtral":  # every layer MoE; intermediate_size is the expert's
+        return {"num_experts": cfg["num_local_experts"], "moe_ffn": cfg["intermediate_size"],
+                "dense_ffn": cfg["intermediate_size"]}
+    return {"num_experts": cfg.get("num_experts") or cfg["num_local_experts"],
+            "moe_ffn": cfg["moe_intermediate_size"], "dense_ffn": cfg["intermediate_size"]}
+
+
+def config_overrides(fam: FamilyArch) -> dict[str, Any]:
+    """TransformerConfig options of the family (on top of the provider's Qwen3-MoE base)."""
+    out: dict[str, Any] = {
+        "qk_layernorm": fam.qk_norm, "add_qkv_bias": fam.qkv_bias,
+        # HF renormalised top-k == softmax over the top-k logits (megatron's non-pre-softmax)
+        "moe_router_pre_softmax": not fam.renormalise, "moe_router_score_function": "softmax"}
+    if fam.shared_ffn:
+        out |= {"moe_shared_expert_intermediate_size": fam.shared_ffn,
+                "moe_shared_expert_gate": fam.shared_gate, "moe_shared_expert_overlap": False}
+    return out
+
+
+# What the rollout engine computes router logits in, per family (model.router_dtype: auto).
+ENGINE_ROUTER_DTYPE: dict[str, tuple[str, str]] = {
+    "qwen2_moe": ("native", "vLLM 0.30 Qwen2MoeSparseMoeBlock: the gate is a ReplicatedLinear "
+                  "in the model dtype"),
+    "mixtral": ("native", "vLLM 0.30 MixtralMoE: the gate is a ReplicatedLinear in the model "
+                "dtype"),
+}
