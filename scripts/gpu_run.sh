@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything r3flow measures on a lent GPU machine, in one call (device tool; see BENCHMARKS.md):
-#   run(command="bash scripts/gpu_run.sh", kind="nvidia-h100-x2", carry=[".gpu"])
+#   run(command="bash scripts/gpu_run.sh", kind="nvidia-h100-x4", carry=[".gpu"])
+# or some sections only: `bash scripts/gpu_run.sh parallel` (trainer | parallel | weights).
 # There: Python 3.12 + torch 2.11, nothing installable. `.gpu/wheels` (gitignored, made by
 # `make gpu-wheels`) carries megatron-core and the few pure/cp312 packages the image lacks.
 set -uo pipefail
@@ -11,10 +12,23 @@ python3 -m pip install -q --no-deps --no-index --target /tmp/pylib .gpu/wheels/*
 export PYTHONPATH=/tmp/pylib:$PWD
 nvidia-smi -L | tee "$OUT/gpus.txt"
 python3 -m services.common._build
-echo "== pytest -m gpu (trainer: 1 GPU, 2 GPUs EP=2)"
-python3 -m pytest tests/gpu -m gpu -q -p no:cacheprovider -o addopts="" --timeout=900 2>&1 \
-  | tail -40 | tee "$OUT/pytest_gpu.txt"
-echo "== bench-weights --device cuda"
-python3 tests/bench/bench_weights.py --device cuda 2>&1 | tail -30 | tee "$OUT/bench_weights_cuda.txt"
+SECTIONS=${*:-trainer parallel weights}
+for section in $SECTIONS; do
+  case $section in
+    trainer)
+      echo "== pytest -m gpu (trainer: 1 GPU, 2 GPUs EP=2)"
+      python3 -m pytest tests/gpu -m gpu -q -p no:cacheprovider -o addopts="" --timeout=900 \
+        --ignore=tests/gpu/test_trainer_parallel_gpu.py 2>&1 | tail -40 | tee "$OUT/pytest_gpu.txt";;
+    parallel)
+      echo "== pytest -m gpu: megatron parallel layouts with replay (issue 21; 4 GPUs, 2 at least)"
+      python3 -m pytest tests/gpu/test_trainer_parallel_gpu.py -m gpu -q -rs -p no:cacheprovider \
+        -o addopts="" --timeout=900 2>&1 | tail -60 | tee "$OUT/pytest_parallel_gpu.txt";;
+    weights)
+      echo "== bench-weights --device cuda"
+      python3 tests/bench/bench_weights.py --device cuda 2>&1 | tail -30 \
+        | tee "$OUT/bench_weights_cuda.txt";;
+    *) echo "gpu_run.sh: unknown section $section (trainer | parallel | weights)"; exit 2;;
+  esac
+done
 cp bench-results/*.json "$OUT/" 2>/dev/null
 ls -la "$OUT"

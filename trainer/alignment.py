@@ -12,7 +12,8 @@ Pure numpy/torch (no megatron), so every step is unit-testable. The steps, in or
      major (t = s*B + b), one [S*B, K] tensor per MoE layer;
   5. `pp_stage_layers`, `shard_sequence_parallel`, `shard_context_parallel`: the slice a pipeline
      stage / sequence-parallel rank / context-parallel rank routes (CP/SP shard exactly as
-     `input_ids`).
+     `input_ids`); `local_routing` cuts a micro-batch's routing to one rank's layers and
+     positions before `to_router_rows`, so a rank replays (and checks) only its own rows.
 Legend: T rows, L layer columns, K top-k, S sequence (padded), B micro-batch rows.
 """
 
@@ -137,6 +138,16 @@ def shard_context_parallel(x_BS: torch.Tensor, rank: int, size: int, seq_dim: in
         raise ValueError(f"context_parallel: seq len {n} not divisible by {2 * size}")
     chunks = x_BS.chunk(2 * size, dim=seq_dim)
     return torch.cat([chunks[rank], chunks[2 * size - 1 - rank]], dim=seq_dim)
+
+
+def local_routing(ids_BSLK: torch.Tensor, valid_BS: torch.Tensor, columns: Sequence[int],
+                  pos_S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routing one rank replays: its pipeline stage's MoE layer `columns` and the sequence
+    positions `pos_S` its routers see (SP/CP shard, in router order), with their valid flags."""
+    pos_S = pos_S.to(ids_BSLK.device)
+    cols = torch.as_tensor(list(columns), dtype=torch.long, device=ids_BSLK.device)
+    return (ids_BSLK.index_select(1, pos_S).index_select(2, cols),
+            valid_BS.index_select(1, pos_S.to(valid_BS.device)))
 
 
 class InvalidRoutingError(ValueError):

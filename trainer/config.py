@@ -25,6 +25,9 @@ class OptimConfig(StrictConfig):
     adam_beta2: float = Field(0.999, ge=0, lt=1)
     adam_eps: float = Field(1e-8, gt=0)
     clip_grad: float = Field(1.0, ge=0, description="global grad-norm clip (0 = off)")
+    use_distributed_optimizer: bool = Field(
+        False, description="shard Adam state and fp32 main weights over the data-parallel ranks "
+        "(megatron-core DistributedOptimizer: grads reduce-scattered, params all-gathered)")
     ppo_epochs: int = Field(1, ge=1, description="passes of PPO updates over each GRPO batch")
     mini_batches: int = Field(
         1, ge=1, description="optimizer updates per pass (the batch's micro-batches split "
@@ -123,6 +126,10 @@ class TrainerConfig(StrictConfig):
     def _launcher_world(self) -> TrainerConfig:
         if self.run.launcher == "local" and self.run.world_size != 1:
             raise ValueError("run.world_size: the local launcher runs exactly 1 rank (use ray)")
+        if self.run.launcher == "ray":
+            from trainer.megatron.parallel import check_layout
+
+            check_layout(self.model, self.run.world_size, pad_multiple=self.data.pad_multiple)
         if self.backend == "hf" and self.run.launcher != "local":
             raise ValueError("run.launcher: the hf backend supports only 'local' (one in-process "
                              "rank) for now")

@@ -55,6 +55,9 @@ def _patch_torch_cuda() -> None:
     torch.cuda.Stream = _NullStream  # type: ignore[assignment, misc]
     torch.cuda.current_stream = lambda *a, **k: stream  # type: ignore[assignment]
     torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()  # type: ignore[assignment]
+    # pipeline_parallel.p2p_communication.P2PCommunicator._communicate_shapes (variable
+    # sequence lengths under PP) synchronises the device after exchanging shapes.
+    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
     # Optimizer, grad clipping, DDP buffers and schedules pass device="cuda" to tensor factories
     # and call Tensor.cuda() (megatron.core.optimizer.*, megatron.core.distributed.*).
     for name in _FACTORIES:

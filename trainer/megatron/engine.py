@@ -19,14 +19,15 @@ from typing import Any
 
 import torch
 
-from trainer.alignment import check_routes, to_router_rows
+from trainer.alignment import check_routes, local_routing, to_router_rows
 from trainer.backend import LossFn
 from trainer.batch import MicroBatch, Sample, filler_microbatch, split_microbatches
 from trainer.config import TrainerConfig
 from trainer.grpo import max_over_ranks
 from trainer.megatron.cpu_shims import cuda_tensor_type_names
-from trainer.megatron.hf_mapping import export_hf_state_dict, load_arch
+from trainer.megatron.hf_mapping import gather_experts, load_arch, megatron_to_hf
 from trainer.megatron.model import BuiltModel, build_model, init_parallel, resolve_router_dtype
+from trainer.megatron.parallel import check_layout, describe, gather_full, local_positions
 from trainer.megatron.replay import AgreementMonitor, ModelReplay
 from trainer.replay import ReplayMode, drive
 
@@ -34,19 +35,22 @@ log = logging.getLogger(__name__)
 
 
 def _optimizer(built: BuiltModel, cfg: TrainerConfig):
-    """Wrap in megatron DDP and build Adam (get_megatron_optimizer)."""
+    """Wrap in megatron DDP and build Adam (get_megatron_optimizer); with
+    optim.use_distributed_optimizer its state and the fp32 main weights are sharded over the
+    data-parallel ranks (grads reduce-scattered, parameters all-gathered after the step)."""
     from megatron.core.distributed import DistributedDataParallel as DDP
     from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     bf16, o = cfg.model.dtype == "bf16", cfg.optim
+    dist_opt = o.use_distributed_optimizer
     ddp = DDP(built.config, DistributedDataParallelConfig(
-        use_distributed_optimizer=False, grad_reduce_in_fp32=True), built.module)
+        use_distributed_optimizer=dist_opt, grad_reduce_in_fp32=True), built.module)
     with cuda_tensor_type_names():  # no-op on GPUs
         opt = get_megatron_optimizer(OptimizerConfig(
             optimizer="adam", lr=o.lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
             adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad, bf16=bf16,
-            params_dtype=torch.bfloat16 if bf16 else torch.float32), [ddp])
+            use_distributed_optimizer=dist_opt, params_dtype=torch.bfloat16 if bf16 else torch.float32), [ddp])
     built.config.finalize_model_grads_func = finalize_model_grads
     built.config.no_sync_func = ddp.no_sync
     return ddp, opt
@@ -59,18 +63,23 @@ class MegatronBackend:
         if not cfg.model_dir:
             raise ValueError("model_dir: an HF checkpoint directory is required")
         init_parallel(cfg.model)
+        arch = load_arch(cfg.model_dir)
+        check_layout(cfg.model, torch.distributed.get_world_size(), arch, cfg.data.pad_multiple)
         # `auto` settings resolved against the checkpoint, so self.cfg says what runs.
-        cfg = cfg.model_copy(update={"model": resolve_router_dtype(
-            cfg.model, load_arch(cfg.model_dir).family)})
-        log.info("resolved model config: %s", cfg.model.model_dump_json())
+        cfg = cfg.model_copy(update={"model": resolve_router_dtype(cfg.model, arch.family)})
+        log.info("resolved model config: %s; %s", cfg.model.model_dump_json(),
+                 describe(cfg.model, torch.distributed.get_world_size()))
         self.cfg = cfg
         self.policy = build_model(cfg.model_dir, cfg.model)
         self.arch = self.policy.arch
         self.moe_layers, self.num_experts, self.top_k = (
             tuple(self.arch.moe_layers), self.arch.num_experts, self.arch.top_k)
-        self.replay = ModelReplay(self.policy.replays, cfg.model.recompute_moe)
-        self.agreement = AgreementMonitor(self.policy.routers, self.arch.moe_layers,
-                                          self.arch.top_k)
+        recompute = cfg.model.recomputes_router
+        self.replay = ModelReplay(self.policy.replays, recompute)
+        # this stage's MoE layers: routing rows of other stages' layers are dropped
+        self.stage_columns = [self.moe_layers.index(h) for h in self.policy.moe_layers]
+        self.agreement = AgreementMonitor(self.policy.routers, self.policy.moe_layers,
+                                          self.arch.top_k, recompute)
         self.ddp, self.optimizer = _optimizer(self.policy, cfg)
         self.reference: BuiltModel | None = None
         if cfg.loss.kl_coef > 0:  # built after the policy: it owns its own replay instances
@@ -98,18 +107,47 @@ class MegatronBackend:
         return [mb.to(self.device) for mb in mbs]
 
     # ------------------------------------------------------------------ routing
+    def _positions(self, mb: MicroBatch) -> torch.Tensor:
+        """Sequence positions of `mb` this rank's routers see (SP/CP shard)."""
+        return local_positions(int(mb.tokens_BS.shape[1]), self.cfg.model.sequence_parallel)
+
     def _rows(self, mb: MicroBatch, mode: ReplayMode) -> list[torch.Tensor] | None:
+        """This rank's replay ids of `mb`: its stage's MoE layers, its sequence shard."""
         if mode == ReplayMode.R3:
             if mb.routing_BSLK is None:
                 raise ValueError("replay.mode: r3 needs rollout routing on every sample")
-            check_routes(mb.routing_BSLK, mb.valid_rows_BS, self.arch.num_experts,
-                         self.arch.moe_layers, self.arch.top_k)
-            return to_router_rows(mb.routing_BSLK)
+            ids_BSLK, valid_BS = local_routing(mb.routing_BSLK, mb.valid_rows_BS,
+                                               self.stage_columns, self._positions(mb))
+            check_routes(ids_BSLK, valid_BS, self.arch.num_experts, self.policy.moe_layers,
+                         self.arch.top_k)
+            return to_router_rows(ids_BSLK)
         return mb.replay_rows if mode == ReplayMode.R2 else None
 
     def _logits(self, module: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
         return module(input_ids=mb.tokens_BS, position_ids=mb.position_ids_BS,
                       attention_mask=None)
+
+    def _pipeline_logits(self, module: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
+        """No-grad forward through the pipeline schedule; the last stage's [B, S, V] logits are
+        broadcast to every stage (each rank computes the same logprobs)."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def step(data_iter, model):
+            return self._logits(model, next(data_iter)), lambda out, non_loss_data=True: out
+
+        b, s = (int(x) for x in mb.tokens_BS.shape)
+        out = get_forward_backward_func()(
+            forward_step_func=step, data_iterator=iter([mb]), model=[module],
+            num_microbatches=1, seq_length=s, micro_batch_size=b, forward_only=True,
+            collect_non_loss_data=True)
+        dtype = torch.bfloat16 if self.cfg.model.dtype == "bf16" else torch.float32
+        logits = out[0].contiguous() if ps.is_pipeline_last_stage() else torch.empty(
+            b, s, self.arch.vocab_size, dtype=dtype, device=self.device)
+        dist.broadcast(logits, ps.get_pipeline_model_parallel_last_rank(),
+                       group=ps.get_pipeline_model_parallel_group())
+        return logits
 
     # ------------------------------------------------------------------ no-grad passes
     @contextmanager
@@ -131,9 +169,10 @@ class MegatronBackend:
         rows = self._rows(mb, mode)
         record = mode == ReplayMode.R2 and not reference
         drive(ctl, rows, record)
-        out = self._logits(model.module, mb)
+        out = self._pipeline_logits(model.module, mb) if self.cfg.model.pipeline_parallel > 1 \
+            else self._logits(model.module, mb)
         if not reference:
-            self.agreement.collect(mb)
+            self.agreement.collect(mb, self._positions(mb))
         if record and rows is None:
             mb.replay_rows = ctl.recorded()
         ctl.end_step()
@@ -144,7 +183,7 @@ class MegatronBackend:
         mb = next(data_iter)
         drive(self.replay, self._rows(mb, mode), record=False)
         logits = self._logits(model, mb)
-        self.agreement.collect(mb)
+        self.agreement.collect(mb, self._positions(mb))
         self.replay.after_forward()
         return logits, partial(_schedule_loss, loss_fn, n_mb, mb)
 
@@ -164,7 +203,7 @@ class MegatronBackend:
                 seq_length=int(mbs[0].tokens_BS.shape[1]),
                 micro_batch_size=int(mbs[0].tokens_BS.shape[0]), forward_only=False)
             # Every rank finished its forward/backward: raising here strands no collective.
-            self.agreement.check_used()
+            self.agreement.check_recomputed()
             if check:
                 self.agreement.check(self.cfg.replay.agreement_floor)
             ok, grad_norm, _ = self.optimizer.step()
@@ -177,8 +216,10 @@ class MegatronBackend:
 
     # ------------------------------------------------------------------ weights
     def export_hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """HF-named full weights (EP shards gathered; collective over the EP group)."""
-        return export_hf_state_dict(self.policy.module, self.arch)
+        """HF-named full weights (TP, PP and EP shards gathered; a collective)."""
+        full = gather_full(self.policy.module, self.policy.config.gated_linear_unit)
+        return {k: v.clone() for k, v in megatron_to_hf(gather_experts(full, self.arch),
+                                                         self.arch).items()}
 
     def checkpoint_state(self) -> tuple[Any, Any]:
         return self.policy.module, self.optimizer

@@ -15,12 +15,20 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from services.common.config import StrictConfig
 from trainer.megatron.families import ENGINE_ROUTER_DTYPE as FAMILY_ROUTER_DTYPE
 from trainer.megatron.families import config_overrides
 from trainer.megatron.hf_mapping import MoeArch, hf_to_megatron, load_arch
+from trainer.megatron.parallel import (
+    check_layout,
+    describe,
+    shard_full,
+    stage_layers,
+    stage_moe_layers,
+)
+from trainer.megatron.spec import decoder_spec
 
 log = logging.getLogger(__name__)
 
@@ -29,16 +37,69 @@ class ModelConfig(StrictConfig):
     """How the trainer builds its megatron-core model."""
 
     dtype: Literal["fp32", "bf16"] = Field("fp32", description="parameter/compute dtype")
-    expert_parallel: int = Field(1, ge=1, description="expert-parallel size (ranks per expert set)")
     dispatcher: Literal["alltoall", "allgather"] = Field(
         "alltoall", description="megatron MoE token dispatcher")
-    recompute_moe: bool = Field(False, description="recompute MoE activations in backward "
-                                "(replay then switches to REPLAY_BACKWARD per micro-batch)")
+    tensor_parallel: int = Field(1, ge=1, description="tensor-parallel size (attention heads, "
+                                 "dense MLP, vocabulary split; needs sequence_parallel)")
+    sequence_parallel: bool = Field(False, description="shard the sequence over the tensor-"
+                                    "parallel ranks outside attention/MLP (required with TP > 1: "
+                                    "each TP rank routes only its sequence slice)")
+    pipeline_parallel: int = Field(1, ge=1, description="pipeline stages (1F1B schedule); each "
+                                   "stage builds and replays only its own layers")
+    context_parallel: int = Field(1, ge=1, description="context-parallel size (needs "
+                                  "TransformerEngine attention: only 1 with the local spec)")
+    expert_parallel: int = Field(1, ge=1, description="expert-parallel size (ranks per expert set)")
+    expert_tensor_parallel: int = Field(1, ge=1, description="tensor-parallel size inside each "
+                                        "expert (expert FFN width split)")
+    recompute_granularity: Literal["none", "full", "selective"] = Field(
+        "none", description="activation recompute: full (whole layers, recompute_method / "
+        "recompute_num_layers), selective (recompute_modules)")
+    recompute_method: Literal["uniform", "block"] = Field(
+        "uniform", description="full recompute: uniform (every layer, in units of "
+        "recompute_num_layers) or block (the first recompute_num_layers layers of each stage)")
+    recompute_num_layers: int = Field(1, ge=1, description="full recompute: layers per unit "
+                                      "(uniform) or recomputed layers per stage (block)")
+    recompute_modules: list[str] = Field(
+        default_factory=lambda: ["moe"], description="selective recompute: megatron "
+        "recompute_modules (moe, core_attn, mlp, layernorm, ...)")
+    recompute_moe: bool = Field(False, description="shorthand for recompute_granularity "
+                                "selective with recompute_modules [moe] (kept for old configs)")
     router_dtype: Literal["auto", "fp32", "native"] = Field(
         "auto", description="dtype of the router logits: fp32 (upcast), native (the model "
         "dtype), auto = what the rollout engine does for this model family (ENGINE_ROUTER_DTYPE; "
         "qwen3_moe: native), resolved when the model is built and logged")
     seed: int = Field(1234, description="megatron RNG seed (init of unused params, dropout)")
+
+    @model_validator(mode="after")
+    def _recompute_once(self) -> ModelConfig:
+        if self.recompute_moe and self.recompute_granularity != "none":
+            raise ValueError("model.recompute_moe: set either it or recompute_granularity")
+        return self
+
+    @property
+    def recompute(self) -> str:
+        """The recompute that runs: none | full | selective(<modules>)."""
+        if self.recompute_moe:
+            return "selective(moe)"
+        if self.recompute_granularity == "selective":
+            return f"selective({','.join(self.recompute_modules)})"
+        return self.recompute_granularity
+
+    @property
+    def recomputes_router(self) -> bool:
+        """Backward re-runs the router: replay pops each micro-batch's ids (REPLAY_BACKWARD)."""
+        return self.recompute == "full" or "moe" in self.recompute.removeprefix(
+            "selective(").rstrip(")").split(",")
+
+    def recompute_kwargs(self) -> dict[str, Any]:
+        """TransformerConfig's recompute options."""
+        if self.recompute == "full":
+            return {"recompute_granularity": "full", "recompute_method": self.recompute_method,
+                    "recompute_num_layers": self.recompute_num_layers}
+        if self.recompute.startswith("selective"):
+            return {"recompute_granularity": "selective", "recompute_modules":
+                    ["moe"] if self.recompute_moe else list(self.recompute_modules)}
+        return {}
 
 
 # What the rollout engine computes router logits in, per HF model_type: `router_dtype: auto`.
@@ -68,8 +129,9 @@ class BuiltModel:
     module: Any  # megatron GPTModel
     arch: MoeArch
     config: Any  # megatron TransformerConfig
-    routers: list  # TopKRouter modules, in MoE layer order
+    routers: list  # TopKRouter modules of this pipeline stage, in MoE layer order
     replays: list  # their RouterReplay instances, same order
+    moe_layers: tuple[int, ...] = ()  # HF index of each of `routers`' layers (this stage's)
 
 
 def _free_port() -> int:
@@ -100,12 +162,33 @@ def init_parallel(cfg: ModelConfig) -> None:
                 else f"tcp://127.0.0.1:{_free_port()}")
         dist.init_process_group("gloo" if on_cpu else "nccl", init_method=init, rank=rank,
                                 world_size=world)
+    world = dist.get_world_size()
+    check_layout(cfg, world)
     if not ps.model_parallel_is_initialized():
-        ps.initialize_model_parallel(expert_model_parallel_size=cfg.expert_parallel)
-    elif ps.get_expert_model_parallel_world_size() != cfg.expert_parallel:
-        raise ValueError(f"expert_parallel: process groups already built with EP="
-                         f"{ps.get_expert_model_parallel_world_size()}")
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=cfg.tensor_parallel,
+            pipeline_model_parallel_size=cfg.pipeline_parallel,
+            context_parallel_size=cfg.context_parallel,
+            expert_model_parallel_size=cfg.expert_parallel,
+            expert_tensor_parallel_size=cfg.expert_tensor_parallel)
+    else:
+        _check_groups(cfg)
+    log.info("parallel layout: %s", describe(cfg, world))
     model_parallel_cuda_manual_seed(cfg.seed)
+
+
+def _check_groups(cfg: ModelConfig) -> None:
+    """Process groups built earlier in this process must be the layout `cfg` asks for."""
+    from megatron.core import parallel_state as ps
+
+    have = {"tensor_parallel": ps.get_tensor_model_parallel_world_size(),
+            "pipeline_parallel": ps.get_pipeline_model_parallel_world_size(),
+            "context_parallel": ps.get_context_parallel_world_size(),
+            "expert_parallel": ps.get_expert_model_parallel_world_size(),
+            "expert_tensor_parallel": ps.get_expert_tensor_parallel_world_size()}
+    for name, size in have.items():
+        if getattr(cfg, name) != size:
+            raise ValueError(f"model.{name}: process groups already built with {size}")
 
 
 def transformer_config(a: MoeArch, cfg: ModelConfig):
@@ -114,8 +197,6 @@ def transformer_config(a: MoeArch, cfg: ModelConfig):
 
     cfg = resolve_router_dtype(cfg, a.family)
     bf16 = cfg.dtype == "bf16"
-    recompute = dict(recompute_granularity="selective", recompute_modules=["moe"]) \
-        if cfg.recompute_moe else {}
     tcfg = TransformerConfig(
         num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_heads,
         num_query_groups=a.num_kv_heads, kv_channels=a.head_dim, ffn_hidden_size=a.dense_ffn,
@@ -129,9 +210,15 @@ def transformer_config(a: MoeArch, cfg: ModelConfig):
         # replay is silently ignored by the fused router and by sinkhorn: never enable them
         moe_enable_routing_replay=True, moe_router_fusion=False,
         moe_router_dtype="fp32" if cfg.router_dtype == "fp32" else None,
-        expert_model_parallel_size=cfg.expert_parallel, use_cpu_initialization=True,
+        tensor_model_parallel_size=cfg.tensor_parallel, sequence_parallel=cfg.sequence_parallel,
+        pipeline_model_parallel_size=cfg.pipeline_parallel,
+        context_parallel_size=cfg.context_parallel,
+        expert_model_parallel_size=cfg.expert_parallel,
+        expert_tensor_parallel_size=cfg.expert_tensor_parallel,
+        # micro-batches are padded to their own length: pipeline stages exchange shapes
+        variable_seq_lengths=cfg.pipeline_parallel > 1, use_cpu_initialization=True,
         bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
-        pipeline_dtype=torch.bfloat16 if bf16 else torch.float32, **recompute)
+        pipeline_dtype=torch.bfloat16 if bf16 else torch.float32, **cfg.recompute_kwargs())
     # the family's router, QK-norm, QKV bias and shared expert (trainer.megatron.families)
     tcfg = replace(tcfg, **config_overrides(a.fam))
     r = a.rope_scaling
@@ -168,21 +255,23 @@ def _routers(module: torch.nn.Module) -> list:
 
 
 def check_layer_map(built: BuiltModel) -> None:
-    """The model's MoE layers must be exactly the HF config's MoE layers (routing map basis)."""
-    found = tuple(i for i, layer in enumerate(built.module.decoder.layers)
+    """The model's MoE layers must be exactly the HF config's MoE layers of this pipeline stage
+    (routing map basis)."""
+    layers = stage_layers(built.module)
+    found = tuple(g for g, layer in zip(layers, built.module.decoder.layers, strict=True)
                   if hasattr(layer.mlp, "router"))
-    if found != built.arch.moe_layers:
+    if found != built.moe_layers:
         raise ValueError(f"moe_layers: model has MoE at {found}, HF config says "
-                         f"{built.arch.moe_layers}")
+                         f"{built.moe_layers} for layers {layers[0]}..{layers[-1]}")
     if any(r.router_replay is None for r in built.routers):
         raise ValueError("moe_enable_routing_replay: a router has no RouterReplay instance")
-    if built.config.moe_router_fusion or built.routers[0].routing_type == "sinkhorn":
+    if built.config.moe_router_fusion or any(r.routing_type == "sinkhorn" for r in built.routers):
         raise ValueError("moe_router_fusion/sinkhorn: replay would be silently ignored")
 
 
 def build_model(hf_dir: str | Path, cfg: ModelConfig, load_weights: bool = True) -> BuiltModel:
     """Build the GPTModel for the checkpoint in `hf_dir` (process groups must be initialized)."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
@@ -190,9 +279,12 @@ def build_model(hf_dir: str | Path, cfg: ModelConfig, load_weights: bool = True)
     tcfg = transformer_config(arch, cfg)
     # The replay instance list is class-level: each model must own exactly its routers.
     RouterReplay.clear_global_router_replay_instances()
-    spec = get_gpt_decoder_block_spec(tcfg, use_transformer_engine=False, normalization="RMSNorm")
+    spec = decoder_spec(tcfg)
+    # parallel_output=False: the logits are gathered over TP (the loss is computed on [B, S, V])
     module = GPTModel(config=tcfg, transformer_layer_spec=spec, vocab_size=arch.vocab_size,
                       max_sequence_length=arch.max_positions,
+                      pre_process=ps.is_pipeline_first_stage(),
+                      post_process=ps.is_pipeline_last_stage(), parallel_output=False,
                       share_embeddings_and_output_weights=False, **rope_kwargs(arch))
     if cfg.dtype == "bf16":
         # What megatron's Float16Module does to the weights: norms too (the local spec builds
@@ -201,7 +293,8 @@ def build_model(hf_dir: str | Path, cfg: ModelConfig, load_weights: bool = True)
     if torch.cuda.is_available():
         module = module.cuda()
     routers = _routers(module)
-    built = BuiltModel(module, arch, tcfg, routers, [r.router_replay for r in routers])
+    built = BuiltModel(module, arch, tcfg, routers, [r.router_replay for r in routers],
+                       stage_moe_layers(arch.moe_layers, stage_layers(module)))
     check_layer_map(built)
     if load_weights:
         load_hf_weights(built, hf_dir)
@@ -209,7 +302,8 @@ def build_model(hf_dir: str | Path, cfg: ModelConfig, load_weights: bool = True)
 
 
 def load_hf_weights(built: BuiltModel, hf_dir: str | Path) -> None:
-    """Copy the HF safetensors weights into the model (this EP rank's experts); exact names."""
+    """Copy the HF safetensors weights into the model (this rank's experts, pipeline stage and
+    tensor-parallel slices); exact names."""
     from megatron.core import parallel_state as ps
     from safetensors.torch import load_file
 
@@ -218,7 +312,7 @@ def load_hf_weights(built: BuiltModel, hf_dir: str | Path) -> None:
         sd |= load_file(str(f))
     mapped = hf_to_megatron(sd, built.arch, ps.get_expert_model_parallel_rank(),
                             ps.get_expert_model_parallel_world_size())
-    copy_into(built.module, mapped)
+    copy_into(built.module, shard_full(built.module, mapped, built.config.gated_linear_unit))
 
 
 def copy_into(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:

@@ -85,28 +85,51 @@ class AgreementMonitor(AgreementStats):
         unit, so a fault in a few rows of one segment is not diluted by the rest of the batch.
     """
 
-    def __init__(self, routers: list, hf_layers: tuple[int, ...], top_k: int) -> None:
+    def __init__(self, routers: list, hf_layers: tuple[int, ...], top_k: int,
+                 recompute: bool = False) -> None:
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
-        self._fwd = RouterReplayAction.REPLAY_FORWARD
+        self._fwd, self._bwd = RouterReplayAction.REPLAY_FORWARD, RouterReplayAction.REPLAY_BACKWARD
+        self._recompute = recompute
         super().__init__(hf_layers, top_k)
         self._handles = [r.register_forward_hook(self._hook(m)) for m, r in enumerate(routers)]
+
+    def _used(self, m: int, used_TE: torch.Tensor, ids_TK: torch.Tensor, what: str) -> None:
+        want_TE = torch.zeros_like(used_TE)
+        want_TE.scatter_(1, ids_TK.to(used_TE.device).long(), True)
+        if self.desync is None and not torch.equal(used_TE, want_TE):
+            bad = int((used_TE != want_TE).any(-1).sum())
+            self.desync = (f"MoE layer {m} (HF layer {self.hf_layers[m]}): the router used "
+                           f"experts other than the replayed ids for {bad} of {used_TE.shape[0]} "
+                           f"tokens in {what} (replay bypassed or out of step)")
+
+    def _recomputed(self, m: int, used_TE: torch.Tensor) -> None:
+        """A backward recompute must use the ids of the oldest forward not yet recomputed."""
+        self.recomputes[m] += 1
+        if not self._fifo[m]:
+            self.desync = self.desync or (f"MoE layer {m} (HF layer {self.hf_layers[m]}): a "
+                                          "recompute with no forward left to replay")
+            return
+        self._used(m, used_TE, self._fifo[m].pop(0), "a backward recompute")
 
     def _hook(self, m: int):
         def hook(router, inputs, outputs) -> None:
             replay = router.router_replay
-            if replay is None or replay.router_replay_action != self._fwd \
-                    or replay.target_topk_idx is None:
-                return  # natural routing, RECORD, or a backward recompute: nothing replayed
+            action = None if replay is None else replay.router_replay_action
+            if action == self._bwd and self._recompute and router.training:
+                with torch.no_grad():
+                    self._recomputed(m, outputs[1].bool())
+                return
+            if replay is None or action != self._fwd or replay.target_topk_idx is None:
+                return  # natural routing or RECORD: nothing replayed
             with torch.no_grad():
                 used_TE = outputs[1].bool()
+                self._used(m, used_TE, replay.target_topk_idx, "a forward")
+                if self._recompute and router.training:
+                    self.forwards[m] += 1
+                    self._fifo[m].append(replay.target_topk_idx)
                 want_TE = torch.zeros_like(used_TE)
                 want_TE.scatter_(1, replay.target_topk_idx.to(used_TE.device).long(), True)
-                if self.desync is None and not torch.equal(used_TE, want_TE):
-                    bad = int((used_TE != want_TE).any(-1).sum())
-                    self.desync = (f"MoE layer {m} (HF layer {self.hf_layers[m]}): the router "
-                                   f"used experts other than the replayed ids for {bad} of "
-                                   f"{used_TE.shape[0]} tokens (replay bypassed or out of step)")
                 if not self.enabled:
                     return
                 logits_TE = router.gating(inputs[0]).view(-1, router.config.num_moe_experts)
@@ -117,16 +140,36 @@ class AgreementMonitor(AgreementStats):
 
     def reset(self) -> None:
         super().reset()
-        self._hits: list[torch.Tensor | None] = [None] * len(self.hf_layers)
+        n = len(self.hf_layers)
+        self._hits: list[torch.Tensor | None] = [None] * n
+        # ids of each training forward, oldest first, until its backward recompute replays them
+        self._fifo: list[list[torch.Tensor]] = [[] for _ in range(n)]
+        self.forwards, self.recomputes = [0] * n, [0] * n
 
-    def collect(self, mb) -> None:
-        """File the hits of `mb`'s forward (padded [B, S], router order t = s*B + b)."""
+    def check_recomputed(self) -> None:
+        """After an update with recompute: every recomputed layer replayed each forward's ids
+        exactly once, in order (a layer the recompute skips keeps all of its forwards)."""
+        for m in range(len(self.hf_layers)):
+            if self.recomputes[m] and self.recomputes[m] != self.forwards[m]:
+                self.desync = self.desync or (
+                    f"MoE layer {m} (HF layer {self.hf_layers[m]}): {self.forwards[m]} forwards "
+                    f"but {self.recomputes[m]} backward recomputes replayed")
+        self.check_used()
+
+    def collect(self, mb, pos_S: torch.Tensor | None = None) -> None:
+        """File the hits of `mb`'s forward (padded [B, S], router order t = s*B + b over the
+        sequence positions `pos_S` this rank routes; None = all of them)."""
         hits, self._hits = self._hits, [None] * len(self.hf_layers)
-        if any(h is None for h in hits):
+        if not hits or any(h is None for h in hits):
             return
         b, s = mb.tokens_BS.shape
-        hits_LBS = torch.stack([h.view(s, b).t() for h in hits]).cpu()  # type: ignore[union-attr]
-        valid_BS = mb.valid_rows_BS.bool().cpu()
+        pos_S = torch.arange(s) if pos_S is None else pos_S.cpu()
+        hits_LBS = torch.zeros(len(hits), b, s, dtype=torch.long)
+        hits_LBS[:, :, pos_S] = torch.stack(
+            [h.view(-1, b).t() for h in hits]).cpu()  # type: ignore[union-attr]
+        mine_S = torch.zeros(s, dtype=torch.bool)
+        mine_S[pos_S] = True
+        valid_BS = mb.valid_rows_BS.bool().cpu() & mine_S
         for m in range(hits_LBS.shape[0]):
             self.agree[m] += int(hits_LBS[m][valid_BS].sum())
             self.total[m] += int(valid_BS.sum()) * self.top_k
@@ -134,9 +177,12 @@ class AgreementMonitor(AgreementStats):
         per_row = len(self.hf_layers) * self.top_k
         for i, sample in enumerate(mb.samples):
             for name, a, e in sample.agreement_units():
+                rows = int(mine_S[a:e].sum())
+                if not rows:
+                    continue
                 cell = self.units.setdefault((sample.group_id, sample.trajectory_id, name), [0, 0])
                 cell[0] += int(hits_BS[i, a:e].sum())
-                cell[1] += (e - a) * per_row
+                cell[1] += rows * per_row
 
     def remove(self) -> None:
         for h in self._handles:

@@ -21,13 +21,10 @@ from typing import Any
 
 import yaml
 
-from trainer.plan.memory import Arch, GiB, Layout, Plan, plan
+from trainer.plan.memory import Arch, GiB, Layout, Plan, Recompute, plan
 from trainer.plan.models import load_model_config
 
 PREFIX = "r3flow.io/plan-"
-# trainer/engine.py builds megatron's DDP with use_distributed_optimizer=False (the Megatron
-# parallelism issue adds the config field); the planner reads the field once it exists.
-TRAINER_DISTRIBUTED_OPTIMIZER = False
 _UNITS = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "K": 10**3, "M": 10**6,
           "G": 10**9, "T": 10**12, "": 1}
 
@@ -55,16 +52,23 @@ def quantity_bytes(q: str | int) -> float:
 
 
 def layout_from_trainer(cfg: Any, seq_len: int) -> Layout:
-    """The Layout a TrainerConfig runs (fields the trainer does not have yet default to 1/off)."""
+    """The Layout a TrainerConfig runs (model.* parallel sizes, optim.use_distributed_optimizer,
+    model.recompute_*)."""
     m = cfg.model
     return Layout(
-        world=cfg.run.world_size, ep=m.expert_parallel,
-        tp=getattr(m, "tensor_parallel", 1), pp=getattr(m, "pipeline_parallel", 1),
-        cp=getattr(m, "context_parallel", 1), dtype=m.dtype,
-        distributed_optimizer=getattr(cfg.optim, "use_distributed_optimizer",
-                                      TRAINER_DISTRIBUTED_OPTIMIZER),
-        grad_reduce_in_fp32=True, recompute="moe" if m.recompute_moe else "none",
+        world=cfg.run.world_size, ep=m.expert_parallel, tp=m.tensor_parallel,
+        pp=m.pipeline_parallel, cp=m.context_parallel, dtype=m.dtype,
+        distributed_optimizer=cfg.optim.use_distributed_optimizer,
+        grad_reduce_in_fp32=True, recompute=_recompute(m),
         reference=cfg.loss.kl_coef > 0, micro_batch=cfg.data.micro_batch_size, seq_len=seq_len)
+
+
+def _recompute(m: Any) -> Recompute:
+    """The planner's recompute model of a ModelConfig: full, moe (only the MoE block is
+    recomputed) or none (selective recompute of other modules saves too little to model)."""
+    if m.recompute == "full":
+        return "full"
+    return "moe" if m.recomputes_router else "none"
 
 
 def _pod_groups(job: dict) -> tuple[dict, list[dict]]:

@@ -1,0 +1,58 @@
+"""The decoder layer spec: megatron-core 0.19's local (non-TransformerEngine) GPT spec, with a
+sequence-parallel-capable RMSNorm when `sequence_parallel` is on.
+
+The local spec's norm, `megatron.core.transformer.torch_norm.WrappedTorchNorm`, asserts
+`not config.sequence_parallel` only because it does not tag its weight: under sequence
+parallelism each TP rank normalises its own tokens, so the replicated norm weights need their
+gradients summed over the TP group, which `finalize_model_grads` does for parameters tagged
+`sequence_parallel` (what TransformerEngine's norms set). `SequenceParallelRMSNorm` is that
+torch RMSNorm, tagged; the spec swaps it in through the spec's own submodule fields.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any
+
+import torch
+
+
+class SequenceParallelRMSNorm(torch.nn.RMSNorm):
+    """torch RMSNorm whose weight is tagged for the TP grad all-reduce of sequence parallel."""
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_unused) -> None:
+        if config.normalization != "RMSNorm" or config.layernorm_zero_centered_gamma:
+            raise ValueError("model: the sequence-parallel local norm is plain RMSNorm only")
+        super().__init__(normalized_shape=hidden_size, eps=eps)
+        self.weight.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
+
+
+def _swap(node: Any, old: type, new: type, seen: set[int]) -> Any:
+    """`node` with every reference to class `old` inside specs/submodule dataclasses -> `new`."""
+    if node is old:
+        return new
+    if id(node) in seen:
+        return node
+    seen.add(id(node))
+    if isinstance(node, list):
+        return [_swap(x, old, new, seen) for x in node]
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        for f in dataclasses.fields(node):
+            value = getattr(node, f.name)
+            swapped = _swap(value, old, new, seen)
+            if swapped is not value:
+                object.__setattr__(node, f.name, swapped)
+    return node
+
+
+def decoder_spec(tcfg: Any) -> Any:
+    """megatron's local GPT decoder block spec for `tcfg` (norms SP-capable when SP is on)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    spec = get_gpt_decoder_block_spec(tcfg, use_transformer_engine=False, normalization="RMSNorm")
+    if tcfg.sequence_parallel:
+        # a copy: megatron may hand out shared spec objects
+        spec = _swap(copy.deepcopy(spec), WrappedTorchNorm, SequenceParallelRMSNorm, set())
+    return spec
