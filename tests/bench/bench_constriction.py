@@ -231,7 +231,7 @@ def main() -> int:
               f"x{r['encode_time_ratio_constriction_kernel_over_ours']:.2f}, decode "
               f"x{r['decode_time_ratio_constriction_kernel_over_ours']:.2f} of ours", flush=True)
     meta = {"machine": f"{platform.machine()}, {os.cpu_count()} cores",
-            "load_1min_before_after": os.getloadavg()[0],
+            "load_1min_at_end": os.getloadavg()[0],
             "constriction": "0.5.0", "repeats": a.repeats}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
