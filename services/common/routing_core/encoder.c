@@ -131,37 +131,189 @@ FORCE_INLINE uint64_t emit_if(uint32_t *words, size_t *n, uint64_t x, uint64_t l
     return c ? x >> 32 : x;
 }
 
+/* One record coded into its state (scalar); see flush_records. */
+FORCE_INLINE void flush_one(uint64_t *xs, uint32_t *words, size_t *nw, const Codec *cd,
+                            const Model *m, uint64_t r)
+{
+    uint32_t start = (uint32_t)r, param = (uint32_t)(r >> 32) & 0x1ffff;
+    int kind = (int)(r >> 56) & 3, st = (int)(r >> 58) & 3;
+    uint64_t x = xs[st];
+    if (kind == REC_MODEL) {
+        x = emit_if(words, nw, x, (uint64_t)param << (63 - MODEL_BITS));
+        if (!m->rcp || param == 1) { /* small inputs skip the reciprocal tables */
+            x = ((x / param) << MODEL_BITS) + (x % param) + start;
+        } else {
+            uint64_t q = mulhi64(x, m->rcp[param]) >> m->rshift[param];
+            x += start + q * (MODEL_TOTAL - param);
+        }
+    } else if (kind == REC_RAW) {
+        x = emit_if(words, nw, x, 1ull << (63 - param));
+        x = (x << param) | start;
+    } else {
+        const Unif *u = &cd->unif[param];
+        x = emit_if(words, nw, x, (uint64_t)u->f << 32);
+        uint64_t q = mulhi64(x, u->rcp) >> u->rcp_shift;
+        x += (uint64_t)start * u->f + q * u->cmpl;
+    }
+    xs[st] = x;
+}
+
+/* Test switch (ctypes): 1 = always the scalar flush, whatever the CPU (the bytes must not
+ * change; tests compare the two). */
+int32_t r3_scalar_flush = 0;
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define HAVE_FLUSH4 1
+/* FLUSH4_PICK[mask]: dword indices (2 x lane) of the lanes whose renormalization emits a
+ * word, lane 3 first (lane 3 is record j, which the scalar loop codes first), for
+ * _mm256_permutevar8x32_epi32; the rest 0 (stored past the words kept, then overwritten). */
+static const uint32_t FLUSH4_PICK[16][8] = {
+#define P(a, b, c, d) {a, b, c, d, 0, 0, 0, 0}
+    P(0, 0, 0, 0), P(0, 0, 0, 0), P(2, 0, 0, 0), P(2, 0, 0, 0), P(4, 0, 0, 0), P(4, 0, 0, 0),
+    P(4, 2, 0, 0), P(4, 2, 0, 0), P(6, 0, 0, 0), P(6, 0, 0, 0), P(6, 2, 0, 0), P(6, 2, 0, 0),
+    P(6, 4, 0, 0), P(6, 4, 0, 0), P(6, 4, 2, 0), P(6, 4, 2, 0)
+#undef P
+};
+
+/* mulhi64 of four lanes from 32-bit products. */
+__attribute__((target("avx2"))) static inline __m256i mulhi64x4(__m256i a, __m256i b)
+{
+    const __m256i lo32 = _mm256_set1_epi64x(0xffffffff);
+    __m256i ah = _mm256_srli_epi64(a, 32), bh = _mm256_srli_epi64(b, 32);
+    __m256i ll = _mm256_mul_epu32(a, b), hl = _mm256_mul_epu32(ah, b);
+    __m256i lh = _mm256_mul_epu32(a, bh), hh = _mm256_mul_epu32(ah, bh);
+    __m256i mid = _mm256_add_epi64(_mm256_add_epi64(_mm256_srli_epi64(ll, 32),
+                                                    _mm256_and_si256(hl, lo32)),
+                                   _mm256_and_si256(lh, lo32));
+    return _mm256_add_epi64(_mm256_add_epi64(hh, _mm256_srli_epi64(hl, 32)),
+                            _mm256_add_epi64(_mm256_srli_epi64(lh, 32),
+                                             _mm256_srli_epi64(mid, 32)));
+}
+
+/* A lane order: byte l of `order` is the state lane l holds. Returns the lane of each state
+ * (byte s), or 0 if the four states are not all different. */
+FORCE_INLINE uint32_t lanes_of_states(uint32_t order)
+{
+    uint32_t seen = 0, lanes = 0;
+    for (uint32_t l = 0; l < 4; l++) {
+        uint32_t s = order >> (8 * l) & 3;
+        seen |= 1u << s;
+        lanes |= l << (8 * s);
+    }
+    return seen == 15 ? lanes | 1u << 31 : 0;
+}
+
+/* Dword indices for _mm256_permutevar8x32_epi32: lane l takes lane src[l] (byte l). */
+__attribute__((target("avx2"))) static inline __m256i lane_moves(uint32_t src)
+{
+    __m256i two = _mm256_slli_epi64(_mm256_cvtepu8_epi64(_mm_cvtsi32_si128((int)(src & 0x03030303))), 1);
+    return _mm256_or_si256(two, _mm256_add_epi64(_mm256_slli_epi64(two, 32),
+                                                 _mm256_set1_epi64x(1ll << 32)));
+}
+
+/* flush_records where the CPU has AVX2: four model records on four different states (the
+ * gaps i..i+3 of a row, the flags of rows t..t+3) are coded at once: they are independent,
+ * and their words are stored in the scalar order, so the bytes are the same. Between such
+ * steps the states stay in one register, lane l holding the state of record j - 3 + l of the
+ * last step (the next step mostly needs the same order: gaps i and i + 4, flags t and t + 4
+ * share states). Anything else (escapes, raw bits, uniform digits, frequency 1) takes the
+ * scalar step, with the states in memory until the next 4-lane step. */
+__attribute__((target("avx2"))) static void flush_avx2(uint64_t *xs, uint32_t *words,
+                                                       size_t *nwp, const Codec *cd,
+                                                       const Model *m, const uint64_t *rec,
+                                                       size_t n)
+{
+    const __m256i fmask = _mm256_set1_epi64x(0x1ffff), smask = _mm256_set1_epi64x(0xffffffff);
+    const __m256i one = _mm256_set1_epi64x(1), total = _mm256_set1_epi64x(MODEL_TOTAL);
+    const uint64_t *rcp = m->rcp;
+    const uint8_t *rshift = m->rshift;
+    size_t nw = *nwp, j = n;
+    uint32_t cur = 0; /* 0: the states are in xs; else byte l = the state lane l holds */
+    __m256i x = _mm256_setzero_si256();
+    while (j >= 4) {
+        const uint64_t *rq = rec + j - 4;
+        uint64_t r0 = rq[0], r1 = rq[1], r2 = rq[2], r3 = rq[3];
+        if (r3 >> 56 & 3) { /* the next record is not a model one (fallback layers: none are) */
+            if (cur) {
+                _mm256_storeu_si256((__m256i *)xs,
+                                    _mm256_permutevar8x32_epi32(x, lane_moves(lanes_of_states(cur))));
+                cur = 0;
+            }
+            flush_one(xs, words, &nw, cd, m, r3);
+            j--;
+            continue;
+        }
+        uint32_t f0 = (uint32_t)(r0 >> 32) & 0x1ffff, f1 = (uint32_t)(r1 >> 32) & 0x1ffff;
+        uint32_t f2 = (uint32_t)(r2 >> 32) & 0x1ffff, f3 = (uint32_t)(r3 >> 32) & 0x1ffff;
+        uint32_t order = (uint32_t)(r0 >> 58 & 3) | (uint32_t)(r1 >> 50 & 0x300) |
+                         (uint32_t)(r2 >> 42 & 0x30000) | (uint32_t)(r3 >> 34 & 0x3000000);
+        uint32_t want = order == cur ? 1 : lanes_of_states(order);
+        if (!want || ((r0 | r1 | r2 | r3) >> 56 & 3) || f0 == 1 || f1 == 1 || f2 == 1 ||
+            f3 == 1) { /* not four model records on four states: one scalar step */
+            if (cur) {
+                _mm256_storeu_si256((__m256i *)xs,
+                                    _mm256_permutevar8x32_epi32(x, lane_moves(lanes_of_states(cur))));
+                cur = 0;
+            }
+            flush_one(xs, words, &nw, cd, m, rec[--j]);
+            continue;
+        }
+        if (!cur) {
+            x = _mm256_loadu_si256((const __m256i *)xs);
+            cur = 0x03020100;
+        }
+        if (order != cur) { /* lane l takes the lane that holds state order[l] */
+            uint32_t have = lanes_of_states(cur), src = 0;
+            for (int l = 0; l < 4; l++) src |= (have >> (8 * (order >> (8 * l) & 3)) & 3) << (8 * l);
+            x = _mm256_permutevar8x32_epi32(x, lane_moves(src));
+            cur = order;
+        }
+        __m256i r = _mm256_loadu_si256((const __m256i *)rq);
+        __m256i f = _mm256_and_si256(_mm256_srli_epi64(r, 32), fmask);
+        __m256i lim = _mm256_slli_epi64(f, 63 - MODEL_BITS);
+        __m256i c = _mm256_cmpgt_epi64(x, _mm256_sub_epi64(lim, one)); /* x >= lim (< 2^63) */
+        int mk = _mm256_movemask_pd(_mm256_castsi256_pd(c));
+        __m256i pick = _mm256_loadu_si256((const __m256i *)FLUSH4_PICK[mk]);
+        _mm_storeu_si128((__m128i *)(words + nw),
+                         _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(x, pick)));
+        nw += (size_t)__builtin_popcount((unsigned)mk);
+        x = _mm256_blendv_epi8(x, _mm256_srli_epi64(x, 32), c);
+        __m256i rc = _mm256_setr_epi64x((long long)rcp[f0], (long long)rcp[f1],
+                                        (long long)rcp[f2], (long long)rcp[f3]);
+        __m256i sh = _mm256_setr_epi64x(rshift[f0], rshift[f1], rshift[f2], rshift[f3]);
+        __m256i q = _mm256_srlv_epi64(mulhi64x4(x, rc), sh);
+        __m256i b = _mm256_sub_epi64(total, f); /* < 2^15; q < 2^48: two 32-bit products */
+        __m256i qb = _mm256_add_epi64(
+            _mm256_mul_epu32(q, b), _mm256_slli_epi64(_mm256_mul_epu32(_mm256_srli_epi64(q, 32), b), 32));
+        x = _mm256_add_epi64(x, _mm256_add_epi64(_mm256_and_si256(r, smask), qb));
+        j -= 4;
+    }
+    if (cur)
+        _mm256_storeu_si256((__m256i *)xs, _mm256_permutevar8x32_epi32(x, lane_moves(lanes_of_states(cur))));
+    while (j > 0) flush_one(xs, words, &nw, cd, m, rec[--j]);
+    *nwp = nw;
+}
+#else
+#define HAVE_FLUSH4 0
+#endif
+
 /* Codes the layer's records back to front (rANS is LIFO); no divisions. */
 static int flush_records(Enc *e, const Codec *cd, const Model *m, const uint64_t *rec, size_t n)
 {
     uint64_t xs[NSTATES];
     memcpy(xs, e->x, sizeof(xs));
-    if (reserve_words(e, n + 1)) return R3_ERR_NOMEM;
+    if (reserve_words(e, n + 4)) return R3_ERR_NOMEM; /* the 4-lane step stores 4 words */
     uint32_t *words = e->words;
     size_t nw = e->nwords;
-    for (size_t j = n; j-- > 0;) {
-        uint64_t r = rec[j];
-        uint32_t start = (uint32_t)r, param = (uint32_t)(r >> 32) & 0x1ffff;
-        int kind = (int)(r >> 56) & 3, st = (int)(r >> 58) & 3;
-        uint64_t x = xs[st];
-        if (kind == REC_MODEL) {
-            x = emit_if(words, &nw, x, (uint64_t)param << (63 - MODEL_BITS));
-            if (!m->rcp || param == 1) { /* small inputs skip the reciprocal tables */
-                x = ((x / param) << MODEL_BITS) + (x % param) + start;
-            } else {
-                uint64_t q = mulhi64(x, m->rcp[param]) >> m->rshift[param];
-                x += start + q * (MODEL_TOTAL - param);
-            }
-        } else if (kind == REC_RAW) {
-            x = emit_if(words, &nw, x, 1ull << (63 - param));
-            x = (x << param) | start;
-        } else {
-            const Unif *u = &cd->unif[param];
-            x = emit_if(words, &nw, x, (uint64_t)u->f << 32);
-            uint64_t q = mulhi64(x, u->rcp) >> u->rcp_shift;
-            x += (uint64_t)start * u->f + q * u->cmpl;
-        }
-        xs[st] = x;
+#if HAVE_FLUSH4
+    __builtin_cpu_init(); /* idempotent; fills the feature bits the check reads */
+    if (m->rcp && !r3_scalar_flush && __builtin_cpu_supports("avx2")) {
+        flush_avx2(xs, words, &nw, cd, m, rec, n);
+    } else
+#endif
+    {
+        for (size_t j = n; j-- > 0;) flush_one(xs, words, &nw, cd, m, rec[j]);
     }
     e->nwords = nw;
     memcpy(e->x, xs, sizeof(xs));
