@@ -138,11 +138,13 @@ def _row_error(row_K: list[int], num_experts: int, row: int, column: int, layer:
     return RoutingRuleError("ids", f"repeated expert id {where}", rule="duplicate", **kw)
 
 
-def check_ids(ids_TLK: Any, spec: RoutingSpec, layer_ids: Sequence[int] | None = None) -> None:
+def check_ids(ids_TLK: Any, spec: RoutingSpec, layer_ids: Sequence[int] | None = None, *,
+              native: bool = False) -> None:
     """Every rule on an ids array (numpy, or a torch tensor checked on its device): shape,
     dense columns all zero, then the id rules on the MoE columns; the error names the first
     offending row (lowest row, then column) and the layer (its id from spec.layer_ids or
-    `layer_ids` when known, else the column)."""
+    `layer_ids` when known, else the column). `native`: the id rules run by the compiled
+    core's validator (`r3_validate`, what the encoder runs; uint8/uint16 numpy ids)."""
     check_shape(tuple(ids_TLK.shape), spec, layer_ids)
     names = tuple(layer_ids) if layer_ids is not None else spec.layer_ids
     for col in spec.dense_columns:
@@ -154,38 +156,38 @@ def check_ids(ids_TLK: Any, spec: RoutingSpec, layer_ids: Sequence[int] | None =
         return
     moe = ids_TLK if len(cols) == ids_TLK.shape[1] and cols == tuple(range(len(cols))) \
         else ids_TLK[:, list(cols)]
-    bad_TL = invalid_rows(moe, spec.num_experts)
-    if not bad_TL.any():
+    bad = _first_native(moe, spec.num_experts) if native else _first(moe, spec.num_experts)
+    if bad is None:
         return
+    row, c, count = bad
+    raise _row_error([int(x) for x in moe[row, c].tolist()], spec.num_experts, row, cols[c],
+                     names[cols[c]] if names is not None else cols[c], count)
+
+
+def _first(moe_TLK: Any, num_experts: int) -> tuple[int, int, int] | None:
+    """(row, column, bad rows in that column) of the first row breaking the id rules."""
+    bad_TL = invalid_rows(moe_TLK, num_experts)
+    if not bad_TL.any():
+        return None
     row, c = (int(x) for x in _nonzero(bad_TL)[0])
-    col = cols[c]
-    raise _row_error([int(x) for x in moe[row, c].tolist()], spec.num_experts, row, col,
-                     names[col] if names is not None else col, int(bad_TL[:, c].sum()))
+    return row, c, int(bad_TL[:, c].sum())
+
+
+def _first_native(moe_TLK: np.ndarray, num_experts: int) -> tuple[int, int, int] | None:
+    from services.common import routing
+
+    bad = routing.first_invalid_row(np.ascontiguousarray(moe_TLK), num_experts)
+    if bad is None:
+        return None
+    row, c = bad
+    column = moe_TLK[:, c:c + 1].astype(np.int64)
+    return row, c, int(invalid_rows(column, num_experts).sum())
 
 
 def check_ids_native(ids_TLK: np.ndarray, spec: RoutingSpec,
                      layer_ids: Sequence[int] | None = None) -> None:
-    """`check_ids` with the id rules run by the compiled core's validator (`r3_validate`, what
-    the encoder runs) on the MoE columns: same rules, same errors."""
-    from services.common import routing
-
-    check_shape(tuple(ids_TLK.shape), spec, layer_ids)
-    names = tuple(layer_ids) if layer_ids is not None else spec.layer_ids
-    for col in spec.dense_columns:
-        if ids_TLK[:, col].any():
-            raise RoutingRuleError("dense", f"dense layer {col} has routed experts (layer map "
-                                            "does not match the engine)", column=col)
-    cols = spec.columns(int(ids_TLK.shape[1]))
-    if not cols or ids_TLK.shape[0] == 0:
-        return
-    moe = np.ascontiguousarray(ids_TLK[:, list(cols)])
-    bad = routing.first_invalid_row(moe, spec.num_experts)
-    if bad is None:
-        return
-    row, c = bad
-    count = int(invalid_rows(moe[:, c:c + 1].astype(np.int64), spec.num_experts).sum())
-    raise _row_error([int(x) for x in moe[row, c].tolist()], spec.num_experts, row, cols[c],
-                     names[cols[c]] if names is not None else cols[c], count)
+    """`check_ids` with the id rules run by the compiled validator: same rules, same errors."""
+    check_ids(ids_TLK, spec, layer_ids, native=True)
 
 
 def check_blob(blob: bytes, spec: RoutingSpec, layer_ids: Sequence[int] | None = None) -> Any:
