@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from services.common.routing_rules import RoutingRuleError, RoutingSpec, check_layout, expected_rows
 from trainer.alignment import (
     LayerMap,
     RoutingChunk,
@@ -63,11 +64,14 @@ def _decode_chunks(traj, decode: Callable, num_experts: int, top_k: int | None
         for j, msg in enumerate(s.routing):
             name = f"trajectory {traj.trajectory_id} segment {s.index} routing[{j}]"
             k = int(msg.shape[2]) if len(msg.shape) == 3 else -1
-            if int(msg.num_experts) != num_experts or (top_k is not None and k != top_k):
+            try:  # the model's num_experts and top-k (services/common/routing_rules.py)
+                check_layout(RoutingSpec(num_experts, top_k=top_k), layers=len(msg.layer_ids),
+                             top_k=k, num_experts=int(msg.num_experts))
+            except RoutingRuleError:
                 raise RoutingLayoutError(
                     f"{name}: routing has num_experts={msg.num_experts}, top_k={k}; the "
                     f"trainer's model has num_experts={num_experts}, top_k={top_k} (rollout "
-                    "engine serving another model or another num_experts_per_tok?)")
+                    "engine serving another model or another num_experts_per_tok?)") from None
             ids = decode(msg, name)
             chunks.append(RoutingChunk(int(msg.start_row), ids, tuple(msg.layer_ids)))
     return chunks
@@ -119,7 +123,7 @@ def sample_from_trajectory(traj, layer_map: LayerMap | None, num_experts: int,
         if decode is None:
             from services.common.wire import routing_from_proto
             decode = routing_from_proto
-        rows = sample.tokens.size - 1
+        rows = expected_rows(sample.prompt_len, sample.tokens.size - sample.prompt_len)
         chunks = _decode_chunks(traj, decode, num_experts, top_k)
         if any(int(c.ids_TLK.max(initial=0)) >= num_experts for c in chunks):
             raise ValueError(f"trajectory {traj.trajectory_id}: expert id >= {num_experts}")
