@@ -137,9 +137,25 @@ def plot_comparison(arms: dict[str, list[dict]], out_png: Path) -> Path:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         ax.legend()
-    axes.flat[-1].axis("off")
+    _plot_same_batch_ratio(axes.flat[-1], arms)
     fig.suptitle("r3flow local — replay arms on the same seed, data and machine")
     fig.tight_layout()
     fig.savefig(out_png, dpi=90)
     plt.close(fig)
     return out_png
+
+
+def _plot_same_batch_ratio(ax, arms: dict[str, list[dict]]) -> None:
+    """Per step, a replaying arm's |Δlogprob| over the same batch's without replay: below 1 is
+    what replay removed; step 1 (the trainer's own weights) shows the mismatch alone."""
+    for arm, rows in arms.items():
+        pts = [(r["step"], r["logprob_diff_mean"] / r["logprob_diff_mean_off"]) for r in rows
+               if r.get("logprob_diff_mean") is not None and r.get("logprob_diff_mean_off")]
+        if pts:
+            ax.plot(*zip(*pts, strict=True), marker=".", label=arm)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_title("|Δlogprob| / same batch without replay")
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[1]:
+        ax.legend()
