@@ -85,8 +85,12 @@ def _spec_docs(name: str) -> Path:
     return ROOT / "k8s" / name
 
 
+# The named run before the distributed optimizer existed (EP=8 alone): a spec that does not fit.
+UNSHARDED = ROOT / "tests" / "unit" / "plan_specs" / "qwen3-30b-a3b-ep8-unsharded-adam.yaml"
+
+
 def test_cli_plans_the_named_run_and_checks_its_expected_verdict(capsys):
-    spec = str(_spec_docs("qwen3-30b-a3b-grpo-r3.yaml"))
+    spec = str(UNSHARDED)
     assert cli.main(["plan", "--manifest", spec]) == 1          # does not fit
     out = capsys.readouterr().out
     assert "DOES NOT FIT" in out and "expected: does-not-fit (as expected)" in out
@@ -94,7 +98,7 @@ def test_cli_plans_the_named_run_and_checks_its_expected_verdict(capsys):
 
 
 def test_cli_config_what_if(tmp_path, capsys):
-    cm = next(d for d in yaml.safe_load_all(_spec_docs("qwen3-30b-a3b-grpo-r3.yaml").read_text())
+    cm = next(d for d in yaml.safe_load_all(UNSHARDED.read_text())
               if d and d["kind"] == "ConfigMap")
     cfg = tmp_path / "train.yaml"
     cfg.write_text(cm["data"]["train.yaml"])
@@ -112,3 +116,19 @@ def test_spec_gpus_must_match_world_size(tmp_path, capsys):
     bad.write_text(text)
     assert cli.main(["plan", "--manifest", str(bad)]) == 2
     assert "32 GPUs but run.world_size is 16" in capsys.readouterr().err
+
+
+def test_named_run_fits_with_tp2_ep8_and_the_distributed_optimizer(capsys):
+    """k8s/qwen3-30b-a3b-grpo-r3.yaml (issue 21): TP2 (SP) x DP16, EP8 x EDP4, distributed
+    optimizer, recompute_moe: the figures its header states."""
+    spec = str(_spec_docs("qwen3-30b-a3b-grpo-r3.yaml"))
+    assert cli.main(["plan", "--manifest", spec, "--check-expected"]) == 0
+    out = capsys.readouterr().out
+    assert "61.21 GiB of 80.00 GiB: fits (+18.79 GiB)" in out and "fits (as expected)" in out
+    lay = Layout(world=32, tp=2, ep=8, recompute="moe", reference=True, seq_len=8192,
+                 distributed_optimizer=True)
+    p = plan(QWEN, lay, gpu_gib=80)
+    # dense split over TP2 except norms/routers; experts over EP8 (expert TP 1)
+    assert p.expert_params == 3_623_878_656 and lay.dp == 16 and lay.expert_dp == 4
+    assert p.rows["optimizer"] == pytest.approx(12 * (p.dense_params / 16 + 3_623_878_656 / 4))
+    assert p.rows["logits"] == 8192 * 151_936 * 6  # gathered over TP: the full vocabulary

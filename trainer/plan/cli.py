@@ -21,7 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--gpu-memory-gib", type=float, help="memory of one GPU (with --config)")
     src.add_argument("--seq-len", type=int, help="tokens per sequence (with --config)")
     what = p.add_argument_group("what-if overrides")
-    for name in ("tp", "pp", "ep", "cp", "world", "micro-batch"):
+    for name in ("tp", "pp", "ep", "etp", "cp", "world", "micro-batch"):
         what.add_argument(f"--{name}", type=int)
     what.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction)
     what.add_argument("--reference", action=argparse.BooleanOptionalAction,
@@ -37,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _overrides(args: argparse.Namespace) -> dict:
-    names = {"tp": "tp", "pp": "pp", "ep": "ep", "cp": "cp", "world": "world",
+    names = {"tp": "tp", "pp": "pp", "ep": "ep", "etp": "etp", "cp": "cp", "world": "world",
              "micro_batch": "micro_batch", "distributed_optimizer": "distributed_optimizer",
              "reference": "reference", "recompute": "recompute"}
     return {field: getattr(args, a) for a, field in names.items() if getattr(args, a) is not None}

@@ -56,7 +56,8 @@ def layout_from_trainer(cfg: Any, seq_len: int) -> Layout:
     model.recompute_*)."""
     m = cfg.model
     return Layout(
-        world=cfg.run.world_size, ep=m.expert_parallel, tp=m.tensor_parallel,
+        world=cfg.run.world_size, ep=m.expert_parallel, etp=m.expert_tensor_parallel,
+        tp=m.tensor_parallel,
         pp=m.pipeline_parallel, cp=m.context_parallel, dtype=m.dtype,
         distributed_optimizer=cfg.optim.use_distributed_optimizer,
         grad_reduce_in_fp32=True, recompute=_recompute(m),

@@ -2,13 +2,14 @@
 
 An estimate written down so that it can be checked by hand (tests/unit/test_plan.py does):
   * parameters per rank: attention, dense MLPs, embeddings and output layer split over TP
-    (norms and routers replicated); experts split over EP x expert-TP (= TP); layers over PP
+    (norms and routers replicated); experts split over EP x expert-TP (model.
+    expert_tensor_parallel, 1 by default); layers over PP
     (the per-rank table is the worst stage: first with PP=1 holds embedding and output layer);
   * bytes per parameter (megatron mixed precision): weights at the model dtype; gradients fp32
     when grads are reduced in fp32 (trainer/engine.py: grad_reduce_in_fp32=True); optimizer
     state fp32 Adam moments (8 B) plus fp32 master weights (4 B) when the model is bf16, split
     over the data-parallel ranks of each parameter only with the distributed optimizer
-    (dense DP = world / (TP x PP x CP), expert DP = world / (EP x TP x PP));
+    (dense DP = world / (TP x PP x CP), expert DP = world / (EP x ETP x PP));
   * reference model (kl_coef > 0): a second copy of the weights, no grads, no optimizer;
   * activations per token per layer at the model dtype (flash attention: nothing quadratic),
     tokens per rank = seq_len x micro_batch / (TP x CP) (sequence parallel), x PP micro-batches
@@ -20,8 +21,9 @@ An estimate written down so that it can be checked by hand (tests/unit/test_plan
       dense MLP   h + 3F
     recompute "moe" keeps only the MoE block's input (h) per layer, "full" only each layer's
     input (h); either adds one recomputed block's activations live during backward;
-  * logits of one micro-batch on the last stage: vocab/TP x (eb + 4) per token (fp32 upcast
-    of the log-softmax);
+  * logits of one micro-batch on the last stage: vocab x (eb + 4) per token (fp32 upcast of
+    the log-softmax); the trainer gathers the logits over TP (parallel_output=False), so every
+    TP rank holds the full vocabulary;
   * routing buffers: RouterReplay's int64 top-k ids of each micro-batch in flight;
   * a colocated vLLM engine's share (gpu_memory_utilization of the same GPU; 0 when rollout
     runs in its own pods, as in the chart) and a fixed runtime overhead (CUDA context, NCCL
@@ -106,6 +108,7 @@ class Layout:
     tp: int = 1
     pp: int = 1
     ep: int = 1
+    etp: int = 1
     cp: int = 1
     dtype: Literal["bf16", "fp32"] = "bf16"
     distributed_optimizer: bool = False
@@ -120,9 +123,9 @@ class Layout:
         if self.world % (self.tp * self.pp * self.cp):
             raise ValueError(f"world size {self.world}: not a multiple of TP x PP x CP "
                              f"= {self.tp * self.pp * self.cp}")
-        if self.world % (self.ep * self.tp * self.pp):
-            raise ValueError(f"world size {self.world}: not a multiple of EP x TP x PP "
-                             f"= {self.ep * self.tp * self.pp}")
+        if self.world % (self.ep * self.etp * self.pp):
+            raise ValueError(f"world size {self.world}: not a multiple of EP x ETP x PP "
+                             f"= {self.ep * self.etp * self.pp}")
         if arch.experts % self.ep:
             raise ValueError(f"expert_parallel {self.ep}: does not divide {arch.experts} experts")
         if arch.num_layers % self.pp:
@@ -134,7 +137,7 @@ class Layout:
 
     @property
     def expert_dp(self) -> int:
-        return self.world // (self.ep * self.tp * self.pp)
+        return self.world // (self.ep * self.etp * self.pp)
 
 
 @dataclass
@@ -167,7 +170,7 @@ def params_per_rank(arch: Arch, lay: Layout) -> tuple[float, float]:
     emb_rank = emb * (1 if (arch.tied_embeddings or lay.pp > 1) else 2)
     dense = (per_stage * split + dense_mlp * 3 * arch.hidden * arch.dense_ffn + emb_rank) / lay.tp
     dense += per_stage * repl + moe * arch.hidden * arch.experts + arch.hidden
-    expert = moe * arch.expert_params_per_layer / (lay.ep * lay.tp)
+    expert = moe * arch.expert_params_per_layer / (lay.ep * lay.etp)
     return dense, expert
 
 
@@ -203,7 +206,7 @@ def activation_bytes(arch: Arch, lay: Layout) -> dict[str, float]:
         elems, live = per_stage * h, attn + (moe if moe_n else mlp)
     in_flight = lay.pp
     acts = eb * tokens * (elems * in_flight + live)
-    logits = lay.seq_len * lay.micro_batch / lay.cp * arch.vocab / lay.tp * (eb + 4)
+    logits = lay.seq_len * lay.micro_batch / lay.cp * arch.vocab * (eb + 4)
     routing = 8 * tokens * moe_n * arch.top_k * in_flight
     return {"activations": acts, "logits": logits, "routing buffers": routing}
 
