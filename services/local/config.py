@@ -112,8 +112,12 @@ def seeded(cfg: LocalConfig) -> tuple[TaskConfig, TinyMoeConfig]:
 def store_config(cfg: LocalConfig, run_dir: Path) -> dict:
     g = cfg.grpo
     # Backpressure keeps the workers about `backlog_steps` optimizer steps ahead of the trainer
-    # instead of generating thousands of groups that would only go stale on 2 cores.
-    per_traj = 8 + g.max_tokens  # prompt ("19+19=" is 6 chars) + response, with margin
+    # instead of generating thousands of groups that would only go stale on 2 cores. The store
+    # counts prompt + response tokens, so estimate what a trajectory really holds: with the old
+    # "8 + max_tokens" (14) against ~6.5 real tokens ("3+4=" and "7<eos>") the backlog held
+    # ~4 steps, past max_policy_lag 3, and 12-15% of the 64-expert runs went stale.
+    per_traj = len(f"{cfg.task.max_operand}+{cfg.task.max_operand}=") + min(
+        g.max_tokens, len(str(2 * cfg.task.max_operand)) + 1)  # answer + EOS
     backlog = g.backlog_steps * g.groups_per_step * g.group_size * per_traj
     return {"max_policy_lag": g.max_policy_lag, "max_backlog_tokens": backlog,
             "backpressure_retry_ms": 200}

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from services.local.config import LocalConfig, rollout_config, seeded, trainer_config
+from services.local.config import (
+    LocalConfig,
+    rollout_config,
+    seeded,
+    store_config,
+    trainer_config,
+)
 from services.local.tasks import closeness_reward, write_datasets
 from trainer.config import TrainerConfig
 
@@ -45,3 +51,12 @@ def test_test_only_spike_and_linger_reach_the_trainer(tmp_path: Path):
     assert tc.run.metrics_linger_s == 90.0
     off = TrainerConfig.model_validate(trainer_config(LocalConfig(), tmp_path, tmp_path))
     assert (off.optim.test_lr_spike_step, off.run.metrics_linger_s) == (0, 5.0)
+
+
+def test_backlog_budget_counts_what_a_trajectory_holds(tmp_path: Path):
+    """Prompt "9+9=" (4 tokens) + answer "18" + EOS: 7 tokens, so the store's token budget
+    holds backlog_steps optimizer steps, not twice as many (which outran max_policy_lag)."""
+    cfg = LocalConfig.model_validate({"grpo": {"groups_per_step": 16, "backlog_steps": 2}})
+    assert store_config(cfg, tmp_path)["max_backlog_tokens"] == 2 * 16 * 8 * 7
+    wide = LocalConfig.model_validate({"task": {"max_operand": 99}, "grpo": {"max_tokens": 2}})
+    assert store_config(wide, tmp_path)["max_backlog_tokens"] == 2 * 32 * 8 * (6 + 2)
