@@ -79,7 +79,8 @@ def trainer_config(model_dir: Path, backend: str):
         if backend == "megatron" else {}
     if backend == "hf" and json.loads((model_dir / "config.json").read_text())[
             "model_type"] == "gpt_oss":
-        extra["hf"] = {"attn_implementation": "eager"}  # transformers: GPT-OSS has no sdpa
+        # transformers: GPT-OSS has no sdpa, and its masks ignore packed boundaries
+        extra["hf"] = {"attn_implementation": "eager", "packing": False}
     return TrainerConfig.model_validate(dict(
         model_dir=str(model_dir), backend=backend, data={"micro_batch_size": 2},
         replay={"agreement_floor": 0.9}, **extra))
