@@ -41,8 +41,9 @@ class GrpoConfig(StrictConfig):
     # Fully asynchronous with bounded staleness: rollouts run up to 3 versions ahead of the
     # trainer and the PPO ratio is taken against the rollout's own logprobs (the behaviour
     # policy), so ppo_kl and the clip fraction measure real off-policyness. Measured on the
-    # 2-core box: lag 3 dropped 5.3% of produced trajectories as stale (lag 2: 13.8%, lag 0:
-    # 37%) and the reward rose 0.48 -> 0.82 (BENCHMARKS.md, "Local run").
+    # 2-core box (8-expert model): lag 3 dropped 5.3% of produced trajectories as stale (lag 2:
+    # 13.8%, lag 0: 37%) and the reward rose 0.48 -> 0.82 (BENCHMARKS.md, "Local run"); with
+    # the 64-expert model and the backlog budget of store_config, lag 3 dropped none (seed 1).
     max_policy_lag: int = Field(
         3, ge=0, description="store drops groups older than this (0: strictly on-policy)")
     old_logprobs: Literal["trainer", "rollout"] = Field(
