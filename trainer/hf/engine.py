@@ -23,7 +23,7 @@ from trainer.backend import LossFn
 from trainer.batch import MicroBatch, Sample, split_microbatches
 from trainer.config import TrainerConfig
 from trainer.hf.config import HFBackendConfig
-from trainer.hf.model import export_hf, init_process_group, load_model, shard
+from trainer.hf.model import check_packing, export_hf, init_process_group, load_model, shard
 from trainer.hf.packing import hf_router_rows, pack_microbatches
 from trainer.hf.routers import (
     HFAgreementMonitor,
@@ -51,6 +51,7 @@ class HFBackend:
         self.rank, self.world_size = init_process_group()
         self.sharded = self._use_fsdp()
         self.model = self._build(trainable=True)
+        check_packing(self.model, self.hf.packing)
         self.routers = find_routers(self.model)
         self.arch = RoutingArch.of(self.routers)
         self.moe_layers, self.num_experts, self.top_k = (

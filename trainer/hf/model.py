@@ -60,6 +60,21 @@ def load_model(model_dir: str | Path, attn_implementation: str = "sdpa") -> Any:
     return model
 
 
+# Families whose transformers 5.24 masks do not turn restarting position ids into a block-diagonal
+# mask: packed samples attend to each other (GPT-OSS, sinks + sliding windows: |logit| differs by
+# 4.5 packed vs separate on the tiny model, eager attention; Mixtral/Qwen: 2e-6).
+NO_PACKING = {"gpt_oss"}
+
+
+def check_packing(model: Any, packing: bool) -> None:
+    """ValueError when `hf.packing` is on for a family whose masks ignore packed boundaries."""
+    family = getattr(model.config, "model_type", "")
+    if packing and family in NO_PACKING:
+        raise ValueError(f"hf.packing: transformers does not isolate packed samples for "
+                         f"{family} (its attention masks ignore restarting position ids); "
+                         "set hf.packing: false")
+
+
 def shard(model: torch.nn.Module, layers, bf16: bool, reshard_after_forward: bool) -> None:
     """FSDP2 in place: every decoder layer, then the root; bf16 compute with fp32 grads."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
