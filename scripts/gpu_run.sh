@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything r3flow measures on a lent GPU machine, in one call (device tool; see BENCHMARKS.md):
 #   run(command="bash scripts/gpu_run.sh", kind="nvidia-h100-x4", carry=[".gpu"])
-# or some sections only: `bash scripts/gpu_run.sh parallel` (trainer | parallel | weights).
+# or some sections only: `bash scripts/gpu_run.sh parallel` (trainer | parallel | bench | weights;
+# the default runs all but bench).
 # There: Python 3.12 + torch 2.11, nothing installable. `.gpu/wheels` (gitignored, made by
 # `make gpu-wheels`) carries megatron-core and the few pure/cp312 packages the image lacks.
 set -uo pipefail
@@ -23,11 +24,18 @@ for section in $SECTIONS; do
       echo "== pytest -m gpu: megatron parallel layouts with replay (issue 21; 4 GPUs, 2 at least)"
       python3 -m pytest tests/gpu/test_trainer_parallel_gpu.py -m gpu -q -rs -p no:cacheprovider \
         -o addopts="" --timeout=900 2>&1 | tail -60 | tee "$OUT/pytest_parallel_gpu.txt";;
+    bench)
+      echo "== megatron at Qwen3-30B-A3B widths, 8 layers, 4K tokens: EP4 and TP2(SP) x EP4"
+      for layout in "--ep 4" "--ep 4 --tp 2"; do
+        python3 tests/bench/bench_megatron_parallel.py --gpus "$(nvidia-smi -L | wc -l)" \
+          --layers 8 $layout --out "bench-results/megatron_parallel_${layout//[ -]/}.json" 2>&1 \
+          | grep -v -i "warn\|deprecated\|mimomodel\|return func" | tail -8
+      done | tee "$OUT/bench_megatron_parallel.txt";;
     weights)
       echo "== bench-weights --device cuda"
       python3 tests/bench/bench_weights.py --device cuda 2>&1 | tail -30 \
         | tee "$OUT/bench_weights_cuda.txt";;
-    *) echo "gpu_run.sh: unknown section $section (trainer | parallel | weights)"; exit 2;;
+    *) echo "gpu_run.sh: unknown section $section (trainer | parallel | bench | weights)"; exit 2;;
   esac
 done
 cp bench-results/*.json "$OUT/" 2>/dev/null

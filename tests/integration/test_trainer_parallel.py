@@ -7,8 +7,10 @@ routing (random distinct ids per row: a row fed to the wrong token or layer chan
     checks its own layers and sequence slice against the samples' routing, by its own index
     arithmetic);
   * the grad norm of one r3 step equals the reference within 1e-5, and the logprobs after it too.
-Data-parallel layouts split the batch by whole groups (same token count per rank, so the DP mean
-equals the 1-rank loss). The test runs this file as a script once per rank (`_worker`), the
+Each rank gets the loop's share (whole groups dealt over every rank); the ranks of one model
+replica (TP x PP) train the union of their shares, data-parallel replicas their own (same token
+count each, so the DP mean equals the 1-rank loss); a replica's routing agreement, merged over
+its ranks, equals the 1-rank figure. The test runs this file as a script once per rank (`_worker`), the
 reference in a 1-rank process of its own. tests/gpu/test_trainer_parallel_gpu.py reuses it.
 """
 
@@ -134,6 +136,9 @@ def test_layout_matches_one_rank(name, reference, layouts):
     if "recompute" in name:  # every forward's ids replayed once by its backward recompute
         for r in ranks:
             assert r["recomputes"] == r["forwards"] and sum(r["forwards"]) > 0, r
+            assert r["grad_norm_off"] > 0  # an off step under recompute runs too
+    if ranks[0]["dp"] == 1:  # one replica: agreement merged over its TP/PP ranks = 1 rank's
+        assert [r["agreement"] for r in ranks] == [pytest.approx(reference["agreement"])] * 2
 
 
 def test_reference_step_moves_the_logprobs(reference):
@@ -251,21 +256,27 @@ def _layout(model_dir: str, spec: dict) -> dict:
     tr = make_trainer(cfg)
     b = tr.backend
     samples = batch(len(b.moe_layers), b.top_k, b.num_experts)
-    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    mine = [i for i, s in enumerate(samples) if int(s.group_id[1:]) % dp == dp_rank]
+    # The loop's share: whole groups dealt over every rank; ranks of one model replica (TP x PP)
+    # train the union of their shares (MegatronBackend.microbatches).
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    mine = [i for i, s in enumerate(samples) if int(s.group_id[1:]) % world == rank]
     local = [samples[i] for i in mine]
     replayed = list(_check_replayed(tr, tr.prepare(local), cfg))
     lp = tr.sample_logprobs(local, "r3")
     metrics = tr.train_step(local, "r3")
     lp_after = tr.sample_logprobs(local, "r3")
     mon = b.agreement
+    counts = {"forwards": list(getattr(mon, "forwards", [])),
+              "recomputes": list(getattr(mon, "recomputes", []))}
+    # natural routing under recompute queues no ids: its recompute must route naturally too
+    off = tr.train_step(local, "off")["grad_norm"] if cfg.model.recomputes_router else None
     return {
         "lp": {str(i): v.tolist() for i, v in zip(mine, lp, strict=True)},
         "lp_after": {str(i): v.tolist() for i, v in zip(mine, lp_after, strict=True)},
         "grad_norm": metrics["grad_norm"], "replayed_rows": sum(r for r, _ in replayed),
+        "agreement": metrics["routing_agreement"], "dp": ps.get_data_parallel_world_size(),
         "replay_mismatch": sum(m for _, m in replayed),
-        "forwards": list(getattr(mon, "forwards", [])),
-        "recomputes": list(getattr(mon, "recomputes", [])),
+        **counts, "grad_norm_off": off,
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"}
 
 

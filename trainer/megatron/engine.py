@@ -1,6 +1,11 @@
 """MegatronBackend (trainer.backend.TrainBackend): policy (+ frozen reference) megatron models,
 megatron DDP + Adam and native RouterReplay on this rank; the step itself is trainer.grpo's.
 
+Parallel layout (model.* sizes, trainer.megatron.parallel): the ranks of one model replica
+(TP x PP) train the union of the samples the loop gave them; each rank replays only its
+pipeline stage's MoE layers at the sequence positions its routers see (SP slice); pipeline
+no-grad passes run through the schedule and broadcast the last stage's logits; the routing
+agreement is merged over the replica's ranks before it is judged.
 Micro-batches are padded [B, S] and as many on every rank (filler ones on the less busy ranks).
 An update is megatron's forward_backward_func over the micro-batches (replay per micro-batch,
 FIFO REPLAY_BACKWARD when MoE activations are recomputed), grad clip + Adam; ids cleared. Every
@@ -27,7 +32,13 @@ from trainer.grpo import max_over_ranks
 from trainer.megatron.cpu_shims import cuda_tensor_type_names
 from trainer.megatron.hf_mapping import gather_experts, load_arch, megatron_to_hf
 from trainer.megatron.model import BuiltModel, build_model, init_parallel, resolve_router_dtype
-from trainer.megatron.parallel import check_layout, describe, gather_full, local_positions
+from trainer.megatron.parallel import (
+    check_layout,
+    describe,
+    gather_full,
+    local_positions,
+    model_parallel_group,
+)
 from trainer.megatron.replay import AgreementMonitor, ModelReplay
 from trainer.replay import ReplayMode, drive
 
@@ -79,7 +90,7 @@ class MegatronBackend:
         # this stage's MoE layers: routing rows of other stages' layers are dropped
         self.stage_columns = [self.moe_layers.index(h) for h in self.policy.moe_layers]
         self.agreement = AgreementMonitor(self.policy.routers, self.policy.moe_layers,
-                                          self.arch.top_k, recompute)
+                                          self.arch.top_k, recompute, model_parallel_group())
         self.ddp, self.optimizer = _optimizer(self.policy, cfg)
         self.reference: BuiltModel | None = None
         if cfg.loss.kl_coef > 0:  # built after the policy: it owns its own replay instances
@@ -97,7 +108,8 @@ class MegatronBackend:
         update a DP grad reduction, so a rank with fewer pads up to the most with micro-batches
         that train nothing (`filler_microbatch`); `padded` counts them."""
         d = self.cfg.data
-        mbs = split_microbatches(samples, d.micro_batch_size, d.pad_multiple)
+        mbs = split_microbatches(model_parallel_samples(samples), d.micro_batch_size,
+                                 d.pad_multiple)
         n = max_over_ranks(len(mbs))
         self.padded = n - len(mbs)
         if self.padded:
@@ -223,6 +235,23 @@ class MegatronBackend:
 
     def checkpoint_state(self) -> tuple[Any, Any]:
         return self.policy.module, self.optimizer
+
+
+def model_parallel_samples(samples: Sequence[Sample]) -> list[Sample]:
+    """The samples of this rank's model-parallel group (TP x PP): the union, in rank order, of
+    the shares the loop gave its ranks, which split a step's groups over every rank as if all
+    were data-parallel. Every rank of the group must run the same sequences (they hold slices of
+    one model); this rank's own samples stay the same objects (callers map results by them)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_model_parallel_group()
+    if dist.get_world_size(group) == 1:
+        return list(samples)
+    shares: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(shares, list(samples), group=group)
+    shares[dist.get_rank(group)] = list(samples)
+    return [x for share in shares for x in share]
 
 
 def _schedule_loss(loss_fn: LossFn, n_mb: int, mb: MicroBatch, logits: torch.Tensor):

@@ -113,6 +113,15 @@ def local_positions(seq_len: int, sequence_parallel: bool) -> torch.Tensor:
     return pos
 
 
+def model_parallel_group() -> Any | None:
+    """The TP x PP group (ranks that hold slices of one model replica); None when alone."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_model_parallel_group()
+    return group if dist.get_world_size(group) > 1 else None
+
+
 # ---------------------------------------------------------------------- weights
 def _is_expert(p: torch.Tensor) -> bool:
     return not getattr(p, "allreduce", True)

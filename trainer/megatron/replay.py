@@ -19,6 +19,8 @@ Legend: T router tokens (local, sequence-major), E experts, K top-k.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from trainer.replay import AgreementStats
@@ -31,6 +33,7 @@ class ModelReplay:
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
         self._replays, self._recompute, self._action = replays, recompute, RouterReplayAction
+        self._replaying = False  # the current forward replays ids (else natural / record)
 
     def _set(self, action) -> None:
         for r in self._replays:
@@ -44,15 +47,18 @@ class ModelReplay:
         for r, ids in zip(self._replays, rows_per_layer, strict=True):
             r.set_target_indices(ids.long())
         self._set(self._action.REPLAY_FORWARD)
+        self._replaying = True
 
     def after_forward(self) -> None:
-        """Before backward: recompute must pop this micro-batch's ids, not reuse the last."""
-        if self._recompute:
+        """Before backward: recompute must pop this micro-batch's ids, not reuse the last (a
+        natural-routing forward queued none: its recompute routes naturally too)."""
+        if self._recompute and self._replaying:
             self._set(self._action.REPLAY_BACKWARD)
 
     def record(self) -> None:
         """The next forward records the router's own top-k (R2 old-policy pass)."""
         self._set(self._action.RECORD)
+        self._replaying = False
 
     def recorded(self) -> list[torch.Tensor]:
         """Ids recorded by the last forward, one [T, K] per MoE layer (cloned)."""
@@ -65,12 +71,14 @@ class ModelReplay:
         """Route with the model's own router (no replay)."""
         for r in self._replays:
             r.clear_router_replay_action()
+        self._replaying = False
 
     def end_step(self) -> None:
         """Clear queued/recorded ids and the action (after every step)."""
         for r in self._replays:
             r.clear_indices()
             r.clear_router_replay_action()
+        self._replaying = False
 
 
 class AgreementMonitor(AgreementStats):
@@ -86,11 +94,11 @@ class AgreementMonitor(AgreementStats):
     """
 
     def __init__(self, routers: list, hf_layers: tuple[int, ...], top_k: int,
-                 recompute: bool = False) -> None:
+                 recompute: bool = False, group: Any = None) -> None:
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
         self._fwd, self._bwd = RouterReplayAction.REPLAY_FORWARD, RouterReplayAction.REPLAY_BACKWARD
-        self._recompute = recompute
+        self._recompute, self._group, self._local_layers = recompute, group, tuple(hf_layers)
         super().__init__(hf_layers, top_k)
         self._handles = [r.register_forward_hook(self._hook(m)) for m, r in enumerate(routers)]
 
@@ -139,6 +147,7 @@ class AgreementMonitor(AgreementStats):
         return hook
 
     def reset(self) -> None:
+        self.hf_layers, self._synced = self._local_layers, False
         super().reset()
         n = len(self.hf_layers)
         self._hits: list[torch.Tensor | None] = [None] * n
@@ -146,10 +155,41 @@ class AgreementMonitor(AgreementStats):
         self._fifo: list[list[torch.Tensor]] = [[] for _ in range(n)]
         self.forwards, self.recomputes = [0] * n, [0] * n
 
+    def sync(self) -> None:
+        """Merge the counters of the model-parallel group (TP ranks route other tokens, PP
+        stages other layers of the same samples), so every rank of it judges, reports and
+        quarantines the same: per HF layer and per unit sums, the first desync. Collective over
+        the group; once per pass (reset() re-arms it)."""
+        if self._group is None or self._synced:
+            return
+        import torch.distributed as dist
+
+        parts: list[Any] = [None] * dist.get_world_size(self._group)
+        dist.all_gather_object(parts, (self.hf_layers, self.agree, self.total, self.units,
+                                       self.desync), group=self._group)
+        layers = sorted({h for p in parts for h in p[0]})
+        agree, total = [0] * len(layers), [0] * len(layers)
+        units: dict[tuple[str, str, str], list[int]] = {}
+        for hf, a, t, u, _ in parts:
+            for h, x, y in zip(hf, a, t, strict=True):
+                agree[layers.index(h)] += x
+                total[layers.index(h)] += y
+            for key, (x, y) in u.items():
+                cell = units.setdefault(key, [0, 0])
+                cell[0] += x
+                cell[1] += y
+        self.hf_layers, self.agree, self.total, self.units = tuple(layers), agree, total, units
+        self.desync = next((p[4] for p in parts if p[4] is not None), None)
+        self._synced = True
+
+    def check_used(self) -> None:
+        self.sync()
+        super().check_used()
+
     def check_recomputed(self) -> None:
         """After an update with recompute: every recomputed layer replayed each forward's ids
         exactly once, in order (a layer the recompute skips keeps all of its forwards)."""
-        for m in range(len(self.hf_layers)):
+        for m in range(len(self._local_layers)):
             if self.recomputes[m] and self.recomputes[m] != self.forwards[m]:
                 self.desync = self.desync or (
                     f"MoE layer {m} (HF layer {self.hf_layers[m]}): {self.forwards[m]} forwards "

@@ -1,0 +1,190 @@
+"""Megatron trainer at Qwen3-30B-A3B widths on several GPUs: throughput, MFU, peak memory vs
+`r3flow plan`, and the step time of r3 / r2 / off replay, same run (issue 21).
+
+Model: Qwen3-30B-A3B's widths (hidden 2048, 128 experts top-8, expert FFN 768, 32 heads / 4 KV
+heads, head dim 128, vocab 151,936) with `--layers` layers, random init (no weights), bf16.
+Each rank trains `--samples` sequences of `--seq-len` tokens per step (micro-batch 1); rollout
+routing is random distinct ids (r3 replays them; r2 records then replays the policy's own).
+Modes run round-robin (off, r3, r2, then the next round) after a warm-up step each, so drift
+hits all alike. MFU counts the model FLOPs of the update (6 x active params x tokens +
+attention) and of the old-policy forward (2 x ... + attention), against the card's dense bf16
+peak (`--peak-tflops`, H100/H200 SXM: 989). Writes bench-results/megatron_parallel.json.
+Run: python tests/bench/bench_megatron_parallel.py --gpus 4 [--layers 8 --ep 4 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+MODES = ("off", "r3", "r2")
+
+
+def _hf_config(layers: int, small: bool) -> dict:
+    from trainer.plan.models import QWEN3_30B_A3B
+
+    cfg = dict(QWEN3_30B_A3B, num_hidden_layers=layers, torch_dtype="bfloat16")
+    if small:  # CPU smoke: same structure, tiny widths
+        cfg |= {"hidden_size": 64, "moe_intermediate_size": 32, "num_experts": 8,
+                "num_experts_per_tok": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "head_dim": 16, "vocab_size": 512, "intermediate_size": 128}
+    return cfg
+
+
+def _flops_per_token(cfg: dict, seq: int) -> float:
+    """Forward model FLOPs per token: 2 x active matmul params + causal attention."""
+    h, layers, d = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
+    attn_params = h * (q + 2 * kv) + q * h
+    expert = 3 * h * cfg["moe_intermediate_size"] * cfg["num_experts_per_tok"]
+    router = h * cfg["num_experts"]
+    active = layers * (attn_params + expert + router) + h * cfg["vocab_size"]
+    attn_scores = layers * 2 * 2 * q * seq / 2  # QK^T and PV, causal half
+    return 2 * active + attn_scores
+
+
+def _samples(n: int, seq: int, moe_layers: int, top_k: int, experts: int, seed: int) -> list:
+    from trainer.batch import Sample
+
+    rng = np.random.default_rng(seed)
+    out, prompt = [], seq // 4
+    for i in range(n):
+        ids = np.argsort(rng.random((seq - 1, moe_layers, experts), dtype=np.float32), -1)
+        out.append(Sample(rng.integers(4, 500, seq), prompt, np.full(seq - prompt, -2.0, np.float32),
+                          np.ones(seq - prompt, bool), float(rng.random()), f"g{i}",
+                          routing_TLK=ids[..., :top_k].astype(np.int64), trajectory_id=f"t{i}"))
+    return out
+
+
+def _rank(args: argparse.Namespace, model_dir: str, out: str) -> None:
+    import torch
+
+    import trainer.megatron.engine as engine
+    from trainer.backend import make_trainer
+    from trainer.config import TrainerConfig
+
+    real_build = engine.build_model
+    engine.build_model = lambda d, c: real_build(d, c, load_weights=False)  # random init
+    model = {"dtype": "bf16", "expert_parallel": args.ep, "tensor_parallel": args.tp,
+             "sequence_parallel": args.tp > 1, "pipeline_parallel": args.pp,
+             "recompute_moe": args.recompute_moe, "router_dtype": "native"}
+    cfg = TrainerConfig(model_dir=model_dir, model=model, data={"micro_batch_size": 1,
+                        "pad_multiple": 128}, replay={"check_agreement": False},
+                        optim={"lr": 1e-7, "use_distributed_optimizer": args.distributed_optimizer})
+    tr = make_trainer(cfg)
+    b = tr.backend
+    samples = _samples(args.samples, args.seq_len, len(b.moe_layers), b.top_k, b.num_experts,
+                       torch.distributed.get_rank())
+    times: dict[str, list[float]] = {m: [] for m in MODES}
+    for r in range(args.rounds + 1):
+        for mode in MODES:
+            if mode == "r2":
+                for s in samples:
+                    s.routing_TLK = None
+            torch.cuda.synchronize() if torch.cuda.is_available() else None
+            t0 = time.perf_counter()
+            tr.train_step(samples, mode)
+            torch.cuda.synchronize() if torch.cuda.is_available() else None
+            if r:
+                times[mode].append(time.perf_counter() - t0)
+        samples = _samples(args.samples, args.seq_len, len(b.moe_layers), b.top_k,
+                           b.num_experts, torch.distributed.get_rank())
+    peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+    Path(out).write_text(json.dumps({"times": times, "peak_bytes": peak,
+                                     "rank": torch.distributed.get_rank()}))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def _launch(args: argparse.Namespace, model_dir: str, tmp: Path) -> list[dict]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for r in range(args.gpus):
+        env = os.environ | {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(args.gpus),
+                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                            "PYTHONPATH": os.pathsep.join([str(REPO),
+                                                           os.environ.get("PYTHONPATH", "")])}
+        procs.append(subprocess.Popen([sys.executable, __file__, "--rank-of", model_dir,
+                                       str(tmp / f"r{r}.json"), *sys.argv[1:]], env=env))
+    codes = [p.wait() for p in procs]
+    if codes != [0] * args.gpus:
+        raise SystemExit(f"rank exit codes {codes}")
+    return [json.loads((tmp / f"r{r}.json").read_text()) for r in range(args.gpus)]
+
+
+def _plan(args: argparse.Namespace, cfg: dict) -> float:
+    from trainer.plan.memory import Arch, Layout, plan
+
+    lay = Layout(world=args.gpus, tp=args.tp, pp=args.pp, ep=args.ep, seq_len=args.seq_len,
+                 distributed_optimizer=args.distributed_optimizer,
+                 recompute="moe" if args.recompute_moe else "none")
+    return plan(Arch.from_hf_config(cfg), lay, gpu_gib=80, overhead_gib=0).total
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--gpus", type=int, default=4)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--samples", type=int, default=2, help="sequences per rank per step")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--ep", type=int, default=4)
+    p.add_argument("--recompute-moe", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--peak-tflops", type=float, default=989.0)
+    p.add_argument("--small", action="store_true", help="tiny widths (CPU smoke)")
+    p.add_argument("--out", default=str(REPO / "bench-results" / "megatron_parallel.json"))
+    if sys.argv[1:2] == ["--rank-of"]:
+        model_dir, out = sys.argv[2], sys.argv[3]
+        _rank(p.parse_args(sys.argv[4:]), model_dir, out)
+        return
+    args = p.parse_args()
+    cfg = _hf_config(args.layers, args.small)
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "config.json").write_text(json.dumps(cfg))
+        ranks = _launch(args, d, Path(d))
+    med = {m: statistics.median(max(r["times"][m][i] for r in ranks)
+                                for i in range(args.rounds)) for m in MODES}
+    tokens = args.samples * args.seq_len * args.gpus  # trained per step (every rank's share)
+    fpt = _flops_per_token(cfg, args.seq_len)
+    res = {"config": vars(args), "step_seconds": med,
+           "tokens_per_s_per_gpu": {m: tokens / med[m] / args.gpus for m in MODES},
+           "mfu": {m: 4 * fpt * tokens / med[m] / args.gpus / (args.peak_tflops * 1e12)
+                   for m in MODES},
+           "r3_over_off": med["r3"] / med["off"], "r2_over_off": med["r2"] / med["off"],
+           "peak_gib_per_rank": [r["peak_bytes"] / 2**30 for r in ranks],
+           "plan_gib_no_overhead": _plan(args, cfg) / 2**30}
+    try:
+        import torch
+
+        res["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    except ImportError:
+        pass
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=2))
+    print(f"{'mode':5s} {'step s':>8s} {'tok/s/GPU':>10s} {'MFU':>6s}")
+    for m in MODES:
+        print(f"{m:5s} {med[m]:8.3f} {res['tokens_per_s_per_gpu'][m]:10.0f} {res['mfu'][m]:6.3f}")
+    print(f"r3/off {res['r3_over_off']:.3f}  r2/off {res['r2_over_off']:.3f}  peak GiB per rank "
+          f"{[round(x, 2) for x in res['peak_gib_per_rank']]}  plan (no overhead) "
+          f"{res['plan_gib_no_overhead']:.2f} GiB  on {res.get('device')}")
+
+
+if __name__ == "__main__":
+    main()
