@@ -130,6 +130,7 @@ def test_layout_matches_one_rank(name, reference, layouts):
     res = compare(reference, ranks, TOL)
     print(name, res)
     assert res["replay_mismatch"] == 0 and res["replayed_rows"] > 0
+    assert all(r["export_exact"] for r in ranks)  # the weight push's source, gathered back
     assert res["lp_max_diff"] <= TOL
     assert res["grad_norm_diff"] <= TOL
     assert res["lp_after_max_diff"] <= TOL
@@ -242,6 +243,16 @@ def _check_replayed(tr, mbs, cfg) -> tuple[int, int]:
             h.remove()
 
 
+def _export_exact(tr, model_dir: str) -> bool:
+    """The HF export (TP, PP and EP shards gathered; a collective) equals the checkpoint."""
+    import torch
+    from safetensors.torch import load_file
+
+    ref = load_file(str(Path(model_dir) / "model.safetensors"))
+    got = tr.export_hf_state_dict()
+    return set(ref) == set(got) and all(torch.equal(ref[k], got[k].float().cpu()) for k in ref)
+
+
 def _layout(model_dir: str, spec: dict) -> dict:
     """One layout on this rank: r3 replay check, logprobs, one step, logprobs again."""
     import torch
@@ -255,6 +266,7 @@ def _layout(model_dir: str, spec: dict) -> dict:
                         data={"micro_batch_size": 2}, replay={"agreement_floor": 0.0})
     tr = make_trainer(cfg)
     b = tr.backend
+    export_exact = _export_exact(tr, model_dir)
     samples = batch(len(b.moe_layers), b.top_k, b.num_experts)
     # The loop's share: whole groups dealt over every rank; ranks of one model replica (TP x PP)
     # train the union of their shares (MegatronBackend.microbatches).
@@ -276,7 +288,7 @@ def _layout(model_dir: str, spec: dict) -> dict:
         "grad_norm": metrics["grad_norm"], "replayed_rows": sum(r for r, _ in replayed),
         "agreement": metrics["routing_agreement"], "dp": ps.get_data_parallel_world_size(),
         "replay_mismatch": sum(m for _, m in replayed),
-        **counts, "grad_norm_off": off,
+        **counts, "grad_norm_off": off, "export_exact": export_exact,
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"}
 
 
