@@ -79,7 +79,7 @@ def test_gpu_r3_replays_rollout_routing_and_matches_hf(model_dir, hf):
 
     for j, mb in enumerate(mbs):
         want = [r.sort(-1).values for r in to_router_rows(mb.routing_BSLK)]
-        assert all(torch.equal(calls[2 * j + m][2].cpu(), want[m]) for m in range(2))
+        assert all(torch.equal(calls[2 * j + m][2].cpu(), want[m].cpu()) for m in range(2))
         diff = (lps[j] - mb.old_logprobs_BS).abs()[mb.loss_mask_BS.bool()]
         assert diff.max() < 2e-3
     natural = tr.old_policy_pass(tr.prepare(H.make_samples(hf, seed=2)), "r3")
