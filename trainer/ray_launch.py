@@ -133,26 +133,16 @@ def init_local_ray(num_cpus: int, attempts: int = 3) -> None:
             log.warning("ray.init attempt %d/%d failed (%s); retrying", attempt, attempts, e)
 
 
-def is_loopback(host: str) -> bool:
-    """True for a loopback host name or address (what other pods can never reach)."""
-    import ipaddress
-
-    host = host.strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def check_cluster_addresses(cfg: TrainerConfig) -> None:
     """On a shared cluster every address the trainer gives or dials must reach another pod:
     a loopback store, advertise or metrics address would fail (or go unscraped) silently."""
+    from services.common.auth import is_loopback
+
     checks = {"data.store": cfg.data.store.rsplit(":", 1)[0],
               "weight_sync.advertise_addr": cfg.weight_sync.advertise_addr,
               "run.metrics_host": cfg.run.metrics_host}
-    bad = [f"{field}={host!r}" for field, host in checks.items() if host and is_loopback(host)]
+    bad = [f"{field}={host!r}" for field, host in checks.items()
+           if host and is_loopback(f"{host}:0")]
     if bad:
         raise ValueError(f"{', '.join(bad)}: a loopback address on a Ray cluster (other pods "
                          "cannot reach it); give the Service name / pod address, or 0.0.0.0 "
