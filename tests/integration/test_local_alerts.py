@@ -28,7 +28,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = 8
+# Enough steps that the low ppo_kl before the spike outlasts the rule's `for` even where the
+# trainer boots fast: on the quiet 2-core box the boot took 50 s and 24 steps 19 s, and the
+# alert fired for 6 s before the held spike became the median (48 steps: ~40 s of steps).
+STEPS = 48
 SPIKE_STEP = STEPS - 1  # the update to this policy version runs at lr x FACTOR
 FACTOR = 20.0
 FOR_S = 60  # the chart rule's `for`
