@@ -11,9 +11,8 @@ An estimate written down so that it can be checked by hand (tests/unit/test_plan
     over the data-parallel ranks of each parameter only with the distributed optimizer
     (dense DP = world / (TP x PP x CP), expert DP = world / (EP x ETP x PP));
   * reference model (kl_coef > 0): a second copy of the weights, no grads, no optimizer;
-  * activations per token per layer at the model dtype (flash attention: nothing quadratic),
-    tokens per rank = seq_len x micro_batch / (TP x CP) (sequence parallel), x PP micro-batches
-    in flight on the first stage (1F1B):
+  * activations per token per layer at the model dtype, tokens per rank = seq_len x micro_batch
+    / (TP x CP) (sequence parallel), x PP micro-batches in flight on the first stage (1F1B):
       attention   3h + 2*q + 2*kv  (two norm inputs, QKV input, q/k/v, attention output;
                   q = heads x head_dim, kv = kv_heads x head_dim)
       MoE block   h + k*(2h + 3f) + 2E*4/eb  (router input, fp32 router logits and probs,
@@ -21,9 +20,22 @@ An estimate written down so that it can be checked by hand (tests/unit/test_plan
       dense MLP   h + 3F
     recompute "moe" keeps only the MoE block's input (h) per layer, "full" only each layer's
     input (h); either adds one recomputed block's activations live during backward;
-  * logits of one micro-batch on the last stage: vocab x (eb + 4) per token (fp32 upcast of
-    the log-softmax); the trainer gathers the logits over TP (parallel_output=False), so every
-    TP rank holds the full vocabulary;
+  * attention scores: the trainer builds megatron's local spec, whose DotProductAttention is
+    unfused (megatron.core.transformer.dot_product_attention, masked_softmax_fusion off): per
+    layer it keeps the softmax's fp32 output (4 B) and its bf16 cast that the PV matmul saves
+    (2 B; fp32 model: the one fp32 tensor, 4 B) for every score of micro_batch x heads/TP x
+    seq_len^2 (the full sequence: SP gathers it before attention), in every layer that is not
+    recomputed (recompute "moe" keeps them, "full" holds one layer's); plus megatron's global
+    memory buffer that baddbmm takes as its input, eb x one layer's scores, allocated once;
+  * loss: the trainer's loss works on the full [B, S, V] logits (the trainer gathers them over
+    TP, parallel_output=False, so every TP rank holds the full vocabulary; PP: the last
+    stage). trainer/loss.py's ppo_loss takes two fp32 log-softmaxes (token_logprobs and
+    token_entropy each upcast and normalise the logits) and exp of the second; autograd keeps
+    all three (3 x 4 B per logit), and the entropy's backward materialises three more fp32
+    gradients of that size before any is freed: 24 B per logit at the peak, at the start of
+    the update's backward when every layer's activations are still held (any model dtype;
+    measured on CPU with ru_maxrss over ppo_loss forward + backward: 6.05 x 4 B bf16, 6.05 x
+    4 B fp32; forward alone 4.5 x 4 B);
   * routing buffers: RouterReplay's int64 top-k ids of each micro-batch in flight;
   * a colocated vLLM engine's share (gpu_memory_utilization of the same GPU; 0 when rollout
     runs in its own pods, as in the chart) and a fixed runtime overhead (CUDA context, NCCL
@@ -188,7 +200,8 @@ def _state_bytes(lay: Layout, dense: float, expert: float) -> dict[str, float]:
 
 
 def activation_bytes(arch: Arch, lay: Layout) -> dict[str, float]:
-    """Activations, logits and routing buffers of the first (and, PP=1, last) stage."""
+    """Activations, attention scores, the loss's logits and routing buffers of the first (and,
+    PP=1, last) stage."""
     eb = 2 if lay.dtype == "bf16" else 4
     h, q, kv = arch.hidden, arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim
     tokens = lay.seq_len * lay.micro_batch / (lay.tp * lay.cp)
@@ -206,9 +219,15 @@ def activation_bytes(arch: Arch, lay: Layout) -> dict[str, float]:
         elems, live = per_stage * h, attn + (moe if moe_n else mlp)
     in_flight = lay.pp
     acts = eb * tokens * (elems * in_flight + live)
-    logits = lay.seq_len * lay.micro_batch / lay.cp * arch.vocab * (eb + 4)
+    # unfused attention: [micro_batch, heads/TP, S, S] scores per layer (module docstring)
+    scores = lay.micro_batch * arch.heads / lay.tp * lay.seq_len ** 2 / lay.cp
+    kept = (4 + eb if eb == 2 else 4) * scores
+    kept_layers = 1 if lay.recompute == "full" else per_stage * in_flight
+    loss_logits = 24 * lay.seq_len * lay.micro_batch / lay.cp * arch.vocab
     routing = 8 * tokens * moe_n * arch.top_k * in_flight
-    return {"activations": acts, "logits": logits, "routing buffers": routing}
+    return {"activations": acts, "attention scores": kept * kept_layers,
+            "attention buffer": eb * scores, "logits + loss": loss_logits,
+            "routing buffers": routing}
 
 
 def plan(arch: Arch, lay: Layout, gpu_gib: float, overhead_gib: float = 4.0,
