@@ -25,8 +25,10 @@ An estimate written down so that it can be checked by hand (tests/unit/test_plan
     layer it keeps the softmax's fp32 output (4 B) and its bf16 cast that the PV matmul saves
     (2 B; fp32 model: the one fp32 tensor, 4 B) for every score of micro_batch x heads/TP x
     seq_len^2 (the full sequence: SP gathers it before attention), in every layer that is not
-    recomputed (recompute "moe" keeps them, "full" holds one layer's); plus megatron's global
-    memory buffer that baddbmm takes as its input, eb x one layer's scores, allocated once;
+    recomputed (recompute "moe" keeps them, "full" holds one layer's, live in that layer's
+    backward, after the loss buffers below are freed: the sum over-counts it then); plus
+    megatron's global memory buffer that baddbmm takes as its input, eb x one layer's scores,
+    allocated once;
   * loss: the trainer's loss works on the full [B, S, V] logits (the trainer gathers them over
     TP, parallel_output=False, so every TP rank holds the full vocabulary; PP: the last
     stage). trainer/loss.py's ppo_loss takes two fp32 log-softmaxes (token_logprobs and
