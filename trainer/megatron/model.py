@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -134,12 +133,6 @@ class BuiltModel:
     moe_layers: tuple[int, ...] = ()  # HF index of each of `routers`' layers (this stage's)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def init_parallel(cfg: ModelConfig) -> None:
     """Init torch.distributed (from RANK/WORLD_SIZE env or a 1-rank world) and megatron groups."""
     import torch.distributed as dist
@@ -156,12 +149,12 @@ def init_parallel(cfg: ModelConfig) -> None:
         if not on_cpu:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
         # A launcher that set MASTER_* (Ray ranks: rank 0's node) rendezvous there; a lone
-        # in-process rank on a private loopback port, without writing MASTER_* to os.environ
-        # (children inherit it).
-        init = ("env://" if world > 1 or "MASTER_ADDR" in os.environ
-                else f"tcp://127.0.0.1:{_free_port()}")
-        dist.init_process_group("gloo" if on_cpu else "nccl", init_method=init, rank=rank,
-                                world_size=world)
+        # in-process rank uses an in-process store: no port, no MASTER_* for children.
+        backend = "gloo" if on_cpu else "nccl"
+        if world > 1 or "MASTER_ADDR" in os.environ:
+            dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     world = dist.get_world_size()
     check_layout(cfg, world)
     if not ps.model_parallel_is_initialized():
