@@ -92,9 +92,7 @@ ROLLOUT_VERSION, TRAINER_VERSION = _m("r3flow_rollout_policy_version"), _m(
 
 # A spike is relative to the run's own recent median (ppo_kl's normal level depends on the model,
 # the lr and the batch), with an absolute floor so a near-zero median cannot trigger on noise.
-# The median is over steps taken: the gauge reads 0 from start-up to the first step, and a
-# start-up longer than the steps since would make the median 0 and any ordinary value a spike.
-PPO_KL_SPIKE = (f"{PPO_KL} > 5 * quantile_over_time(0.5, ({PPO_KL} > 0)[30m:])"
+PPO_KL_SPIKE = (f"{PPO_KL} > 5 * quantile_over_time(0.5, {PPO_KL}[30m])"
                 f" and {PPO_KL} > 0.0005")
 KL_REF_SPIKE = (f"{KL_REF} > 3 * quantile_over_time(0.5, {KL_REF}[1h])"
                 f" and {KL_REF} > 0.01")
