@@ -8,6 +8,7 @@ import torch
 from services.common.pb.r3flow.v1 import store_pb2
 from services.common.weight_sync import WeightSyncConfig, members_of, rank_in
 from services.common.weight_sync import buckets as bk
+from services.common.weight_sync import headers as hd
 
 CPU = torch.device("cpu")
 
@@ -37,7 +38,7 @@ def _send_receive(named, bucket_bytes=4096, wire=torch.bfloat16, direct_min=1 <<
         buf = torch.full((max(bucket_bytes, spec.nbytes),), 0xAB, dtype=torch.uint8)
         sent = bk.fill(buf, spec)
         entries = bk.with_checksums(spec.entries, bk.checksums(sent, spec.entries))
-        head = bk.decode_header(bk.encode_header(spec.index, spec.nbytes, entries))
+        head = hd.decode_header(hd.encode_header(spec.index, spec.nbytes, entries))
         received = sent.clone()
         assert bk.verify(received, head["tensors"]) == []
         views = bk.bucket_views(received, head["tensors"])
@@ -129,9 +130,9 @@ def test_gpu_segment_sums_equal_per_tensor_sums():
 
 def test_header_roundtrip_and_end_marker():
     e = bk.TensorEntry("x.weight", torch.bfloat16, (2, 3), 64, 12, -5)
-    head = bk.decode_header(bk.encode_header(4, 128, [e]))
+    head = hd.decode_header(hd.encode_header(4, 128, [e]))
     assert head["index"] == 4 and head["nbytes"] == 128 and head["tensors"] == [e]
-    end = bk.decode_header(bk.encode_end(5, 17, 1024, [[1, -2], [3]]))
+    end = hd.decode_header(hd.encode_end(5, 17, 1024, [[1, -2], [3]]))
     assert end == {"end": True, "buckets": 5, "tensors": 17, "bytes": 1024,
                    "sums": [[1, -2], [3]]}
 

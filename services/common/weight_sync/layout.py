@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.common.weight_sync import buckets as bk
+from services.common.weight_sync import headers as hd
 from services.common.weight_sync.group import Keys
 
 
@@ -38,7 +39,7 @@ class LaidBucket:
 def lay_out(spec: bk.BucketSpec, first: int, device: torch.device) -> LaidBucket:
     bounds = bk.checksum_plan(spec.entries, spec.nbytes, device)
     return LaidBucket(spec.index, spec.entries, spec.nbytes, first, spec.direct is not None,
-                      bk.encode_header(spec.index, spec.nbytes, spec.entries), bounds)
+                      hd.encode_header(spec.index, spec.nbytes, spec.entries), bounds)
 
 
 def stream_layout(named, bucket_bytes: int, wire: torch.dtype, device: torch.device,

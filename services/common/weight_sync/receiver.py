@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from services.common.pb.r3flow.v1 import store_pb2
 from services.common.weight_sync import buckets as bk
+from services.common.weight_sync import headers as hd
 from services.common.weight_sync.group import (
     Heartbeat,
     Keys,
@@ -152,7 +153,7 @@ class WeightReceiver:
         cached = self._layouts.get(index)
         if cached is not None and cached[0] == header:
             return cached[1]
-        head = bk.decode_header(header)
+        head = hd.decode_header(header)
         if head.get("end"):
             return None
         self._layouts[index] = (header, self._parse(head))
@@ -169,7 +170,7 @@ class WeightReceiver:
             raise RuntimeError(f"layout: unexpected value {ref[:40]!r} (sender too old?)")
         if self._listed is None or self._listed[0] != raw:
             blob = fetch(Keys.layout_blob(ref.removeprefix(Keys.LAYOUT_REF)))
-            self._listed = (raw, [self._parse(bk.parse_header(h)) for h in json.loads(blob)])
+            self._listed = (raw, [self._parse(hd.parse_header(h)) for h in json.loads(blob)])
         return self._listed[1]
 
     def _parse(self, head: dict) -> _Layout:
@@ -300,7 +301,7 @@ class _Receive:
         staged = [self._post_bucket(k, *lay) for k, lay in enumerate(listed)]
         for cur in staged:
             self._finish(cur, last=cur is staged[-1])
-        self.end = bk.decode_header(self._wait_key(Keys.header(len(staged))))
+        self.end = hd.decode_header(self._wait_key(Keys.header(len(staged))))
         return staged
 
     def _stage_streamed(self) -> list[_Staged]:
@@ -320,7 +321,7 @@ class _Receive:
         raw = self._wait_key(Keys.header(index))
         layout = self.rx.layout(index, raw)
         if layout is None:
-            self.end = bk.decode_header(raw)
+            self.end = hd.decode_header(raw)
             return None
         return self._post_bucket(index, *layout)
 

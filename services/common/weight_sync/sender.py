@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from services.common.pb.r3flow.v1 import store_pb2
 from services.common.weight_sync import buckets as bk
+from services.common.weight_sync import headers as hd
 from services.common.weight_sync.group import (
     CachedGroup,
     Keys,
@@ -248,7 +249,7 @@ class _Push:
         for laid, sources in buckets:
             sums.append(self._send(laid, sources))
             tensors, nbytes = tensors + len(laid.entries), nbytes + laid.nbytes
-        end = bk.encode_end(len(sums), tensors, nbytes, self._host_sums(sums))
+        end = hd.encode_end(len(sums), tensors, nbytes, self._host_sums(sums))
         self.store.set(Keys.header(len(sums)), end)
         self.published = len(sums) + 1  # an abort now wakes receivers through `commit`
         self._mark("end_header")
