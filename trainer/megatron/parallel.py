@@ -71,6 +71,10 @@ def _check_arch(cfg: Any, a: Any) -> None:
     for bad, msg in checks:
         if bad:
             raise ValueError(msg)
+    if a.fam.full_qk_norm and tp > 1:
+        from trainer.megatron.family_olmoe import TP_REFUSAL
+
+        raise ValueError(TP_REFUSAL.format(tp=tp))
     if cfg.recompute_granularity == "full" and cfg.recompute_num_layers > a.num_layers // pp:
         raise ValueError(f"model.recompute_num_layers {cfg.recompute_num_layers}: a pipeline "
                          f"stage has {a.num_layers // pp} layers")

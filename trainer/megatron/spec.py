@@ -46,8 +46,9 @@ def _swap(node: Any, old: type, new: type, seen: set[int]) -> Any:
     return node
 
 
-def decoder_spec(tcfg: Any) -> Any:
-    """megatron's local GPT decoder block spec for `tcfg` (norms SP-capable when SP is on)."""
+def decoder_spec(tcfg: Any, fam: Any = None) -> Any:
+    """megatron's local GPT decoder block spec for `tcfg` (norms SP-capable when SP is on) and
+    the family `fam` (a families.FamilyArch: OLMoE's full-width QK-norm)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
@@ -55,4 +56,8 @@ def decoder_spec(tcfg: Any) -> Any:
     if tcfg.sequence_parallel:
         # a copy: megatron may hand out shared spec objects
         spec = _swap(copy.deepcopy(spec), WrappedTorchNorm, SequenceParallelRMSNorm, set())
+    if fam is not None and fam.full_qk_norm:
+        from trainer.megatron.family_olmoe import full_width_qk_norm
+
+        spec = full_width_qk_norm(copy.deepcopy(spec))
     return spec
