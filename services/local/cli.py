@@ -20,6 +20,12 @@ log = logging.getLogger(__name__)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="LocalConfig file (.toml/.yaml/.json); flags override it")
     parser.add_argument("--replay", choices=["r3", "r2", "off"], help="routing replay mode")
+    parser.add_argument("--family", help="MoE family of the tiny model (HF model_type: "
+                        "qwen3_moe, qwen2_moe, mixtral, olmoe, deepseek_v3, glm4_moe, gpt_oss); "
+                        "picks the trainer backend unless --trainer-backend is given")
+    parser.add_argument("--trainer-backend", choices=["megatron", "hf"],
+                        help="trainer backend (default: megatron where it maps the family, "
+                        "else hf)")
     parser.add_argument("--steps", type=int, help="GRPO steps")
     parser.add_argument("--workers", type=int, help="rollout worker processes")
     parser.add_argument("--seed", type=int, help="seed of model init, data and sampling")
@@ -43,7 +49,8 @@ def load(args: argparse.Namespace):
     from services.common.config import load_config
     from services.local.config import LocalConfig
 
-    flags = {"replay": args.replay, "grpo.steps": args.steps, "workers": args.workers,
+    flags = {"replay": args.replay, "family": args.family,
+             "trainer_backend": args.trainer_backend, "grpo.steps": args.steps, "workers": args.workers,
              "seed": args.seed, "warm_start_steps": args.warm_start_steps,
              "runs_dir": args.runs_dir}
     return load_config(LocalConfig, args.config, {k: v for k, v in flags.items() if v is not None})

@@ -7,13 +7,16 @@ run folder, so the local run exercises the same `r3flow store|rollout|train` com
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from services.common.config import StrictConfig
 from services.local.tasks import TaskConfig
 from services.rollout.tiny_moe import TinyMoeConfig
+
+if TYPE_CHECKING:
+    from services.local.family import FamilyPlan
 
 
 class GrpoConfig(StrictConfig):
@@ -79,6 +82,11 @@ class LocalConfig(StrictConfig):
 
     runs_dir: str = Field("runs", description="parent of the per-run folders")
     replay: Literal["r3", "r2", "off"] = "r3"
+    family: str = Field("qwen3_moe", description="MoE family of the tiny model (HF model_type, "
+                        "one of services.rollout.families.FAMILIES); it also decides the trainer "
+                        "backend when trainer_backend is unset (services.local.family)")
+    trainer_backend: Literal["megatron", "hf"] | None = Field(
+        None, description="trainer backend; unset: megatron where it maps the family, else hf")
     workers: int = Field(1, ge=1, le=4, description="rollout worker processes")
     num_prompts: int | None = Field(
         None, ge=1, description="groups each rollout worker rolls out, then exits (None = until "
@@ -101,6 +109,16 @@ class LocalConfig(StrictConfig):
     metrics_linger_s: float = Field(
         5.0, ge=0, le=600, description="the trainer keeps /metrics up this long after its last "
         "step (trainer run.metrics_linger_s); the alerting test holds its final ppo_kl with it")
+
+
+    @field_validator("family")
+    @classmethod
+    def _known_family(cls, v: str) -> str:
+        from services.rollout.families import FAMILIES
+
+        if v not in FAMILIES:
+            raise ValueError(f"family: {v!r} is not one of {', '.join(FAMILIES)}")
+        return v
 
 
 def seeded(cfg: LocalConfig) -> tuple[TaskConfig, TinyMoeConfig]:
@@ -129,11 +147,13 @@ def rollout_concurrency(cfg: LocalConfig) -> int:
     return 4 * cfg.grpo.group_size
 
 
-def rollout_config(cfg: LocalConfig, run_dir: Path, model_dir: Path, worker: int) -> dict:
+def rollout_config(cfg: LocalConfig, run_dir: Path, model_dir: Path, worker: int,
+                   plan: FamilyPlan | None = None) -> dict:
     g = cfg.grpo
+    dtype = (plan and plan.engine_dtype) or ("bfloat16" if g.dtype == "bf16" else "float32")
     return {
         "engine": {"model": str(model_dir), "max_model_len": 64, "seed": cfg.seed + worker,
-                   "dtype": "bfloat16" if g.dtype == "bf16" else "float32",
+                   "dtype": dtype,
                    "max_num_seqs": 32},
         "sampling": {"n": g.group_size, "max_tokens": g.max_tokens, "temperature": g.temperature},
         "dataset": str(run_dir / "data" / "rl.jsonl"),
@@ -148,9 +168,21 @@ def rollout_config(cfg: LocalConfig, run_dir: Path, model_dir: Path, worker: int
     }
 
 
-def trainer_config(cfg: LocalConfig, run_dir: Path, model_dir: Path) -> dict:
+def backend_config(plan: FamilyPlan | None) -> dict:
+    """The trainer config's backend choice and the family's hf knobs (default: megatron)."""
+    if plan is None or plan.backend == "megatron":
+        return {}
+    return {"backend": plan.backend, "hf": dict(plan.hf)}
+
+
+def trainer_config(cfg: LocalConfig, run_dir: Path, model_dir: Path,
+                   plan: FamilyPlan | None = None) -> dict:
     g = cfg.grpo
+    backend = backend_config(plan)
+    # the hf backend runs one in-process rank (run.launcher local only)
+    launcher = "local" if backend else cfg.trainer_launcher
     return {
+        **backend,
         "model_dir": str(model_dir),
         "model": {"dtype": g.dtype},
         "optim": {"lr": g.lr, "adam_beta2": g.adam_beta2, "clip_grad": g.clip_grad,
@@ -165,14 +197,15 @@ def trainer_config(cfg: LocalConfig, run_dir: Path, model_dir: Path) -> dict:
                  "old_logprobs": g.old_logprobs},
         "weight_sync": {"timeout_s": g.weight_push_timeout_s},
         "run": {"run_dir": str(run_dir / "trainer"), "steps": g.steps, "checkpoint_every": 1,
-                "push_weights_every": 1, "launcher": cfg.trainer_launcher,
+                "push_weights_every": 1, "launcher": launcher,
                 "metrics_linger_s": cfg.metrics_linger_s},
         # A private Ray on loopback even when the user's shell has RAY_ADDRESS set.
         "ray": {"address": "local"},
     }
 
 
-def warm_start_config(cfg: LocalConfig, run_dir: Path, init_dir: Path, out_dir: Path) -> dict:
-    return {"model_dir": str(init_dir), "out_dir": str(out_dir),
+def warm_start_config(cfg: LocalConfig, run_dir: Path, init_dir: Path, out_dir: Path,
+                      plan: FamilyPlan | None = None) -> dict:
+    return {"model_dir": str(init_dir), "out_dir": str(out_dir), **backend_config(plan),
             "sft_path": str(run_dir / "data" / "sft.jsonl"), "steps": cfg.warm_start_steps,
             "lr": cfg.warm_start_lr, "seed": cfg.seed}

@@ -8,6 +8,7 @@ trajectory, write summary and report).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
-from services.local import report
+from services.local import family, report
 from services.local.accounting import Accounting
 from services.local.config import (
     LocalConfig,
@@ -66,6 +67,9 @@ class LocalRun:
 
     def __init__(self, cfg: LocalConfig) -> None:
         self.cfg = cfg
+        # boot: the family's backend (a refused megatron fails here, before any folder or child)
+        self.plan = family.plan(cfg.family, cfg.trainer_backend, seeded(cfg)[1])
+        family.log_plan(self.plan, cfg.grpo.dtype)
         self.dir = new_run_dir(cfg.runs_dir)
         self.sup = Supervisor(self.dir / "logs", env=CHILD_ENV)
         self.redis: EmbeddedRedis | None = None
@@ -78,19 +82,19 @@ class LocalRun:
     # ------------------------------------------------------------------ steps
     def prepare(self) -> Path:
         from services.local.tasks import write_datasets
-        from services.rollout.tiny_moe import build_tiny_moe
 
         write_json(self.dir / "config.json", self.cfg.model_dump(mode="json"))
+        write_json(self.dir / "family.json", dataclasses.asdict(self.plan))
         task, model = seeded(self.cfg)
         write_datasets(task, self.dir / "data")
-        return build_tiny_moe(self.dir / "model-init", model)
+        return family.build_model(self.dir / "model-init", self.cfg.family, model)
 
     def warm_start(self, init_dir: Path) -> Path:
         out = self.dir / "model-warm"
         if self.cfg.warm_start_steps == 0:
             return init_dir
         conf = write_json(self.dir / "configs" / "warm_start.json",
-                          warm_start_config(self.cfg, self.dir, init_dir, out))
+                          warm_start_config(self.cfg, self.dir, init_dir, out, self.plan))
         argv = [sys.executable, "-m", "services.local.warm_start", "--config", str(conf)]
         log_path = self.dir / "logs" / "warm_start.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -129,7 +133,7 @@ class LocalRun:
     def _start_rollout(self, model_dir: Path, w: int) -> None:
         mport = free_port()
         conf = write_json(self.dir / "configs" / f"rollout-{w}.json",
-                          rollout_config(self.cfg, self.dir, model_dir, w))
+                          rollout_config(self.cfg, self.dir, model_dir, w, self.plan))
         self.sup.start(f"rollout-{w}", [
             "rollout", "--config", str(conf), "--store", self.store_addr, "--metrics-port",
             str(mport), "--summary-file", str(self.summary_path(f"rollout-{w}")),
@@ -166,7 +170,7 @@ class LocalRun:
     def start_trainer(self, model_dir: Path):  # noqa: ANN201 (a procs.Child)
         mport = free_port()
         conf = write_json(self.dir / "configs" / "trainer.json",
-                          trainer_config(self.cfg, self.dir, model_dir))
+                          trainer_config(self.cfg, self.dir, model_dir, self.plan))
         trainer = self.sup.start("trainer", ["train", "--config", str(conf), "--store",
                                              self.store_addr, "--metrics-port", str(mport)])
         self.metrics_urls["trainer"] = f"http://127.0.0.1:{mport}/metrics"

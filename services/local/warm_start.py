@@ -1,9 +1,9 @@
-"""Supervised warm start of the tiny MoE through the megatron-core Trainer (natural routing).
+"""Supervised warm start of the tiny MoE through the run's trainer backend (natural routing).
 
 `python -m services.local.warm_start --config warm.json` reads an SFT JSONL file of
 {"prompt", "answer"} pairs, takes `steps` cross-entropy steps on prompt+answer+EOS (loss on the
-answer and EOS only) with `trainer.grpo.GRPOStep.sft_step` (megatron backend), then writes an
-HF checkpoint (exported weights + the initial model's config and tokenizer) that the rollout
+answer and EOS only) with `trainer.grpo.GRPOStep.sft_step` (the run's backend: megatron, or hf
+for a family megatron refuses), then writes an HF checkpoint (exported weights + the initial model's config and tokenizer) that the rollout
 workers and the GRPO trainer both start from. Progress goes to stdout as JSON lines for `r3flow local`.
 """
 
@@ -16,6 +16,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import Field
@@ -34,6 +35,10 @@ class WarmStartConfig(StrictConfig):
     micro_batch_size: int = Field(64, ge=1)
     lr: float = Field(3e-3, gt=0)
     seed: int = 0
+    backend: Literal["megatron", "hf"] = Field("megatron", description="trainer backend "
+                                               "(r3flow local: the family's, services.local.family)")
+    hf: dict[str, Any] = Field(default_factory=dict, description="trainer hf backend knobs "
+                               "(trainer.hf.config.HFBackendConfig)")
 
 
 def tokenize_examples(model_dir: str, path: str) -> list[tuple[list[int], list[int]]]:
@@ -62,7 +67,8 @@ def trainer_config(cfg: WarmStartConfig):
     from trainer.config import TrainerConfig
 
     return TrainerConfig.model_validate({
-        "model_dir": cfg.model_dir, "optim": {"lr": cfg.lr, "clip_grad": 1.0},
+        "model_dir": cfg.model_dir, "backend": cfg.backend, "hf": cfg.hf,
+        "optim": {"lr": cfg.lr, "clip_grad": 1.0},
         "replay": {"mode": "off", "check_agreement": False},
         "data": {"micro_batch_size": cfg.micro_batch_size},
     })
