@@ -90,11 +90,22 @@ BACKLOG = _m("r3flow_store_backlog_tokens")
 ROLLOUT_VERSION, TRAINER_VERSION = _m("r3flow_rollout_policy_version"), _m(
     "r3flow_trainer_policy_version")
 
+STEPS = _m("r3flow_trainer_steps_total")
+
+
+def _since_first_step(gauge: str, window: str) -> str:
+    """The samples of the trainer gauge `gauge` over `window` taken after the pod's first step:
+    the gauges read 0 from start-up until then, and a start-up longer than the steps since would
+    make 0 the median (then any ordinary value held a minute fires). The sign of ppo_kl (the k1
+    estimate goes negative) is kept."""
+    return f"({gauge} and {STEPS} > 0)[{window}:]"
+
+
 # A spike is relative to the run's own recent median (ppo_kl's normal level depends on the model,
 # the lr and the batch), with an absolute floor so a near-zero median cannot trigger on noise.
-PPO_KL_SPIKE = (f"{PPO_KL} > 5 * quantile_over_time(0.5, {PPO_KL}[30m])"
+PPO_KL_SPIKE = (f"{PPO_KL} > 5 * quantile_over_time(0.5, {_since_first_step(PPO_KL, '30m')})"
                 f" and {PPO_KL} > 0.0005")
-KL_REF_SPIKE = (f"{KL_REF} > 3 * quantile_over_time(0.5, {KL_REF}[1h])"
+KL_REF_SPIKE = (f"{KL_REF} > 3 * quantile_over_time(0.5, {_since_first_step(KL_REF, '1h')})"
                 f" and {KL_REF} > 0.01")
 # Chance level is topk/num_experts (6% for Qwen3-30B-A3B); a healthy R3 run stays near 0.9.
 AGREEMENT_LOW = f"{AGREEMENT} < 0.5"

@@ -6,14 +6,12 @@ The spike is real: `grpo.test_lr_spike_step` (a test-only knob) runs one step's 
 multiplied learning rate, so the next step's batch, sampled by the policy before the jump, sits
 far from the trainer's policy. That step is the last one, and the trainer keeps serving its
 /metrics for `metrics_linger_s`, so Prometheus sees the spike held for longer than the rule's
-`for`. The rule compares against the 30-minute median of the same gauge, so the low values
-before the spike (trainer boot and the earlier steps) must outnumber the held spike until the
-alert fires: the run has enough steps before it, and the test checks that precondition.
-
-The gauge reads 0 from the trainer's start to its first step; when that boot outlasts the steps
-since, the 30-minute median is 0 and any ppo_kl above the rule's floor held for a minute fires
-the rule too. So the test asserts the alert fires while the spike is held, not that nothing
-fired before it."""
+`for`. The rule compares against the 30-minute median of the same gauge over the samples taken after
+the trainer's first step (the gauge reads 0 from start-up until then, and those zeros are left
+out of the median), so the low values of the steps before the spike must outnumber the held spike
+until the alert fires: the run has enough steps before it, and the test checks that
+precondition. Since a long boot no longer pulls the median to 0, nothing may fire before the
+spike."""
 
 from __future__ import annotations
 
@@ -28,7 +26,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-# Enough steps that the low ppo_kl before the spike (boot and earlier steps) outlasts the rule's
+# Enough steps that the low ppo_kl of the steps before the spike outlasts the rule's
 # `for` with room to spare: a quiet fresh-clone CI run reached step 48 63 s after Prometheus
 # started (too close to the minute); 160 steps took 98 s there after a 30 s boot.
 STEPS = 160
@@ -76,14 +74,17 @@ def test_ppo_kl_spike_alert_fires_in_prometheus(run_dir: Path):
     prom = summary["prometheus"]
     rows = _rows(run_dir)
     started = prom["started"]  # unix time; alert times are seconds from it
-    before_spike = rows[-1]["time"] - started  # low ppo_kl samples (boot, earlier steps)
-    assert before_spike > FOR_S + 5, \
-        f"precondition: only {before_spike:.0f} s of low ppo_kl before the spike (need more " \
+    spike = rows[-1]["time"] - started  # the spike step, seconds after Prometheus started
+    stepping = rows[-1]["time"] - rows[0]["time"]  # low ppo_kl samples the median counts
+    assert stepping > FOR_S + 5, \
+        f"precondition: only {stepping:.0f} s of low ppo_kl steps before the spike (need more " \
         f"than the rule's `for`, else the spike itself becomes the 30-minute median)"
     fired = [a for a in prom["alerts_fired"] if a["alert"] == ALERT]
     assert fired, f"{ALERT} did not fire; fired: {prom['alerts_fired']}"
-    # firing while the spike is held, more than the rule's `for` after the step logged it
-    assert fired[0]["last"] >= before_spike + FOR_S, (fired, before_spike)
+    # nothing before the spike (boot zeros are not in the median); firing while it is held,
+    # more than the rule's `for` after the step logged it
+    assert fired[0]["first"] >= spike, (fired, spike)
+    assert fired[0]["last"] >= spike + FOR_S, (fired, spike)
     assert fired[0]["labels"]["pod"] == "trainer"
 
 
