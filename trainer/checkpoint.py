@@ -89,7 +89,9 @@ class CheckpointManager:
 
         rank, path = _rank(), self.root / f"step_{pos.step:06d}"
         path.mkdir(parents=True, exist_ok=True)
-        params = {k: v.detach().contiguous().clone() for k, v in module.named_parameters()}
+        from trainer.megatron.parallel import model_weights
+
+        params = {k: v.detach().contiguous().clone() for k, v in model_weights(module).items()}
         save_file(params, str(path / f"model_rank{rank}.safetensors"))
         torch.save(optimizer.state_dict(), path / f"optim_rank{rank}.pt")
         _barrier()

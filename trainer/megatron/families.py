@@ -13,15 +13,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainer.megatron import family_olmoe
+from trainer.megatron.grouped_router import GroupedSigmoidRouter, router_options
 
-SUPPORTED = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+SUPPORTED = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe")
 
 # model_type -> why the megatron backend refuses it (the HF backend, trainer.backend=hf, runs all).
 REFUSED: dict[str, str] = {
     "deepseek_v3": "MLA is not mapped by r3flow yet (megatron-core's MLASelfAttention with "
                    "DeepSeek's interleaved rope and the e_score_correction_bias router buffer)",
-    "glm4_moe": "the e_score_correction_bias router buffer (megatron expert_bias) and partial "
-                "rotary are not mapped by r3flow yet",
     "gpt_oss": "GPT-OSS experts (interleaved gate/up, clamped swiglu with alpha 1.702 and (up+1), "
                "expert biases) and attention sinks are not mapped by r3flow yet",
 }
@@ -39,6 +38,10 @@ class FamilyArch:
     renormalise: bool = True  # softmax over the top-k (HF norm_topk_prob / Mixtral always)
     moe_prefix: str = "mlp"  # HF module of the MoE block (Mixtral: block_sparse_moe)
     expert_proj: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # Mixtral: w1 w3 w2
+    shared_prefix: str = "shared_expert"  # HF module of the shared expert (DeepSeek/GLM: plural)
+    router: GroupedSigmoidRouter | None = None  # DeepSeek-V3's router (None: softmax top-k)
+    partial_rotary: float | None = None  # HF partial_rotary_factor's default where the family's
+    # HF model reads it (GLM-4.x MoE: 0.5); None: ignored by HF, refused unless 1
 
 
 def check_supported(cfg: dict) -> str:
@@ -69,6 +72,10 @@ def family_arch(cfg: dict) -> FamilyArch:
     if family == "mixtral":
         return FamilyArch(qk_norm=False, renormalise=True, moe_prefix="block_sparse_moe",
                           expert_proj=("w1", "w3", "w2"))
+    if family == "glm4_moe":
+        from trainer.megatron.family_glm4_moe import glm4_moe_arch
+
+        return glm4_moe_arch(cfg)
     return FamilyArch(renormalise=bool(cfg.get("norm_topk_prob", True)))
 
 
@@ -78,7 +85,8 @@ def sizes(cfg: dict) -> dict[str, int]:
         experts = cfg.get("num_local_experts") or cfg["num_experts"]
         return {"num_experts": experts, "moe_ffn": cfg["intermediate_size"],
                 "dense_ffn": cfg["intermediate_size"]}
-    return {"num_experts": cfg.get("num_experts") or cfg["num_local_experts"],
+    return {"num_experts": cfg.get("num_experts") or cfg.get("n_routed_experts")
+            or cfg["num_local_experts"],
             "moe_ffn": cfg["moe_intermediate_size"], "dense_ffn": cfg["intermediate_size"]}
 
 
@@ -88,6 +96,8 @@ def config_overrides(fam: FamilyArch) -> dict[str, Any]:
         "qk_layernorm": fam.qk_norm, "add_qkv_bias": fam.qkv_bias,
         # HF renormalised top-k == softmax over the top-k logits (megatron's non-pre-softmax)
         "moe_router_pre_softmax": not fam.renormalise, "moe_router_score_function": "softmax"}
+    if fam.router is not None:
+        out |= router_options(fam.router)
     if fam.shared_ffn:
         out |= {"moe_shared_expert_intermediate_size": fam.shared_ffn,
                 "moe_shared_expert_gate": fam.shared_gate, "moe_shared_expert_overlap": False}
@@ -101,4 +111,5 @@ ENGINE_ROUTER_DTYPE: dict[str, tuple[str, str]] = {
     "mixtral": ("native", "vLLM 0.30 MixtralMoE: the gate is a ReplicatedLinear in the model "
                 "dtype"),
     "olmoe": ("native", "vLLM 0.30 OlmoeMoE: the gate is a ReplicatedLinear in the model dtype"),
+    "glm4_moe": ("fp32", "vLLM 0.30 Glm4MoE: the gate is an fp32 nn.Linear on fp32 hidden states"),
 }

@@ -10,7 +10,10 @@ Layouts that differ:
   * MLP / experts: megatron `linear_fc1` = cat(gate_proj, up_proj) on dim 0 (gated linear unit);
   * experts under expert parallelism: rank r holds global experts [r*El, (r+1)*El) as
     `local_experts.0..El-1`.
-Dense layers (HF `mlp_only_layers`) are plain MLPs; the rest are MoE (megatron `moe_layer_freq`).
+Dense layers (HF `mlp_only_layers`, `first_k_dense_replace`) are plain MLPs; the rest are MoE
+(megatron `moe_layer_freq`). DeepSeek-V3's router (GLM-4.x MoE) adds the selection bias
+`gate.e_score_correction_bias` <-> the router's `expert_bias` buffer (trainer.megatron.grouped_router).
+Partial rotary (`partial_rotary_factor`) is megatron's `rotary_percent` (MoeArch.rotary_percent).
 RoPE scaling is read from `rope_parameters` (transformers 5) or `rope_scaling` (4.x): what
 megatron-core 0.19's GPTModel can build (linear, llama3 with its fixed constants, yarn) is kept
 in `RopeScaling`; anything else is refused by name, never silently dropped (the engine applies it).
@@ -28,6 +31,7 @@ from typing import Any
 import torch
 
 from trainer.megatron.families import FamilyArch, family_arch, sizes
+from trainer.megatron.grouped_router import bias_to_hf, bias_to_megatron
 
 _ATTN = {"self_attn.o_proj": "self_attention.linear_proj",
          "self_attn.q_norm": "self_attention.q_layernorm",
@@ -93,16 +97,34 @@ def _yarn(p: dict, max_positions: int) -> RopeScaling:
                        mscale_all if both else None, bool(p.get("truncate", True)))
 
 
-def rope_from_hf_config(cfg: dict) -> tuple[float, RopeScaling]:
-    """(rope_theta, scaling) of an HF config; ValueError names what megatron cannot build."""
+def rotary_percent(cfg: dict, default: float = 1.0) -> float:
+    """The fraction of each head's dims that RoPE rotates (HF partial_rotary_factor; transformers
+    5 keeps it in rope_parameters, 4.x at the top level; `default` when absent). Both HF and
+    megatron rotate the first int(head_dim * fraction) dims, rotate-half style, with inv_freq
+    over that width."""
+    p = _rope_params(cfg)
+    value = float(p.get("partial_rotary_factor", cfg.get("partial_rotary_factor", default)))
+    if not 0 < value <= 1:
+        raise ValueError(f"partial_rotary_factor: {value} is not in (0, 1]")
+    return value
+
+
+def rope_from_hf_config(cfg: dict, partial: float | None = None) -> tuple[float, RopeScaling]:
+    """(rope_theta, scaling) of an HF config; ValueError names what megatron cannot build.
+    `partial`: the family's partial_rotary_factor default (None: its HF model ignores the field,
+    which must then be 1)."""
     p = _rope_params(cfg)
     kind, theta = _rope_type(p), float(p["rope_theta"])
     if kind not in SUPPORTED_ROPE:
         raise ValueError(f"rope_scaling.type: {kind!r} is not supported by the megatron trainer "
                          f"(megatron-core 0.19 builds {', '.join(SUPPORTED_ROPE)}); dynamic NTK "
                          "and longrope rescale by sequence length, which it does not model")
-    if float(p.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ValueError("rope_scaling.partial_rotary_factor: partial rotary is not supported")
+    if partial is None and rotary_percent(cfg) != 1.0:
+        raise ValueError("rope_scaling.partial_rotary_factor: partial rotary is not supported "
+                         f"for model_type {cfg.get('model_type')!r} (its HF model ignores it)")
+    if rotary_percent(cfg, partial or 1.0) != 1.0 and kind not in ("default", "linear"):
+        raise ValueError(f"rope_scaling.partial_rotary_factor: partial rotary with {kind} "
+                         "scaling is not mapped (default and linear rope only)")
     if kind == "default":
         return theta, RopeScaling()
     if kind == "yarn":
@@ -141,6 +163,7 @@ class MoeArch:
     norm_topk_prob: bool
     max_positions: int
     rope_scaling: RopeScaling = RopeScaling()
+    rotary_percent: float = 1.0  # HF partial_rotary_factor
     family: str = "qwen3_moe"  # HF model_type
     fam: FamilyArch = FamilyArch()  # what the family changes against Qwen3-MoE
 
@@ -158,16 +181,19 @@ def arch_from_hf_config(cfg: dict) -> MoeArch:
     if cfg.get("attention_bias") and not fam.qkv_bias:
         raise ValueError("attention_bias: biased attention projections are not supported")
     n, step = int(cfg["num_hidden_layers"]), int(cfg.get("decoder_sparse_step", 1))
-    dense = set(cfg.get("mlp_only_layers") or [])
+    dense = set(cfg.get("mlp_only_layers") or []) | set(range(int(
+        cfg.get("first_k_dense_replace") or 0)))
     moe = tuple(i for i in range(n) if i not in dense and (i + 1) % step == 0)
-    rope_theta, rope_scaling = rope_from_hf_config(cfg)
+    rope_theta, rope_scaling = rope_from_hf_config(cfg, fam.partial_rotary)
     return MoeArch(
         num_layers=n, moe_layers=moe, hidden_size=cfg["hidden_size"],
         num_heads=cfg["num_attention_heads"], num_kv_heads=cfg["num_key_value_heads"],
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
         top_k=cfg["num_experts_per_tok"], **sizes(cfg),
         vocab_size=cfg["vocab_size"], rms_eps=cfg.get("rms_norm_eps", 1e-6),
-        rope_theta=rope_theta, rope_scaling=rope_scaling, family=cfg["model_type"],
+        rope_theta=rope_theta, rope_scaling=rope_scaling, rotary_percent=rotary_percent(
+            cfg, fam.partial_rotary or 1.0),
+        family=cfg["model_type"],
         norm_topk_prob=fam.renormalise, fam=fam,
         max_positions=cfg.get("max_position_embeddings", 4096))
 
@@ -221,11 +247,14 @@ def _qkv_bias_to_hf(bias: torch.Tensor, a: MoeArch) -> dict[str, torch.Tensor]:
 
 
 def _moe_extras_to_megatron(sd: dict, a: MoeArch, hf: str, mc: str) -> dict[str, torch.Tensor]:
-    """Router and shared expert (with its sigmoid gate) of one MoE layer."""
+    """Router (and its selection bias) and shared expert (with its sigmoid gate) of one MoE
+    layer."""
     moe = f"{hf}.{a.fam.moe_prefix}"
     out = {f"{mc}.mlp.router.weight": sd[f"{moe}.gate.weight"]}
+    if a.fam.router is not None:
+        out |= bias_to_megatron(sd, moe, mc)
     if a.fam.shared_ffn:
-        out |= _mlp_to_megatron(sd, f"{moe}.shared_expert", f"{mc}.mlp.shared_experts")
+        out |= _mlp_to_megatron(sd, f"{moe}.{a.fam.shared_prefix}", f"{mc}.mlp.shared_experts")
     if a.fam.shared_gate:
         out[f"{mc}.mlp.shared_experts.gate_weight"] = sd[f"{moe}.shared_expert_gate.weight"]
     return out
@@ -234,8 +263,10 @@ def _moe_extras_to_megatron(sd: dict, a: MoeArch, hf: str, mc: str) -> dict[str,
 def _moe_extras_to_hf(sd: dict, a: MoeArch, mc: str, hf: str) -> dict[str, torch.Tensor]:
     moe = f"{hf}.{a.fam.moe_prefix}"
     out = {f"{moe}.gate.weight": sd[f"{mc}.mlp.router.weight"]}
+    if a.fam.router is not None:
+        out |= bias_to_hf(sd, mc, moe)
     if a.fam.shared_ffn:
-        out |= _mlp_to_hf(sd, f"{mc}.mlp.shared_experts", f"{moe}.shared_expert")
+        out |= _mlp_to_hf(sd, f"{mc}.mlp.shared_experts", f"{moe}.{a.fam.shared_prefix}")
     if a.fam.shared_gate:
         out[f"{moe}.shared_expert_gate.weight"] = sd[f"{mc}.mlp.shared_experts.gate_weight"]
     return out
@@ -337,5 +368,7 @@ def gather_experts(params: dict[str, torch.Tensor], a: MoeArch) -> dict[str, tor
 
 def export_hf_state_dict(model: torch.nn.Module, a: MoeArch) -> dict[str, torch.Tensor]:
     """HF-named full state dict of a (possibly DDP-wrapped, EP-sharded) model; collective on EP."""
-    params = {k: v.detach() for k, v in _unwrap(model).named_parameters()}
+    from trainer.megatron.parallel import model_weights
+
+    params = {k: v.detach() for k, v in model_weights(_unwrap(model)).items()}
     return {k: v.clone() for k, v in megatron_to_hf(gather_experts(params, a), a).items()}

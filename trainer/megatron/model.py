@@ -19,10 +19,12 @@ from pydantic import Field, model_validator
 from services.common.config import StrictConfig
 from trainer.megatron.families import ENGINE_ROUTER_DTYPE as FAMILY_ROUTER_DTYPE
 from trainer.megatron.families import config_overrides
+from trainer.megatron.grouped_router import freeze_expert_bias
 from trainer.megatron.hf_mapping import MoeArch, hf_to_megatron, load_arch
 from trainer.megatron.parallel import (
     check_layout,
     describe,
+    model_weights,
     shard_full,
     stage_layers,
     stage_moe_layers,
@@ -231,7 +233,8 @@ def transformer_config(a: MoeArch, cfg: ModelConfig):
 def rope_kwargs(a: MoeArch) -> dict[str, Any]:
     """GPTModel's RoPE arguments for the HF config's RoPE (scaling included)."""
     r = a.rope_scaling
-    kw: dict[str, Any] = {"position_embedding_type": "rope", "rotary_base": a.rope_theta}
+    kw: dict[str, Any] = {"position_embedding_type": "rope", "rotary_base": a.rope_theta,
+                          "rotary_percent": a.rotary_percent}
     if r.type == "linear":  # positions / factor == HF's inv_freq / factor
         kw["seq_len_interpolation_factor"] = r.factor
     elif r.type == "llama3":
@@ -286,6 +289,7 @@ def build_model(hf_dir: str | Path, cfg: ModelConfig, load_weights: bool = True)
     if torch.cuda.is_available():
         module = module.cuda()
     routers = _routers(module)
+    freeze_expert_bias(routers)  # a checkpoint constant in RL (trainer.megatron.grouped_router)
     built = BuiltModel(module, arch, tcfg, routers, [r.router_replay for r in routers],
                        stage_moe_layers(arch.moe_layers, stage_layers(module)))
     check_layer_map(built)
@@ -309,8 +313,9 @@ def load_hf_weights(built: BuiltModel, hf_dir: str | Path) -> None:
 
 
 def copy_into(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    """Copy `tensors` into `module`'s parameters; every parameter must be covered, no extras."""
-    params = dict(module.named_parameters())
+    """Copy `tensors` into `module`'s weights (parallel.model_weights); every weight must be
+    covered, no extras."""
+    params = model_weights(module)
     missing, extra = set(params) - set(tensors), set(tensors) - set(params)
     if missing or extra:
         raise ValueError(f"weights: missing {sorted(missing)[:4]}, unexpected {sorted(extra)[:4]}")
@@ -319,4 +324,7 @@ def copy_into(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None
             if tuple(p.shape) != tuple(tensors[name].shape):
                 raise ValueError(f"weights.{name}: shape {tuple(tensors[name].shape)}, "
                                  f"model has {tuple(p.shape)}")
-            p.copy_(tensors[name])
+            if name.endswith(".expert_bias"):  # megatron keeps it fp32 in a bf16 model
+                p.data = tensors[name].to(p.device, torch.float32).clone()
+            else:
+                p.copy_(tensors[name])

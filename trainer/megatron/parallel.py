@@ -127,6 +127,14 @@ def model_parallel_group() -> Any | None:
 
 
 # ---------------------------------------------------------------------- weights
+def model_weights(module: Any) -> dict[str, torch.Tensor]:
+    """The model's weights: its parameters and the routers' `expert_bias` buffers (DeepSeek-V3's
+    selection bias: a checkpoint tensor, held fixed, replicated on every rank)."""
+    out: dict[str, torch.Tensor] = dict(module.named_parameters())
+    out |= {k: b for k, b in module.named_buffers() if k.endswith(".router.expert_bias")}
+    return out
+
+
 def _is_expert(p: torch.Tensor) -> bool:
     return not getattr(p, "allreduce", True)
 
@@ -188,7 +196,7 @@ def _stage_name(name: str, local_of: dict[int, int], pre: bool, post: bool) -> s
 def shard_full(module: Any, full: dict[str, torch.Tensor], gated: bool) -> dict[str, torch.Tensor]:
     """Full megatron dict (this EP rank's experts) -> this rank's parameters (stage, TP)."""
     local_of = {g: i for i, g in enumerate(stage_layers(module))}
-    params = dict(module.named_parameters())
+    params = model_weights(module)
     out = {}
     for name, t in full.items():
         local = _stage_name(name, local_of, module.pre_process, module.post_process)
@@ -206,7 +214,7 @@ def gather_full(module: Any, gated: bool) -> dict[str, torch.Tensor]:
 
     layers = stage_layers(module)
     mine = {}
-    for name, p in module.named_parameters():
+    for name, p in model_weights(module).items():
         t = _unslice(p.detach(), p, name, gated)
         m = _LAYER.match(name)
         mine[f"decoder.layers.{layers[int(m.group(1))]}.{m.group(2)}" if m else name] = t

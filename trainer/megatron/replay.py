@@ -9,8 +9,9 @@ micro-batch's own routing); `end_step()` clears ids and action after every step.
 
 `AgreementMonitor` hooks each router (a forward hook, no patching). In every replaying forward it
 checks that the experts the router used are exactly the replayed ids (ReplayDesyncError: replay
-bypassed or out of step), and recomputes the router's own logits with `router.gating(input)` to
-count how many replayed ids its top-k would also have picked, per layer and per trajectory unit
+bypassed or out of step), and recomputes the router's own choice (`router.gating(input)`, then
+megatron's routing function with the router's options: `own_topk`) to count how many replayed ids
+it would also have picked, per layer and per trajectory unit
 (prompt rows, each segment's rows). A misaligned layer map, a row offset in any one segment or
 bad ids bring a unit near chance (K/E); below `floor` `RoutingAgreementError` names the worst
 trajectory/segment and layer and lists the groups to quarantine.
@@ -81,6 +82,20 @@ class ModelReplay:
         self._replaying = False
 
 
+def own_topk(router: Any, logits_TE: torch.Tensor) -> torch.Tensor:
+    """[T, K] ids the router would pick itself on `logits_TE`: megatron's routing function with
+    the router's options (score function, selection bias, expert groups), replay left out."""
+    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+
+    c = router.config
+    _, ids_TK = topk_routing_with_score_function(
+        logits_TE, router.topk, use_pre_softmax=c.moe_router_pre_softmax,
+        num_groups=c.moe_router_num_groups, group_topk=c.moe_router_group_topk,
+        scaling_factor=c.moe_router_topk_scaling_factor, score_function=router.score_function,
+        expert_bias=router.expert_bias, dense_output=True)
+    return ids_TK
+
+
 class AgreementMonitor(AgreementStats):
     """Routing agreement of replayed ids with the router's own choice, per layer and per
     trajectory unit (prompt rows, each segment's rows), and the used-equals-replayed check.
@@ -142,7 +157,7 @@ class AgreementMonitor(AgreementStats):
                     return
                 logits_TE = router.gating(inputs[0]).view(-1, router.config.num_moe_experts)
                 own_TE = torch.zeros_like(used_TE)
-                own_TE.scatter_(1, logits_TE.topk(self.top_k, dim=-1).indices, True)
+                own_TE.scatter_(1, own_topk(router, logits_TE), True)
                 self._hits[m] = (own_TE & want_TE).sum(-1)
         return hook
 
