@@ -38,14 +38,25 @@ def test_vllm_capture_equals_hf_router_choice_teacher_forced(chain):
 
 
 def test_selection_bias_and_groups_change_the_routers_choice(chain):
-    """On the chain's tokens HF's own choice differs from the plain top-k of the logits for some
-    token-layers: the chain would catch a dropped bias or group limit."""
+    """On the chain's tokens HF's own choice differs, for some token-layers, from the plain top-k
+    of the logits and from the group-limited top-k without the selection bias: the chain would
+    catch a dropped bias or group limit."""
     import torch
+    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
 
     seen = []
-    hooks = [layer.mlp.gate.register_forward_hook(
-        lambda _m, _i, out: seen.append((out[0].topk(out[2].shape[-1], -1).indices, out[2])))
-        for layer in chain.hf.model.layers if hasattr(layer.mlp, "gate")]
+
+    def hook(gate, _inputs, out):
+        logits_TE, _, own_TK = out
+        k = own_TK.shape[-1]
+        unbiased_TK = topk_routing_with_score_function(
+            logits_TE, k, num_groups=gate.num_group, group_topk=gate.topk_group,
+            score_function="sigmoid", dense_output=True)[1]
+        seen.append([(x.sort(-1).values != own_TK.sort(-1).values).any(-1).float().mean()
+                     for x in (logits_TE.topk(k, -1).indices, unbiased_TK)])
+
+    hooks = [layer.mlp.gate.register_forward_hook(hook)
+             for layer in chain.hf.model.layers if hasattr(layer.mlp, "gate")]
     try:
         with torch.no_grad():
             for tokens, _ in chain.rollouts:
@@ -53,10 +64,10 @@ def test_selection_bias_and_groups_change_the_routers_choice(chain):
     finally:
         for h in hooks:
             h.remove()
-    differ = np.mean([float((plain.sort(-1).values != own.sort(-1).values).any(-1).float().mean())
-                      for plain, own in seen])
-    print(json.dumps({"family": FAMILY, "choice_differs_from_plain_topk": differ}))
-    assert differ > 0.05
+    plain, bias = np.asarray(seen, dtype=np.float64).mean(0)
+    print(json.dumps({"family": FAMILY, "choice_differs_from_plain_topk": plain,
+                      "choice_differs_without_bias": bias}))
+    assert plain > 0.05 and bias > 0.05
 
 
 def test_megatron_export_is_the_checkpoint_bias_included(chain):
