@@ -1,7 +1,9 @@
 """Which HF MoE families the megatron backend builds, and how each maps onto megatron-core 0.19.
 
 Owns, per HF `model_type`: the facts `hf_mapping.MoeArch` reads beyond Qwen3-MoE's (expert count
-and width keys, dense layers, QKV bias, QK-norm, shared expert and its gate), the TransformerConfig
+and width keys, dense layers, QKV bias, QK-norm, shared expert and its gate, DeepSeek-V3's grouped
+sigmoid router from `grouped_router`, partial rotary; family_<name>.py modules hold the facts of
+one family), the TransformerConfig
 options that reproduce the family's router (`config_overrides`), and the refusal of a family
 megatron-core 0.19's local spec cannot run or r3flow does not map yet, naming the missing piece.
 The model provider (trainer.megatron.model) applies `config_overrides` on top of its base config.
