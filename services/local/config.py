@@ -117,7 +117,7 @@ class LocalConfig(StrictConfig):
         from services.rollout.families import FAMILIES
 
         if v not in FAMILIES:
-            raise ValueError(f"family: {v!r} is not one of {', '.join(FAMILIES)}")
+            raise ValueError(f"{v!r} is not one of {', '.join(FAMILIES)}")
         return v
 
 

@@ -1,0 +1,60 @@
+"""`r3flow local --family`: the family is a validated config field, and it picks the trainer
+backend (megatron where it maps the family, else hf), the hf knobs and the engine dtype the family
+needs; a user who names megatron for a family it refuses fails at boot with the refusal."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from services.common.config import ConfigError, build_config
+from services.local.config import LocalConfig, rollout_config, trainer_config, warm_start_config
+from services.local.family import plan
+from services.local.warm_start import WarmStartConfig
+from services.local.warm_start import trainer_config as warm_trainer_config
+from services.rollout.tiny_moe import TinyMoeConfig
+from trainer.config import TrainerConfig
+from trainer.megatron.families import REFUSED, SUPPORTED
+
+
+def test_unknown_family_is_refused_naming_the_field():
+    with pytest.raises(ConfigError, match="family: .*'llama' is not one of qwen3_moe, "):
+        build_config(LocalConfig, {"family": "llama"})
+
+
+@pytest.mark.parametrize("family", sorted(SUPPORTED))
+def test_megatron_when_it_maps_the_family(family, tmp_path: Path):
+    cfg = LocalConfig(family=family)
+    p = plan(family, None, cfg.model)
+    assert (p.backend, p.hf) == ("megatron", {})
+    tc = TrainerConfig.model_validate(trainer_config(cfg, tmp_path, tmp_path, p))
+    assert tc.backend == "megatron" and tc.run.launcher == cfg.trainer_launcher
+
+
+@pytest.mark.parametrize("family", sorted(REFUSED))
+def test_hf_when_megatron_refuses_the_family(family, tmp_path: Path):
+    cfg = LocalConfig(family=family)
+    p = plan(family, None, cfg.model)
+    assert p.backend == "hf" and REFUSED[family] in p.why
+    tc = TrainerConfig.model_validate(trainer_config(cfg, tmp_path, tmp_path, p))
+    assert (tc.backend, tc.run.launcher) == ("hf", "local")  # hf: one in-process rank
+    warm = WarmStartConfig.model_validate(warm_start_config(cfg, tmp_path, tmp_path, tmp_path, p))
+    assert warm_trainer_config(warm).backend == "hf"
+    with pytest.raises(ConfigError, match=f"trainer_backend: megatron refuses family "
+                       f"'{family}': model_type: '{family}' is not supported"):
+        plan(family, "megatron", cfg.model)
+
+
+def test_gpt_oss_needs_are_set_by_the_family(tmp_path: Path):
+    cfg = LocalConfig(family="gpt_oss", grpo={"dtype": "fp32"})
+    p = plan("gpt_oss", "hf", cfg.model)
+    tc = TrainerConfig.model_validate(trainer_config(cfg, tmp_path, tmp_path, p))
+    assert (tc.hf.attn_implementation, tc.hf.packing) == ("eager", False)
+    assert rollout_config(cfg, tmp_path, tmp_path, 0, p)["engine"]["dtype"] == "bfloat16"
+
+
+def test_the_users_backend_wins(tmp_path: Path):
+    p = plan("qwen2_moe", "hf", TinyMoeConfig())
+    assert (p.backend, p.why) == ("hf", "set by the user")
+    assert rollout_config(LocalConfig(), tmp_path, tmp_path, 0, p)["engine"]["dtype"] == "bfloat16"
