@@ -7,6 +7,8 @@ one family), the TransformerConfig
 options that reproduce the family's router (`config_overrides`), and the refusal of a family
 megatron-core 0.19's local spec cannot run or r3flow does not map yet, naming the missing piece.
 The model provider (trainer.megatron.model) applies `config_overrides` on top of its base config.
+GPT-OSS's own facts (sinks, sliding windows, clamped experts, fused expert tensors) live in
+`trainer.megatron.family_gpt_oss`.
 """
 
 from __future__ import annotations
@@ -17,14 +19,12 @@ from typing import Any
 from trainer.megatron import family_olmoe
 from trainer.megatron.grouped_router import GroupedSigmoidRouter, router_options
 
-SUPPORTED = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe")
+SUPPORTED = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "gpt_oss")
 
 # model_type -> why the megatron backend refuses it (the HF backend, trainer.backend=hf, runs all).
 REFUSED: dict[str, str] = {
     "deepseek_v3": "MLA is not mapped by r3flow yet (megatron-core's MLASelfAttention with "
                    "DeepSeek's interleaved rope and the e_score_correction_bias router buffer)",
-    "gpt_oss": "GPT-OSS experts (interleaved gate/up, clamped swiglu with alpha 1.702 and (up+1), "
-               "expert biases) and attention sinks are not mapped by r3flow yet",
 }
 
 
@@ -44,6 +44,13 @@ class FamilyArch:
     router: GroupedSigmoidRouter | None = None  # DeepSeek-V3's router (None: softmax top-k)
     partial_rotary: float | None = None  # HF partial_rotary_factor's default where the family's
     # HF model reads it (GLM-4.x MoE: 0.5); None: ignored by HF, refused unless 1
+    # GPT-OSS (trainer.megatron.family_gpt_oss): every linear (q/k/v/o, router, experts) biased
+    linear_bias: bool = False
+    attn_sinks: bool = False  # a learned per-head sink logit (megatron softmax_type learnable)
+    window: int = 0  # sliding-window width in tokens, the query's own included (0: none)
+    window_layers: tuple[bool, ...] = ()  # per layer: sliding (True) or full attention
+    glu_clamp: float | None = None  # experts: quick_gelu(min(g, c)) * (clamp(u, -c, c) + 1)
+    fused_experts: bool = False  # HF experts as per-layer [E, ...] tensors, gate/up interleaved
 
 
 def check_supported(cfg: dict) -> str:
@@ -78,12 +85,17 @@ def family_arch(cfg: dict) -> FamilyArch:
         from trainer.megatron.family_glm4_moe import glm4_moe_arch
 
         return glm4_moe_arch(cfg)
+    if family == "gpt_oss":
+        from trainer.megatron.family_gpt_oss import gpt_oss_arch
+
+        return gpt_oss_arch(cfg)
     return FamilyArch(renormalise=bool(cfg.get("norm_topk_prob", True)))
 
 
 def sizes(cfg: dict) -> dict[str, int]:
     """Experts, expert FFN and dense FFN widths under each family's key names."""
-    if cfg.get("model_type") in ("mixtral", "olmoe"):  # all MoE; intermediate_size: the expert's
+    # every layer MoE; intermediate_size is the expert's
+    if cfg.get("model_type") in ("mixtral", "olmoe", "gpt_oss"):
         experts = cfg.get("num_local_experts") or cfg["num_experts"]
         return {"num_experts": experts, "moe_ffn": cfg["intermediate_size"],
                 "dense_ffn": cfg["intermediate_size"]}
@@ -103,6 +115,18 @@ def config_overrides(fam: FamilyArch) -> dict[str, Any]:
     if fam.shared_ffn:
         out |= {"moe_shared_expert_intermediate_size": fam.shared_ffn,
                 "moe_shared_expert_gate": fam.shared_gate, "moe_shared_expert_overlap": False}
+    if fam.linear_bias:  # also gives the router its bias (megatron Router.bias)
+        out["add_bias_linear"] = True
+    if fam.attn_sinks:  # DotProductAttention.softmax_offset: a sink logit per head
+        out["softmax_type"] = "learnable"
+    if fam.window:  # megatron's window (left, right) excludes the query itself
+        out |= {"window_size": (fam.window - 1, 0),
+                "window_attn_skip_freq": [int(w) for w in fam.window_layers]}
+    if fam.glu_clamp is not None:
+        from megatron.core.fusions.fused_bias_geglu import quick_gelu  # x * sigmoid(1.702 x)
+
+        out |= {"activation_func": quick_gelu, "glu_linear_offset": 1.0,
+                "activation_func_clamp_value": fam.glu_clamp}
     return out
 
 
@@ -114,4 +138,6 @@ ENGINE_ROUTER_DTYPE: dict[str, tuple[str, str]] = {
                 "dtype"),
     "olmoe": ("native", "vLLM 0.30 OlmoeMoE: the gate is a ReplicatedLinear in the model dtype"),
     "glm4_moe": ("fp32", "vLLM 0.30 Glm4MoE: the gate is an fp32 nn.Linear on fp32 hidden states"),
+    "gpt_oss": ("native", "vLLM 0.30 GptOssMoE: the router is a ReplicatedLinear (with bias) in "
+                "the model dtype"),
 }

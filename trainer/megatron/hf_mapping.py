@@ -1,7 +1,8 @@
 """HF MoE checkpoint names/layouts <-> megatron-core GPTModel (local spec), both ways.
 
 Qwen3-MoE is the base layout; what other families change (QKV bias, no QK-norm, a gated shared
-expert, Mixtral's `block_sparse_moe.experts.N.w1/w3/w2`) comes from `trainer.megatron.families`.
+expert, Mixtral's `block_sparse_moe.experts.N.w1/w3/w2`) comes from `trainer.megatron.families`;
+GPT-OSS's fused expert tensors, sinks and biases from `trainer.megatron.family_gpt_oss`.
 
 HF names are the safetensors names the rollout engine loads (one tensor per expert projection).
 Layouts that differ:
@@ -30,6 +31,7 @@ from typing import Any
 
 import torch
 
+from trainer.megatron import family_gpt_oss
 from trainer.megatron.families import FamilyArch, family_arch, sizes
 from trainer.megatron.grouped_router import bias_to_hf, bias_to_megatron
 
@@ -287,6 +289,9 @@ def _layer_to_megatron(sd: dict, a: MoeArch, i: int, ep_rank: int, ep_size: int)
     out[f"{mc}.self_attention.linear_qkv.weight"] = qkv_to_megatron(q, k, v, a)
     if a.fam.qkv_bias:
         out[f"{mc}.self_attention.linear_qkv.bias"] = _qkv_bias_to_megatron(sd, hf, a)
+    if a.fam.fused_experts:  # GPT-OSS: every layer MoE
+        return out | family_gpt_oss.layer_to_megatron(sd, hf, mc,
+                                                      _local_experts(a, ep_rank, ep_size))
     if i not in a.moe_layers:
         return out | _mlp_to_megatron(sd, f"{hf}.mlp", f"{mc}.mlp")
     out |= _moe_extras_to_megatron(sd, a, hf, mc)
@@ -306,6 +311,8 @@ def _layer_to_hf(sd: dict, a: MoeArch, i: int, ep_rank: int, ep_size: int) -> di
     if a.fam.qkv_bias:
         out |= {f"{hf}.{n}": t for n, t in _qkv_bias_to_hf(
             sd[f"{mc}.self_attention.linear_qkv.bias"], a).items()}
+    if a.fam.fused_experts:
+        return out | family_gpt_oss.layer_to_hf(sd, mc, hf, _local_experts(a, ep_rank, ep_size))
     if i not in a.moe_layers:
         return out | _mlp_to_hf(sd, f"{mc}.mlp", f"{hf}.mlp")
     out |= _moe_extras_to_hf(sd, a, mc, hf)
@@ -335,8 +342,9 @@ def megatron_to_hf(sd: dict[str, torch.Tensor], a: MoeArch, ep_rank: int = 0,
 
 def expert_param_names(a: MoeArch, num_local: int) -> list[str]:
     """Megatron names of every local-expert parameter, in a fixed order (for EP gathers)."""
-    return [f"decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc{j}.weight"
-            for i in a.moe_layers for e in range(num_local) for j in (1, 2)]
+    kinds = ("weight", "bias") if a.fam.linear_bias else ("weight",)
+    return [f"decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc{j}.{kind}"
+            for i in a.moe_layers for e in range(num_local) for j in (1, 2) for kind in kinds]
 
 
 def _unwrap(model: Any) -> Any:

@@ -75,6 +75,9 @@ def _check_arch(cfg: Any, a: Any) -> None:
         from trainer.megatron.family_olmoe import TP_REFUSAL
 
         raise ValueError(TP_REFUSAL.format(tp=tp))
+    if a.fam.linear_bias and etp > 1:
+        raise ValueError(f"model.expert_tensor_parallel {etp}: {a.family} has expert biases, "
+                         "which megatron-core 0.19 supports only at expert_tensor_parallel 1")
     if cfg.recompute_granularity == "full" and cfg.recompute_num_layers > a.num_layers // pp:
         raise ValueError(f"model.recompute_num_layers {cfg.recompute_num_layers}: a pipeline "
                          f"stage has {a.num_layers // pp} layers")
@@ -150,7 +153,7 @@ def _tp_group(p: torch.Tensor) -> tuple[int, int, Any]:
 
 
 def _glu(name: str, gated: bool) -> bool:
-    return gated and name.endswith("linear_fc1.weight")
+    return gated and name.endswith(("linear_fc1.weight", "linear_fc1.bias"))
 
 
 def _slice(full: torch.Tensor, p: torch.Tensor, name: str, gated: bool) -> torch.Tensor:

@@ -7,12 +7,15 @@ parallelism each TP rank normalises its own tokens, so the replicated norm weigh
 gradients summed over the TP group, which `finalize_model_grads` does for parameters tagged
 `sequence_parallel` (what TransformerEngine's norms set). `SequenceParallelRMSNorm` is that
 torch RMSNorm, tagged; the spec swaps it in through the spec's own submodule fields.
+GPT-OSS's learnable sinks and expert biases swap two more modules the same way
+(`family_gpt_oss.swap_modules`).
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 from typing import Any
 
 import torch
@@ -37,6 +40,13 @@ def _swap(node: Any, old: type, new: type, seen: set[int]) -> Any:
     seen.add(id(node))
     if isinstance(node, list):
         return [_swap(x, old, new, seen) for x in node]
+    if isinstance(node, functools.partial):  # MoE specs are partials of MoELayer/SequentialMLP
+        func, args = _swap(node.func, old, new, seen), [_swap(x, old, new, seen) for x in node.args]
+        kw = {k: _swap(v, old, new, seen) for k, v in node.keywords.items()}
+        if func is node.func and all(a is b for a, b in zip(args, node.args, strict=True)) \
+                and all(kw[k] is v for k, v in node.keywords.items()):
+            return node
+        return functools.partial(func, *args, **kw)
     if dataclasses.is_dataclass(node) and not isinstance(node, type):
         for f in dataclasses.fields(node):
             value = getattr(node, f.name)
@@ -48,7 +58,8 @@ def _swap(node: Any, old: type, new: type, seen: set[int]) -> Any:
 
 def decoder_spec(tcfg: Any, fam: Any = None) -> Any:
     """megatron's local GPT decoder block spec for `tcfg` (norms SP-capable when SP is on) and
-    the family `fam` (a families.FamilyArch: OLMoE's full-width QK-norm)."""
+    the family `fam` (a families.FamilyArch: OLMoE's full-width QK-norm; GPT-OSS's sinks and
+    expert biases follow `tcfg`)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
@@ -60,4 +71,8 @@ def decoder_spec(tcfg: Any, fam: Any = None) -> Any:
         from trainer.megatron.family_olmoe import full_width_qk_norm
 
         spec = full_width_qk_norm(copy.deepcopy(spec))
+    if tcfg.softmax_type == "learnable" or (tcfg.add_bias_linear and tcfg.num_moe_experts):
+        from trainer.megatron.family_gpt_oss import swap_modules
+
+        spec = swap_modules(copy.deepcopy(spec), tcfg, lambda s, old, new: _swap(s, old, new, set()))
     return spec
