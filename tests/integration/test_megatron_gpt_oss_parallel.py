@@ -42,8 +42,5 @@ def test_gpt_oss_layout_matches_one_rank(name, reference, layouts):
     assert all("error" not in r for r in ranks), [r.get("error") for r in ranks]
     res = compare(reference, ranks, TOL)
     print(name, res)
-    assert res["replay_mismatch"] == 0 and res["replayed_rows"] > 0
+    assert res["ok"], res  # ids replayed, no mismatch; logprobs and grad norm within TOL
     assert all(r["export_exact"] for r in ranks)
-    assert res["lp_max_diff"] <= TOL
-    assert res["grad_norm_diff"] <= TOL
-    assert res["lp_after_max_diff"] <= TOL
