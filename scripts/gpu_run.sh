@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
 # Everything r3flow measures on a lent GPU machine, in one call (device tool; see BENCHMARKS.md):
 #   run(command="bash scripts/gpu_run.sh", kind="nvidia-h100-x4", carry=[".gpu"])
-# or some sections only: `bash scripts/gpu_run.sh parallel` (trainer | parallel | bench | weights;
-# the default runs all but bench).
+# or some sections only: `bash scripts/gpu_run.sh parallel` (trainer | parallel | bench | weights |
+# cpu; the default runs all but bench and cpu). `cpu` is the host CPU's codec and weight-push
+# benches (issue 16; no GPU; bench-codec needs zstandard from .gpu/wheels):
+# CPU_AB="stores:bucket_mb:inflight ..." picks the push variants (default stream:64:2), each
+# run pinned to 2 cores and unpinned, the list twice (alternating).
 # There: Python 3.12 + torch 2.11, nothing installable. `.gpu/wheels` (gitignored, made by
 # `make gpu-wheels`) carries megatron-core and the few pure/cp312 packages the image lacks.
 set -uo pipefail
 OUT=${OUT:-bench-results/gpu}
 mkdir -p "$OUT" bench-results
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-python3 -m pip install -q --no-deps --no-index --target /tmp/pylib .gpu/wheels/*.whl
+if compgen -G ".gpu/wheels/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-deps --no-index --target /tmp/pylib .gpu/wheels/*.whl
+fi
 export PYTHONPATH=/tmp/pylib:$PWD
 nvidia-smi -L | tee "$OUT/gpus.txt"
 python3 -m services.common._build
@@ -35,7 +40,26 @@ for section in $SECTIONS; do
       echo "== bench-weights --device cuda"
       python3 tests/bench/bench_weights.py --device cuda 2>&1 | tail -30 \
         | tee "$OUT/bench_weights_cuda.txt";;
-    *) echo "gpu_run.sh: unknown section $section (trainer | parallel | bench | weights)"; exit 2;;
+    cpu)
+      echo "== host CPU: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) CPUs, load $(cut -d' ' -f1 /proc/loadavg)"
+      echo "== bench-codec (one core)"
+      taskset -c 0 python3 tests/bench/bench_codec.py --repeats 5 --out "$OUT/codec.json" 2>&1 \
+        | tail -14 | tee "$OUT/bench_codec.txt"
+      for round in 1 2; do
+        for variant in ${CPU_AB:-stream:64:2}; do
+          IFS=: read -r stores mb inflight <<<"$variant"
+          for cores in 0,1 all; do
+            pin=(); [ "$cores" = all ] || pin=(taskset -c "$cores")
+            echo "== bench-weights round $round, stores $stores, bucket $mb MiB, inflight $inflight, cores $cores" \
+              | tee -a "$OUT/bench_weights_cpu.txt"
+            "${pin[@]}" python3 tests/bench/bench_weights.py --repeats "${REPEATS:-9}" \
+              --pack-stores "$stores" --bucket-mb "$mb" --inflight "$inflight" \
+              --out "$OUT/weights_${stores}_${mb}_${inflight}_${cores/,/}_$round.json" 2>&1 \
+              | grep -E "^raw|^Weight|steps|passes|CPU ms|ratio|verified" | tee -a "$OUT/bench_weights_cpu.txt"
+          done
+        done
+      done;;
+    *) echo "gpu_run.sh: unknown section $section (trainer | parallel | bench | weights | cpu)"; exit 2;;
   esac
 done
 cp bench-results/*.json "$OUT/" 2>/dev/null

@@ -168,10 +168,10 @@ def _receiver_main(device: str, raw_port: int, cmds: mp.Queue, replies: mp.Queue
             t_end = _raw_broadcast(raw_pg, buf, cmd[2], cmd[3], dev)
             replies.put(("raw", t_end, time.process_time() - c0))
         elif cmd[0] == "push":
-            c0 = time.process_time()
+            c0, p0 = time.process_time(), _passes()
             last = rx.receive(store_pb2.WeightSyncPlan.FromString(cmd[1]))
             _sync(dev)
-            replies.put(("push", time.monotonic(), time.process_time() - c0))
+            replies.put(("push", time.monotonic(), time.process_time() - c0, _passes(p0)))
         elif cmd[0] == "load":
             t0 = time.monotonic()
             if model is None:
@@ -197,6 +197,17 @@ def _raw_broadcast(pg, buf: torch.Tensor, chunk: int, all_at_once: bool,
     return time.monotonic()
 
 
+def _passes(since: dict | None = None) -> dict:
+    """The C pack/sum passes' wall seconds and bytes in this process (weight_sync/native.py),
+    minus `since`; {} without the C core (GPU machines without numpy)."""
+    try:
+        from services.common.weight_sync import native
+    except ImportError:
+        return {}
+    now = dict(native.PASSES)
+    return {k: v - since.get(k, 0) for k, v in now.items()} if since is not None else now
+
+
 def _sync(dev: torch.device) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
@@ -217,15 +228,17 @@ def raw_send(pg, buf: torch.Tensor, chunk: int, all_at_once: bool, cmds, replies
 
 
 def push_once(sender: WeightSender, version: int, named, cmds, replies
-              ) -> tuple[float, object, tuple[float, float]]:
+              ) -> tuple[float, object, tuple[float, float], dict]:
+    """Seconds, the report, CPU seconds of (sender, receiver) and the C passes of each."""
     plan = sender.plan(version, [store_pb2.WorkerInfo(worker_id="bench-engine", world_size=1)])
     cmds.put(("push", plan.SerializeToString()))
     time.sleep(0.2)  # engines get the plan from the store watch while the trainer finishes
-    t0, c0 = time.monotonic(), time.process_time()
+    t0, c0, p0 = time.monotonic(), time.process_time(), _passes()
     report = sender.push(plan, named)
     cpu = time.process_time() - c0
-    kind, t_end, rx_cpu = replies.get(timeout=600)
-    return t_end - t0, report, (cpu, rx_cpu)
+    passes = _passes(p0)
+    kind, t_end, rx_cpu, rx_passes = replies.get(timeout=600)
+    return t_end - t0, report, (cpu, rx_cpu), {"sender": passes, "receiver": rx_passes}
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -247,6 +260,7 @@ def _run(args: argparse.Namespace) -> dict:
     # copies spin-wait against the other process and the gloo threads on a small shared
     # machine and stall for seconds; the raw baseline runs no torch ops at all.
     torch.set_num_threads(1)
+    _set_pack_stores(args.pack_stores)
     size_mb = args.size_mb or (2500 if cuda else 256)
     bucket = (args.bucket_mb or (256 if cuda else 64)) << 20
     c = moe_config(size_mb * MB, args.device)
@@ -273,6 +287,14 @@ def _run(args: argparse.Namespace) -> dict:
             proc.kill()
 
 
+def _set_pack_stores(kind: str) -> None:
+    try:
+        from services.common.weight_sync import native
+    except ImportError:
+        return
+    native.STREAM_STORES = kind == "stream"
+
+
 def sender_config(**fields):
     """The validated WeightSyncConfig; without pydantic (the lent GPU machines), the same
     fields with the config's defaults in a plain namespace (the sender only reads them)."""
@@ -287,11 +309,11 @@ def sender_config(**fields):
 
 
 def _measure(args, c, named, sender, raw_pg, cmds, replies, dev, bucket) -> dict:
-    push_s, raw_all_s, raw_seq_s, phases, report = [], [], [], [], None
+    push_s, raw_all_s, raw_seq_s, phases, passes, report = [], [], [], [], [], None
     cpu: dict[str, list[tuple[float, float]]] = {"push": [], "raw_all": [], "raw_seq": []}
     raw_buf = None
     for rep in range(args.repeats + 1):  # rep 0 warms up (group setup, buffers, NCCL init)
-        t_push, report, c_push = push_once(sender, rep + 1, named, cmds, replies)
+        t_push, report, c_push, p_push = push_once(sender, rep + 1, named, cmds, replies)
         if raw_buf is None:
             raw_buf = torch.empty(report.num_bytes, dtype=torch.uint8, device=dev)
         t_all, c_all = raw_send(raw_pg, raw_buf, bucket, True, cmds, replies, dev)
@@ -301,6 +323,7 @@ def _measure(args, c, named, sender, raw_pg, cmds, replies, dev, bucket) -> dict
             raw_all_s.append(t_all)
             raw_seq_s.append(t_seq)
             phases.append(report.phases)
+            passes.append(p_push)
             for key, used in (("push", c_push), ("raw_all", c_all), ("raw_seq", c_seq)):
                 cpu[key].append(used)
     raw_s = min((raw_all_s, raw_seq_s), key=statistics.median)
@@ -320,6 +343,12 @@ def _measure(args, c, named, sender, raw_pg, cmds, replies, dev, bucket) -> dict
         # sender-side seconds from push() to each step (WeightSender's PushReport.phases)
         "push_phases_s_median": {k: statistics.median(p[k] for p in phases)
                                  for k in (phases[0] if phases else {})},
+        # per push, each side's C passes (pack = copy + sum, sum = sums alone): median wall
+        # ms and GB/s of those bytes
+        "passes_median": {f"{side}_{k}": statistics.median(
+            p[side][k] * (1e3 if k.endswith("_s") else 1e-9) for p in passes)
+            for side in ("sender", "receiver") for k in (passes[0][side] if passes else {})},
+        "pack_stores": args.pack_stores,
         "raw_s": raw_s, "push_s_median": push_med, "raw_s_median": raw_med,
         # CPU seconds per operation of each process (all its threads: gloo's included)
         "cpu_s_median": {f"{op}_{side}": statistics.median(c[i] for c in runs)
@@ -351,6 +380,12 @@ def print_table(r: dict) -> None:
     print(f"{'WeightSender.push':<22}{r['push_s_median']:>10.3f}{r['push_gb_s']:>10.2f}")
     steps = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in r["push_phases_s_median"].items())
     print(f"push steps on the sender (median ms after push()): {steps}")
+    ps = r["passes_median"]
+    if ps:
+        print("C passes per push (median wall ms / GB): " + ", ".join(
+            f"{side} {kind} {ps[f'{side}_{kind}_s']:.1f} / {ps[f'{side}_{kind}_bytes']:.3f}"
+            for side in ("sender", "receiver") for kind in ("pack", "sum")
+            if ps.get(f"{side}_{kind}_bytes")) + f" (pack stores: {r['pack_stores']})")
     c = r["cpu_s_median"]
     print(f"CPU ms per op (median, whole process): push sender {c['push_sender'] * 1e3:.1f} / "
           f"receiver {c['push_receiver'] * 1e3:.1f}, raw sender {c['raw_sender'] * 1e3:.1f} / "
@@ -371,6 +406,8 @@ def main() -> int:
     ap.add_argument("--inflight", type=int, default=2, help="WeightSyncConfig.inflight_buckets")
     ap.add_argument("--direct-min-mb", type=float, default=0,
                     help="WeightSyncConfig.direct_min_bytes in MiB (0: the default, bucket/2)")
+    ap.add_argument("--pack-stores", choices=["stream", "plain"], default="stream",
+                    help="the CPU pack's stores: non-temporal (default) or plain (cached)")
     ap.add_argument("--repeats", type=int, default=15,
                     help="pushes and raw broadcasts, interleaved; medians are compared")
     ap.add_argument("--out", default="")

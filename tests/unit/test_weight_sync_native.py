@@ -89,6 +89,31 @@ def test_wide_paths_equal_torch_on_long_extents(start: int):
     assert bk.checksum_tensor(bucket, spec.entries).tolist() == sums.tolist()
 
 
+@pytest.mark.parametrize("stream", [True, False], ids=["non-temporal", "plain"])
+@pytest.mark.parametrize("start", [0, 16])
+def test_plain_and_streamed_stores_pack_the_same_bytes(start: int, stream: bool,
+                                                      monkeypatch: pytest.MonkeyPatch):
+    """The pack's two store kinds (native.STREAM_STORES, the bench's --pack-stores A/B) give
+    the same bucket and sums, and the pass counters count the bytes packed."""
+    monkeypatch.setattr(native, "STREAM_STORES", stream)
+    g = torch.Generator().manual_seed(4)
+    named = [(f"t{i}", torch.randint(-2**15, 2**15, (n // 2,), dtype=torch.int16,
+                                     generator=g).view(torch.bfloat16))
+             for i, n in enumerate([64, 8192 + 8, 100_000])]
+    [spec] = bk.iter_buckets(named, 1 << 22, torch.bfloat16, CPU, 1 << 30)
+    raw = torch.full((spec.nbytes + 128,), 0xAB, dtype=torch.uint8)
+    start += -raw.data_ptr() % 64
+    bucket = raw[start: start + spec.nbytes]
+    before = dict(native.PASSES)
+    sums = bk.pack_and_sum(bucket, spec.entries, spec.sources)
+    assert sums is not None
+    reference = bk.fill(torch.zeros(spec.nbytes, dtype=torch.uint8), spec)
+    assert torch.equal(bucket, reference)
+    assert sums.tolist() == _torch_sums(reference, spec.entries)
+    assert native.PASSES["pack_bytes"] - before["pack_bytes"] == spec.nbytes
+    assert native.PASSES["pack_s"] > before["pack_s"]
+
+
 @pytest.mark.parametrize("offset,nbytes,end", [(8, 8, 16), (0, 100, 200), (0, 16, 12),
                                                (0, 64, 4096)])
 def test_malformed_extents_are_refused(offset, nbytes, end):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -37,7 +38,7 @@ def _load() -> ctypes.CDLL | None:
         return None
     lib.ws_pack_sum.restype = ctypes.c_int32
     lib.ws_pack_sum.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, _U64P,
-                                _I64P, _I64P, _I64P, _I64P]
+                                _I64P, _I64P, _I64P, _I64P, ctypes.c_int32]
     lib.ws_sum.restype = ctypes.c_int32
     lib.ws_sum.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, _I64P, _I64P,
                            _I64P, ctypes.c_int32]
@@ -48,6 +49,13 @@ def _load() -> ctypes.CDLL | None:
 def available() -> bool:
     return _load() is not None
 
+
+# The pack's stores: non-temporal (the bucket goes to memory, past the caches) or plain.
+STREAM_STORES = True
+
+# Wall seconds and bytes of the C passes this process made (a bench reads them per push):
+# "pack" = copy + sum of packed tensors, "sum" = sums alone (in place, received)
+PASSES = {"pack_s": 0.0, "pack_bytes": 0, "sum_s": 0.0, "sum_bytes": 0}
 
 # More threads than this do not sum faster: one core's loads already take a good share of a
 # socket's memory bandwidth.
@@ -92,8 +100,12 @@ def pack_sum(bucket_u8: torch.Tensor, ext: Extents, sources: Sequence[torch.Tens
     src = np.fromiter((0 if t is None else t.data_ptr() for t in sources), dtype=np.uint64,
                       count=len(ext))
     sums = np.empty(len(ext), dtype=np.int64)
+    t0 = time.perf_counter()
     rc = lib.ws_pack_sum(bucket_u8.data_ptr(), bucket_u8.numel(), len(ext), _ptr(src, _U64P),
-                         _ptr(ext.offset), _ptr(ext.nbytes), _ptr(ext.end), _ptr(sums))
+                         _ptr(ext.offset), _ptr(ext.nbytes), _ptr(ext.end), _ptr(sums),
+                         int(STREAM_STORES))
+    PASSES["pack_s"] += time.perf_counter() - t0
+    PASSES["pack_bytes"] += int(ext.end[-1] - ext.offset[0]) if len(ext) else 0
     if rc != 0:
         raise ValueError("bucket: an entry's extent does not fit the bucket (layout bug)")
     return torch.from_numpy(sums)
@@ -105,8 +117,11 @@ def sums(bucket_u8: torch.Tensor, ext: Extents, threads: int = 1) -> torch.Tenso
     lib = _load()
     assert lib is not None and bucket_u8.device.type == "cpu" and bucket_u8.is_contiguous()
     out = np.empty(len(ext), dtype=np.int64)
+    t0 = time.perf_counter()
     rc = lib.ws_sum(bucket_u8.data_ptr(), bucket_u8.numel(), len(ext), _ptr(ext.offset),
                     _ptr(ext.end), _ptr(out), threads)
+    PASSES["sum_s"] += time.perf_counter() - t0
+    PASSES["sum_bytes"] += int(ext.end[-1] - ext.offset[0]) if len(ext) else 0
     if rc != 0:
         raise ValueError("bucket: an entry's extent does not fit the bucket (layout bug)")
     return torch.from_numpy(out)

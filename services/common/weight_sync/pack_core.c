@@ -6,7 +6,9 @@
  * the same cores, so every byte the packing touches is taken from them: the torch path copies
  * (read + write, plus the read-for-ownership of the destination) and then sums the bucket
  * again. Here each 64-byte block is loaded once, summed in registers and written with
- * non-temporal stores (no read-for-ownership, no eviction of what the transport reads).
+ * non-temporal stores (no read-for-ownership, no eviction of what the transport reads); the
+ * `stream` flag switches to plain stores for A/B runs (bench_weights.py --pack-stores: on the
+ * lent Intel Xeon plain stores slow the pack and do not speed the transport, BENCHMARKS.md).
  *
  * ws_sum: the checksums alone (a sent-in-place tensor, a received bucket), one call for a
  * whole bucket instead of one torch reduction per tensor; `threads` > 1 splits the bytes
@@ -109,54 +111,71 @@ static uint64_t sum_words(const uint8_t *p, int64_t n)
 #if WS_WIDE
 /* copy_sum_blocks with 64-byte loads and non-temporal stores; dst 64-byte aligned. */
 __attribute__((target("avx512f"))) static uint64_t copy_sum_avx512(uint8_t *dst,
-                                                                   const uint8_t *src, int64_t n)
+                                                                   const uint8_t *src, int64_t n,
+                                                                   int stream)
 {
     __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
     int64_t i = 0;
-    for (; i + 128 <= n; i += 128) {
-        __m512i v0 = _mm512_loadu_si512((const void *)(src + i));
-        __m512i v1 = _mm512_loadu_si512((const void *)(src + i + 64));
-        _mm512_stream_si512((void *)(dst + i), v0);
-        _mm512_stream_si512((void *)(dst + i + 64), v1);
-        a0 = _mm512_add_epi64(a0, v0);
-        a1 = _mm512_add_epi64(a1, v1);
+#define WS_COPY_SUM_512(STORE)                                                                 \
+    for (; i + 128 <= n; i += 128) {                                                           \
+        __m512i v0 = _mm512_loadu_si512((const void *)(src + i));                              \
+        __m512i v1 = _mm512_loadu_si512((const void *)(src + i + 64));                         \
+        STORE((void *)(dst + i), v0);                                                          \
+        STORE((void *)(dst + i + 64), v1);                                                     \
+        a0 = _mm512_add_epi64(a0, v0);                                                         \
+        a1 = _mm512_add_epi64(a1, v1);                                                         \
+    }                                                                                          \
+    if (i < n) { /* one 64-byte block left */                                                  \
+        __m512i v0 = _mm512_loadu_si512((const void *)(src + i));                              \
+        STORE((void *)(dst + i), v0);                                                          \
+        a0 = _mm512_add_epi64(a0, v0);                                                         \
     }
-    if (i < n) { /* one 64-byte block left */
-        __m512i v0 = _mm512_loadu_si512((const void *)(src + i));
-        _mm512_stream_si512((void *)(dst + i), v0);
-        a0 = _mm512_add_epi64(a0, v0);
+    if (stream) {
+        WS_COPY_SUM_512(_mm512_stream_si512)
+    } else {
+        WS_COPY_SUM_512(_mm512_store_si512)
     }
+#undef WS_COPY_SUM_512
     return (uint64_t)_mm512_reduce_add_epi64(_mm512_add_epi64(a0, a1));
 }
 #endif
 
-/* Copy n bytes (a multiple of 64) src -> dst and return their sum; dst 16-byte aligned. */
-static uint64_t copy_sum_blocks(uint8_t *dst, const uint8_t *src, int64_t n)
+/* Copy n bytes (a multiple of 64) src -> dst and return their sum; dst 16-byte aligned.
+ * `stream`: non-temporal stores (the bytes go to memory, not the cache), else plain ones. */
+static uint64_t copy_sum_blocks(uint8_t *dst, const uint8_t *src, int64_t n, int stream)
 {
 #if WS_WIDE
     if (n >= 4096 && !((uintptr_t)dst & 63)) {
         __builtin_cpu_init();
-        if (__builtin_cpu_supports("avx512f")) return copy_sum_avx512(dst, src, n);
+        if (__builtin_cpu_supports("avx512f")) return copy_sum_avx512(dst, src, n, stream);
     }
 #endif
 #if defined(__SSE2__)
     __m128i a0 = _mm_setzero_si128(), a1 = _mm_setzero_si128();
-    for (int64_t i = 0; i < n; i += 64) {
-        __m128i v0 = _mm_loadu_si128((const __m128i *)(src + i));
-        __m128i v1 = _mm_loadu_si128((const __m128i *)(src + i + 16));
-        __m128i v2 = _mm_loadu_si128((const __m128i *)(src + i + 32));
-        __m128i v3 = _mm_loadu_si128((const __m128i *)(src + i + 48));
-        _mm_stream_si128((__m128i *)(dst + i), v0);
-        _mm_stream_si128((__m128i *)(dst + i + 16), v1);
-        _mm_stream_si128((__m128i *)(dst + i + 32), v2);
-        _mm_stream_si128((__m128i *)(dst + i + 48), v3);
-        a0 = _mm_add_epi64(_mm_add_epi64(a0, v0), v2);
-        a1 = _mm_add_epi64(_mm_add_epi64(a1, v1), v3);
+#define WS_COPY_SUM_128(STORE)                                                                 \
+    for (int64_t i = 0; i < n; i += 64) {                                                      \
+        __m128i v0 = _mm_loadu_si128((const __m128i *)(src + i));                              \
+        __m128i v1 = _mm_loadu_si128((const __m128i *)(src + i + 16));                         \
+        __m128i v2 = _mm_loadu_si128((const __m128i *)(src + i + 32));                         \
+        __m128i v3 = _mm_loadu_si128((const __m128i *)(src + i + 48));                         \
+        STORE((__m128i *)(dst + i), v0);                                                       \
+        STORE((__m128i *)(dst + i + 16), v1);                                                  \
+        STORE((__m128i *)(dst + i + 32), v2);                                                  \
+        STORE((__m128i *)(dst + i + 48), v3);                                                  \
+        a0 = _mm_add_epi64(_mm_add_epi64(a0, v0), v2);                                         \
+        a1 = _mm_add_epi64(_mm_add_epi64(a1, v1), v3);                                         \
     }
+    if (stream) {
+        WS_COPY_SUM_128(_mm_stream_si128)
+    } else {
+        WS_COPY_SUM_128(_mm_store_si128)
+    }
+#undef WS_COPY_SUM_128
     uint64_t lanes[2];
     _mm_storeu_si128((__m128i *)lanes, _mm_add_epi64(a0, a1));
     return lanes[0] + lanes[1];
 #else
+    (void)stream;
     memcpy(dst, src, (size_t)n);
     return sum_words(dst, n);
 #endif
@@ -168,11 +187,12 @@ static uint64_t copy_sum_blocks(uint8_t *dst, const uint8_t *src, int64_t n)
  * (the alignment gap: deterministic bytes on the wire), and write the extent's sum64 to
  * sums[k]. Extents must lie in the bucket, start 64-byte aligned, and end a multiple of 8
  * bytes past the start, covering the tensor, at most 64 bytes past its last full block.
+ * `stream` != 0: the copies use non-temporal stores, else plain (cached) ones.
  * Returns WS_OK, or WS_ERR_EXTENT (nothing checked after the bad entry was written).
  */
 int32_t ws_pack_sum(uint8_t *bucket, int64_t bucket_nbytes, int64_t n, const uint64_t *src,
                     const int64_t *offset, const int64_t *nbytes, const int64_t *end,
-                    int64_t *sums)
+                    int64_t *sums, int32_t stream)
 {
     for (int64_t k = 0; k < n; k++) {
         int64_t off = offset[k], len = nbytes[k], stop = end[k];
@@ -183,7 +203,7 @@ int32_t ws_pack_sum(uint8_t *bucket, int64_t bucket_nbytes, int64_t n, const uin
         uint8_t *dst = bucket + off;
         const uint8_t *from = src[k] ? (const uint8_t *)(uintptr_t)src[k] : NULL;
         int64_t body = len / 64 * 64;
-        uint64_t acc = from ? copy_sum_blocks(dst, from, body) : sum_words(dst, body);
+        uint64_t acc = from ? copy_sum_blocks(dst, from, body, stream) : sum_words(dst, body);
         uint8_t tail[64] = {0};
         int64_t rest = stop - off - body;
         if (from) memcpy(tail, from + body, (size_t)(len - body));
