@@ -113,6 +113,7 @@ def test_transformer_config_options():
     ("swiglu_alpha", 1.5, "swiglu_alpha: 1.5 - .*quick_gelu"),
     ("attention_bias", False, "attention_bias: false"),
     ("layer_types", ["sliding_attention", "chunked_attention"], "layer_types: expected 2"),
+    ("quantization_config", {"quant_method": "mxfp4"}, "quantization_config: 'mxfp4'"),
 ])
 def test_unmapped_config_is_refused_naming_the_field(field, value, msg):
     cfg = hf_config("gpt_oss", TinyMoeConfig(num_layers=2)).to_dict() | {field: value}

@@ -20,8 +20,9 @@ What GPT-OSS brings, and the megatron-core option that computes the same thing (
     its own bias parameter, the same logits bias as HF's `mlp.router.bias`);
   * router: softmax over the top-k logits (megatron non-pre-softmax), as Mixtral.
 Refused by name: a swiglu_alpha other than quick_gelu's fixed 1.702, attention without biases,
-layer types other than sliding/full attention; expert tensor parallelism is refused by
-`parallel.check_layout` (megatron-core keeps expert biases only at expert_tensor_parallel 1).
+layer types other than sliding/full attention, quantized (MXFP4) expert weights; expert tensor
+parallelism is refused by `parallel.check_layout` (megatron-core keeps expert biases only at
+expert_tensor_parallel 1).
 Legend: E experts (El local), H hidden, I expert FFN width.
 """
 
@@ -44,6 +45,11 @@ def gpt_oss_arch(cfg: dict) -> FamilyArch:
     if alpha != QUICK_GELU_ALPHA:
         raise ValueError(f"swiglu_alpha: {alpha} - megatron-core 0.19's clamped GLU activation "
                          f"is quick_gelu, whose sigmoid gain is fixed at {QUICK_GELU_ALPHA}")
+    quant = (cfg.get("quantization_config") or {}).get("quant_method")
+    if quant:
+        raise ValueError(f"quantization_config: {quant!r} experts (the published openai/gpt-oss "
+                         "checkpoints are MXFP4) are not loaded by the megatron trainer; save a "
+                         "bf16 copy first (transformers Mxfp4Config(dequantize=True))")
     if not cfg.get("attention_bias", True):
         raise ValueError("attention_bias: false - megatron's add_bias_linear (needed for the "
                          "router and expert biases) biases the attention projections too")
