@@ -107,6 +107,7 @@ def test_megatron_router_function_equals_hf_router_with_bias_and_groups():
     ({"norm_topk_prob": False}, "norm_topk_prob: False"),
     ({"n_group": 2, "topk_group": 2}, "topk_group: 2 with num_experts_per_tok 2"),
     ({"n_group": 3}, "n_group: 3 groups do not divide the 8 experts"),
+    ({"n_shared_experts": 0}, "n_shared_experts: 0"),
     ({"topk_group": 3}, "topk_group: 3 must be between 1 and n_group"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4,
                           "original_max_position_embeddings": 512,

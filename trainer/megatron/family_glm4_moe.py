@@ -27,7 +27,10 @@ def glm4_moe_arch(cfg: dict) -> FamilyArch:
                     cfg["num_nextn_predict_layers"])
     router = grouped_router_from_hf(cfg, int(cfg["num_experts_per_tok"]),
                                     int(cfg["n_routed_experts"]))
-    shared = int(cfg.get("n_shared_experts") or 0) * int(cfg["moe_intermediate_size"])
+    if int(cfg.get("n_shared_experts", 1)) < 1:
+        raise ValueError("n_shared_experts: 0 - transformers' Glm4MoeMoE then builds a zero-width "
+                         "shared expert (and vLLM 0.30 fails on it); not mapped")
+    shared = int(cfg["n_shared_experts"]) * int(cfg["moe_intermediate_size"])
     return FamilyArch(qkv_bias=bool(cfg.get("attention_bias", False)),
                       qk_norm=bool(cfg.get("use_qk_norm", False)), shared_ffn=shared,
                       shared_gate=False, renormalise=True, shared_prefix="shared_experts",
