@@ -1,4 +1,5 @@
-"""GPT-OSS on the megatron backend under TP2+SP, PP2 and EP2 (gloo, 2 CPU processes) against 1 rank.
+"""GPT-OSS on the megatron backend under TP2+SP, PP2, EP2 (also with full recompute) and DP2 with
+the distributed optimizer (gloo, 2 CPU processes) against 1 rank.
 
 The layouts of tests/integration/test_trainer_parallel.py (same worker, same checks: r3 logprobs,
 the replayed ids, one step's grad norm and the logprobs after it equal the 1-rank run within
@@ -15,7 +16,11 @@ from test_trainer_parallel import TOL, compare, run_layouts
 pytestmark = pytest.mark.timeout(400)
 LAYOUTS = {"tp2_sp": (2, {"tensor_parallel": 2, "sequence_parallel": True}, {}),
            "pp2": (2, {"pipeline_parallel": 2}, {}),
-           "ep2": (2, {"expert_parallel": 2}, {})}
+           "ep2": (2, {"expert_parallel": 2}, {}),
+           "dp2_distopt": (2, {}, {"use_distributed_optimizer": True}),
+           "ep2_recompute_full": (2, {"expert_parallel": 2, "recompute_granularity": "full",
+                                      "recompute_method": "uniform",
+                                      "recompute_num_layers": 1}, {})}
 
 
 @pytest.fixture(scope="module")
