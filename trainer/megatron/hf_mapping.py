@@ -15,6 +15,7 @@ Dense layers (HF `mlp_only_layers`, `first_k_dense_replace`) are plain MLPs; the
 (megatron `moe_layer_freq`). DeepSeek-V3's router (GLM-4.x MoE) adds the selection bias
 `gate.e_score_correction_bias` <-> the router's `expert_bias` buffer (trainer.megatron.grouped_router).
 Partial rotary (`partial_rotary_factor`) is megatron's `rotary_percent` (MoeArch.rotary_percent).
+Multi-latent attention (DeepSeek-V3) maps in trainer.megatron.family_deepseek_v3.
 RoPE scaling is read from `rope_parameters` (transformers 5) or `rope_scaling` (4.x): what
 megatron-core 0.19's GPTModel can build (linear, llama3 with its fixed constants, yarn) is kept
 in `RopeScaling`; anything else is refused by name, never silently dropped (the engine applies it).
@@ -33,6 +34,13 @@ import torch
 
 from trainer.megatron import family_gpt_oss
 from trainer.megatron.families import FamilyArch, family_arch, sizes
+from trainer.megatron.family_deepseek_v3 import (
+    MlaArch,
+    attention_to_hf,
+    attention_to_megatron,
+    check_mla_rope,
+    mla_from_hf_config,
+)
 from trainer.megatron.grouped_router import bias_to_hf, bias_to_megatron
 
 _ATTN = {"self_attn.o_proj": "self_attention.linear_proj",
@@ -40,6 +48,8 @@ _ATTN = {"self_attn.o_proj": "self_attention.linear_proj",
          "self_attn.k_norm": "self_attention.k_layernorm",
          "input_layernorm": "input_layernorm",
          "post_attention_layernorm": "pre_mlp_layernorm"}
+# MLA has no per-head QK-norm: its q/kv latent norms map in family_deepseek_v3
+_ATTN_MLA = {h: m for h, m in _ATTN.items() if h not in ("self_attn.q_norm", "self_attn.k_norm")}
 _GLOBAL = {"model.embed_tokens.weight": "embedding.word_embeddings.weight",
            "model.norm.weight": "decoder.final_layernorm.weight",
            "lm_head.weight": "output_layer.weight"}
@@ -168,6 +178,7 @@ class MoeArch:
     rotary_percent: float = 1.0  # HF partial_rotary_factor
     family: str = "qwen3_moe"  # HF model_type
     fam: FamilyArch = FamilyArch()  # what the family changes against Qwen3-MoE
+    mla: MlaArch | None = None  # multi-latent attention (DeepSeek-V3), else GQA
 
     @property
     def moe_layer_freq(self) -> list[int]:
@@ -187,9 +198,14 @@ def arch_from_hf_config(cfg: dict) -> MoeArch:
         cfg.get("first_k_dense_replace") or 0)))
     moe = tuple(i for i in range(n) if i not in dense and (i + 1) % step == 0)
     rope_theta, rope_scaling = rope_from_hf_config(cfg, fam.partial_rotary)
+    mla = None
+    if cfg["model_type"] == "deepseek_v3":  # MLA: one latent, as many KV heads as q heads
+        mla = mla_from_hf_config(cfg)
+        check_mla_rope(_rope_params(cfg))
     return MoeArch(
-        num_layers=n, moe_layers=moe, hidden_size=cfg["hidden_size"],
-        num_heads=cfg["num_attention_heads"], num_kv_heads=cfg["num_key_value_heads"],
+        num_layers=n, moe_layers=moe, hidden_size=cfg["hidden_size"], mla=mla,
+        num_heads=cfg["num_attention_heads"],
+        num_kv_heads=cfg["num_attention_heads"] if mla else cfg["num_key_value_heads"],
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
         top_k=cfg["num_experts_per_tok"], **sizes(cfg),
         vocab_size=cfg["vocab_size"], rms_eps=cfg.get("rms_norm_eps", 1e-6),
@@ -283,10 +299,13 @@ def _local_experts(a: MoeArch, ep_rank: int, ep_size: int) -> range:
 
 def _layer_to_megatron(sd: dict, a: MoeArch, i: int, ep_rank: int, ep_size: int) -> dict:
     hf, mc = f"model.layers.{i}", f"decoder.layers.{i}"
-    out = {f"{mc}.{m}.weight": sd[f"{hf}.{h}.weight"] for h, m in _ATTN.items()
-           if f"{hf}.{h}.weight" in sd}
-    q, k, v = (sd[f"{hf}.self_attn.{p}_proj.weight"] for p in "qkv")
-    out[f"{mc}.self_attention.linear_qkv.weight"] = qkv_to_megatron(q, k, v, a)
+    out = {f"{mc}.{m}.weight": sd[f"{hf}.{h}.weight"]
+           for h, m in (_ATTN_MLA if a.mla else _ATTN).items() if f"{hf}.{h}.weight" in sd}
+    if a.mla:
+        out |= attention_to_megatron(sd, a.mla, hf, mc)
+    else:
+        q, k, v = (sd[f"{hf}.self_attn.{p}_proj.weight"] for p in "qkv")
+        out[f"{mc}.self_attention.linear_qkv.weight"] = qkv_to_megatron(q, k, v, a)
     if a.fam.qkv_bias:
         out[f"{mc}.self_attention.linear_qkv.bias"] = _qkv_bias_to_megatron(sd, hf, a)
     if a.fam.fused_experts:  # GPT-OSS: every layer MoE
@@ -303,11 +322,14 @@ def _layer_to_megatron(sd: dict, a: MoeArch, i: int, ep_rank: int, ep_size: int)
 
 def _layer_to_hf(sd: dict, a: MoeArch, i: int, ep_rank: int, ep_size: int) -> dict:
     hf, mc = f"model.layers.{i}", f"decoder.layers.{i}"
-    out = {f"{hf}.{h}.weight": sd[f"{mc}.{m}.weight"] for h, m in _ATTN.items()
-           if f"{mc}.{m}.weight" in sd}
-    q, k, v = qkv_to_hf(sd[f"{mc}.self_attention.linear_qkv.weight"], a)
-    out |= {f"{hf}.self_attn.q_proj.weight": q, f"{hf}.self_attn.k_proj.weight": k,
-            f"{hf}.self_attn.v_proj.weight": v}
+    out = {f"{hf}.{h}.weight": sd[f"{mc}.{m}.weight"]
+           for h, m in (_ATTN_MLA if a.mla else _ATTN).items() if f"{mc}.{m}.weight" in sd}
+    if a.mla:
+        out |= attention_to_hf(sd, a.mla, mc, hf)
+    else:
+        q, k, v = qkv_to_hf(sd[f"{mc}.self_attention.linear_qkv.weight"], a)
+        out |= {f"{hf}.self_attn.q_proj.weight": q, f"{hf}.self_attn.k_proj.weight": k,
+                f"{hf}.self_attn.v_proj.weight": v}
     if a.fam.qkv_bias:
         out |= {f"{hf}.{n}": t for n, t in _qkv_bias_to_hf(
             sd[f"{mc}.self_attention.linear_qkv.bias"], a).items()}

@@ -19,6 +19,7 @@ from pydantic import Field, model_validator
 from services.common.config import StrictConfig
 from trainer.megatron.families import ENGINE_ROUTER_DTYPE as FAMILY_ROUTER_DTYPE
 from trainer.megatron.families import config_overrides
+from trainer.megatron.family_deepseek_v3 import mla_config_kwargs
 from trainer.megatron.grouped_router import freeze_expert_bias
 from trainer.megatron.hf_mapping import MoeArch, hf_to_megatron, load_arch
 from trainer.megatron.parallel import (
@@ -188,11 +189,14 @@ def _check_groups(cfg: ModelConfig) -> None:
 
 def transformer_config(a: MoeArch, cfg: ModelConfig):
     """The megatron TransformerConfig equivalent to the HF architecture `a`."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import (
+        MLATransformerConfig,
+        TransformerConfig,
+    )
 
     cfg = resolve_router_dtype(cfg, a.family)
     bf16 = cfg.dtype == "bf16"
-    tcfg = TransformerConfig(
+    tcfg = (MLATransformerConfig if a.mla else TransformerConfig)(
         num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_heads,
         num_query_groups=a.num_kv_heads, kv_channels=a.head_dim, ffn_hidden_size=a.dense_ffn,
         num_moe_experts=a.num_experts, moe_router_topk=a.top_k, moe_ffn_hidden_size=a.moe_ffn,
@@ -217,6 +221,8 @@ def transformer_config(a: MoeArch, cfg: ModelConfig):
     # the family's router, QK-norm, QKV bias and shared expert (trainer.megatron.families)
     tcfg = replace(tcfg, **config_overrides(a.fam))
     r = a.rope_scaling
+    if a.mla:  # MLA's own fields: sizes, rope and YaRN (trainer.megatron.family_deepseek_v3)
+        return replace(tcfg, **mla_config_kwargs(a.mla, r, a.rope_theta))
     if r.type == "yarn":
         # megatron-core 0.19: GPTModel(position_embedding_type="yarn") and every attention
         # layer (the mscale on q and k) read these off the config with getattr; TransformerConfig
@@ -235,6 +241,8 @@ def rope_kwargs(a: MoeArch) -> dict[str, Any]:
     r = a.rope_scaling
     kw: dict[str, Any] = {"position_embedding_type": "rope", "rotary_base": a.rope_theta,
                           "rotary_percent": a.rotary_percent}
+    if a.mla:  # MLA builds its own rope (GPTModel skips "rope" under multi_latent_attention)
+        return kw
     if r.type == "linear":  # positions / factor == HF's inv_freq / factor
         kw["seq_len_interpolation_factor"] = r.factor
     elif r.type == "llama3":

@@ -71,9 +71,17 @@ def _check_arch(cfg: Any, a: Any) -> None:
     for bad, msg in checks:
         if bad:
             raise ValueError(msg)
+    if a.fam.full_qk_norm and tp > 1:
+        from trainer.megatron.family_olmoe import TP_REFUSAL
+
+        raise ValueError(TP_REFUSAL.format(tp=tp))
     if a.fam.linear_bias and etp > 1:
         raise ValueError(f"model.expert_tensor_parallel {etp}: {a.family} has expert biases, "
                          "which megatron-core 0.19 supports only at expert_tensor_parallel 1")
+    if getattr(a, "mla", None) is not None:
+        from trainer.megatron.family_deepseek_v3 import check_mla_layout
+
+        check_mla_layout(tp)
     if cfg.recompute_granularity == "full" and cfg.recompute_num_layers > a.num_layers // pp:
         raise ValueError(f"model.recompute_num_layers {cfg.recompute_num_layers}: a pipeline "
                          f"stage has {a.num_layers // pp} layers")

@@ -64,6 +64,10 @@ def decoder_spec(tcfg: Any, fam: Any = None) -> Any:
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     spec = get_gpt_decoder_block_spec(tcfg, use_transformer_engine=False, normalization="RMSNorm")
+    if tcfg.multi_latent_attention:  # the local spec's MLA gaps (family_deepseek_v3)
+        from trainer.megatron.family_deepseek_v3 import mla_spec
+
+        spec = mla_spec(copy.deepcopy(spec), tcfg)
     if tcfg.sequence_parallel:
         # a copy: megatron may hand out shared spec objects
         spec = _swap(copy.deepcopy(spec), WrappedTorchNorm, SequenceParallelRMSNorm, set())
