@@ -1,4 +1,6 @@
-"""DeepSeek-V3's multi-latent attention (MLA) on megatron-core 0.19: config, spec and weights.
+"""DeepSeek-V3 on megatron-core 0.19: its multi-latent attention (MLA: config, spec, weights) and
+its FamilyArch (`deepseek_v3_arch`: DeepSeek-V3's router from trainer.megatron.grouped_router,
+ungated shared experts).
 
 HF `deepseek_v3` (Moonlight, Kimi-K2, DeepSeek-V3) attention maps onto megatron-core's
 `MLASelfAttention` (MLATransformerConfig, the local layer spec with multi_latent_attention):
@@ -25,13 +27,15 @@ Local spec gaps, filled through the spec's submodule fields (`mla_spec`):
     `linear_q_proj`; instead qk_layernorm stays off and `linear_kv_up_proj` is
     `NormedColumnParallelLinear` (the kv RMSNorm, then the linear), TE's own layout for it.
 Tensor parallelism is refused (`check_mla_layout`): with TP2 + SP the tiny model's logprobs equal
-one rank's but the grad norm is off by 0.085. The likely cause, read in megatron-core 0.19 and not
-isolated further: the local spec's `linear_kv_down_proj` must be a ColumnParallelLinear
-(MLASelfAttention accepts no local duplicated linear), its output is gathered over TP and the
-shared rope key is cut from it and used by each rank's heads without any TP reduction in
-backward, so the rope rows of the weight (on the last TP rank) get only that rank's heads'
-gradient (TransformerEngine's duplicated TELinear path reduces it). Pipeline and expert
-parallelism match one rank (tests/integration/test_family_deepseek_v3.py).
+one rank's but the grad norm is off by 0.085. Cause (per-parameter grads of an all-dense tiny
+DeepSeek-V3, TP2 + SP against one rank: in the last layer only the 64 rope rows of
+`linear_kv_down_proj` differ; earlier layers inherit a wrong input gradient): the local spec's
+`linear_kv_down_proj` must be a ColumnParallelLinear (MLASelfAttention accepts no local
+duplicated linear), its output is gathered over TP, and the shared rope key cut from it feeds
+each rank's heads with no TP reduction in backward, so the rope columns (held by the last TP
+rank) get only that rank's heads' gradient. (megatron's TE spec builds the down projections as
+duplicated TELinear, another path, not checked here.) Pipeline and expert parallelism match one rank (tests/integration/
+test_family_deepseek_v3.py).
 MTP: HF's DeepseekV3ForCausalLM builds `num_hidden_layers` layers and never loads the
 multi-token-prediction layers (`model.layers.{num_hidden_layers}...`, DeepSeek-V3's
 `_keys_to_ignore_on_load_unexpected`); vLLM's main model skips them too. The trainer does the
@@ -100,9 +104,9 @@ def check_mla_layout(tensor_parallel: int) -> None:
     if tensor_parallel > 1:
         raise ValueError(
             f"model.tensor_parallel {tensor_parallel}: MLA on megatron-core 0.19's local spec "
-            "trains wrong gradients under tensor parallelism (tiny DeepSeek-V3, TP2+SP: logprobs "
-            "equal 1 rank's, grad norm off by 0.085; trainer/megatron/family_deepseek_v3.py); "
-            "use expert, pipeline or data parallelism")
+            "trains wrong gradients under tensor parallelism: the shared rope key's gradient is "
+            "not reduced over the TP ranks (its linear_kv_down_proj must be a ColumnParallelLinear;"
+            " trainer/megatron/family_deepseek_v3.py); use expert, pipeline or data parallelism")
 
 
 def check_mla_rope(params: dict) -> None:
