@@ -136,6 +136,8 @@ def test_mtp_layer_weights_are_left_out_with_a_warning(caplog):
     ({"n_group": 2, "topk_group": 2}, "topk_group: 2 with num_experts_per_tok 2"),
     ({"scoring_func": "softmax"}, "scoring_func: 'softmax'"),
     ({"n_shared_experts": 0}, "n_shared_experts: 0"),
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
+     "quantization_config: 'fp8' weights"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
                           "original_max_position_embeddings": 256, "mscale_all_dim": 1.0}},
      "rope_scaling.mscale: "),

@@ -75,6 +75,11 @@ def deepseek_v3_arch(cfg: dict) -> Any:
     from trainer.megatron.families import FamilyArch
     from trainer.megatron.grouped_router import grouped_router_from_hf
 
+    quant = (cfg.get("quantization_config") or {}).get("quant_method")
+    if quant:
+        raise ValueError(f"quantization_config: {quant!r} weights (DeepSeek-V3's and Kimi-K2's "
+                         "published FP8 block-scaled checkpoints) are not mapped: the trainer "
+                         "loads bf16/fp32 weights; convert the checkpoint to bf16 first")
     router = grouped_router_from_hf(cfg, int(cfg["num_experts_per_tok"]),
                                     int(cfg["n_routed_experts"]))
     if int(cfg.get("n_shared_experts", 1)) < 1:
