@@ -10,7 +10,7 @@ import pytest
 
 from services.common.config import ConfigError, build_config
 from services.local.config import LocalConfig, rollout_config, trainer_config, warm_start_config
-from services.local.family import plan
+from services.local.family import HF_KNOBS, megatron_refusal, plan
 from services.local.warm_start import WarmStartConfig
 from services.local.warm_start import trainer_config as warm_trainer_config
 from services.rollout.tiny_moe import TinyMoeConfig
@@ -32,11 +32,18 @@ def test_megatron_when_it_maps_the_family(family, tmp_path: Path):
     assert tc.backend == "megatron" and tc.run.launcher == cfg.trainer_launcher
 
 
-@pytest.mark.parametrize("family", sorted(REFUSED))
-def test_hf_when_megatron_refuses_the_family(family, tmp_path: Path):
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe"])
+def test_hf_when_megatron_refuses_the_family(family, tmp_path: Path, monkeypatch):
+    """A refusal (every family is mapped today: one is simulated) sends the run to hf, with the
+    family's hf knobs, the local launcher and the same backend for the warm start; a user who
+    names megatron then fails at boot with the refusal."""
+    from services.local import family as fam
+
+    why = f"model_type: {family!r} is not supported by the megatron trainer: (simulated)"
+    monkeypatch.setattr(fam, "megatron_refusal", lambda f, m: why if f == family else None)
     cfg = LocalConfig(family=family)
     p = plan(family, None, cfg.model)
-    assert p.backend == "hf" and REFUSED[family] in p.why
+    assert p.backend == "hf" and why in p.why and p.hf == HF_KNOBS.get(family, {})
     tc = TrainerConfig.model_validate(trainer_config(cfg, tmp_path, tmp_path, p))
     assert (tc.backend, tc.run.launcher) == ("hf", "local")  # hf: one in-process rank
     warm = WarmStartConfig.model_validate(warm_start_config(cfg, tmp_path, tmp_path, tmp_path, p))
@@ -44,6 +51,11 @@ def test_hf_when_megatron_refuses_the_family(family, tmp_path: Path):
     with pytest.raises(ConfigError, match=f"trainer_backend: megatron refuses family "
                        f"'{family}': model_type: '{family}' is not supported"):
         plan(family, "megatron", cfg.model)
+
+
+def test_every_refusal_names_the_missing_piece():
+    for family, why in REFUSED.items():
+        assert why in (megatron_refusal(family, TinyMoeConfig()) or ""), family
 
 
 def test_gpt_oss_needs_are_set_by_the_family(tmp_path: Path):
