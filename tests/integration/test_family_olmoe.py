@@ -39,3 +39,23 @@ def test_trainer_r3_logprobs_equal_hf_forced_fp32(chain, backend):
     m = check_trainer_r3_equals_hf_forced(chain, backend)
     print(json.dumps({"family": FAMILY, "backend": backend, "logprob_diff_max":
                       m["logprob_diff_max"], "routing_agreement": m["routing_agreement"]}))
+
+
+def test_parallel_layouts_match_one_rank(tmp_path):
+    """TP2+SP (the full-width QK-norm's sum of squares all-reduced over TP), PP2 and EP2 (2 gloo
+    ranks) against 1 rank on a 4-layer olmoe: r3 logprobs before and after a step and the grad
+    norm within tolerance, every router used the replayed ids, and each layout's HF export is
+    the checkpoint."""
+    from test_trainer_parallel import LAYOUTS, TOL, compare, run_layouts
+
+    from services.rollout.families import build_family
+    from services.rollout.tiny_moe import TinyMoeConfig
+
+    model_dir = build_family(tmp_path / "model", FAMILY, TinyMoeConfig(num_layers=4))
+    ref = run_layouts(tmp_path / "ref", model_dir, {"ref": (1, {}, {})})["ref"][0]
+    names = ("tp2_sp", "pp2", "ep2")
+    got = run_layouts(tmp_path / "layouts", model_dir, {n: LAYOUTS[n] for n in names})
+    for name in names:
+        res = compare(ref, got[name], TOL)
+        print(json.dumps({"family": FAMILY, "layout": name} | res))
+        assert res["ok"] and all(r["export_exact"] for r in got[name]), (name, res)

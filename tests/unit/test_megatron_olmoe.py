@@ -1,5 +1,6 @@
 """OLMoE on the megatron backend, without building a model: the HF <-> megatron mapping, the
-family's options, the full-width QK-norm module against HF's, and the refusals (by field)."""
+family's options, the full-width QK-norm module against HF's, its TP layout, and the refusal of
+clip_qkv (by field)."""
 
 from __future__ import annotations
 
@@ -65,18 +66,17 @@ def test_full_width_norm_equals_hf_q_norm_and_k_norm(dtype):
         assert not torch.allclose(ours(x) / ours.weight.view(heads, 32), per_head, atol=1e-3)
 
 
-def test_tensor_parallel_is_refused_naming_the_field():
+def test_tensor_parallel_keeps_the_whole_weight_on_every_rank():
+    """Under TP a rank normalises its slice of the heads but holds the whole weight (megatron sums
+    q/k layernorm grads over TP by name); the layout check accepts TP for olmoe."""
     from trainer.megatron.model import ModelConfig
     from trainer.megatron.parallel import check_layout
 
+    q, k = FullQNorm(_tcfg(tp=2), hidden_size=32), FullKNorm(_tcfg(tp=2), hidden_size=32)
+    assert (q.heads, k.heads, q.weight.shape, k.weight.shape) == (2, 1, (128,), (64,))
+    assert not getattr(q.weight, "tensor_model_parallel", False)
     arch = arch_from_hf_config(checkpoint("olmoe")[0])
-    cfg = ModelConfig(tensor_parallel=2, sequence_parallel=True)
-    with pytest.raises(ValueError, match="model.tensor_parallel 2: OLMoE's QK-norm runs over "
-                       "all heads"):
-        check_layout(cfg, 2, arch)
-    with pytest.raises(ValueError, match="model.tensor_parallel 2"):
-        FullQNorm(_tcfg(tp=2), hidden_size=32)
-    assert check_layout(ModelConfig(expert_parallel=2), 2, arch) == 2  # EP stays open
+    assert check_layout(ModelConfig(tensor_parallel=2, sequence_parallel=True), 2, arch) == 1
 
 
 def test_clip_qkv_is_refused_naming_the_field():

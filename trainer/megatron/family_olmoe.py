@@ -9,9 +9,14 @@ and applies it to query [S, B, np, d] and key [S, B, ng_local, d] right after th
 Their weights are HF's q_norm / k_norm weights as they are: megatron's query heads come out of the
 per-group QKV layout in HF head order (the q heads of KV group g are HF heads g*nh/ng ..).
 
-Tensor parallelism would split the heads, so the norm would need the TP sum of squares; it is not
-built, and `check_layout` refuses `model.tensor_parallel > 1` for this family. HF `clip_qkv` (a
-clamp of q/k/v after the norm) has no megatron-core option: refused by name.
+Under tensor parallelism each rank holds a contiguous slice of the heads (megatron requires TP to
+divide the KV heads, `parallel.check_layout`): the sum of squares is all-reduced over the TP group
+(autograd's all_reduce: its backward all-reduces the gradient, since every rank's output depends
+on every rank's q/k). The weight stays whole on every rank (like megatron's per-head q/k norms,
+whose grads `finalize_model_grads` sums over TP by their `q_layernorm`/`k_layernorm` names):
+each rank uses its heads' slice, so the summed grad is the full one on every rank.
+HF `clip_qkv` (a clamp of
+q/k/v after the norm) has no megatron-core option: refused by name.
 Legend: S sequence, B batch, d head dim, nh / ng query / KV heads, np heads of this rank.
 """
 
@@ -22,9 +27,6 @@ from typing import Any
 import torch
 
 FAMILY = "olmoe"
-TP_REFUSAL = ("model.tensor_parallel {tp}: OLMoE's QK-norm runs over all heads of the q/k "
-              "projection, which tensor parallelism splits over ranks (the TP sum of squares is "
-              "not built); use tensor_parallel 1 (expert/pipeline/data parallelism are fine)")
 
 
 def check_config(cfg: dict) -> None:
@@ -39,23 +41,35 @@ def check_config(cfg: dict) -> None:
 
 
 class _FullWidthRMSNorm(torch.nn.Module):
-    """RMSNorm over the last two dims ([.., heads, d] as one vector of heads*d), HF's order of
-    operations: fp32 statistics, cast back, then the weight."""
+    """RMSNorm over the last two dims ([.., heads, d] as one vector of heads*d, all ranks' heads
+    together), HF's order of operations: fp32 statistics, cast back, then the weight."""
 
-    def __init__(self, width: int, heads: int, eps: float, config: Any) -> None:
+    def __init__(self, head_dim: int, heads: int, eps: float, config: Any) -> None:
         super().__init__()
-        if config.tensor_model_parallel_size != 1:
-            raise ValueError(TP_REFUSAL.format(tp=config.tensor_model_parallel_size))
-        self.heads, self.eps = heads, eps
-        self.weight = torch.nn.Parameter(torch.ones(width * heads, dtype=config.params_dtype))
+        tp = config.tensor_model_parallel_size
+        if heads % tp:
+            raise ValueError(f"model.tensor_parallel {tp}: does not divide the {heads} heads of "
+                             "OLMoE's full-width QK-norm")
+        self.heads, self.width, self.eps, self.tp = heads // tp, heads * head_dim, eps, tp
+        self.weight = torch.nn.Parameter(torch.ones(self.width, dtype=config.params_dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-2] != self.heads:
             raise ValueError(f"qk norm: expected {self.heads} heads, got shape {tuple(x.shape)}")
-        flat = x.reshape(*x.shape[:-2], -1)
-        h = flat.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * h.to(x.dtype)).view_as(x)
+        h = x.reshape(*x.shape[:-2], -1).float()
+        weight: torch.Tensor
+        if self.tp == 1:
+            weight, var = self.weight, h.pow(2).mean(-1, keepdim=True)
+        else:
+            import torch.distributed.nn.functional as dist_fn
+            from megatron.core import parallel_state as ps
+
+            local = h.shape[-1]
+            weight = self.weight.narrow(0, ps.get_tensor_model_parallel_rank() * local, local)
+            var = dist_fn.all_reduce(h.pow(2).sum(-1, keepdim=True),
+                                     group=ps.get_tensor_model_parallel_group()) / self.width
+        h = h * torch.rsqrt(var + self.eps)
+        return (weight * h.to(x.dtype)).view_as(x)
 
 
 class FullQNorm(_FullWidthRMSNorm):

@@ -71,10 +71,6 @@ def _check_arch(cfg: Any, a: Any) -> None:
     for bad, msg in checks:
         if bad:
             raise ValueError(msg)
-    if a.fam.full_qk_norm and tp > 1:
-        from trainer.megatron.family_olmoe import TP_REFUSAL
-
-        raise ValueError(TP_REFUSAL.format(tp=tp))
     if a.fam.linear_bias and etp > 1:
         raise ValueError(f"model.expert_tensor_parallel {etp}: {a.family} has expert biases, "
                          "which megatron-core 0.19 supports only at expert_tensor_parallel 1")
