@@ -60,7 +60,22 @@ def moe_layer_ids(hf_config: Any) -> list[int]:
     return [i for i in range(n) if i not in dense and (i + 1) % step == 0]
 
 
+def check_engine_layout(hf_config: Any) -> None:
+    """Refuse a config vLLM 0.30 would run differently from what it says (and from the trainer,
+    which follows the config): GPT-OSS's sliding window goes on the even layers whatever
+    `layer_types` says (vllm/model_executor/models/gpt_oss.py)."""
+    types = getattr(hf_config, "layer_types", None)
+    if getattr(hf_config, "model_type", None) == "gpt_oss" and types:
+        engine = ["sliding_attention" if i % 2 == 0 else "full_attention"
+                  for i in range(len(types))]
+        if list(types) != engine:
+            raise ValueError(f"engine.model: layer_types {list(types)} differ from vLLM 0.30's "
+                             f"GPT-OSS layout (sliding window on even layers, full on odd), "
+                             f"which it applies regardless of layer_types")
+
+
 def model_info(hf_config: Any) -> ModelInfo:
+    check_engine_layout(hf_config)
     experts = next((getattr(hf_config, a) for a in ("num_experts", "n_routed_experts",
                                                     "num_local_experts")
                     if getattr(hf_config, a, None)), None)

@@ -46,3 +46,19 @@ def test_dense_model_rejected():
     cfg = SimpleNamespace(num_hidden_layers=2, vocab_size=10, num_experts_per_tok=1)
     with pytest.raises(ValueError, match="not an MoE model"):
         model_info(cfg)
+
+
+def _gpt_oss(layer_types: list[str]) -> SimpleNamespace:
+    return SimpleNamespace(model_type="gpt_oss", num_hidden_layers=len(layer_types),
+                           layer_types=layer_types, num_local_experts=4, num_experts_per_tok=2,
+                           vocab_size=10)
+
+
+def test_gpt_oss_layer_types_vllm_would_not_follow_are_refused():
+    """vLLM 0.30 puts GPT-OSS's sliding window on the even layers whatever layer_types says;
+    the trainer follows layer_types, so a different pattern would train other attention."""
+    assert model_info(_gpt_oss(["sliding_attention", "full_attention"] * 2)).num_layers == 4
+    with pytest.raises(ValueError, match=r"engine.model: layer_types .* differ from vLLM 0.30"):
+        model_info(_gpt_oss(["full_attention", "sliding_attention"]))
+    with pytest.raises(ValueError, match="engine.model: layer_types"):
+        model_info(_gpt_oss(["sliding_attention"] * 2))
