@@ -5,6 +5,8 @@ TransformerConfig options, megatron's router function against HF's router, and t
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -20,25 +22,25 @@ def glm_config(**over) -> dict:
     return cfg | over
 
 
-def checkpoint():
-    """(config dict, checkpoint-named state dict) of a tiny random glm4_moe model, non-zero bias."""
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """(config dict, state dict, HF model) of the tiny glm4_moe as `r3flow model tiny-moe` writes
+    it (non-zero selection bias)."""
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from trainer.hf.model import export_hf
+    from services.rollout.families import build_family
 
-    cfg = hf_config("glm4_moe", TinyMoeConfig(num_layers=3, first_k_dense=1))
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        for name, buf in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buf.normal_(0.0, 0.05)
-    return cfg.to_dict(), export_hf(model, torch.float32), model
+    d = build_family(tmp_path_factory.mktemp("glm"), "glm4_moe",
+                     TinyMoeConfig(num_layers=3, first_k_dense=1))
+    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+    cfg = json.loads((d / "config.json").read_text())
+    return cfg, load_file(str(d / "model.safetensors")), model
 
 
 @pytest.mark.parametrize("ep_size", [1, 2])
-def test_hf_megatron_hf_round_trip_is_exact_with_the_expert_bias(ep_size):
-    cfg, sd, _ = checkpoint()
+def test_hf_megatron_hf_round_trip_is_exact_with_the_expert_bias(built, ep_size):
+    cfg, sd, _ = built
     arch = arch_from_hf_config(cfg)
     back: dict[str, torch.Tensor] = {}
     for rank in range(ep_size):
@@ -78,12 +80,12 @@ def test_one_group_is_no_group_limit():
     assert r == GroupedSigmoidRouter(None, None, None)
 
 
-def test_megatron_router_function_equals_hf_router_with_bias_and_groups():
+def test_megatron_router_function_equals_hf_router_with_bias_and_groups(built):
     """megatron's topk_routing_with_score_function under the mapped options picks HF's experts
     with HF's weights, and the bias changes some selections (so the test sees it)."""
     from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
 
-    cfg, _, model = checkpoint()
+    cfg, _, model = built
     gate = model.model.layers[1].mlp.gate
     opts = config_overrides(arch_from_hf_config(cfg).fam)
     torch.manual_seed(1)

@@ -73,21 +73,14 @@ def deepseek_v3_arch(cfg: dict) -> Any:
     `n_shared_experts * moe_intermediate_size` (HF `mlp.shared_experts`), no QK-norm (MLA's
     latent norms are mapped here); `first_k_dense_replace` is read by hf_mapping."""
     from trainer.megatron.families import FamilyArch
-    from trainer.megatron.grouped_router import grouped_router_from_hf
+    from trainer.megatron.grouped_router import deepseek_moe_fields
 
     quant = (cfg.get("quantization_config") or {}).get("quant_method")
     if quant:
         raise ValueError(f"quantization_config: {quant!r} weights (DeepSeek-V3's and Kimi-K2's "
                          "published FP8 block-scaled checkpoints) are not mapped: the trainer "
                          "loads bf16/fp32 weights; convert the checkpoint to bf16 first")
-    router = grouped_router_from_hf(cfg, int(cfg["num_experts_per_tok"]),
-                                    int(cfg["n_routed_experts"]))
-    if int(cfg.get("n_shared_experts", 1)) < 1:
-        raise ValueError("n_shared_experts: 0 - transformers' DeepseekV3MoE then builds a "
-                         "zero-width shared expert (not mapped)")
-    shared = int(cfg["n_shared_experts"]) * int(cfg["moe_intermediate_size"])
-    return FamilyArch(qk_norm=False, shared_ffn=shared, shared_gate=False, renormalise=True,
-                      shared_prefix="shared_experts", router=router)
+    return FamilyArch(qk_norm=False, **deepseek_moe_fields(cfg, "DeepseekV3MoE"))
 
 
 def mla_from_hf_config(cfg: dict) -> MlaArch:

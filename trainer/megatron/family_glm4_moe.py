@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 
 from trainer.megatron.families import FamilyArch
-from trainer.megatron.grouped_router import grouped_router_from_hf
+from trainer.megatron.grouped_router import deepseek_moe_fields
 
 log = logging.getLogger(__name__)
 
@@ -25,13 +25,7 @@ def glm4_moe_arch(cfg: dict) -> FamilyArch:
         log.warning("num_nextn_predict_layers: %s MTP layer(s) are not trained or exported by "
                     "the megatron trainer (transformers does not build them either)",
                     cfg["num_nextn_predict_layers"])
-    router = grouped_router_from_hf(cfg, int(cfg["num_experts_per_tok"]),
-                                    int(cfg["n_routed_experts"]))
-    if int(cfg.get("n_shared_experts", 1)) < 1:
-        raise ValueError("n_shared_experts: 0 - transformers' Glm4MoeMoE then builds a zero-width "
-                         "shared expert (and vLLM 0.30 fails on it); not mapped")
-    shared = int(cfg["n_shared_experts"]) * int(cfg["moe_intermediate_size"])
+    # n_shared_experts 0 is refused there (vLLM 0.30 fails on it too)
     return FamilyArch(qkv_bias=bool(cfg.get("attention_bias", False)),
-                      qk_norm=bool(cfg.get("use_qk_norm", False)), shared_ffn=shared,
-                      shared_gate=False, renormalise=True, shared_prefix="shared_experts",
-                      router=router, partial_rotary=0.5)
+                      qk_norm=bool(cfg.get("use_qk_norm", False)), partial_rotary=0.5,
+                      **deepseek_moe_fields(cfg, "Glm4MoeMoE"))

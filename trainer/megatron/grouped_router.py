@@ -76,6 +76,20 @@ def grouped_router_from_hf(cfg: dict, top_k: int, num_experts: int) -> GroupedSi
                                 scaling_factor=scale if scale != 1.0 else None)
 
 
+def deepseek_moe_fields(cfg: dict, block: str) -> dict[str, Any]:
+    """FamilyArch fields of DeepSeek-V3's MoE block (GLM-4.x MoE has the same): this router and
+    an ungated shared expert of width n_shared_experts * moe_intermediate_size (HF
+    `mlp.shared_experts`). `block`: the transformers class, for the error message."""
+    router = grouped_router_from_hf(cfg, int(cfg["num_experts_per_tok"]),
+                                    int(cfg["n_routed_experts"]))
+    if int(cfg.get("n_shared_experts", 1)) < 1:
+        raise ValueError(f"n_shared_experts: 0 - transformers' {block} then builds a zero-width "
+                         "shared expert (not mapped)")
+    return {"router": router, "renormalise": True, "shared_gate": False,
+            "shared_ffn": int(cfg["n_shared_experts"]) * int(cfg["moe_intermediate_size"]),
+            "shared_prefix": "shared_experts"}
+
+
 def router_options(r: GroupedSigmoidRouter) -> dict[str, Any]:
     """TransformerConfig options of the router (the expert bias held fixed)."""
     return {"moe_router_score_function": "sigmoid", "moe_router_pre_softmax": False,
