@@ -8,8 +8,10 @@ hooks, FSDP2 + AdamW, packed micro-batches).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -68,8 +70,21 @@ class TrainBackend(Protocol):
         ...
 
 
+def check_mtp(cfg: TrainerConfig) -> None:
+    """Refuse a checkpoint with multi-token-prediction layers unless `drop_mtp` says to train
+    without them (r3flow does not train MTP yet)."""
+    path = Path(cfg.model_dir) / "config.json"
+    n = int(json.loads(path.read_text()).get("num_nextn_predict_layers") or 0) \
+        if path.is_file() else 0
+    if n and not cfg.drop_mtp:
+        raise ValueError(f"num_nextn_predict_layers: the checkpoint has {n} multi-token-"
+                         f"prediction layer(s) and r3flow does not train MTP; set drop_mtp: true "
+                         f"to train the main model without them (neither trained nor exported)")
+
+
 def make_backend(cfg: TrainerConfig) -> TrainBackend:
     """The backend `cfg.backend` names (process groups are initialised here)."""
+    check_mtp(cfg)
     if cfg.backend == "hf":
         from trainer.hf.engine import HFBackend
 

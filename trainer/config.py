@@ -110,6 +110,11 @@ class TrainerConfig(StrictConfig):
     hf: HFBackendConfig = Field(default_factory=HFBackendConfig,  # type: ignore[arg-type]
                                 description="knobs of the hf backend only")
     model_dir: str = Field("", description="HF checkpoint directory (Qwen3-MoE)")
+    drop_mtp: bool = Field(False, description="train a checkpoint that has multi-token-prediction "
+                           "layers (HF num_nextn_predict_layers > 0: DeepSeek-V3, GLM-4.5) "
+                           "without them: they are neither trained nor exported (transformers "
+                           "and vLLM's main model do not load them either). r3flow does not "
+                           "train MTP; without this such a checkpoint is refused at boot")
     model: ModelConfig = Field(default_factory=ModelConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     loss: LossConfig = Field(default_factory=LossConfig)
