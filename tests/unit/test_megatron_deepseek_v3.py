@@ -2,7 +2,7 @@
 hf_mapping), without building a model: the mapping both ways (MLA, expert bias, shared expert,
 dense first layer) at EP 1 and 2 for every attention variant, the MLATransformerConfig options,
 MTP weights left out, and the refusals by field. (The fp32 logits of the mapped MLA against HF:
-tests/integration/test_trainer_mla.py; the whole family: tests/integration/test_family_deepseek_v3.)
+tests/integration/test_trainer_mla.py; the whole family: tests/integration/test_families.py)
 """
 
 from __future__ import annotations
