@@ -8,7 +8,9 @@ zstd levels 3 and 19 of its bytes. Speeds are MB/s of uint8-equivalent input
 it is reported alongside). Writes bench-results/codec.json; exits 1 if a target is missed.
 `--baseline-rev REV` adds a same-run A/B of the C core against routing_core.c at git REV
 (sizes and check/decode/encode time per blob, 511- and 16,384-token inputs; the cores are
-called through ctypes, as routing.py reads only its own format version). Legend: T = tokens, L = layers, K = top-k.
+called through ctypes, so the baseline may write another format version); on a machine without
+the repository's history, `--baseline-archive FILE` takes the output of
+`git archive REV services/common` instead. Legend: T = tokens, L = layers, K = top-k.
 """
 
 from __future__ import annotations
@@ -134,6 +136,7 @@ AB_CASES = [
     ("skewed_511_exact", skewed_routing, 511, "exact", 30),
     ("uniform_511", uniform_routing, 511, "canonical", 30),
     ("skewed_16384", skewed_routing, 16_384, "canonical", 2),
+    ("uniform_16384", uniform_routing, 16_384, "canonical", 2),
 ]
 
 
@@ -167,11 +170,15 @@ class Core:
             raise RuntimeError(f"r3_decode refused a valid blob ({rc}, {info[0]})")
 
 
-def build_core(rev: str, workdir: Path) -> Path:
-    """Compile routing_core.c as of git revision `rev` with the build's own flags."""
+def build_core(rev: str, workdir: Path, archive_file: Path | None = None) -> Path:
+    """Compile routing_core.c as of git revision `rev` (or from `archive_file`, a tar of
+    `git archive REV services/common`) with the build's own flags."""
     # The whole folder: since issue 20 routing_core.c includes its sections from routing_core/.
-    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, "services/common"],
-                             capture_output=True, check=True).stdout
+    if archive_file is not None:
+        archive = archive_file.read_bytes()
+    else:
+        archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, "services/common"],
+                                 capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(workdir)], input=archive, check=True)
     source = workdir / CORE_SOURCE
     library = workdir / "_routing_core_baseline.so"
@@ -221,10 +228,11 @@ def run_case(cores: dict[str, Core], ids_TLK: np.ndarray, mode: str, calls: int,
     return row
 
 
-def ab_against(rev: str, rounds: int) -> dict:
+def ab_against(rev: str, rounds: int, archive_file: Path | None = None) -> dict:
     """{case: sizes, per-call microseconds of both cores, speedups} for every case."""
     with tempfile.TemporaryDirectory() as tmp:
-        cores = {"baseline": Core(build_core(rev, Path(tmp))), "new": Core(_build.ensure_built())}
+        cores = {"baseline": Core(build_core(rev, Path(tmp), archive_file)),
+                 "new": Core(_build.ensure_built())}
         results = {}
         for name, make, tokens, mode, calls in AB_CASES:
             ids_TLK = make(tokens, LAYERS, TOPK, EXPERTS, seed=1)
@@ -247,7 +255,11 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--out", type=Path, default=REPO / "bench-results" / "codec.json")
     ap.add_argument("--baseline-rev", help="git revision whose routing_core.c is the A/B baseline")
+    ap.add_argument("--baseline-archive", type=Path,
+                    help="tar of `git archive REV services/common`: the A/B baseline without git")
     args = ap.parse_args()
+    if args.baseline_archive and not args.baseline_rev:
+        args.baseline_rev = args.baseline_archive.name
     datasets = {"uniform": uniform_routing, "skewed": skewed_routing}
     results, ok = {}, True
     for name, make in datasets.items():
@@ -274,7 +286,8 @@ def main() -> int:
     }
     if args.baseline_rev:
         report["ab"] = {"baseline_rev": args.baseline_rev,
-                        "cases": ab_against(args.baseline_rev, args.repeats)}
+                        "cases": ab_against(args.baseline_rev, args.repeats,
+                                            args.baseline_archive)}
         print_ab(args.baseline_rev, report["ab"]["cases"])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
