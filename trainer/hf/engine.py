@@ -209,3 +209,9 @@ class _LocalShards:
     def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, p in self.module.named_parameters():
             yield name, p.to_local() if hasattr(p, "to_local") else p
+
+    def named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The module's buffers (trainer.checkpoint keeps only megatron's router expert_bias of
+        them: HF's e_score_correction_bias is fixed and comes back from the checkpoint dir)."""
+        for name, b in self.module.named_buffers():
+            yield name, b.to_local() if hasattr(b, "to_local") else b
