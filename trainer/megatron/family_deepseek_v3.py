@@ -34,12 +34,14 @@ DeepSeek-V3, TP2 + SP against one rank: in the last layer only the 64 rope rows 
 duplicated linear), its output is gathered over TP, and the shared rope key cut from it feeds
 each rank's heads with no TP reduction in backward, so the rope columns (held by the last TP
 rank) get only that rank's heads' gradient. (megatron's TE spec builds the down projections as
-duplicated TELinear, another path, not checked here.) Pipeline and expert parallelism match one rank (tests/integration/
-test_family_deepseek_v3.py).
+duplicated TELinear, another path, not checked here.) Pipeline and expert parallelism match one
+rank (tests/integration/test_families.py).
 MTP: HF's DeepseekV3ForCausalLM builds `num_hidden_layers` layers and never loads the
 multi-token-prediction layers (`model.layers.{num_hidden_layers}...`, DeepSeek-V3's
 `_keys_to_ignore_on_load_unexpected`); vLLM's main model skips them too. The trainer does the
-same: they are not trained, not exported, and a warning names `num_nextn_predict_layers`.
+same once the user opts in with `drop_mtp: true` (trainer.backend.check_mtp refuses such a
+checkpoint otherwise): they are not trained, not exported, and a warning names
+`num_nextn_predict_layers`.
 Legend: H hidden, nh heads, r rope dims (qk_rope_head_dim).
 """
 
