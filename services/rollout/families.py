@@ -118,7 +118,9 @@ def glm4_moe(cfg: TinyMoeConfig):
     """GLM-4.5/4.6/4.7: DeepSeek-V3's router, GQA with partial rotary and QKV bias."""
     from transformers import Glm4MoeConfig
 
-    extra: dict[str, Any] = {"head_dim": cfg.head_dim, "partial_rotary_factor": 0.5}
+    # no MTP layer (transformers' default config has one; the trainer refuses MTP without drop_mtp)
+    extra: dict[str, Any] = {"head_dim": cfg.head_dim, "partial_rotary_factor": 0.5,
+                             "num_nextn_predict_layers": 0}
     return Glm4MoeConfig(**_common(cfg), **_grouped(cfg), **extra, attention_bias=True,
                          use_qk_norm=False)
 
