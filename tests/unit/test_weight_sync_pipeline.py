@@ -19,8 +19,8 @@ from services.common.weight_sync import (
     WeightSyncError,
 )
 from services.common.weight_sync import buckets as bk
+from services.common.weight_sync import push as push_mod
 from services.common.weight_sync import receiver as receiver_mod
-from services.common.weight_sync import sender as sender_mod
 
 
 def _weights(seed: int, experts: int = 6) -> list[tuple[str, torch.Tensor]]:
@@ -145,7 +145,7 @@ def test_non_tensor_in_a_list_is_an_abort_for_receivers(sender):
 def test_stream_ordered_host_logic_over_gloo(sender, monkeypatch, streamed):
     """The NCCL host logic (no host wait per bucket, checksums queued behind each receive,
     one polled wait for the last bucket) delivers exact tensors, list or generator input."""
-    monkeypatch.setattr(sender_mod, "waits_on_host", lambda backend: False)
+    monkeypatch.setattr(push_mod, "waits_on_host", lambda backend: False)
     monkeypatch.setattr(receiver_mod, "waits_on_host", lambda backend: False)
     rxs = [WeightReceiver("a"), WeightReceiver("b")]
     for version in (1, 2):
