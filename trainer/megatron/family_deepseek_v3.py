@@ -122,7 +122,7 @@ def check_mla_rope(params: dict) -> None:
 
 
 def mla_config_kwargs(m: MlaArch, rope: Any, theta: float) -> dict[str, Any]:
-    """MLATransformerConfig fields of the HF attention (`rope` a hf_mapping.RopeScaling)."""
+    """MLATransformerConfig fields of the HF attention (`rope` a trainer.megatron.rope.RopeScaling)."""
     kw: dict[str, Any] = {
         "multi_latent_attention": True, "q_lora_rank": m.q_lora_rank,
         "kv_lora_rank": m.kv_lora_rank, "qk_head_dim": m.qk_nope_dim,
