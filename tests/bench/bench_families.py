@@ -29,6 +29,7 @@ NUM_PROMPTS, PROMPT_LEN, MAX_TOKENS = 8, 16, 32
 def measure(family: str, root: Path, backend: str = "auto") -> dict:
     from vllm_sampling import sample_in_child
 
+    from services.local.family import HF_KNOBS
     from services.rollout.families import build_family
     from services.rollout.tiny_moe import TinyMoeConfig
     from trainer.backend import make_trainer
@@ -44,8 +45,7 @@ def measure(family: str, root: Path, backend: str = "auto") -> dict:
                            timeout=900)
     if backend == "auto":
         backend = "megatron" if family in SUPPORTED else "hf"
-    # transformers' GPT-OSS: no sdpa, and its masks ignore packed boundaries
-    hf = {"attn_implementation": "eager", "packing": False} if family == "gpt_oss" else {}
+    hf = HF_KNOBS.get(family, {}) if backend == "hf" else {}  # what the family cannot train without
     tr = make_trainer(TrainerConfig.model_validate(dict(
         model_dir=str(model), backend=backend, model={"dtype": "bf16"}, hf=hf,
         data={"micro_batch_size": 4}, replay={"agreement_floor": 0.0})))

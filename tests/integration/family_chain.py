@@ -108,14 +108,14 @@ class Chain:
 
 
 def trainer_config(model_dir: Path, backend: str):
+    from services.local.family import HF_KNOBS
     from trainer.config import TrainerConfig
 
     extra: dict[str, Any] = {"model": {"dtype": "fp32", "router_dtype": "fp32"}} \
         if backend == "megatron" else {}
-    if backend == "hf" and json.loads((model_dir / "config.json").read_text())[
-            "model_type"] == "gpt_oss":
-        # transformers: GPT-OSS has no sdpa, and its masks ignore packed boundaries
-        extra["hf"] = {"attn_implementation": "eager", "packing": False}
+    family = json.loads((model_dir / "config.json").read_text())["model_type"]
+    if backend == "hf" and family in HF_KNOBS:  # what the family cannot train without
+        extra["hf"] = HF_KNOBS[family]
     return TrainerConfig.model_validate(dict(
         model_dir=str(model_dir), backend=backend, data={"micro_batch_size": 2},
         replay={"agreement_floor": 0.9}, **extra))
