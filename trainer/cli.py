@@ -51,7 +51,7 @@ def _ranks(cfg):
         from trainer.ray_launch import RayRanks
 
         return RayRanks(cfg, cfg.run.world_size)
-    from trainer.loop.ranks import LocalRanks
+    from trainer.local_ranks import LocalRanks
 
     return LocalRanks(cfg)
 

@@ -10,9 +10,9 @@ from services.common.auth import ClientAuthConfig
 from services.common.config import StrictConfig
 from services.common.weight_sync.config import WeightSyncConfig
 from trainer.hf.config import HFBackendConfig
-from trainer.loss import LossConfig
-from trainer.megatron.model import ModelConfig
-from trainer.ray_launch import RayLaunchConfig
+from trainer.loss_config import LossConfig
+from trainer.megatron.config import ModelConfig
+from trainer.ray_config import RayLaunchConfig
 from trainer.replay import ReplayMode
 
 

@@ -24,31 +24,16 @@ import numpy as np
 import torch
 
 from trainer.alignment import LayerMap
-from trainer.backend import TrainBackend
 from trainer.batch import MicroBatch, Sample, update_schedule
+from trainer.collectives import any_rank
 from trainer.hf.packing import response_logprobs
 from trainer.loss import group_advantages, logprob_diff, ppo_loss, sft_loss, token_logprobs
+from trainer.protocol import TrainBackend
 from trainer.replay import ReplayMode, RoutingAgreementError
 
 log = logging.getLogger(__name__)
 
 PPO_SUMS = ("ppo_kl", "kl_ref", "clipped", "entropy")
-
-
-def max_over_ranks(value: int) -> int:
-    """The largest `value` of all trainer ranks (an all-reduce over the world group)."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return value
-    t = torch.tensor([value], device="cuda" if torch.cuda.is_available() else "cpu")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
-
-
-def any_rank(flag: bool) -> bool:
-    """True if `flag` is set on any trainer rank (an all-reduce over the world group)."""
-    return bool(max_over_ranks(int(flag)))
 
 
 def diff_metrics(mbs: Sequence[MicroBatch], lps: Sequence[torch.Tensor], suffix: str) -> dict:

@@ -26,7 +26,7 @@ def _checkpoint_named(model_dir) -> dict[str, torch.Tensor]:
 
 
 def _ranks(backend: str, cfg):
-    from trainer.loop.ranks import LocalRanks
+    from trainer.local_ranks import LocalRanks
 
     return LocalRanks(cfg.model_copy(update={"backend": backend}))
 

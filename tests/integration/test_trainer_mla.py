@@ -65,7 +65,8 @@ def _hf_logits(model_dir, tokens):
 
 
 def _megatron_logits(model_dir, tokens):
-    from trainer.megatron.model import ModelConfig, build_model, init_parallel
+    from trainer.megatron.config import ModelConfig
+    from trainer.megatron.model import build_model, init_parallel
 
     cfg = ModelConfig()
     init_parallel(cfg)

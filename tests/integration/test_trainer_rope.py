@@ -73,7 +73,8 @@ def _hf_logits(model_dir, tokens_BS, forced_BSK):
 
 def _megatron_logits(model_dir, tokens_BS, forced_BSK):
     from trainer.alignment import to_router_rows
-    from trainer.megatron.model import ModelConfig, build_model, init_parallel
+    from trainer.megatron.config import ModelConfig
+    from trainer.megatron.model import build_model, init_parallel
     from trainer.megatron.replay import ModelReplay
 
     cfg = ModelConfig()

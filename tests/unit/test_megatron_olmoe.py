@@ -69,7 +69,7 @@ def test_full_width_norm_equals_hf_q_norm_and_k_norm(dtype):
 def test_tensor_parallel_keeps_the_whole_weight_on_every_rank():
     """Under TP a rank normalises its slice of the heads but holds the whole weight (megatron sums
     q/k layernorm grads over TP by name); the layout check accepts TP for olmoe."""
-    from trainer.megatron.model import ModelConfig
+    from trainer.megatron.config import ModelConfig
     from trainer.megatron.parallel import check_layout
 
     q, k = FullQNorm(_tcfg(tp=2), hidden_size=32), FullKNorm(_tcfg(tp=2), hidden_size=32)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from trainer.config import TrainerConfig
-from trainer.ray_launch import RayLaunchConfig, local_rank_of, rank_bundles, resolve_address
+from trainer.ray_config import RayLaunchConfig
+from trainer.ray_launch import local_rank_of, rank_bundles, resolve_address
 
 
 def test_joins_the_jobs_cluster_when_ray_address_is_set():

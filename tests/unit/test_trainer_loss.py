@@ -83,7 +83,8 @@ def test_entropy_sft_and_logprob_diff():
 
 
 def test_logprobs_entropy_and_ppo_use_the_sampling_temperature():
-    from trainer.loss import LossConfig, ppo_loss, token_entropy, token_logprobs
+    from trainer.loss import ppo_loss, token_entropy, token_logprobs
+    from trainer.loss_config import LossConfig
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(2, 5, 11, generator=g) * 3

@@ -9,7 +9,8 @@ import pytest
 import yaml
 
 from trainer.config import TrainerConfig
-from trainer.megatron.model import ModelConfig, resolve_router_dtype
+from trainer.megatron.config import ModelConfig
+from trainer.megatron.model import resolve_router_dtype
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -19,7 +19,6 @@ import numpy as np
 import torch
 
 from trainer.alignment import check_routes
-from trainer.backend import LossFn
 from trainer.batch import MicroBatch, Sample, split_microbatches
 from trainer.config import TrainerConfig
 from trainer.hf.config import HFBackendConfig
@@ -32,6 +31,7 @@ from trainer.hf.routers import (
     decoder_layers,
     find_routers,
 )
+from trainer.protocol import LossFn
 from trainer.replay import ReplayMode, drive
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,7 @@
 """The trainer ranks as the loop sees them: typed calls over a rank transport.
 
-A transport (`RankTransport`: `LocalRanks` in-process, trainer.ray_launch.RayRanks as Ray actors)
+A transport (`RankTransport`: trainer.local_ranks.LocalRanks in-process,
+trainer.ray_launch.RayRanks as Ray actors)
 calls a named trainer.worker.RankWorker method on every rank; `Ranks` is the only place that
 names those methods (`RankMethod`: a name outside it is a type error; a unit test holds it to
 RankWorker's methods), so the loop and the weight push call typed methods and a typo is an
@@ -13,7 +14,6 @@ from dataclasses import asdict
 from typing import Any, Literal, Protocol, get_args
 
 from trainer.checkpoint import DataPosition
-from trainer.config import TrainerConfig
 
 # The RankWorker methods the loop and the weight push call on every rank.
 RankMethod = Literal["resume", "set_policy_version", "train", "save", "export_hf_dir",
@@ -27,20 +27,6 @@ class RankTransport(Protocol):
     world_size: int
 
     def call(self, method: str, per_rank_args: list[tuple]) -> list: ...
-
-
-class LocalRanks:
-    """A single in-process rank (a RankTransport)."""
-
-    world_size = 1
-
-    def __init__(self, cfg: TrainerConfig) -> None:
-        from trainer.worker import RankWorker
-
-        self.worker = RankWorker(cfg.model_dump_json())
-
-    def call(self, method: str, per_rank_args: list[tuple]) -> list:
-        return [getattr(self.worker, method)(*per_rank_args[0])]
 
 
 class Ranks:

@@ -25,10 +25,9 @@ from typing import Any
 import torch
 
 from trainer.alignment import check_routes, local_routing, to_router_rows
-from trainer.backend import LossFn
 from trainer.batch import MicroBatch, Sample, filler_microbatch, split_microbatches
+from trainer.collectives import max_over_ranks
 from trainer.config import TrainerConfig
-from trainer.grpo import max_over_ranks
 from trainer.megatron.cpu_shims import cuda_tensor_type_names
 from trainer.megatron.hf_mapping import gather_experts, load_arch, megatron_to_hf
 from trainer.megatron.model import BuiltModel, build_model, init_parallel, resolve_router_dtype
@@ -40,6 +39,7 @@ from trainer.megatron.parallel import (
     model_parallel_group,
 )
 from trainer.megatron.replay import AgreementMonitor, ModelReplay
+from trainer.protocol import LossFn
 from trainer.replay import ReplayMode, drive
 
 log = logging.getLogger(__name__)

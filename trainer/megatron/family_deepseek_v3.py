@@ -54,6 +54,9 @@ from typing import Any
 
 import torch
 
+from trainer.megatron.family_arch import FamilyArch
+from trainer.megatron.grouped_router import deepseek_moe_fields
+
 log = logging.getLogger(__name__)
 
 
@@ -69,14 +72,11 @@ class MlaArch:
     rope_interleave: bool = True
 
 
-def deepseek_v3_arch(cfg: dict) -> Any:
+def deepseek_v3_arch(cfg: dict) -> FamilyArch:
     """The FamilyArch of a deepseek_v3 HF config dict: DeepSeek-V3's router
     (trainer.megatron.grouped_router), an ungated shared expert of width
     `n_shared_experts * moe_intermediate_size` (HF `mlp.shared_experts`), no QK-norm (MLA's
     latent norms are mapped here); `first_k_dense_replace` is read by hf_mapping."""
-    from trainer.megatron.families import FamilyArch
-    from trainer.megatron.grouped_router import deepseek_moe_fields
-
     quant = (cfg.get("quantization_config") or {}).get("quant_method")
     if quant:
         raise ValueError(f"quantization_config: {quant!r} weights (DeepSeek-V3's and Kimi-K2's "

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 
-from trainer.megatron.families import FamilyArch
+from trainer.megatron.family_arch import FamilyArch
 from trainer.megatron.grouped_router import deepseek_moe_fields
 
 log = logging.getLogger(__name__)

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from trainer.megatron.families import FamilyArch
+from trainer.megatron.family_arch import FamilyArch
 
 QUICK_GELU_ALPHA = 1.702  # megatron.core.fusions.fused_bias_geglu.quick_gelu's fixed gain
 _KINDS = {"sliding_attention": True, "full_attention": False}

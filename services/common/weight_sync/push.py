@@ -1,4 +1,4 @@
-"""One push of `WeightSender` (weight_sync.sender): join or reuse the group, stream checksummed
+"""One push of a sender (`PushOwner`; weight_sync.sender's `WeightSender`): join or reuse the group, stream checksummed
 buckets with a bounded number in flight, collect every member's "verified" ack, then commit or
 abort. Failures are attributed to members by the `MemberMonitor`."""
 
@@ -10,7 +10,7 @@ import time
 from collections import deque
 from collections.abc import Callable, ItemsView, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,7 @@ from services.common.weight_sync.group import (
     waits_on_host,
 )
 from services.common.weight_sync.layout import (
+    BucketLayout,
     LaidBucket,
     publish,
     refit,
@@ -42,10 +43,29 @@ from services.common.weight_sync.layout import (
 )
 from services.common.weight_sync.monitor import MemberMonitor
 
-if TYPE_CHECKING:  # a type only: sender.py imports this module
-    from services.common.weight_sync.sender import WeightSender
+if TYPE_CHECKING:
+    from services.common.weight_sync.config import WeightSyncConfig
 
 log = logging.getLogger(__name__)
+
+
+class PushOwner(Protocol):
+    """What a push reads and updates on its sender (weight_sync.sender's `WeightSender`): the
+    rendezvous root store, the cached group and the last layout, kept across pushes."""
+
+    cfg: WeightSyncConfig
+    addr: str
+    device: torch.device
+    bucket_bytes: int
+    direct_min_bytes: int
+    wire: torch.dtype
+    _root: dist.TCPStore
+    _pool: list[torch.Tensor | None]
+    _group: CachedGroup | None
+    _reuse: int | None
+    _layout: BucketLayout | None
+    _layout_digest: str
+    _side: torch.cuda.Stream | None
 
 
 class TransportError(RuntimeError):
@@ -76,7 +96,7 @@ class PushReport:
 class Push:
     """State of one push: its store prefix, group, monitor and buckets in flight."""
 
-    def __init__(self, sender: WeightSender, plan: store_pb2.WeightSyncPlan) -> None:
+    def __init__(self, sender: PushOwner, plan: store_pb2.WeightSyncPlan) -> None:
         self.s, self.cfg, self.version, self.plan = sender, sender.cfg, plan.version, plan
         self.store = push_store(sender._root, plan.version)
         self.members = members_of(plan)

@@ -1,0 +1,133 @@
+"""No import cycle among the project's own modules (services/, trainer/): layers point one way.
+
+The graph is built from the source text (every `import`, at module level, inside functions and
+under `TYPE_CHECKING` alike: an import moved into a function to dodge a cycle is still a cycle),
+so the check runs without importing torch, vLLM or megatron. `from pkg import sub` names the
+submodule, not the package's `__init__` (Python loads a parent package before any child, which is
+not a dependency of the child on its siblings).
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("services", "trainer")
+GENERATED = ("services/common/pb/",)
+
+
+def project_modules(root: Path = ROOT) -> dict[str, Path]:
+    """Dotted module name -> source file, for every project file (generated stubs left out)."""
+    found: dict[str, Path] = {}
+    for pkg in PACKAGES:
+        for path in sorted((root / pkg).rglob("*.py")):
+            rel = path.relative_to(root)
+            if any(str(rel).startswith(g) for g in GENERATED):
+                continue
+            parts = rel.with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def _resolve(node: ast.ImportFrom, module: str, is_package: bool) -> str:
+    if not node.level:
+        return node.module or ""
+    base = module.split(".")
+    base = base[: len(base) - node.level + (1 if is_package else 0)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def imported(module: str, path: Path, known: dict[str, Path]) -> Iterator[str]:
+    """The project modules `module` imports anywhere in its source."""
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                name = alias.name
+                while name and name not in known:  # `import a.b.c` of a non-module attribute
+                    name = name.rpartition(".")[0]
+                if name:
+                    yield name
+        elif isinstance(node, ast.ImportFrom):
+            base = _resolve(node, module, path.name == "__init__.py")
+            subs = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in known]
+            yield from subs
+            if base in known and len(subs) < len(node.names):
+                yield base
+
+
+def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """module -> the project modules it imports (itself excluded)."""
+    known = project_modules(root)
+    return {m: {d for d in imported(m, p, known) if d != m} for m, p in known.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, edges = work[-1]
+            nxt = next(edges, None)
+            if nxt is not None:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(sorted(graph[nxt]))))
+                elif nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                comp = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    comp.append(member)
+                    if member == node:
+                        break
+                if len(comp) > 1:
+                    found.append(sorted(comp))
+    return found
+
+
+def _describe(graph: dict[str, set[str]], comp: list[str]) -> str:
+    arrows = [f"  {a} -> {b}" for a in comp for b in sorted(graph[a] & set(comp))]
+    return f"{len(comp)} modules:\n" + "\n".join(arrows)
+
+
+def test_no_import_cycles() -> None:
+    graph = import_graph()
+    assert len(graph) > 100, "the walk found too few modules: is ROOT right?"
+    found = cycles(graph)
+    assert not found, "import cycles:\n" + "\n".join(_describe(graph, c) for c in found)
+
+
+def test_cycle_finder_sees_a_cycle_hidden_in_a_function(tmp_path: Path) -> None:
+    pkg = tmp_path / "trainer"
+    pkg.mkdir()
+    (tmp_path / "services").mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from trainer.b import B\n")
+    (pkg / "b.py").write_text("def f():\n    from trainer import a\n    return a\nB = 1\n")
+    (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                              "    from trainer.d import D\n")
+    (pkg / "d.py").write_text("from . import c\nD = 1\n")
+    (pkg / "e.py").write_text("import trainer.a\n")
+    graph = import_graph(tmp_path)
+    assert graph["trainer.e"] == {"trainer.a"}
+    assert cycles(graph) == [["trainer.a", "trainer.b"], ["trainer.c", "trainer.d"]]

@@ -1,0 +1,79 @@
+"""`ModelConfig`: how the trainer builds its megatron-core model (the config of
+trainer.megatron.model, kept apart so trainer.config imports no runtime module)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from services.common.config import StrictConfig
+
+
+class ModelConfig(StrictConfig):
+    """How the trainer builds its megatron-core model."""
+
+    dtype: Literal["fp32", "bf16"] = Field("fp32", description="parameter/compute dtype")
+    dispatcher: Literal["alltoall", "allgather"] = Field(
+        "alltoall", description="megatron MoE token dispatcher")
+    tensor_parallel: int = Field(1, ge=1, description="tensor-parallel size (attention heads, "
+                                 "dense MLP, vocabulary split; needs sequence_parallel)")
+    sequence_parallel: bool = Field(False, description="shard the sequence over the tensor-"
+                                    "parallel ranks outside attention/MLP (required with TP > 1: "
+                                    "each TP rank routes only its sequence slice)")
+    pipeline_parallel: int = Field(1, ge=1, description="pipeline stages (1F1B schedule); each "
+                                   "stage builds and replays only its own layers")
+    context_parallel: int = Field(1, ge=1, description="context-parallel size (needs "
+                                  "TransformerEngine attention: only 1 with the local spec)")
+    expert_parallel: int = Field(1, ge=1, description="expert-parallel size (ranks per expert set)")
+    expert_tensor_parallel: int = Field(1, ge=1, description="tensor-parallel size inside each "
+                                        "expert (expert FFN width split)")
+    recompute_granularity: Literal["none", "full", "selective"] = Field(
+        "none", description="activation recompute: full (whole layers, recompute_method / "
+        "recompute_num_layers), selective (recompute_modules)")
+    recompute_method: Literal["uniform", "block"] = Field(
+        "uniform", description="full recompute: uniform (every layer, in units of "
+        "recompute_num_layers) or block (the first recompute_num_layers layers of each stage)")
+    recompute_num_layers: int = Field(1, ge=1, description="full recompute: layers per unit "
+                                      "(uniform) or recomputed layers per stage (block)")
+    recompute_modules: list[str] = Field(
+        default_factory=lambda: ["moe"], description="selective recompute: megatron "
+        "recompute_modules (moe, core_attn, mlp, layernorm, ...)")
+    recompute_moe: bool = Field(False, description="shorthand for recompute_granularity "
+                                "selective with recompute_modules [moe] (kept for old configs)")
+    router_dtype: Literal["auto", "fp32", "native"] = Field(
+        "auto", description="dtype of the router logits: fp32 (upcast), native (the model "
+        "dtype), auto = what the rollout engine does for this model family (ENGINE_ROUTER_DTYPE; "
+        "qwen3_moe: native), resolved when the model is built and logged")
+    seed: int = Field(1234, description="megatron RNG seed (init of unused params, dropout)")
+
+    @model_validator(mode="after")
+    def _recompute_once(self) -> ModelConfig:
+        if self.recompute_moe and self.recompute_granularity != "none":
+            raise ValueError("model.recompute_moe: set either it or recompute_granularity")
+        return self
+
+    @property
+    def recompute(self) -> str:
+        """The recompute that runs: none | full | selective(<modules>)."""
+        if self.recompute_moe:
+            return "selective(moe)"
+        if self.recompute_granularity == "selective":
+            return f"selective({','.join(self.recompute_modules)})"
+        return self.recompute_granularity
+
+    @property
+    def recomputes_router(self) -> bool:
+        """Backward re-runs the router: replay pops each micro-batch's ids (REPLAY_BACKWARD)."""
+        return self.recompute == "full" or "moe" in self.recompute.removeprefix(
+            "selective(").rstrip(")").split(",")
+
+    def recompute_kwargs(self) -> dict[str, Any]:
+        """TransformerConfig's recompute options."""
+        if self.recompute == "full":
+            return {"recompute_granularity": "full", "recompute_method": self.recompute_method,
+                    "recompute_num_layers": self.recompute_num_layers}
+        if self.recompute.startswith("selective"):
+            return {"recompute_granularity": "selective", "recompute_modules":
+                    ["moe"] if self.recompute_moe else list(self.recompute_modules)}
+        return {}

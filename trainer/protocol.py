@@ -1,0 +1,64 @@
+"""What a model backend provides to the shared GRPO/PPO step: `TrainBackend` and `LossFn`.
+
+The bottom of the trainer's layers: trainer.grpo (the step) is written against this protocol,
+trainer.megatron.engine.MegatronBackend and trainer.hf.engine.HFBackend implement it, and
+trainer.backend (the factory) picks one by `TrainerConfig.backend`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+import torch
+
+from trainer.batch import MicroBatch, Sample
+from trainer.config import TrainerConfig
+from trainer.replay import AgreementStats, ReplayMode
+
+# (micro-batch, its logits) -> its share of the update's loss (already divided by the update's
+# token count); a backend whose schedule averages over micro-batches undoes that itself.
+LossFn = Callable[[MicroBatch, torch.Tensor], torch.Tensor]
+
+
+class TrainBackend(Protocol):
+    """Model, optimizer and routing replay of one trainer rank."""
+
+    cfg: TrainerConfig
+    moe_layers: tuple[int, ...]  # HF layer index of each MoE layer, in router order
+    num_experts: int
+    top_k: int
+    padded: int  # filler micro-batches of the last `microbatches` call
+
+    @property
+    def agreement(self) -> AgreementStats:
+        """The policy's routing agreement counters (fed by `logits` and `update`)."""
+        ...
+
+    def microbatches(self, samples: Sequence[Sample]) -> list[MicroBatch]:
+        """`samples` cut into micro-batches on this rank's device (collective where the
+        backend needs as many on every rank)."""
+        ...
+
+    def no_grad_pass(self, mbs: Sequence[MicroBatch], mode: ReplayMode, reference: bool
+                     ) -> AbstractContextManager[None]:
+        """Around the forwards of a no-grad pass over `mbs` (eval mode, staged replay ids)."""
+        ...
+
+    def logits(self, mb: MicroBatch, mode: ReplayMode, reference: bool = False) -> torch.Tensor:
+        """[B, S, V] logits of `mb` under `mode` (r2 records the policy's routing on `mb`);
+        feeds the agreement counters of the policy."""
+        ...
+
+    def update(self, mbs: Sequence[MicroBatch], mode: ReplayMode, loss_fn: LossFn) -> float:
+        """Forward/backward over `mbs` + clip + optimizer step; returns the grad norm."""
+        ...
+
+    def export_hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """HF-named full weights (a collective: every rank calls it)."""
+        ...
+
+    def checkpoint_state(self) -> tuple[Any, Any]:
+        """(what holds this rank's parameters, its optimizer) for trainer.checkpoint."""
+        ...
