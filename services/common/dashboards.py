@@ -212,6 +212,12 @@ PIPELINE_PANELS = (
         _q(f"sum(rate({_RAW}[5m])) / sum(rate({_GEN}[5m]))", "raw (uint8)"),
         _q(f"sum(rate({_ENC}[5m])) / sum(rate({_GEN}[5m]))", "encoded")), "bytes",
         "routing bytes the store received / kept per token the rollouts generated"),
+    Panel("dead-lettered groups", (
+        _q("sum(increase(r3flow_store_dead_lettered_total[1h]))", "dead-lettered / h"),),
+        "short", CATALOG["r3flow_store_dead_lettered_total"].help),
+    Panel("stale groups dropped at trainer intake", (
+        _q("sum(increase(r3flow_trainer_groups_stale_total[1h]))", "stale / h"),),
+        "short", CATALOG["r3flow_trainer_groups_stale_total"].help),
     Panel("redeliveries and rejections", (
         _q("sum(rate(r3flow_store_redeliveries_total[5m])) * 60", "redelivered / min"),
         _q("sum by (reason) (rate(r3flow_store_rejections_total[5m])) * 60",

@@ -45,6 +45,9 @@ TRAINER = [
     MetricSpec("r3flow_trainer_groups_quarantined_total", "counter",
                "GRPO groups set aside (acked to the store as dropped), by reason",
                ("reason",)),
+    MetricSpec("r3flow_trainer_groups_stale_total", "counter",
+               "GRPO groups dropped at intake: their oldest segment lags the trainer by more "
+               "than data.max_policy_lag versions (acked to the store as dropped `stale`)"),
     MetricSpec("r3flow_trainer_policy_version", "gauge", "policy version of the trainer's weights"),
     MetricSpec("r3flow_trainer_weight_push_seconds", "histogram",
                "wall time of one weight push to the rollout engines", buckets=_SECONDS),
@@ -65,6 +68,8 @@ STORE = [
                ("reason",), initial=("stale",)),
     MetricSpec("r3flow_store_redeliveries_total", "counter",
                "groups redelivered after their lease expired"),
+    MetricSpec("r3flow_store_dead_lettered_total", "counter",
+               "groups redelivered more than max_redeliveries times, set aside (never trained)"),
     MetricSpec("r3flow_store_rejections_total", "counter", "rejected requests, by reason",
                ("reason",)),
     MetricSpec("r3flow_store_pull_seconds", "histogram", "latency of a Pull call", buckets=_SECONDS),

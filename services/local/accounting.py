@@ -5,8 +5,9 @@ trajectories (cross-checked against the trajectories the workers' summaries say 
 worker stopped or killed while sending a group may leave some of its trajectories in the store,
 never fewer than it reported), the workers' abandoned/failed/killed-in-flight trajectories from
 their summaries (a SIGKILLed worker's last progress summary),
-`trained` from groups the trainer acked, drops from the store's counters, `unused at end` from
-draining the store after the trainer stopped, `leased at stop` from the store's count of
+`trained` from groups the trainer acked, drops from the store's counters (by reason: stale,
+aborted, quarantined, and dead-lettered groups, which are neither trained nor lost), `unused at
+end` from draining the store after the trainer stopped, `leased at stop` from the store's count of
 delivered, un-acked groups (a run cut short while the trainer held a partial batch). The remainder (trajectories of groups that were
 still incomplete when the workers stopped) is reported, not hidden.
 """

@@ -10,11 +10,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import time
 from typing import Protocol
 
 from services.common.pb.r3flow.v1 import trajectory_pb2
 
 log = logging.getLogger(__name__)
+NO_BUDGET_RECHECK_S = 10.0  # a store restarted with a budget is noticed within this
 
 
 class StoreRejected(ValueError):
@@ -25,6 +27,10 @@ class TrajectorySink(Protocol):
     async def send_group(self, trajs: list[trajectory_pb2.Trajectory]) -> None: ...
 
     async def report_version(self, worker_id: str, version: int) -> int | None: ...
+
+    async def room(self) -> int | None:
+        """Groups the store can still take within its backlog budget (None: no budget)."""
+        ...
 
 
 class MemorySink:
@@ -41,6 +47,9 @@ class MemorySink:
         self.versions.append(version)
         return None
 
+    async def room(self) -> int | None:
+        return None
+
 
 class StoreSink:
     """Appends each trajectory of a group to the store, waiting out backpressure."""
@@ -53,6 +62,7 @@ class StoreSink:
         # and releases only complete groups, so several half-sent groups could hold the
         # backlog up forever; with one, the others in the backlog are complete and drain.
         self._one_group = asyncio.Lock()
+        self._no_budget_until = 0.0  # a store without a budget in groups is asked again later
 
     async def send_group(self, trajs: list[trajectory_pb2.Trajectory]) -> None:
         """Append every trajectory of the group (concurrently: one stream each)."""
@@ -81,6 +91,22 @@ class StoreSink:
                 log.warning("store backpressure on %s; waiting %.1fs",
                             traj.trajectory_id, self.backpressure_sleep_s)
                 await asyncio.sleep(self.backpressure_sleep_s)
+
+    async def room(self) -> int | None:
+        """Groups the store can take before its backlog budget (`max_groups_ahead`: ready +
+        open groups) is reached; None when it has none. A store that does not answer has no
+        room (the worker waits rather than generate what it may not be able to send)."""
+        if time.monotonic() < self._no_budget_until:
+            return None
+        try:
+            stats = await asyncio.to_thread(self.client.stats)
+        except Exception as e:  # noqa: BLE001 (a restarting store: ask again later)
+            log.warning("store stats unavailable (%s): holding new groups", e)
+            return 0
+        if not stats.max_groups_ahead:
+            self._no_budget_until = time.monotonic() + NO_BUDGET_RECHECK_S
+            return None
+        return int(stats.max_groups_ahead) - int(stats.groups_ready) - int(stats.groups_open)
 
     async def report_version(self, worker_id: str, version: int) -> int | None:
         """RegisterWorker with this worker's policy version; returns the TTL in seconds."""

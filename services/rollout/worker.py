@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 MAX_KEPT_ERRORS = 100  # a long run keeps the first messages; every failure is counted
 MAX_FAILURE_BACKOFF_S = 2.0  # the longest a failed group holds its slot (failures in a row)
 FATAL_GRACE_S = 5.0  # after a fatal error, groups still sending to the store may finish
+ROOM_POLL_S = 0.5  # how often a worker held by the store's backlog budget asks again
 
 
 class RepeatedLog:
@@ -156,7 +157,7 @@ class RolloutWorker:
                 break
             # A stop may come while a free slot is taken at once (groups that fail at once on
             # a dead engine free theirs at once): check it before every new group.
-            if self._stop.is_set() or not await self._until_stop(self._wait_for_policy_lag()):
+            if self._stop.is_set() or not await self._until_stop(self._wait_for_room(summary)):
                 slots.release()
                 break
             task = asyncio.create_task(self._group_task(seq, epoch, rec, summary))
@@ -365,12 +366,28 @@ class RolloutWorker:
             return None
         return await self.sink.report_version(self.cfg.worker_id, self.engine.policy_version)
 
-    async def _wait_for_policy_lag(self) -> None:
-        """Hold new groups while the trainer is more than max_policy_lag versions ahead."""
+    async def _wait_for_room(self, summary: WorkerSummary) -> None:
+        """Hold a new group while the trainer is more than max_policy_lag versions ahead of
+        this engine, then while the store's backlog budget has no room for it and for this
+        worker's groups not sent yet. The budget hold needs no new version to end it: it lasts
+        exactly as long as the trainer consumes nothing (down, restarting, checkpointing)."""
         lag = self.cfg.max_policy_lag
         while lag is not None and self.trainer_version is not None and \
                 self.trainer_version - self.engine.policy_version > lag:
             await asyncio.sleep(0.1)
+        if self.sink is not None:
+            await wait_for_room(self.sink, lambda: summary.groups_in_flight,
+                                ROOM_POLL_S)
+
+
+async def wait_for_room(sink: TrajectorySink, unsent: Callable[[], int], poll_s: float) -> None:
+    """Return once `sink` has room for one more group beyond the `unsent()` ones this worker
+    holds (at once when the store has no budget in groups)."""
+    while True:
+        room = await sink.room()
+        if room is None or room > unsent():
+            return
+        await asyncio.sleep(poll_s)
 
 
 def write_json_atomic(path: str, data: Any) -> None:

@@ -20,7 +20,7 @@ from services.common.pb.r3flow.v1 import store_pb2
 from services.store import lua, validate
 from services.store.config import StoreConfig
 from services.store.errors import CapacityError, SizeLimitError, is_redis_oom, redis_full
-from services.store.keys import Keys
+from services.store.keys import CONSUMER_GROUP, Keys
 from services.store.routing_checks import RoutingChecks, in_context
 from services.store.validate import GroupState, TrajState, Write
 
@@ -208,9 +208,10 @@ class Appender:
         if isinstance(w, validate.BeginWrite):
             keys = [k.traj(tid), k.traj_done(tid), k.group(w.group_id),
                     k.group_members(w.group_id), k.group_done(w.group_id), k.stats,
-                    k.open_groups]
+                    k.open_groups, k.ready]
             args = [tid, w.header, w.group_size, w.prompt_len, self.cfg.max_backlog_tokens,
-                    self.cfg.max_inflight_trajectories, time.time(), w.group_id]
+                    self.cfg.max_inflight_trajectories, time.time(), w.group_id,
+                    self.cfg.max_groups_ahead or 0, CONSUMER_GROUP]
             p.evalsha(self._sha["BEGIN"], len(keys), *keys, *args)
         elif isinstance(w, validate.SegmentWrite):
             gid = w.group_id
@@ -236,7 +237,7 @@ class Appender:
         if code == "dup":
             result.duplicates += 1
             return
-        if code in ("backlog", "inflight"):
+        if code in _LIMITS:
             self._refuse(code)
         if code != "ok":
             raise ValueError(f"{_COMMIT_ERRORS[code]} [trajectory_id={w.trajectory_id!r} "
@@ -267,11 +268,15 @@ class Appender:
 
     def _refuse(self, code: str) -> None:
         self._metric("r3flow_store_rejections_total", code).inc()
-        limit = "max_backlog_tokens" if code == "backlog" else "max_inflight_trajectories"
+        limit = _LIMITS[code]
         value = getattr(self.cfg, limit)
         raise CapacityError(f"begin: store over {limit}={value}; retry later", reason=code,
                             retry_after_ms=self.cfg.backpressure_retry_ms)
 
+
+# Lua refusal code -> the StoreConfig limit it enforces (RESOURCE_EXHAUSTED, retry later).
+_LIMITS = {"backlog": "max_backlog_tokens", "inflight": "max_inflight_trajectories",
+           "groups_ahead": "max_groups_ahead"}
 
 _STATE_FIELDS = ("next", "state", "plen", "rows", "tokens", "nseg", "layout", "gid")
 

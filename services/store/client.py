@@ -138,10 +138,13 @@ class StoreClient:
 
     # ---- trainer side ---------------------------------------------------------------------
     def pull(self, consumer: str, max_groups: int = 1, lease_seconds: int = 0,
-             wait_ms: int = 0) -> list[store_pb2.PulledGroup]:
-        """Lease up to `max_groups` complete groups; ack them with `ack` after training."""
+             wait_ms: int = 0, session: str = "") -> list[store_pb2.PulledGroup]:
+        """Lease up to `max_groups` complete groups; ack them with `ack` after training.
+        `session` (one per puller process): its own expired leases are renewed, not counted
+        as redeliveries toward the store's dead-letter limit."""
         req = store_pb2.PullRequest(consumer=consumer, max_groups=max_groups,
-                                    lease_seconds=lease_seconds, wait_ms=wait_ms)
+                                    lease_seconds=lease_seconds, wait_ms=wait_ms,
+                                    session=session)
         return self._with_retry(lambda: self._pull_once(req), "pull")
 
     def _pull_once(self, req: store_pb2.PullRequest) -> list[store_pb2.PulledGroup]:

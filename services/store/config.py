@@ -71,6 +71,20 @@ class StoreConfig(StrictConfig):
         0.05, ge=0, lt=1, description="fraction of Redis maxmemory kept free: above "
         "(1 - reserve) x maxmemory new trajectories are refused (RESOURCE_EXHAUSTED), so open "
         "ones can finish and pulls and acks, which free memory, still work (0 = none)")
+    max_groups_ahead: int | None = Field(
+        None, ge=1, description="the backlog budget in groups: complete groups not yet "
+        "delivered to a trainer plus groups begun and not complete. At it, the first trajectory "
+        "of a new group is refused (RESOURCE_EXHAUSTED with a retry hint) and rollout workers "
+        "wait before starting one (they read it from GetStats), whatever the trainer is doing "
+        "(training, checkpointing, down, restarting): rollouts run at most this many groups "
+        "ahead of it. Delivered, not yet acked groups do not count (a trainer acks only at its "
+        "checkpoint). None = no budget in groups (max_backlog_tokens still holds)")
+    max_redeliveries: int | None = Field(
+        3, ge=0, description="a group whose lease expired after 1 + max_redeliveries "
+        "deliveries (to different trainer sessions) is dead-lettered instead of delivered "
+        "again: kept under <key_prefix>deadletter with its reason, never trained, counted as "
+        "dropped `dead_letter` and in r3flow_store_dead_lettered_total; None = redeliver "
+        "forever")
     backpressure_retry_ms: int = Field(500, ge=1, description="retry hint sent with refusals")
     max_policy_lag: int | None = Field(
         4, ge=0, description="drop groups whose oldest segment lags more versions (None = never)")

@@ -2,7 +2,9 @@
 
 Append: services/store/append.py (validate a whole stream, then commit it by Lua scripts).
 Pull/ack: complete groups are entries of a Redis Stream read by one consumer group; a pull
-first claims entries whose lease expired, then reads new ones.
+first claims entries whose lease expired, then reads new ones. An expired lease taken back by the
+puller's own session is renewed (not a redelivery); a group redelivered more than
+`max_redeliveries` times is dead-lettered (services/store/dead_letter.py).
 """
 
 from __future__ import annotations
@@ -24,11 +26,28 @@ from services.store import lua
 from services.store.append import Appender, AppendResult
 from services.store.assemble import Delivery, assemble_group
 from services.store.config import StoreConfig
+from services.store.dead_letter import REASON as DEAD_LETTER
+from services.store.dead_letter import dead_letter_of, keep
 from services.store.errors import CapacityError, redis_full
 from services.store.keys import CONSUMER_GROUP, Keys
 
 log = logging.getLogger(__name__)
 _REASON = re.compile(r"[a-z_]{1,40}")
+_STORE_REASONS = ("acked", "aborted", "missing", DEAD_LETTER)
+
+
+@dataclass(frozen=True)
+class _Puller:
+    consumer: str
+    session: str = ""
+
+
+def _parse_lease(value: bytes | None, default_ms: int) -> tuple[int, str]:
+    """A leases-hash value `<lease ms>[|<session>]` -> (lease ms, session)."""
+    if not value:
+        return default_ms, ""
+    ms, _, session = _s(value).partition("|")
+    return int(ms), session
 
 
 @dataclass
@@ -37,6 +56,7 @@ class StatsSnapshot:
     groups_ready: int = 0
     groups_pending: int = 0
     policy_version: int = 0
+    groups_open: int = 0
 
     def dropped_by_reason(self) -> dict[str, int]:
         return {k.removeprefix("dropped:"): v for k, v in self.counters.items()
@@ -95,15 +115,16 @@ class TrajectoryStoreCore:
 
     # ---- pull / ack ----------------------------------------------------------------------
     def pull(self, consumer: str, max_groups: int, lease_seconds: int = 0,
-             wait_ms: int = 0) -> list[Delivery]:
-        """Up to `max_groups` complete groups, leased to `consumer` (expired leases first)."""
+             wait_ms: int = 0, session: str = "") -> list[Delivery]:
+        """Up to `max_groups` complete groups, leased to `consumer` (expired leases first);
+        `session` names the puller's process (see the module docstring)."""
         if not consumer:
             raise ValueError("consumer: required (names the lease holder)")
         if max_groups < 1:
             raise ValueError(f"max_groups: {max_groups} < 1")
         t0 = time.perf_counter()
         try:
-            out = self._pull(consumer, max_groups, lease_seconds, wait_ms)
+            out = self._pull(_Puller(consumer, session), max_groups, lease_seconds, wait_ms)
         except redis.ResponseError as e:
             if "NOGROUP" not in str(e):
                 raise
@@ -112,43 +133,72 @@ class TrajectoryStoreCore:
         self._metric("r3flow_store_pull_seconds").observe(time.perf_counter() - t0)
         return out
 
-    def _pull(self, consumer: str, max_groups: int, lease_seconds: int,
+    def _pull(self, who: _Puller, max_groups: int, lease_seconds: int,
               wait_ms: int) -> list[Delivery]:
         lease_ms = 1000 * (lease_seconds or self.cfg.lease_seconds)
         block = min(wait_ms, self.cfg.max_wait_ms) or None
         out: list[Delivery] = []
         while len(out) < max_groups:
-            entries = self._claim_expired(consumer, max_groups - len(out))
-            entries += self._read_new(consumer, max_groups - len(out) - len(entries),
+            entries = self._claim_expired(who, max_groups - len(out))
+            entries += self._read_new(who.consumer, max_groups - len(out) - len(entries),
                                       None if entries else block)
             if not entries:
                 break
             block = None  # only the first read waits
-            self._set_leases(entries, lease_ms)
+            self._set_leases(entries, lease_ms, who.session)
             out += [d for d in (self._deliver(e) for e in entries) if d is not None]
         return out
 
-    def _claim_expired(self, consumer: str, count: int) -> list[tuple[str, int]]:
+    def _claim_expired(self, who: _Puller, count: int) -> list[tuple[str, int]]:
         pending = self.r.xpending_range(self.keys.ready, CONSUMER_GROUP, "-", "+",
                                         max(100, 4 * count), idle=1000)
         if not pending:
             return []
         leases = self.r.hmget(self.keys.leases, [p["message_id"] for p in pending])
         claimed: list[tuple[str, int]] = []
+        redelivered = 0
+        limit = self.cfg.max_redeliveries
         for p, lease in zip(pending, leases, strict=True):
-            lease_ms = int(lease or 1000 * self.cfg.lease_seconds)
+            lease_ms, holder = _parse_lease(lease, 1000 * self.cfg.lease_seconds)
             if len(claimed) >= count or p["time_since_delivered"] < lease_ms:
                 continue
+            eid, times = _s(p["message_id"]), int(p["times_delivered"])
+            renew = bool(who.session) and holder == who.session
+            if not renew and limit is not None and times > limit:
+                self._dead_letter(who.consumer, eid, times, _s(p["consumer"]), lease_ms)
+                continue
             # XCLAIM re-checks the idle time, so two pullers never both win one entry; without
-            # JUSTID it also counts the delivery.
-            got = self.r.xclaim(self.keys.ready, CONSUMER_GROUP, consumer, lease_ms,
-                                [p["message_id"]])
-            if got and got[0] and got[0][0]:
-                claimed.append((_s(got[0][0]), int(p["times_delivered"]) + 1))
-        if claimed:
-            self.r.hincrby(self.keys.stats, "redeliveries", len(claimed))
-            self._metric("r3flow_store_redeliveries_total").inc(len(claimed))
+            # JUSTID it also counts the delivery (a renewal by the same session does not).
+            got = self.r.xclaim(self.keys.ready, CONSUMER_GROUP, who.consumer, lease_ms, [eid],
+                                justid=renew)
+            if got and (renew or (got[0] and got[0][0])):
+                claimed.append((eid, times if renew else times + 1))
+                redelivered += not renew
+        if redelivered:
+            self.r.hincrby(self.keys.stats, "redeliveries", redelivered)
+            self._metric("r3flow_store_redeliveries_total").inc(redelivered)
         return claimed
+
+    def _dead_letter(self, consumer: str, eid: str, times: int, holder: str,
+                     lease_ms: int) -> None:
+        """Set aside a group delivered `times` times without an ack: its record is kept,
+        it is released as dropped `dead_letter` and never delivered again."""
+        if not self.r.xclaim(self.keys.ready, CONSUMER_GROUP, consumer, lease_ms, [eid],
+                             justid=True):
+            return  # another puller took it first
+        found = self.r.xrange(self.keys.ready, eid, eid)
+        gid = _s(found[0][1][b"g"]) if found else "?"
+        d = assemble_group(self.r, self.keys, gid, eid, times) if found else None
+        assert self.cfg.max_redeliveries is not None
+        rec = dead_letter_of(d, gid, eid, times, holder, self.cfg.max_redeliveries)
+        keep(self.r, self.keys, rec, d, self.cfg.tombstone_seconds)
+        n = len(rec.trajectory_ids)
+        if self._release(eid, consumer, DEAD_LETTER, n) == 1:
+            self.r.hincrby(self.keys.stats, "groups_dead_lettered", 1)
+            self._metric("r3flow_store_dead_lettered_total").inc()
+            self._metric("r3flow_store_dropped_total", DEAD_LETTER).inc(n)
+            log.error("group %s dead-lettered: %s (%d trajectories; record in %s)", gid,
+                      rec.reason, n, self.keys.dead_letters)
 
     def _read_new(self, consumer: str, count: int, block_ms: int | None
                   ) -> list[tuple[str, int]]:
@@ -161,8 +211,9 @@ class TrajectoryStoreCore:
             self.r.hincrby(self.keys.stats, "groups_delivered", len(entries))
         return entries
 
-    def _set_leases(self, entries: list[tuple[str, int]], lease_ms: int) -> None:
-        self.r.hset(self.keys.leases, mapping={eid: lease_ms for eid, _ in entries})
+    def _set_leases(self, entries: list[tuple[str, int]], lease_ms: int, session: str) -> None:
+        value = f"{lease_ms}|{session}" if session else lease_ms
+        self.r.hset(self.keys.leases, mapping={eid: value for eid, _ in entries})
 
     def _deliver(self, entry: tuple[str, int]) -> Delivery | None:
         eid, count = entry
@@ -208,7 +259,8 @@ class TrajectoryStoreCore:
     def drop(self, consumer: str, delivery_id: str, reason: str, trajectories: int) -> int:
         """Ack a delivered group the trainer quarantined, counted as dropped by `reason`."""
         check_delivery_id(delivery_id, "dropped.delivery_id")
-        if not _REASON.fullmatch(reason) or reason in ("acked", "stale", "aborted", "missing"):
+        # `stale` is shared: a trainer drops at intake what is older than its own lag.
+        if not _REASON.fullmatch(reason) or reason in _STORE_REASONS:
             raise ValueError(f"dropped.reason: {reason!r} must match [a-z_]{{1,40}} and not be "
                              "a reason of the store's own")
         done = self._release(delivery_id, consumer, reason, trajectories)
@@ -259,10 +311,12 @@ class TrajectoryStoreCore:
             p.xlen(self.keys.ready)
             p.xpending(self.keys.ready, CONSUMER_GROUP)
             p.get(self.keys.policy_version)
-            raw, length, pending, pv = p.execute(raise_on_error=False)
+            p.zcard(self.keys.open_groups)
+            raw, length, pending, pv, n_open = p.execute(raise_on_error=False)
         counters = {_s(k): int(v) for k, v in raw.items()}
         n_pending = int(pending["pending"]) if isinstance(pending, dict) else 0
-        snap = StatsSnapshot(counters, max(0, int(length) - n_pending), n_pending, int(pv or 0))
+        snap = StatsSnapshot(counters, max(0, int(length) - n_pending), n_pending, int(pv or 0),
+                             int(n_open or 0))
         self._metric("r3flow_store_backlog_tokens").set(counters.get("backlog_tokens", 0))
         self._metric("r3flow_store_groups_ready").set(snap.groups_ready)
         self._metric("r3flow_store_policy_version").set(snap.policy_version)

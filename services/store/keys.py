@@ -53,6 +53,16 @@ class Keys:
         return f"{self.prefix}leases"
 
     @property
+    def dead_letters(self) -> str:
+        """Hash group id -> JSON record of a dead-lettered group (reason, deliveries, ids)."""
+        return f"{self.prefix}deadletter"
+
+    def dead_letter_group(self, group_id: str) -> str:
+        """The dead-lettered group's last delivery (serialized PulledGroup), for inspection;
+        expires after tombstone_seconds."""
+        return f"{self.prefix}dl:{group_id}"
+
+    @property
     def stats(self) -> str:
         """Hash of durable counters (appended, complete, backlog_tokens, inflight, ...)."""
         return f"{self.prefix}stats"

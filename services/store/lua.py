@@ -34,9 +34,21 @@ local function delete_group(prefix, gid, ttl, stats)
 end
 """
 
-# KEYS: traj, traj_done, group, group_members, group_done, stats, open
-# ARGV: tid, header, group_size, prompt_len, max_backlog, max_inflight, now, gid
-BEGIN = """
+# Groups ahead of the trainer: open (begun, incomplete) + ready and not yet delivered.
+# KEYS: open, ready; ARGV[1]: consumer group. A missing consumer group counts none pending.
+_AHEAD = """
+local function groups_ahead(open_key, ready_key, cgroup)
+  local n = redis.call('ZCARD', open_key) + redis.call('XLEN', ready_key)
+  local p = redis.pcall('XPENDING', ready_key, cgroup)
+  if type(p) == 'table' and p[1] then n = n - tonumber(p[1]) end
+  return n
+end
+"""
+
+# KEYS: traj, traj_done, group, group_members, group_done, stats, open, ready
+# ARGV: tid, header, group_size, prompt_len, max_backlog, max_inflight, now, gid,
+#       max_groups_ahead (0 = none), consumer group
+BEGIN = _AHEAD + """
 if redis.call('EXISTS', KEYS[1]) == 1 or redis.call('EXISTS', KEYS[2]) == 1 then return 'dup' end
 if redis.call('EXISTS', KEYS[5]) == 1 then return 'group_done' end
 local size = redis.call('HGET', KEYS[3], 'size')
@@ -47,6 +59,11 @@ if tonumber(redis.call('HGET', KEYS[6], 'backlog_tokens') or '0') > tonumber(ARG
 end
 if tonumber(redis.call('HGET', KEYS[6], 'inflight') or '0') >= tonumber(ARGV[6]) then
   return 'inflight'
+end
+-- Only a new group waits for the budget: members of a begun group always get in.
+if (not size) and tonumber(ARGV[9]) > 0 and
+    groups_ahead(KEYS[7], KEYS[8], ARGV[10]) >= tonumber(ARGV[9]) then
+  return 'groups_ahead'
 end
 redis.call('HSET', KEYS[1], 'h', ARGV[2], 'gid', ARGV[8], 'next', 1, 'rows', 0,
            'tokens', ARGV[4], 'plen', ARGV[4], 'nseg', 0, 'state', 'open')

@@ -106,7 +106,7 @@ class TrajectoryStoreServicer(store_pb2_grpc.TrajectoryStoreServicer):
     def Pull(self, request, context):  # noqa: N802
         # Serialized PulledGroup bytes: registered with an identity serializer (add_servicer).
         for d in self.core.pull(request.consumer, request.max_groups, request.lease_seconds,
-                                request.wait_ms):
+                                request.wait_ms, request.session):
             yield d.to_bytes()
 
     @_unary
@@ -135,7 +135,7 @@ class TrajectoryStoreServicer(store_pb2_grpc.TrajectoryStoreServicer):
 
     @_unary
     def GetStats(self, request, context):  # noqa: N802
-        return stats_to_proto(self.core.stats())
+        return stats_to_proto(self.core.stats(), self.core.cfg.max_groups_ahead or 0)
 
     @_unary
     def RegisterWorker(self, request, context):  # noqa: N802
@@ -173,7 +173,7 @@ class TrajectoryStoreServicer(store_pb2_grpc.TrajectoryStoreServicer):
             self.core.version_changed.wait(WATCH_POLL_S)
 
 
-def stats_to_proto(s: StatsSnapshot) -> store_pb2.StoreStats:
+def stats_to_proto(s: StatsSnapshot, max_groups_ahead: int = 0) -> store_pb2.StoreStats:
     c = s.counters
     return store_pb2.StoreStats(
         trajectories_appended=c.get("trajectories_appended", 0),
@@ -182,7 +182,9 @@ def stats_to_proto(s: StatsSnapshot) -> store_pb2.StoreStats:
         groups_acked=c.get("groups_acked", 0), backlog_tokens=max(0, c.get("backlog_tokens", 0)),
         dropped_stale=c.get("dropped:stale", 0), redeliveries=c.get("redeliveries", 0),
         policy_version=s.policy_version, dropped_by_reason=s.dropped_by_reason(),
-        groups_leased=s.groups_pending)
+        groups_leased=s.groups_pending, groups_open=s.groups_open,
+        max_groups_ahead=max_groups_ahead,
+        groups_dead_lettered=c.get("groups_dead_lettered", 0))
 
 
 class _HandlerCapture:

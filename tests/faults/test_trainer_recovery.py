@@ -36,7 +36,7 @@ class Store:
     def __init__(self, groups, worker_version: int, published: int = 0) -> None:
         self.ready, self.worker_version, self.published = list(groups), worker_version, published
 
-    def pull(self, consumer, max_groups, lease_seconds=0, wait_ms=0):
+    def pull(self, consumer, max_groups, lease_seconds=0, wait_ms=0, session=""):
         got, self.ready = self.ready[:max_groups], self.ready[max_groups:]
         return got
 
@@ -102,7 +102,7 @@ def test_a_group_redelivered_while_its_batch_waits_is_trained_once(tmp_path):
             again.delivery_id = "d0-again"
             self.pulls = iter([[_group(0)], [], [again], [_group(1)]])
 
-        def pull(self, consumer, max_groups, lease_seconds=0, wait_ms=0):
+        def pull(self, consumer, max_groups, lease_seconds=0, wait_ms=0, session=""):
             return next(self.pulls)
 
     cfg = TrainerConfig(data={"groups_per_step": 2},

@@ -21,7 +21,7 @@ class ListStore:
         self.ready, self.acked, self.versions = list(groups), [], []
         self.workers, self.plans = list(workers), queue.Queue()
 
-    def pull(self, consumer, max_groups, lease_seconds=0, wait_ms=0):
+    def pull(self, consumer, max_groups, lease_seconds=0, wait_ms=0, session=""):
         got, self.ready = self.ready[:max_groups], self.ready[max_groups:]
         return got
 

@@ -6,7 +6,7 @@ import grpc
 import pytest
 
 from services.common.pb.r3flow.v1 import trajectory_pb2
-from services.rollout.sink import StoreRejected, StoreSink
+from services.rollout.sink import MemorySink, StoreRejected, StoreSink
 from services.store.client import RETRY_AFTER_KEY
 
 
@@ -60,3 +60,54 @@ def test_invalid_argument_is_a_rejection_naming_the_trajectory():
     sink = StoreSink(FlakyClient(1, FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT)))
     with pytest.raises(StoreRejected, match="store rejected t0: segment.routing: 3 rows"):
         asyncio.run(sink.send_group(group(1)))
+
+
+class StatsClient:
+    """Answers GetStats from a list of StoreStats (the last one repeats); None = store down."""
+
+    def __init__(self, *stats) -> None:  # noqa: ANN002
+        self.stats_seq, self.calls = list(stats), 0
+
+    def stats(self):  # noqa: ANN201
+        self.calls += 1
+        s = self.stats_seq.pop(0) if len(self.stats_seq) > 1 else self.stats_seq[0]
+        if s is None:
+            raise FakeRpcError(grpc.StatusCode.UNAVAILABLE)
+        return s
+
+
+def test_room_is_the_budget_less_ready_and_open_groups():
+    from services.common.pb.r3flow.v1 import store_pb2
+
+    full = store_pb2.StoreStats(max_groups_ahead=4, groups_ready=3, groups_open=1)
+    sink = StoreSink(StatsClient(full, store_pb2.StoreStats(max_groups_ahead=4, groups_ready=1),
+                                 None))
+    assert [asyncio.run(sink.room()) for _ in range(3)] == [0, 3, 0]  # down: no room
+
+
+def test_a_store_without_budget_is_asked_again_only_later():
+    from services.common.pb.r3flow.v1 import store_pb2
+
+    client = StatsClient(store_pb2.StoreStats())
+    sink = StoreSink(client)
+    assert asyncio.run(sink.room()) is None and asyncio.run(sink.room()) is None
+    assert client.calls == 1
+
+
+def test_a_worker_waits_while_the_budget_has_no_room_for_its_unsent_groups():
+    """The hold ends when the trainer takes groups, not when a new version comes."""
+    from services.rollout.worker import wait_for_room
+
+    class Sink(MemorySink):
+        def __init__(self, rooms: list[int]) -> None:
+            super().__init__()
+            self.rooms, self.asked = rooms, 0
+
+        async def room(self) -> int | None:
+            self.asked += 1
+            return self.rooms.pop(0)
+
+    sink = Sink([1, 1, 0, 2])  # one unsent group: room 1 holds it, 2 lets the next start
+    asyncio.run(wait_for_room(sink, lambda: 1, 0.001))
+    assert sink.asked == 4
+    assert asyncio.run(wait_for_room(MemorySink(), lambda: 10**6, 0.001)) is None  # no budget

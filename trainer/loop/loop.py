@@ -1,6 +1,11 @@
 """The store-driven training loop, split into named steps:
-pull_batch -> (ranks) align_routing + train_step -> push_weights -> checkpoint (+ ack)
--> export_hf (every run.hf_export_every steps: HF-format weights for evaluation).
+pull_batch -> (ranks) align_routing + train_step -> publish_version -> push_weights
+-> checkpoint (+ ack) -> export_hf (every run.hf_export_every steps: HF-format weights).
+
+Staleness: the policy version moves and is published to the store after every update (the
+store's stale drop and the rollouts' throttle read it), not only at checkpoints; at intake a
+group whose oldest segment lags it by more than `data.max_policy_lag` is acked as dropped
+`stale`, never trained (trainer.loop.staleness). A resumed trainer republishes its version.
 
 Data position: groups are acked only once a checkpoint that contains their step is written, so
 a crashed trainer's un-acked groups are redelivered by the store after their lease and nothing
@@ -17,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,6 +32,7 @@ from trainer.config import TrainerConfig
 from trainer.loop.ledger import TrainedIdsLedger
 from trainer.loop.metrics import TrainerMetrics, reduce_metrics
 from trainer.loop.ranks import Ranks, RankTransport
+from trainer.loop.staleness import staleness
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +52,9 @@ class TrainLoop:
         self.cfg, self.client = cfg, client
         self.metrics, self.push_fn = TrainerMetrics.of(metrics), push_fn
         self.pending_acks: list[str] = []
+        # This process's pulls: the store renews (does not redeliver) our own expired leases,
+        # so a batch that waits long is not dead-lettered; a restarted trainer is a new session.
+        self.session = uuid.uuid4().hex
         self._last_resync = 0.0
         self._hf_exported = -1  # step of the last HF export (no second one at the same step)
         self.pos = DataPosition()
@@ -63,6 +73,7 @@ class TrainLoop:
         else:
             self._version_of_store()
         self.ledger.resumed(self.pos.step)
+        self.publish_version()
 
     def _version_of_store(self) -> None:
         """The store and its engines may be at version N from earlier runs: they ignore plans
@@ -104,15 +115,32 @@ class TrainLoop:
             if stop():
                 return []
             got = self.client.pull(d.consumer, d.groups_per_step - len(batch),
-                                   lease_seconds=d.lease_seconds, wait_ms=d.wait_ms)
+                                   lease_seconds=d.lease_seconds, wait_ms=d.wait_ms,
+                                   session=self.session)
             if not got:
                 self.resync_lagging_workers()
-            for g in got:
-                if g.group_id in trained:
-                    self.pending_acks.append(g.delivery_id)
-                else:
-                    batch[g.group_id] = g
+            fresh = self.drop_stale([g for g in got if g.group_id not in trained])
+            self.pending_acks += [g.delivery_id for g in got if g.group_id in trained]
+            batch.update((g.group_id, g) for g in fresh)
         return list(batch.values())
+
+    def drop_stale(self, groups: list) -> list:
+        """Ack as dropped `stale` the groups older than `data.max_policy_lag` versions (their
+        oldest segment counts); returns the others."""
+        lag = self.cfg.data.max_policy_lag
+        if lag is None:
+            return groups
+        v = self.pos.policy_version
+        stale = [g for g in groups if staleness(g, v) > lag]
+        if stale:
+            self.client.ack(self.cfg.data.consumer, [], dropped=[
+                (g.delivery_id, "stale", len(g.trajectories)) for g in stale])
+            self.metrics.stale(len(stale))
+            log.warning("dropped %d stale group(s) at intake (trainer v%d, max_policy_lag %d): "
+                        "%s", len(stale), v, lag,
+                        ", ".join(f"{g.group_id} ({staleness(g, v)} behind)" for g in stale))
+        dropped = {g.group_id for g in stale}
+        return [g for g in groups if g.group_id not in dropped]
 
     def train_step(self, groups: list) -> dict:
         """Scatter whole groups to the ranks; each aligns routing and steps; reduce metrics."""
@@ -160,7 +188,13 @@ class TrainLoop:
             log.warning("idle with worker(s) %s behind v%d: pushing the weights again as v%d",
                         behind, self.pos.policy_version, self.pos.policy_version + 1)
             self._set_version(self.pos.policy_version + 1)
+            self.publish_version()
             self._push_now()
+
+    def publish_version(self) -> None:
+        """Publish the trainer's policy version to the store (after every update, at resume):
+        the store's stale drop and the rollouts' throttle read it. The store never lowers it."""
+        self.client.publish_policy_version(self.pos.policy_version)
 
     def push_weights(self) -> None:
         """Push the weights to the rollout engines (trainer.weight_push; rank 0 sends)."""
@@ -176,7 +210,8 @@ class TrainLoop:
         self.metrics.weight_push(time.perf_counter() - t0)
 
     def checkpoint(self, force: bool = False) -> None:
-        """Save every rank's shard, then ack what it covers and publish the policy version."""
+        """Save every rank's shard, then ack what it covers (the version was published at
+        its step already)."""
         if not force and self.pos.step % self.cfg.run.checkpoint_every:
             return
         acks, self.pending_acks = self.pending_acks, []
@@ -184,7 +219,6 @@ class TrainLoop:
         self.ranks.save(self.pos)
         if acks:
             self.client.ack(self.cfg.data.consumer, acks)
-        self.client.publish_policy_version(self.pos.policy_version)
 
     def export_hf(self, final: bool = False) -> None:
         """Every `run.hf_export_every` steps (and at the end of a run): the full weights in HF
@@ -205,6 +239,7 @@ class TrainLoop:
             if not groups:
                 break
             metrics = self.train_step(groups)
+            self.publish_version()
             self.push_weights()
             self.checkpoint()
             self.export_hf()

@@ -49,6 +49,7 @@ class TrainerMetrics:
     step_seconds: Any = None
     steps: Any = None
     groups_quarantined: Any = None
+    groups_stale: Any = None
     weight_push_seconds: Any = None
     weight_push_failures: Any = None
 
@@ -61,6 +62,7 @@ class TrainerMetrics:
             routing_agreement=r.get(PREFIX + "routing_agreement_ratio"),
             step_seconds=r.get(PREFIX + "step_seconds"), steps=r.get(PREFIX + "steps_total"),
             groups_quarantined=r.get(PREFIX + "groups_quarantined_total"),
+            groups_stale=r.get(PREFIX + "groups_stale_total"),
             weight_push_seconds=r.get(PREFIX + "weight_push_seconds"),
             weight_push_failures=r.get(PREFIX + "weight_push_failures_total"))
 
@@ -81,6 +83,10 @@ class TrainerMetrics:
     def quarantined(self, reason: str) -> None:
         if self.groups_quarantined is not None:
             self.groups_quarantined.labels(reason=reason).inc()
+
+    def stale(self, groups: int) -> None:
+        if self.groups_stale is not None:
+            self.groups_stale.inc(groups)
 
     def weight_push(self, seconds: float) -> None:
         if self.weight_push_seconds is not None:

@@ -65,16 +65,18 @@ class AppendResponse(_message.Message):
     def __init__(self, accepted: _Optional[int] = ..., duplicates: _Optional[int] = ..., policy_version: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("consumer", "max_groups", "lease_seconds", "wait_ms")
+    __slots__ = ("consumer", "max_groups", "lease_seconds", "wait_ms", "session")
     CONSUMER_FIELD_NUMBER: _ClassVar[int]
     MAX_GROUPS_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     consumer: str
     max_groups: int
     lease_seconds: int
     wait_ms: int
-    def __init__(self, consumer: _Optional[str] = ..., max_groups: _Optional[int] = ..., lease_seconds: _Optional[int] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+    session: str
+    def __init__(self, consumer: _Optional[str] = ..., max_groups: _Optional[int] = ..., lease_seconds: _Optional[int] = ..., wait_ms: _Optional[int] = ..., session: _Optional[str] = ...) -> None: ...
 
 class PulledGroup(_message.Message):
     __slots__ = ("delivery_id", "group_id", "trajectories", "delivery_count")
@@ -131,7 +133,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StoreStats(_message.Message):
-    __slots__ = ("trajectories_appended", "trajectories_complete", "groups_ready", "groups_delivered", "groups_acked", "backlog_tokens", "dropped_stale", "redeliveries", "policy_version", "dropped_by_reason", "groups_leased")
+    __slots__ = ("trajectories_appended", "trajectories_complete", "groups_ready", "groups_delivered", "groups_acked", "backlog_tokens", "dropped_stale", "redeliveries", "policy_version", "dropped_by_reason", "groups_leased", "groups_open", "max_groups_ahead", "groups_dead_lettered")
     class DroppedByReasonEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +152,9 @@ class StoreStats(_message.Message):
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     DROPPED_BY_REASON_FIELD_NUMBER: _ClassVar[int]
     GROUPS_LEASED_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_OPEN_FIELD_NUMBER: _ClassVar[int]
+    MAX_GROUPS_AHEAD_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_DEAD_LETTERED_FIELD_NUMBER: _ClassVar[int]
     trajectories_appended: int
     trajectories_complete: int
     groups_ready: int
@@ -161,7 +166,10 @@ class StoreStats(_message.Message):
     policy_version: int
     dropped_by_reason: _containers.ScalarMap[str, int]
     groups_leased: int
-    def __init__(self, trajectories_appended: _Optional[int] = ..., trajectories_complete: _Optional[int] = ..., groups_ready: _Optional[int] = ..., groups_delivered: _Optional[int] = ..., groups_acked: _Optional[int] = ..., backlog_tokens: _Optional[int] = ..., dropped_stale: _Optional[int] = ..., redeliveries: _Optional[int] = ..., policy_version: _Optional[int] = ..., dropped_by_reason: _Optional[_Mapping[str, int]] = ..., groups_leased: _Optional[int] = ...) -> None: ...
+    groups_open: int
+    max_groups_ahead: int
+    groups_dead_lettered: int
+    def __init__(self, trajectories_appended: _Optional[int] = ..., trajectories_complete: _Optional[int] = ..., groups_ready: _Optional[int] = ..., groups_delivered: _Optional[int] = ..., groups_acked: _Optional[int] = ..., backlog_tokens: _Optional[int] = ..., dropped_stale: _Optional[int] = ..., redeliveries: _Optional[int] = ..., policy_version: _Optional[int] = ..., dropped_by_reason: _Optional[_Mapping[str, int]] = ..., groups_leased: _Optional[int] = ..., groups_open: _Optional[int] = ..., max_groups_ahead: _Optional[int] = ..., groups_dead_lettered: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
     __slots__ = ("worker_id", "host", "world_size", "policy_version")
