@@ -2,21 +2,14 @@
 
 from __future__ import annotations
 
-import argparse
-import logging
 import sys
 
+from services.common.errors import command_main
 from trainer import cli
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="r3flow train", description=cli.__doc__.splitlines()[0])
-    parser.add_argument("--log-level", default="INFO")
-    cli.add_arguments(parser)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return cli.run(args)
+    return command_main("train", cli.add_arguments, cli.run, argv)
 
 
 if __name__ == "__main__":

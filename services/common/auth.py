@@ -25,7 +25,7 @@ from urllib.parse import urlsplit, urlunsplit
 import grpc
 from pydantic import Field, model_validator
 
-from services.common.config import StrictConfig
+from services.common.config import ConfigError, StrictConfig
 
 log = logging.getLogger(__name__)
 
@@ -57,14 +57,15 @@ def redact_url(url: str) -> str:
 
 
 def read_secret(path: str, field: str) -> bytes:
-    """The bytes of a secret file (surrounding whitespace stripped); ValueError naming `field`."""
+    """The bytes of a secret file (surrounding whitespace stripped); ConfigError (a ValueError)
+    naming `field`."""
     p = Path(path)
     try:
         data = p.read_bytes().strip()
     except OSError as e:
-        raise ValueError(f"{field}: cannot read {p}: {e.strerror}") from None
+        raise ConfigError(f"{field}: cannot read {p}: {e.strerror}") from None
     if not data:
-        raise ValueError(f"{field}: {p} is empty")
+        raise ConfigError(f"{field}: {p} is empty")
     return data
 
 

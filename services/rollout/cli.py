@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from services.common.errors import UserError, command_main
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="TOML/YAML/JSON file with RolloutConfig")
@@ -13,47 +15,63 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="HF model directory (overrides `engine.model`)")
     parser.add_argument("--summary-file", help="JSON summary of sent/failed/abandoned groups, "
                         "kept current while running and final at exit")
-    parser.add_argument("--stop-grace-s", type=float, default=30.0,
+    parser.add_argument("--stop-grace-s", type=_seconds, default=30.0,
                         help="after SIGTERM, seconds in-flight groups may still finish")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override one config field by dotted key (repeatable)")
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}")
+    return value
+
+
+def set_overrides(items: list[str]) -> dict[str, object]:
+    """`--set KEY=VALUE` pairs as dotted-key overrides (UserError naming a malformed one)."""
+    out: dict[str, object] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise UserError(f"--set {item!r}: expected KEY=VALUE")
+        out[key] = value
+    return out
+
+
 def overrides_from_args(args: argparse.Namespace) -> dict[str, object]:
     """Flags and --set KEY=VALUE pairs as dotted-key config overrides."""
-    out: dict[str, object] = {}
-    for item in args.set:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise SystemExit(f"--set {item!r}: expected KEY=VALUE")
-        out[key] = value
+    out = set_overrides(args.set)
     flags = {"store": args.store, "metrics_port": args.metrics_port,
              "worker_id": args.worker_id, "engine.model": args.model}
     out.update({k: v for k, v in flags.items() if v is not None})
     return out
 
 
+def load(args: argparse.Namespace):
+    """The RolloutConfig: every input, validated."""
+    from services.common.config import load_config
+    from services.rollout.config import RolloutConfig
+
+    return load_config(RolloutConfig, args.config, overrides_from_args(args))
+
+
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
-    from services.common.config import load_config
     from services.rollout.app import serve
-    from services.rollout.config import RolloutConfig
 
-    cfg = load_config(RolloutConfig, args.config, overrides_from_args(args))
+    cfg = load(args)
     return asyncio.run(serve(cfg, summary_file=args.summary_file,
                              stop_grace_s=args.stop_grace_s))
 
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m services.rollout.cli ...` (same as `r3flow rollout ...`)."""
-    import logging
-
-    parser = argparse.ArgumentParser(prog="r3flow rollout", description=__doc__)
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return run(args)
+    return command_main("rollout", add_arguments, run, argv)
 
 
 if __name__ == "__main__":  # engine processes re-import the main module: keep this guard

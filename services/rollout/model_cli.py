@@ -5,8 +5,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
+from pathlib import Path
+
+from services.common.errors import UserError, add_common_flags
+from services.rollout.cli import set_overrides
 
 log = logging.getLogger(__name__)
+URI = re.compile(r"[a-z][a-z0-9+.-]*://\S+")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,24 +29,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "a directory once, shared by pods that start together")
     fetch.add_argument("--uri", required=True, help="hf://ORG/REPO[@REV] or an fsspec URI")
     fetch.add_argument("--out", required=True, help="model directory to create")
+    for p in (tiny, fetch):
+        add_common_flags(p, nested=True)
+
+
+def _out_dir(out: str) -> Path:
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise UserError(f"--out {out}: exists and is not a directory")
+    return path
+
+
+def load(args: argparse.Namespace):
+    """tiny-moe: the TinyMoeConfig (family known, --out not a file); fetch: the URI's form."""
+    _out_dir(args.out)
+    if args.model_command == "fetch":
+        if not URI.fullmatch(args.uri):
+            raise UserError(f"--uri {args.uri!r}: expected hf://ORG/REPO[@REV] or an fsspec "
+                            "URI (s3://, gs://, file://...)")
+        return None
+    from services.common.config import load_config
+    from services.rollout.families import FAMILIES
+    from services.rollout.tiny_moe import TinyMoeConfig
+
+    if args.family not in FAMILIES:
+        raise UserError(f"--family: {args.family!r} is not one of {', '.join(FAMILIES)}")
+    return load_config(TinyMoeConfig, args.config, set_overrides(args.set))
 
 
 def run(args: argparse.Namespace) -> int:
+    cfg = load(args)
     if args.model_command == "fetch":
         from services.rollout.model_fetch import run_fetch
 
         return run_fetch(args.uri, args.out)
-    from services.common.config import load_config
     from services.rollout.families import build_family
-    from services.rollout.tiny_moe import TinyMoeConfig
 
-    overrides = {}
-    for item in args.set:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise SystemExit(f"--set {item!r}: expected KEY=VALUE")
-        overrides[key] = value
-    cfg = load_config(TinyMoeConfig, args.config, overrides)
     out = build_family(args.out, args.family, cfg)
     log.info("tiny %s written to %s", args.family, out)
     print(out)

@@ -8,6 +8,8 @@ import os
 import signal
 import threading
 
+from services.common.errors import UserError, command_main
+
 log = logging.getLogger(__name__)
 
 
@@ -25,15 +27,21 @@ def _overrides(args: argparse.Namespace) -> dict[str, object]:
     return {k: v for k, v in pairs.items() if v is not None}
 
 
-def run(args: argparse.Namespace) -> int:
+def load(args: argparse.Namespace):
+    """The StoreConfig and the Redis password (read from its file): every input, validated."""
     from services.common.config import load_config
     from services.store.config import StoreConfig
+
+    cfg = load_config(StoreConfig, args.config, _overrides(args))
+    return cfg, _redis_password(cfg)
+
+
+def run(args: argparse.Namespace) -> int:
     from services.store.malloc_tuning import keep_freed_memory
     from services.store.redis_server import EmbeddedRedis
 
-    cfg = load_config(StoreConfig, args.config, _overrides(args))
+    cfg, password = load(args)
     keep_freed_memory(cfg.malloc_keep_bytes)  # before the first large allocation
-    password = _redis_password(cfg)
     stop = _stop_on_signals()  # before serving: a SIGTERM right after startup is still graceful
     if cfg.redis_url is not None:
         _serve(cfg, cfg.redis_url, password, stop)
@@ -101,7 +109,7 @@ def _wait_for_redis(client, url: str, timeout_s: float = 60.0) -> None:  # noqa:
             return
         except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError) as e:
             if time.monotonic() > deadline:
-                raise RuntimeError(f"redis_url: {url} unreachable for {timeout_s:.0f}s: {e}") from e
+                raise UserError(f"redis_url: {url} unreachable for {timeout_s:.0f}s: {e}") from e
             log.info("waiting for redis at %s: %s", url, e)
             time.sleep(1.0)
 
@@ -115,13 +123,7 @@ def _stop_on_signals() -> threading.Event:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m services.store.cli` (same as `r3flow store`, without the other subcommands)."""
-    parser = argparse.ArgumentParser(prog="r3flow store")
-    parser.add_argument("--log-level", default="INFO")
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return run(args)
+    return command_main("store", add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.auth import ClientAuth
+from services.common.errors import UserError
 from services.common.pb.r3flow.v1 import store_pb2, store_pb2_grpc, trajectory_pb2
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,11 @@ T = TypeVar("T")
 _TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
               grpc.StatusCode.ABORTED}
 RETRY_AFTER_KEY = "retry-after-ms"
+
+
+class StoreNotReady(UserError, TimeoutError):
+    """The store did not turn SERVING in time: at start, most often a wrong address."""
+
 _MAX_MESSAGE = 1 << 30
 
 
@@ -250,5 +256,7 @@ class StoreClient:
             except grpc.RpcError:
                 pass  # not up yet
             if time.monotonic() > deadline:
-                raise TimeoutError(f"store at {self.address} not SERVING after {timeout_s}s")
+                raise StoreNotReady(f"store at {self.address} not SERVING after {timeout_s}s",
+                                    hint="check the store address (--store) and that the "
+                                    "store is running")
             time.sleep(0.05)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_serializer
+from pydantic import Field, field_serializer, field_validator
 
 from services.common.auth import AuthConfig, redact_url
 from services.common.config import StrictConfig
@@ -36,7 +36,8 @@ class StoreConfig(StrictConfig):
     redis: EmbeddedRedisConfig = Field(default_factory=EmbeddedRedisConfig)  # type: ignore[arg-type]
     key_prefix: str = Field("r3f:", description="prefix of every Redis key the store owns")
     metrics_host: str = Field("127.0.0.1", description="bind address of /metrics and /health")
-    metrics_port: int = Field(0, ge=0, description="port of /metrics and /health (0 = any free)")
+    metrics_port: int = Field(0, ge=0, le=65535,
+                              description="port of /metrics and /health (0 = any free)")
     grpc_workers: int = Field(
         256, ge=2, description="server threads; each open Watch* stream and each waiting Pull "
         "holds one, so size it above 2 x rollout workers + trainers")
@@ -104,6 +105,21 @@ class StoreConfig(StrictConfig):
         None, description="file holding the Redis password (used when redis_url has none; "
         "also set as requirepass of the embedded redis-server)")
     worker_ttl_seconds: int = Field(30, ge=1, description="lifetime of a RegisterWorker entry")
+
+    @field_validator("listen")
+    @classmethod
+    def _host_port(cls, v: str) -> str:
+        host, sep, port = v.rpartition(":")
+        if not sep or not host or not port.isdigit() or int(port) > 65535:
+            raise ValueError(f"{v!r} is not HOST:PORT (port 0-65535)")
+        return v
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_scheme(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("must start with redis://, rediss:// or unix://")
+        return v
 
     @field_serializer("redis_url")
     def _redacted(self, url: str | None) -> str | None:

@@ -87,9 +87,9 @@ def test_tiny_moe_fp32_figures():
 
 
 def test_bad_layouts_name_the_field():
-    with pytest.raises(ValueError, match="expert_parallel 3"):
+    with pytest.raises(ValueError, match=r"expert_parallel \(--ep\) 3"):
         plan(TINY, Layout(world=3, ep=3), gpu_gib=1)
-    with pytest.raises(ValueError, match="world size 6"):
+    with pytest.raises(ValueError, match=r"world_size \(--world\) 6"):
         plan(QWEN, Layout(world=6, ep=4), gpu_gib=80)
 
 

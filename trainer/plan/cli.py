@@ -8,7 +8,9 @@ from the spec: trainer/plan/manifest.py), or `--config train.yaml --model M --gp
 from __future__ import annotations
 
 import argparse
-import sys
+from typing import Any
+
+from services.common.errors import UserError, positive
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -18,18 +20,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--config", help="trainer config file (TrainerConfig)")
     src.add_argument("--model", help="known name (Qwen3-30B-A3B, tiny-moe), HF model dir or "
                      "config.json (default with --config: its model_dir)")
-    src.add_argument("--gpu-memory-gib", type=float, help="memory of one GPU (with --config)")
-    src.add_argument("--seq-len", type=int, help="tokens per sequence (with --config)")
+    src.add_argument("--gpu-memory-gib", type=positive(float), help="memory of one GPU (with --config)")
+    src.add_argument("--seq-len", type=positive(int), help="tokens per sequence (with --config)")
     what = p.add_argument_group("what-if overrides")
     for name in ("tp", "pp", "ep", "etp", "cp", "world", "micro-batch"):
-        what.add_argument(f"--{name}", type=int)
+        what.add_argument(f"--{name}", type=positive(int))
     what.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction)
     what.add_argument("--reference", action=argparse.BooleanOptionalAction,
                       help="reference model on/off (default: loss.kl_coef > 0)")
     what.add_argument("--recompute", choices=["none", "moe", "full"])
-    what.add_argument("--vllm-share", type=float, default=0.0,
+    what.add_argument("--vllm-share", type=positive(float, zero=True), default=0.0,
                       help="fraction of the GPU a colocated vLLM engine takes (default 0)")
-    what.add_argument("--overhead-gib", type=float,
+    what.add_argument("--overhead-gib", type=positive(float, zero=True),
                       help="CUDA context + NCCL + fragmentation (default 4 on GPUs, 1 on CPUs)")
     p.add_argument("--check-expected", action="store_true",
                    help="exit 0 when every manifest job's verdict is its r3flow.io/plan-expect "
@@ -52,8 +54,6 @@ def _config_plan(args: argparse.Namespace):
     from trainer.plan.memory import Arch, plan
     from trainer.plan.models import load_model_config
 
-    if args.gpu_memory_gib is None or args.seq_len is None:
-        raise ValueError("--config needs --gpu-memory-gib and --seq-len")
     cfg = load_config(TrainerConfig, args.config)
     arch = Arch.from_hf_config(load_model_config(args.model or cfg.model_dir))
     lay = replace(layout_from_trainer(cfg, args.seq_len), **_overrides(args))
@@ -61,30 +61,40 @@ def _config_plan(args: argparse.Namespace):
     return plan(arch, lay, args.gpu_memory_gib, overhead_gib=overhead, vllm_share=args.vllm_share)
 
 
-def run(args: argparse.Namespace) -> int:
+def _check_flags(args: argparse.Namespace) -> None:
+    if not args.manifest and not args.config:
+        raise UserError("give --manifest FILE or --config FILE")
+    if args.manifest and _overrides(args):
+        raise UserError("what-if overrides go with --config, not --manifest")
+    if args.config and (args.gpu_memory_gib is None or args.seq_len is None):
+        raise UserError("--config needs --gpu-memory-gib and --seq-len")
+
+
+def load(args: argparse.Namespace) -> list[tuple[str, Any, Any]]:
+    """(label, Plan, JobPlan or None) of --config and of every RayJob of every --manifest."""
     from trainer.plan.manifest import plan_manifest
+
+    _check_flags(args)
+    plans: list[tuple[str, Any, Any]] = []
+    if args.config:
+        plans.append((f"{args.config}:", _config_plan(args), None))
+    for path in args.manifest:
+        plans += [(f"{path} {job.where}:", job.plan, job)
+                  for job in plan_manifest(path, args.overhead_gib)]
+    return plans
+
+
+def run(args: argparse.Namespace) -> int:
     from trainer.plan.memory import format_plan
 
-    if not args.manifest and not args.config:
-        print("r3flow plan: give --manifest FILE or --config FILE", file=sys.stderr)
-        return 2
-    if args.manifest and _overrides(args):
-        print("r3flow plan: what-if overrides go with --config, not --manifest", file=sys.stderr)
-        return 2
     ok = True
-    try:
-        if args.config:
-            p = _config_plan(args)
-            print(format_plan(p, f"{args.config}:"))
-            ok = p.fits
-        for path in args.manifest:
-            for job in plan_manifest(path, args.overhead_gib):
-                print(format_plan(job.plan, f"{path} {job.where}:"))
-                if job.expect:
-                    mark = "as expected" if job.as_expected else "NOT AS EXPECTED"
-                    print(f"  expected: {job.expect} ({mark}){': ' + job.reason if job.reason else ''}")
-                ok &= job.as_expected if args.check_expected else job.plan.fits
-    except ValueError as e:
-        print(f"r3flow plan: {e}", file=sys.stderr)
-        return 2
+    for label, p, job in load(args):
+        print(format_plan(p, label))
+        if job is None:
+            ok &= p.fits
+            continue
+        if job.expect:
+            mark = "as expected" if job.as_expected else "NOT AS EXPECTED"
+            print(f"  expected: {job.expect} ({mark}){': ' + job.reason if job.reason else ''}")
+        ok &= job.as_expected if args.check_expected else job.plan.fits
     return 0 if ok else 1

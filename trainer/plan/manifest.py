@@ -21,6 +21,10 @@ from typing import Any
 
 import yaml
 
+from services.common.config import YAML_LOADER, build_config
+from services.common.errors import UserError, syntax_error
+from trainer.config import TrainerConfig
+from trainer.plan import k8s
 from trainer.plan.memory import Arch, GiB, Layout, Plan, Recompute, plan
 from trainer.plan.models import load_model_config
 
@@ -45,9 +49,9 @@ class JobPlan:
 
 def quantity_bytes(q: str | int) -> float:
     """Kubernetes quantity ("1800Gi", "4G", 1024) -> bytes."""
-    m = re.fullmatch(r"([0-9.]+)([KMGT]i?)?", str(q))
+    m = re.fullmatch(r"([0-9]+(?:\.[0-9]*)?)([KMGT]i?)?", str(q))
     if not m:
-        raise ValueError(f"memory quantity {q!r} is not understood")
+        raise UserError(f"memory quantity {q!r} is not understood")
     return float(m.group(1)) * _UNITS[m.group(2) or ""]
 
 
@@ -72,70 +76,83 @@ def _recompute(m: Any) -> Recompute:
     return "moe" if m.recomputes_router else "none"
 
 
-def _pod_groups(job: dict) -> tuple[dict, list[dict]]:
-    cluster = job["spec"]["rayClusterSpec"]
-    return cluster["headGroupSpec"], cluster.get("workerGroupSpecs", [])
+def _config_map_text(docs: list[dict], job: k8s.RayJob, where: str) -> str:
+    head = job.spec.rayClusterSpec.headGroupSpec
+    vol = next((v for v in head.template.spec.volumes if v.name == "config"), None)
+    cm_name = vol.configMap.name if vol and vol.configMap else None
+    for i, d in enumerate(docs):
+        if d["kind"] == "ConfigMap":
+            cm = k8s.parse(k8s.ConfigMap, d, f"ConfigMap (document {i + 1})")
+            if cm.metadata.name == cm_name and "train.yaml" in cm.data:
+                return cm.data["train.yaml"]
+    raise UserError(f"{where}: no ConfigMap {cm_name!r} with train.yaml in the same file")
 
 
-def _config_map_text(docs: list[dict], head: dict, where: str) -> str:
-    vols = {v["name"]: v for v in head["template"]["spec"].get("volumes", [])}
-    cm_name = (vols.get("config") or {}).get("configMap", {}).get("name")
-    for d in docs:
-        if d.get("kind") == "ConfigMap" and d["metadata"]["name"] == cm_name:
-            if "train.yaml" in (d.get("data") or {}):
-                return str(d["data"]["train.yaml"])
-    raise ValueError(f"{where}: no ConfigMap {cm_name!r} with train.yaml in the same file")
+def _number(ann: dict[str, str], key: str, kind: type, where: str) -> Any:
+    try:
+        value = kind(ann[PREFIX + key])
+    except ValueError:
+        raise UserError(f"{where}: annotation {PREFIX}{key}: {ann[PREFIX + key]!r} is not "
+                        f"a{'n integer' if kind is int else ' number'}") from None
+    if not 0 < value < float("inf"):
+        raise UserError(f"{where}: annotation {PREFIX}{key}: {value} must be > 0")
+    return value
 
 
-def _device_memory(workers: list[dict], world: int, ann: dict, where: str) -> float:
+def _device_memory(workers: list[k8s.PodGroup], world: int, ann: dict[str, str],
+                   where: str) -> float:
     """GiB one rank may use: the annotated GPU memory, or (no GPUs) a share of the pod's limit."""
-    gpus = sum(int(g.get("replicas", 1)) * int(c.get("resources", {}).get("limits", {})
-                                               .get("nvidia.com/gpu", 0))
-               for g in workers for c in g["template"]["spec"]["containers"])
+    gpus = sum(g.replicas * int(c.limit("nvidia.com/gpu") or 0)
+               for g in workers for c in g.template.spec.containers)
     if gpus:
         if gpus != world:
-            raise ValueError(f"{where}: worker groups hold {gpus} GPUs but run.world_size is "
-                             f"{world} (one rank per GPU)")
+            raise UserError(f"{where}: worker groups hold {gpus} GPUs but run.world_size is "
+                            f"{world} (one rank per GPU)")
         if PREFIX + "gpu-memory-gib" not in ann:
-            raise ValueError(f"{where}: annotation {PREFIX}gpu-memory-gib is missing")
-        return float(ann[PREFIX + "gpu-memory-gib"])
-    pods = sum(int(g.get("replicas", 1)) for g in workers) or 1
-    limit = quantity_bytes(workers[0]["template"]["spec"]["containers"][0]["resources"]
-                           ["limits"]["memory"]) if workers else 0.0
-    return limit / -(-world // pods) / GiB
+            raise UserError(f"{where}: annotation {PREFIX}gpu-memory-gib is missing")
+        return float(_number(ann, "gpu-memory-gib", float, where))
+    pods = sum(g.replicas for g in workers) or 1
+    memory = workers[0].template.spec.containers[0].limit("memory") if workers else 0
+    if memory is None:
+        raise UserError(f"{where}: workerGroupSpecs[0] container 0 sets no resources.limits."
+                        "memory (a job without GPUs is planned against it)")
+    return quantity_bytes(memory) / -(-world // pods) / GiB
 
 
-def plan_rayjob(docs: list[dict], job: dict, overhead_gib: float | None = None) -> JobPlan:
+def plan_rayjob(docs: list[dict], doc: dict, overhead_gib: float | None = None) -> JobPlan:
     """Plan one RayJob of `docs` (the documents of its file)."""
-    from services.common.config import ConfigError
-    from trainer.config import TrainerConfig
-
-    where = f"RayJob/{job['metadata']['name']}"
-    ann = job["metadata"].get("annotations") or {}
-    head, workers = _pod_groups(job)
+    job = k8s.parse(k8s.RayJob, doc, f"RayJob/{(doc.get('metadata') or {}).get('name', '?')}")
+    where = f"RayJob/{job.metadata.name}"
+    ann = job.metadata.annotations
+    text = _config_map_text(docs, job, where)
     try:
-        cfg = TrainerConfig.model_validate(yaml.safe_load(_config_map_text(docs, head, where)))
-    except ValueError as e:
-        raise ConfigError(f"{where}: train.yaml: {e}") from None
+        data = yaml.load(text, Loader=YAML_LOADER)  # noqa: S506 (a safe loader)
+    except yaml.YAMLError as e:
+        raise syntax_error(f"{where}: train.yaml", e) from None
+    cfg = build_config(TrainerConfig, data, source=f"{where}: train.yaml")
     for key in ("model", "seq-len"):
         if PREFIX + key not in ann:
-            raise ValueError(f"{where}: annotation {PREFIX}{key} is missing")
+            raise UserError(f"{where}: annotation {PREFIX}{key} is missing")
     expect = ann.get(PREFIX + "expect")
     if expect not in (None, "fits", "does-not-fit"):
-        raise ValueError(f"{where}: {PREFIX}expect must be fits or does-not-fit, not {expect!r}")
+        raise UserError(f"{where}: {PREFIX}expect must be fits or does-not-fit, not {expect!r}")
     reason = ann.get(PREFIX + "expect-reason", "")
     if expect == "does-not-fit" and not reason:
-        raise ValueError(f"{where}: {PREFIX}expect=does-not-fit needs {PREFIX}expect-reason")
+        raise UserError(f"{where}: {PREFIX}expect=does-not-fit needs {PREFIX}expect-reason")
     arch = Arch.from_hf_config(load_model_config(ann[PREFIX + "model"]))
-    lay = layout_from_trainer(cfg, int(ann[PREFIX + "seq-len"]))
+    workers = job.spec.rayClusterSpec.workerGroupSpecs
+    lay = layout_from_trainer(cfg, int(_number(ann, "seq-len", int, where)))
     memory = _device_memory(workers, lay.world, ann, where)
-    on_gpu = any("nvidia.com/gpu" in c.get("resources", {}).get("limits", {})
-                 for g in workers for c in g["template"]["spec"]["containers"])
+    on_gpu = any(c.limit("nvidia.com/gpu") is not None
+                 for g in workers for c in g.template.spec.containers)
     overhead = overhead_gib if overhead_gib is not None else (4.0 if on_gpu else 1.0)
     return JobPlan(where, plan(arch, lay, memory, overhead_gib=overhead), expect, reason)
 
 
 def plan_manifest(path: str | Path, overhead_gib: float | None = None) -> list[JobPlan]:
     """Every RayJob of a (multi-document) manifest file."""
-    docs = [d for d in yaml.safe_load_all(Path(path).read_text()) if d]
-    return [plan_rayjob(docs, d, overhead_gib) for d in docs if d.get("kind") == "RayJob"]
+    docs = k8s.read_documents(path)
+    try:
+        return [plan_rayjob(docs, d, overhead_gib) for d in docs if d["kind"] == "RayJob"]
+    except UserError as e:  # the job names itself; add the file it is in
+        raise UserError(f"{path}: {e}", e.hint) from e

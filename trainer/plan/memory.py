@@ -50,6 +50,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from services.common.errors import UserError
+
 GiB = 1 << 30
 Recompute = Literal["none", "moe", "full"]
 
@@ -91,7 +93,9 @@ class Arch:
                 vocab=int(cfg["vocab_size"]),
                 tied_embeddings=bool(cfg.get("tie_word_embeddings", False)))
         except KeyError as e:
-            raise ValueError(f"model config: missing key {e.args[0]!r}") from None
+            raise UserError(f"model config: missing key {e.args[0]!r}") from None
+        except (TypeError, ValueError, ZeroDivisionError) as e:
+            raise UserError(f"model config: a value is not a number: {e}") from None
 
     @property
     def dense_layers(self) -> int:
@@ -133,17 +137,19 @@ class Layout:
     seq_len: int = 4096
 
     def check(self, arch: Arch) -> None:
-        """ValueError naming the field when the layout cannot be built."""
+        """UserError naming the field when the layout cannot be built."""
         if self.world % (self.tp * self.pp * self.cp):
-            raise ValueError(f"world size {self.world}: not a multiple of TP x PP x CP "
-                             f"= {self.tp * self.pp * self.cp}")
+            raise UserError(f"run.world_size (--world) {self.world}: not a multiple of --tp x "
+                            f"--pp x --cp = {self.tp * self.pp * self.cp}")
         if self.world % (self.ep * self.etp * self.pp):
-            raise ValueError(f"world size {self.world}: not a multiple of EP x ETP x PP "
-                             f"= {self.ep * self.etp * self.pp}")
+            raise UserError(f"run.world_size (--world) {self.world}: not a multiple of --ep x "
+                            f"--etp x --pp = {self.ep * self.etp * self.pp}")
         if arch.experts % self.ep:
-            raise ValueError(f"expert_parallel {self.ep}: does not divide {arch.experts} experts")
+            raise UserError(f"model.expert_parallel (--ep) {self.ep}: does not divide "
+                            f"{arch.experts} experts")
         if arch.num_layers % self.pp:
-            raise ValueError(f"pipeline_parallel {self.pp}: does not divide {arch.num_layers} layers")
+            raise UserError(f"model.pipeline_parallel (--pp) {self.pp}: does not divide "
+                            f"{arch.num_layers} layers")
 
     @property
     def dp(self) -> int:
@@ -237,7 +243,7 @@ def plan(arch: Arch, lay: Layout, gpu_gib: float, overhead_gib: float = 4.0,
     """The per-rank memory table of `lay` on a GPU of `gpu_gib` GiB."""
     lay.check(arch)
     if not 0.0 <= vllm_share < 1.0:
-        raise ValueError(f"vllm_share: {vllm_share} is not in [0, 1)")
+        raise UserError(f"vllm_share: {vllm_share} is not in [0, 1)")
     dense, expert = params_per_rank(arch, lay)
     rows = _state_bytes(lay, dense, expert) | activation_bytes(arch, lay)
     rows["vLLM KV share"] = vllm_share * gpu_gib * GiB

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from services.common.errors import UserError, syntax_error
+
 # Qwen/Qwen3-30B-A3B config.json (the keys trainer/hf_mapping.py and the planner read).
 QWEN3_30B_A3B = {
     "model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
@@ -44,6 +46,14 @@ def load_model_config(source: str) -> dict:
     path = Path(source)
     path = path / "config.json" if path.is_dir() else path
     if not path.is_file():
-        raise ValueError(f"model config: {source!r} is neither a known name "
+        raise UserError(f"model config: {source!r} is neither a known name "
                          f"({', '.join(known_names())}) nor a config.json / model directory")
-    return json.loads(path.read_text())
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise syntax_error(path, e) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"model config {path}: cannot read: {e}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"model config {path}: not a JSON object")
+    return data
