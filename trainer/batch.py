@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from services.common.pb.r3flow.v1 import trajectory_pb2
 from services.common.routing_rules import RoutingRuleError, RoutingSpec, check_layout, expected_rows
 from trainer.alignment import (
     LayerMap,
@@ -44,6 +45,7 @@ class Sample:
     temperature: np.ndarray | None = None  # [R] sampling temperature per token (None = 1)
     trajectory_id: str = ""
     segment_lens: tuple[int, ...] = ()  # tokens per segment (() = one segment)
+    truncated: bool = False  # finish reason length: hit max_tokens (DAPO overlong filtering)
 
     def agreement_units(self) -> list[tuple[str, int, int]]:
         """(name, first row, end row) of the units routing agreement is judged on: the prompt
@@ -118,7 +120,8 @@ def sample_from_trajectory(traj, layer_map: LayerMap | None, num_experts: int,
                     traj.group_id,
                     policy_version=min((s.policy_version for s in traj.segments), default=0),
                     temperature=temps, trajectory_id=traj.trajectory_id,
-                    segment_lens=tuple(len(s.token_ids) for s in traj.segments))
+                    segment_lens=tuple(len(s.token_ids) for s in traj.segments),
+                    truncated=traj.finish_reason == trajectory_pb2.FINISH_REASON_LENGTH)
     if layer_map is not None:
         if decode is None:
             from services.common.wire import routing_from_proto
@@ -150,6 +153,7 @@ class MicroBatch:
     train_old_lp: torch.Tensor | None = None
     ref_lp: torch.Tensor | None = None
     replay_rows: list[torch.Tensor] | None = None
+    is_weight_BS: torch.Tensor | None = None  # TIS weight per token (trainer.objectives)
 
     @property
     def num_tokens(self) -> int:

@@ -75,6 +75,14 @@ class DataConfig(StrictConfig):
         "counted in r3flow_trainer_groups_stale_total, never trained); the trainer's version "
         "moves at every update. Set it to the store's max_policy_lag; None = no check here "
         "(the store's drop at delivery only)")
+    dynamic_sampling: bool = Field(
+        False, description="DAPO dynamic sampling: a pulled group whose rewards are all equal "
+        "(no advantage, no policy gradient) is acked as dropped and the batch refilled from the "
+        "store")
+    dynamic_sampling_max_pulls: int = Field(
+        4, ge=1, description="a step inspects at most this many x groups_per_step groups; past "
+        "that, equal-reward groups fill the batch (a task the policy always or never solves "
+        "would otherwise stall training)")
 
 
 class RunConfig(StrictConfig):
@@ -132,6 +140,13 @@ class TrainerConfig(StrictConfig):
     ray: RayLaunchConfig = Field(
         default_factory=RayLaunchConfig,  # type: ignore[arg-type]
         description="ray launcher: cluster to join, rank placement")
+
+    @model_validator(mode="after")
+    def _rollout_correction_source(self) -> TrainerConfig:
+        if self.loss.rollout_correction.enabled and self.data.old_logprobs != "trainer":
+            raise ValueError("loss.rollout_correction: TIS/MIS weigh the trainer's old-policy "
+                             "logprobs against the rollout's; set data.old_logprobs: trainer")
+        return self
 
     @model_validator(mode="after")
     def _launcher_world(self) -> TrainerConfig:

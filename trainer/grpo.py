@@ -6,8 +6,10 @@
      agreement per layer and per trajectory unit (RoutingAgreementError below the floor names
      the groups to quarantine; the pass is redone without them on every rank), r2 records the
      policy's own routing, off routes naturally; |rollout - trainer| logprob diff is measured;
-  3. reference pass (when kl_coef > 0) replaying the same routing;
-  4. updates: `optim.ppo_epochs` x `optim.mini_batches` backend updates with the PPO loss.
+  3. reference pass (kl_coef > 0 or kl_metric) replaying the same routing; KL in reward,
+     rollout correction (TIS/MIS) and the off-policy metrics (trainer.corrections);
+  4. updates: `optim.ppo_epochs` x `optim.mini_batches` backend updates with the PPO loss,
+     normalised over the whole update on every data-parallel rank (trainer.objectives).
 Legend: B batch rows, S sequence.
 """
 
@@ -26,14 +28,22 @@ import torch
 from trainer.alignment import LayerMap
 from trainer.batch import MicroBatch, Sample, update_schedule
 from trainer.collectives import any_rank
+from trainer.corrections import (
+    apply_rollout_correction,
+    diff_by_staleness,
+    kl_in_reward,
+    set_advantages,
+    staleness_metrics,
+)
 from trainer.hf.packing import response_logprobs
-from trainer.loss import group_advantages, logprob_diff, ppo_loss, sft_loss, token_logprobs
+from trainer.loss import logprob_diff, ppo_loss, sft_loss, token_logprobs
+from trainer.objectives import UpdateNorm, aggregate, sequence_index, update_norm
 from trainer.protocol import TrainBackend
 from trainer.replay import ReplayMode, RoutingAgreementError
 
 log = logging.getLogger(__name__)
 
-PPO_SUMS = ("ppo_kl", "kl_ref", "clipped", "entropy")
+PPO_SUMS = ("ppo_kl", "kl_ref", "clipped", "clipped_dual", "entropy")
 
 
 def diff_metrics(mbs: Sequence[MicroBatch], lps: Sequence[torch.Tensor], suffix: str) -> dict:
@@ -86,11 +96,8 @@ class GRPOStep:
         return [by_id[id(s)] for s in samples]
 
     def prepare(self, samples: Sequence[Sample]) -> list[MicroBatch]:
-        """Advantages (GRPO, per group) and the backend's micro-batches."""
-        adv = group_advantages([s.reward for s in samples], [s.group_id for s in samples],
-                               self.cfg.loss.adv_eps, self.cfg.loss.adv_std_normalize)
-        for s, a in zip(samples, adv, strict=True):
-            s.advantage = float(a)
+        """Advantages (GRPO, per group, of the shaped rewards) and the backend's micro-batches."""
+        set_advantages(samples, self.cfg.loss)
         return self.backend.microbatches(samples)
 
     def old_policy_pass(self, mbs: Sequence[MicroBatch], mode: ReplayMode) -> dict:
@@ -105,17 +112,32 @@ class GRPOStep:
             agreement.enabled = False
         for mb, lp in zip(mbs, old, strict=True):
             mb.train_old_lp = lp
-            if self.cfg.loss.kl_coef > 0:
+            if self.cfg.loss.uses_reference:
                 mb.ref_lp = self.compute_logprobs([mb], mode, reference=True)[0]
-        metrics: dict[str, Any] = diff_metrics(mbs, old, "")
+        metrics: dict[str, Any] = diff_metrics(mbs, old, "") | self._off_policy(mbs, old, "")
         if self.cfg.replay.compare_off and mode != ReplayMode.OFF:
             # Same batch, same weights, natural routing: what replay bought on this step.
-            metrics |= diff_metrics(mbs, self.compute_logprobs(mbs, ReplayMode.OFF), "_off")
+            off = self.compute_logprobs(mbs, ReplayMode.OFF)
+            metrics |= diff_metrics(mbs, off, "_off") | self._off_policy(mbs, off, "_off")
         agreement.check_used()
         if check:
             metrics |= self._agreement_metrics()
             agreement.check(self.cfg.replay.agreement_floor)
         return metrics
+
+    def _off_policy(self, mbs: Sequence[MicroBatch], lps: Sequence[torch.Tensor],
+                    suffix: str) -> dict[str, Any]:
+        """|Delta logprob| per staleness; once, for the policy pass: staleness, IS weights and
+        mismatch KL, the rollout correction set on `mbs`, KL in the reward."""
+        out = diff_by_staleness(mbs, lps, self.policy_version, suffix)
+        if suffix:
+            return out
+        loss = self.cfg.loss
+        if loss.kl_in == "reward" and loss.kl_coef > 0:
+            kl_in_reward(mbs, loss)
+        samples = [s for mb in mbs for s in mb.samples]
+        return out | staleness_metrics(samples, self.policy_version) | apply_rollout_correction(
+            mbs, loss.rollout_correction, apply=loss.rollout_correction.enabled)
 
     def _agreement_metrics(self) -> dict[str, Any]:
         a = self.backend.agreement
@@ -149,15 +171,19 @@ class GRPOStep:
             samples = [s for s in samples if s.group_id not in bad]
 
     # ------------------------------------------------------------------ steps
-    def _ppo_loss(self, total_tokens: float, acc: dict, mb: MicroBatch,
+    def _ppo_loss(self, norm: UpdateNorm, acc: dict, mb: MicroBatch,
                   logits: torch.Tensor) -> torch.Tensor:
         old = mb.old_logprobs_BS if self.cfg.data.old_logprobs == "rollout" else mb.train_old_lp
         assert old is not None, "old-policy pass must run before the update"
+        cfg, seq, n = self.cfg.loss, sequence_index(mb), len(mb.samples)
         sums = ppo_loss(logits, mb.labels_BS, mb.loss_mask_BS, mb.advantages_BS, old,
-                        mb.ref_lp, self.cfg.loss, mb.temperature_BS)
+                        mb.ref_lp, cfg, mb.temperature_BS, seq_BS=seq, n_seqs=n,
+                        is_weight_BS=mb.is_weight_BS)
         for k in PPO_SUMS:
             acc[k] = acc.get(k, 0.0) + getattr(sums, k)
-        loss = sums.loss / max(total_tokens, 1.0)
+        assert sums.loss_BS is not None
+        loss = aggregate(sums.loss_BS, mb.loss_mask_BS, seq, n, cfg.agg_mode, norm,
+                         cfg.agg_norm_len)
         acc["loss"] = acc.get("loss", 0.0) + float(loss.detach())
         return loss
 
@@ -175,7 +201,8 @@ class GRPOStep:
         acc: dict = {}
         updates = update_schedule(mbs, self.cfg.optim.ppo_epochs, self.cfg.optim.mini_batches)
         with self._test_lr_spike():
-            norms = [self.backend.update(u, mode, partial(self._ppo_loss, _tokens(u), acc))
+            dp = self.backend.data_parallel_size
+            norms = [self.backend.update(u, mode, partial(self._ppo_loss, update_norm(u, dp), acc))
                      for u in updates]
         self.policy_version += 1  # one version per step, however many updates it took
         return metrics | self._step_metrics(samples, mbs, acc, norms, mode, t0)
@@ -201,12 +228,15 @@ class GRPOStep:
 
     def _step_metrics(self, samples: Sequence[Sample], mbs: Sequence[MicroBatch], acc: dict,
                       norms: list[float], mode: ReplayMode, t0: float) -> dict:
-        """Per-token means over every update (ppo_kl is 0 in the first, > 0 after it)."""
+        """Per-token means over every update (ppo_kl is 0 in the first, > 0 after it); a rank
+        that trained no token (filler only) has None, never 0.0, for them."""
         dt, total = time.perf_counter() - t0, _tokens(mbs)
-        seen = max(total * self.cfg.optim.ppo_epochs, 1.0)
-        return {k: acc.get(k, 0.0) / seen for k in ("ppo_kl", "kl_ref", "entropy")} | {
-            "clip_ratio": acc.get("clipped", 0.0) / seen, "loss": acc.get("loss", 0.0) / len(norms),
-            "grad_norm": float(np.mean(norms)), "updates": len(norms),
+        seen = total * self.cfg.optim.ppo_epochs
+        keys = {"ppo_kl": "ppo_kl", "kl_ref": "kl_ref", "entropy": "entropy",
+                "clip_ratio": "clipped", "clip_ratio_dual": "clipped_dual"}
+        means = {k: acc.get(v, 0.0) / seen if seen else None for k, v in keys.items()}
+        return means | {
+            "loss": acc.get("loss", 0.0) / len(norms), "grad_norm": float(np.mean(norms)), "updates": len(norms),
             "reward_mean": float(np.mean([s.reward for s in samples])) if samples else None,
             "trajectories": len(samples), "microbatches_padded": self.backend.padded,
             "step_seconds": dt, "tokens": total,

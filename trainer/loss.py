@@ -1,10 +1,12 @@
-"""GRPO advantages and the PPO-clip policy loss with optional k3 KL to a reference model.
+"""GRPO advantages and the PPO-clip policy loss (dual-clip, GSPO ratio, TIS weight) with an
+optional KL to a reference model; the choices and their maths are trainer.objectives'.
 
 All token-level tensors are [B, S] where position i holds the logprob of token i+1 (see
 trainer.batch); `mask_BS` selects trained response tokens. `temperature_BS` is the sampling
 temperature of the token each position predicts: rollouts sample from softmax(logits / T), so the
-PPO ratio, the KL and the entropy are of that distribution (None = T 1 everywhere). Functions return SUMS over masked
-tokens so micro-batches combine exactly into a per-token mean over the whole step.
+PPO ratio, the KL and the entropy are of that distribution (None = T 1 everywhere). `ppo_loss`
+returns masked SUMS (metrics) and the per-token loss, which trainer.objectives.aggregate divides
+by the update's global normaliser.
 Legend: B batch rows, S sequence, V vocabulary.
 """
 
@@ -17,6 +19,7 @@ import numpy as np
 import torch
 
 from trainer.loss_config import LossConfig
+from trainer.objectives import LOG_RATIO_CLAMP, gspo_log_ratio, kl_estimate
 
 
 def group_advantages(rewards: Sequence[float], group_ids: Sequence[str], eps: float = 1e-6,
@@ -57,37 +60,66 @@ def token_entropy(logits_BSV: torch.Tensor, temperature_BS: torch.Tensor | None 
 class LossSums:
     """Masked sums of one micro-batch (divide by `tokens` for means)."""
 
-    loss: torch.Tensor  # differentiable
+    loss: torch.Tensor  # differentiable: the masked token sum of loss_BS
     tokens: float
     ppo_kl: float
     kl_ref: float
     clipped: float
     entropy: float
+    clipped_dual: float = 0.0  # negative-advantage tokens held at -A * clip_ratio_c
+    loss_BS: torch.Tensor | None = None  # per-token loss (differentiable), for aggregation
+
+
+def clipped_surrogate(ratio: torch.Tensor, adv_BS: torch.Tensor, cfg: LossConfig
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(per-token loss, clipped, dual-clipped) of PPO-clip with dual-clip: max(-A r,
+    -A clip(r)), and for A < 0 at most -A * c (Ye et al. 2020, eq. 5; verl
+    compute_policy_loss_vanilla)."""
+    pg1 = -adv_BS * ratio
+    pg2 = -adv_BS * ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high)
+    loss = torch.maximum(pg1, pg2)
+    clipped = pg2 > pg1
+    dual = torch.zeros_like(clipped)
+    if cfg.clip_ratio_c is not None:
+        pg3 = -adv_BS * cfg.clip_ratio_c
+        dual = (adv_BS < 0) & (loss > pg3)
+        loss = torch.where(dual, pg3, loss)
+    return loss, clipped, dual
 
 
 def ppo_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor, mask_BS: torch.Tensor,
              adv_BS: torch.Tensor, old_lp_BS: torch.Tensor, ref_lp_BS: torch.Tensor | None,
-             cfg: LossConfig, temperature_BS: torch.Tensor | None = None) -> LossSums:
-    """PPO-clip on sampled-token logprobs (+ k3 KL to the reference, - entropy bonus), all
-    under the sampling temperature."""
+             cfg: LossConfig, temperature_BS: torch.Tensor | None = None, *,
+             seq_BS: torch.Tensor | None = None, n_seqs: int = 0,
+             is_weight_BS: torch.Tensor | None = None) -> LossSums:
+    """PPO-clip (dual-clip; GSPO's sequence ratio with `ratio_level` sequence, which needs
+    `seq_BS`, trainer.objectives.sequence_index) on sampled-token logprobs, times the TIS
+    weight, + kl_coef * KL to the reference (kl_in loss), - entropy bonus, all under the
+    sampling temperature."""
     lp = token_logprobs(logits_BSV, labels_BS, temperature_BS)
     ent = token_entropy(logits_BSV, temperature_BS)
-    ratio = torch.exp(lp - old_lp_BS)
-    pg1 = -adv_BS * ratio
-    pg2 = -adv_BS * ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high)
-    per_tok = torch.maximum(pg1, pg2) - cfg.entropy_coef * ent
+    log_ratio = lp - old_lp_BS
+    if cfg.ratio_level == "sequence":
+        assert seq_BS is not None, "GSPO needs the micro-batch's sequence index"
+        log_ratio = gspo_log_ratio(lp, old_lp_BS, mask_BS, seq_BS, n_seqs)
+    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    per_tok, clipped, dual = clipped_surrogate(ratio, adv_BS, cfg)
+    if is_weight_BS is not None:
+        per_tok = per_tok * is_weight_BS
+    per_tok = per_tok - cfg.entropy_coef * ent
     kl_ref = torch.zeros_like(lp)
     if ref_lp_BS is not None:
-        d = ref_lp_BS - lp
-        kl_ref = torch.exp(d) - d - 1  # k3: unbiased, always >= 0
-        per_tok = per_tok + cfg.kl_coef * kl_ref
+        kl_ref = kl_estimate(lp, ref_lp_BS, cfg.kl_estimator, cfg.kl_clamp)
+        if cfg.kl_in == "loss" and cfg.kl_coef > 0:
+            per_tok = per_tok + cfg.kl_coef * kl_ref
     m = mask_BS
     with torch.no_grad():
         stats = dict(ppo_kl=float(((old_lp_BS - lp) * m).sum()),
                      kl_ref=float((kl_ref * m).sum()),
-                     clipped=float(((pg2 > pg1).float() * m).sum()),
+                     clipped=float((clipped.float() * m).sum()),
+                     clipped_dual=float((dual.float() * m).sum()),
                      entropy=float((ent * m).sum()))
-    return LossSums(loss=(per_tok * m).sum(), tokens=float(m.sum()), **stats)
+    return LossSums(loss=(per_tok * m).sum(), tokens=float(m.sum()), loss_BS=per_tok, **stats)
 
 
 def sft_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor, mask_BS: torch.Tensor):

@@ -30,6 +30,7 @@ class TrainBackend(Protocol):
     num_experts: int
     top_k: int
     padded: int  # filler micro-batches of the last `microbatches` call
+    data_parallel_size: int  # replicas the gradient reduction averages over (loss normaliser)
 
     @property
     def agreement(self) -> AgreementStats:

@@ -149,6 +149,23 @@ def test_grpo_step_r3_with_replaying_reference(hf_trainer, plain, model_dir):
     assert hf_trainer.backend.routers[0].module.weight.grad is not None  # gradients reach the router
 
 
+def test_objectives_tis_gspo_take_a_step(hf_trainer, plain, model_dir):
+    """trainer.objectives' choices through the hf backend (packed micro-batches)."""
+    reload(hf_trainer, model_dir)
+    saved = hf_trainer.cfg.loss
+    hf_trainer.cfg.loss = saved.model_copy(update={
+        "ratio_level": "sequence", "agg_mode": "seq-mean-token-sum-norm",
+        "rollout_correction": saved.rollout_correction.model_copy(
+            update={"is_level": "token", "mask_level": "geometric"})})
+    try:
+        m = hf_trainer.train_step(make_samples(plain, n=6, seed=4))
+    finally:
+        hf_trainer.cfg.loss = saved
+    for k in ("grad_norm", "loss", "is_weight_mean", "is_truncated_share", "mismatch_kl"):
+        assert np.isfinite(m[k]), k
+    assert m["grad_norm"] > 0
+
+
 def test_r2_update_replays_old_policy_routing_after_weight_change(hf_trainer, plain, model_dir):
     reload(hf_trainer, model_dir)
     mbs = hf_trainer.prepare(make_samples(plain, seed=5))

@@ -310,6 +310,23 @@ def test_grpo_step_r3_with_reference(trainer, hf, model_dir):
     assert second["logprob_diff_mean"] > first["logprob_diff_mean"]  # weights moved off HF
 
 
+def test_objectives_tis_mis_gspo_kl_in_reward_take_a_step(trainer, hf, model_dir):
+    """trainer.objectives' choices through the megatron backend: finite step, IS metrics."""
+    reload(trainer, model_dir)
+    saved = trainer.cfg.loss
+    trainer.cfg.loss = saved.model_copy(update={
+        "ratio_level": "sequence", "agg_mode": "seq-mean-token-mean", "kl_in": "reward",
+        "kl_estimator": "k1", "rollout_correction": saved.rollout_correction.model_copy(
+            update={"is_level": "sequence", "mask_level": "token"})})
+    try:
+        m = trainer.train_step(make_samples(hf, n=6, seed=8, groups=2))
+    finally:
+        trainer.cfg.loss = saved
+    for k in ("grad_norm", "loss", "is_weight_mean", "mismatch_kl", "is_masked_share"):
+        assert np.isfinite(m[k]), k
+    assert m["grad_norm"] > 0 and sum(m["staleness_hist"].values()) == 6
+
+
 def test_sft_step_lowers_loss(trainer, hf, model_dir):
     reload(trainer, model_dir)
     samples = make_samples(hf, n=4, seed=9)

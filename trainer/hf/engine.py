@@ -50,6 +50,8 @@ class HFBackend:
         self.cfg, self.hf = cfg, hf or cfg.hf
         self.rank, self.world_size = init_process_group()
         self.sharded = self._use_fsdp()
+        # FSDP2 averages gradients over the ranks; unsharded is one rank
+        self.data_parallel_size = self.world_size if self.sharded else 1
         self.model = self._build(trainable=True)
         check_packing(self.model, self.hf.packing)
         self.routers = find_routers(self.model)
@@ -65,7 +67,7 @@ class HFBackend:
             weight_decay=o.weight_decay)
         self.reference: Any = None
         self.ref_replay: HFModelReplay | None = None
-        if cfg.loss.kl_coef > 0:
+        if cfg.loss.uses_reference:
             self.reference = self._build(trainable=False)
             if self.hf.reference_replay:
                 self.ref_replay = HFModelReplay(find_routers(self.reference))

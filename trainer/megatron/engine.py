@@ -75,7 +75,8 @@ class MegatronBackend:
             raise ValueError("model_dir: an HF checkpoint directory is required")
         init_parallel(cfg.model)
         arch = load_arch(cfg.model_dir)
-        check_layout(cfg.model, torch.distributed.get_world_size(), arch, cfg.data.pad_multiple)
+        self.data_parallel_size = check_layout(cfg.model, torch.distributed.get_world_size(), arch,
+                                               cfg.data.pad_multiple)
         # `auto` settings resolved against the checkpoint, so self.cfg says what runs.
         cfg = cfg.model_copy(update={"model": resolve_router_dtype(cfg.model, arch.family)})
         log.info("resolved model config: %s; %s", cfg.model.model_dump_json(),
@@ -93,7 +94,7 @@ class MegatronBackend:
                                           self.arch.top_k, recompute, model_parallel_group())
         self.ddp, self.optimizer = _optimizer(self.policy, cfg)
         self.reference: BuiltModel | None = None
-        if cfg.loss.kl_coef > 0:  # built after the policy: it owns its own replay instances
+        if cfg.loss.uses_reference:  # built after the policy: it owns its own replay instances
             self.reference = build_model(cfg.model_dir, cfg.model)
             self.reference.module.requires_grad_(False)
             self.ref_replay = ModelReplay(self.reference.replays, recompute=False)
