@@ -21,7 +21,28 @@ BAD_VALUES = {
     "bad enum": ("redis:\n  appendfsync: sometimes\n", "/redis/appendfsync"),
     "tls without its Secret": ("auth:\n  tls:\n    enabled: true\n", "/auth/tls/secretName"),
     "mutual TLS without TLS": ("auth:\n  tls:\n    mutual: true\n", "/auth/tls/enabled"),
+    # issue 35: out of range, wrong kinds, unknown keys; and the config keys templates read
+    "port out of range": ("store:\n  service:\n    grpcPort: 70000\n",
+                          "/store/service/grpcPort"),
+    "negative replicas": ("rollout:\n  replicas: -1\n", "/rollout/replicas"),
+    "zero GPU memory": ("plan:\n  gpuMemoryGiB: 0\n", "/plan/gpuMemoryGiB"),
+    "string for boolean": ('rollout:\n  enabled: "yes"\n', "/rollout/enabled"),
+    "map for integer": ("redis:\n  port:\n    a: 1\n", "/redis/port"),
+    "string for map": ("store:\n  resources: big\n", "/store/resources"),
+    "list for config": ("trainer:\n  config: [1]\n", "/trainer/config"),
+    "unknown key in a group": ("trainer:\n  workers:\n    gpu: 8\n", "'gpu'"),
+    "engine not a map": ("rollout:\n  config:\n    engine: 3\n", "/rollout/config/engine"),
+    "tensor parallel not a number": (
+        "rollout:\n  config:\n    engine:\n      tensor_parallel_size: two\n",
+        "/rollout/config/engine/tensor_parallel_size"),
+    "trainer run not a map": ("trainer:\n  enabled: true\n  config:\n    run: x\n",
+                              "/trainer/config/run"),
+    "backlog not a number": ("store:\n  config:\n    max_backlog_tokens: lots\n",
+                             "/store/config/max_backlog_tokens"),
 }
+# What a bad value must never produce: an error from inside a template or its YAML.
+DEEP_ERRORS = ("error converting YAML", "wrong type for value", "executing \"r3flow/templates",
+               "YAML parse error")
 
 
 @pytest.mark.parametrize("case", sorted(BAD_VALUES))
@@ -35,6 +56,8 @@ def test_bad_values_fail_naming_the_key(helm, tmp_path, case, command):
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0, f"{case}: helm {command} accepted it:\n{output}"
     assert needle in output, f"{case}: error does not name {needle!r}:\n{output}"
+    deep = [e for e in DEEP_ERRORS if e in output]
+    assert not deep, f"{case}: fails inside a template ({deep}), not naming the value:\n{output}"
 
 
 def _documented_keys() -> set[str]:

@@ -130,7 +130,7 @@ def mutate_mapping(rng: random.Random, data: dict) -> tuple[Any, tuple[str, ...]
     paths = [p for p in leaf_paths(data) if p]
     path = rng.choice(paths)
     names = tuple(str(p) for p in path if not isinstance(p, int))
-    kind = rng.choice(["retype", "retype", "drop", "unknown", "top"])
+    kind = rng.choice(["retype"] * 4 + ["drop"] * 2 + ["unknown"] * 2 + ["top"])
     if kind == "retype":
         _set(data, path, rng.choice(JUNK_VALUES))
     elif kind == "drop":
@@ -217,6 +217,7 @@ def flag_cases(files: dict[str, Path], tmp: Path) -> Iterator[Case]:
                 yield Case(command, [*base, flag, value], (*needles, *extra), "flag")
             yield Case(command, [*base, flag], needles, "flag without value")
         yield Case(command, [*base, "--zz-typo"], ("--zz-typo",), "unknown flag")
+        yield Case(command, [*base, "--log-level", "loud"], ("--log-level",), "flag")
         yield Case(command, [*base, "zz"], ("zz",), "stray argument")
     for uri in ["", "nope", "hf://", "s3:/x", "://x", "file:// x"]:
         yield Case("model", ["model", "fetch", "--uri", uri, "--out", "out/f", "--check"],

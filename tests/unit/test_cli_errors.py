@@ -13,11 +13,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import redis
 import yaml
 
 from services import cli
 from services.common.config import ConfigError
 from services.common.errors import UserError, run_command, syntax_error
+from services.store import cli as store_cli
+from services.store.client import StoreClient
 
 ROOT = Path(__file__).resolve().parents[2]
 BAD_YAML = "grpo:\n  steps: [1\n  x: 2\n"
@@ -134,3 +137,12 @@ def test_syntax_errors_name_line_and_column():
     with pytest.raises(json.JSONDecodeError) as j:
         json.loads('{"a": 1,\n "b": }')
     assert str(syntax_error("f.json", j.value)) == ("f.json: line 2, column 7: Expecting value")
+
+
+def test_unreachable_store_and_redis_at_start_are_user_errors():
+    """A wrong --store or redis_url is the user's mistake once the start-up wait runs out."""
+    with StoreClient("127.0.0.1:1") as client, pytest.raises(UserError, match="127.0.0.1:1"):
+        client.wait_ready(0.2)
+    r = redis.Redis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.2)
+    with pytest.raises(UserError, match=r"redis_url: redis://127.0.0.1:1/0 unreachable"):
+        store_cli._wait_for_redis(r, "redis://127.0.0.1:1/0", timeout_s=0.0)
