@@ -30,8 +30,6 @@ from trainer.objectives import (
     sequence_index,
 )
 
-STALENESS_BUCKETS = (0, 1, 2, 3, 4, 8)  # versions behind; the last bucket is "8 or more"
-
 
 def shaped_rewards(samples: Sequence[Sample], cfg: LossConfig,
                    kl_sums: Sequence[float] | None = None) -> list[float]:
@@ -124,13 +122,12 @@ def staleness(samples: Sequence[Sample], policy_version: int) -> list[int]:
 
 
 def staleness_metrics(samples: Sequence[Sample], policy_version: int) -> dict:
-    """Per-step staleness: mean, max and the histogram (samples per versions-behind bucket)."""
+    """Per-step staleness: mean, max and the histogram (samples per versions behind; the
+    loop sums `*_hist` over ranks)."""
     behind = staleness(samples, policy_version)
     if not behind:
         return {}
-    hist = {str(b): 0 for b in STALENESS_BUCKETS}
-    for v in behind:
-        hist[str(max(b for b in STALENESS_BUCKETS if b <= v))] += 1
+    hist = {str(v): behind.count(v) for v in sorted(set(behind))}
     return {"staleness_mean": float(np.mean(behind)), "staleness_max": float(max(behind)),
             "staleness_hist": hist}
 

@@ -85,6 +85,7 @@ class Alert:
 
 # ---- alert rules (also drawn as annotations on the training-health dashboard) -------------------
 PPO_KL, KL_REF = _m("r3flow_trainer_ppo_kl"), _m("r3flow_trainer_kl_ref")
+DIFF_STALE = _m("r3flow_trainer_logprob_diff_mean_by_staleness")
 AGREEMENT = _m("r3flow_trainer_routing_agreement_ratio")
 BACKLOG = _m("r3flow_store_backlog_tokens")
 ROLLOUT_VERSION, TRAINER_VERSION = _m("r3flow_rollout_policy_version"), _m(
@@ -181,11 +182,30 @@ TRAINING_PANELS = (
           "percentunit", CATALOG[AGREEMENT].help),
     Panel("routing agreement per layer", (_q(f'{AGREEMENT}{{layer!="all"}}', "layer {{layer}}"),),
           "percentunit", "per MoE layer; one low layer points at a layer-map error"),
-    _gauge("clip ratio", _m("r3flow_trainer_clip_ratio"), "percentunit"),
+    Panel("clip ratio", (_q("r3flow_trainer_clip_ratio", "ppo clip"),
+                         _q("r3flow_trainer_clip_ratio_dual", "dual clip")), "percentunit",
+          "share of tokens clipped by PPO's ratio clip and held by dual-clip"),
     _gauge("grad norm", _m("r3flow_trainer_grad_norm")),
     _gauge("entropy", _m("r3flow_trainer_entropy")),
     _gauge("reward (batch mean)", _m("r3flow_trainer_reward_mean")),
     Panel("step seconds", _quantiles(_m("r3flow_trainer_step_seconds")), "s"),
+    Panel("|rollout - train logprob| by staleness", (_q(
+        f'{DIFF_STALE}{{routing="run"}}', "{{staleness}}"), _q(
+        f'{DIFF_STALE}{{routing="off"}}', "{{staleness}}, natural routing")), "short",
+        "fresh: samples from the weights the trainer holds (engine/trainer mismatch alone, "
+        "what R3 acts on); stale: older versions (policy drift added)"),
+    Panel("importance weights pi_old / mu", (_q("r3flow_trainer_is_weight_mean", "mean"),
+                                             _q("r3flow_trainer_is_weight_max", "max"))),
+    Panel("IS weights truncated / masked", (
+        _q("r3flow_trainer_is_truncated_share", "truncated (TIS)"),
+        _q("r3flow_trainer_is_masked_share", "masked (MIS)")), "percentunit",
+        "share of trained tokens past the TIS threshold / outside the MIS bounds"),
+    _gauge("rollout vs trainer mismatch KL", _m("r3flow_trainer_mismatch_kl")),
+    Panel("sample staleness (versions behind)", _quantiles(
+        _m("r3flow_trainer_sample_staleness_versions")), "short",
+        CATALOG["r3flow_trainer_sample_staleness_versions"].help),
+    _gauge("groups dropped by dynamic sampling", _m(
+        "r3flow_trainer_dynamic_sampling_dropped_share"), "percentunit"),
     _gauge("trained tokens/s", _m("r3flow_trainer_tokens_per_second")),
     Panel("policy version (trainer)", (_q(f"max({TRAINER_VERSION})", "trainer"),)),
     Panel("captured routing failing checks (rollout)", (_q(

@@ -49,6 +49,29 @@ TRAINER = [
                "GRPO groups dropped at intake: their oldest segment lags the trainer by more "
                "than data.max_policy_lag versions (acked to the store as dropped `stale`)"),
     MetricSpec("r3flow_trainer_policy_version", "gauge", "policy version of the trainer's weights"),
+    MetricSpec("r3flow_trainer_clip_ratio_dual", "gauge",
+               "fraction of tokens held by dual-clip (negative advantage, ratio above "
+               "loss.clip_ratio_c)"),
+    MetricSpec("r3flow_trainer_is_weight_mean", "gauge",
+               "mean importance weight pi_old / mu (trainer old policy over the rollout's "
+               "sampled-token probability) over trained tokens"),
+    MetricSpec("r3flow_trainer_is_weight_max", "gauge", "max importance weight pi_old / mu"),
+    MetricSpec("r3flow_trainer_is_truncated_share", "gauge",
+               "share of trained tokens whose importance weight exceeds the TIS threshold"),
+    MetricSpec("r3flow_trainer_is_masked_share", "gauge",
+               "share of trained tokens outside the MIS bounds (left out when MIS is on)"),
+    MetricSpec("r3flow_trainer_mismatch_kl", "gauge",
+               "rollout-vs-trainer KL(mu || pi_old), k3 estimate over trained tokens"),
+    MetricSpec("r3flow_trainer_sample_staleness_versions", "histogram",
+               "policy versions between the trainer's weights and a trained sample's oldest "
+               "segment (0: sampled by the weights the trainer holds)",
+               buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 24)),
+    MetricSpec("r3flow_trainer_logprob_diff_mean_by_staleness", "gauge",
+               "mean |rollout - trainer logprob| of fresh (staleness 0) and stale samples, with "
+               "the run's routing (routing='run') and natural routing (routing='off')",
+               ("staleness", "routing")),
+    MetricSpec("r3flow_trainer_dynamic_sampling_dropped_share", "gauge",
+               "share of a step's pulled groups dropped by dynamic sampling (equal rewards)"),
     MetricSpec("r3flow_trainer_weight_push_seconds", "histogram",
                "wall time of one weight push to the rollout engines", buckets=_SECONDS),
     MetricSpec("r3flow_trainer_weight_push_failures_total", "counter",

@@ -11,6 +11,7 @@ import argparse
 import json
 import logging
 import math
+import re
 import signal
 from pathlib import Path
 
@@ -32,17 +33,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warm-start-steps", type=int, help="supervised steps before GRPO")
     parser.add_argument("--runs-dir", help="parent folder of the run folders")
     parser.add_argument("--compare", type=_arms, default=[], metavar="ARM[,ARM]",
-                        help="also run these replay arms (off, r2, r3) on the same seed and "
-                        "data, one after the other, and write one report overlaying them")
+                        help="also run these arms on the same seed and data, one after the "
+                        "other, and write one report overlaying them: a replay mode (off, r2, "
+                        "r3), a rollout correction (tis, mis: replay off) or both (r3+tis)")
+
+
+ARM = re.compile(r"^(?:(r3|r2|off)(?:\+(tis|mis))?|(tis|mis))$")
 
 
 def _arms(text: str) -> list[str]:
     arms = [a.strip() for a in text.split(",") if a.strip()]
-    bad = [a for a in arms if a not in ("r3", "r2", "off")]
+    bad = [a for a in arms if not ARM.match(a)]
     if bad or not arms:
-        raise argparse.ArgumentTypeError(f"--compare: expected arms among r3, r2, off; got "
-                                         f"{text!r}")
+        raise argparse.ArgumentTypeError(f"--compare: expected arms like off, r2, r3, tis, mis, "
+                                         f"r3+tis; got {text!r}")
     return arms
+
+
+def arm_config(cfg, arm: str, runs_dir: str):
+    """The LocalConfig of one --compare arm: its replay mode and rollout correction."""
+    m = ARM.match(arm)
+    assert m is not None, arm
+    replay, corr = (m.group(1), m.group(2) or "off") if m.group(1) else ("off", m.group(3))
+    grpo = cfg.grpo.model_copy(update={"rollout_correction": corr})
+    return cfg.model_copy(update={"replay": replay, "grpo": grpo, "runs_dir": runs_dir})
 
 
 def load(args: argparse.Namespace):
@@ -75,6 +89,12 @@ def print_summary(s: dict) -> None:
           f"{_fmt(s.get('logprob_diff_step1_off'))}, ratio {_fmt(s.get('logprob_diff_step1_ratio'))}"
           f" (rollout and trainer on the same weights: the engine/trainer mismatch alone; later"
           f" batches are up to {s.get('max_policy_lag', '?')} versions old and add policy drift)")
+    print(f"  by staleness    fresh (sampled by the trainer's version) {_fmt(s.get('logprob_diff_fresh'))}"
+          f" vs natural routing {_fmt(s.get('logprob_diff_fresh_off'))}, ratio "
+          f"{_fmt(s.get('logprob_diff_fresh_ratio'))}; stale {_fmt(s.get('logprob_diff_stale'))} vs "
+          f"{_fmt(s.get('logprob_diff_stale_off'))}, ratio {_fmt(s.get('logprob_diff_stale_ratio'))}")
+    print(f"off-policy        IS weight pi_old/mu mean {_fmt(s.get('is_weight_mean'))}, mismatch KL "
+          f"{_fmt(s.get('mismatch_kl'))}, kl_ref {_fmt(s.get('kl_ref'))}")
     print(f"routing agreement {_fmt(s['routing_agreement'])}")
     dropped = ", ".join(f"{k} {v} ({v / max(t['produced'], 1):.1%})"
                         for k, v in t["dropped"].items()) or "none"
@@ -127,8 +147,8 @@ def run_arms(cfg, arms: list[str]) -> int:
     rows: dict[str, list[dict]] = {}
     runs: dict[str, dict] = {}
     for i, arm in enumerate(arms):
-        print(f"\n=== arm {i + 1}/{len(arms)}: replay={arm} ===")
-        arm_cfg = cfg.model_copy(update={"replay": arm, "runs_dir": str(out / arm)})
+        print(f"\n=== arm {i + 1}/{len(arms)}: {arm} ===")
+        arm_cfg = arm_config(cfg, arm, str(out / arm))
         rc, runs[arm] = run_one(arm_cfg)
         if rc != 0:
             return rc

@@ -1,9 +1,11 @@
-"""`r3flow local --compare off,r2`: the same local run once per replay arm (same seed, data,
-model and machine, one after the other) and one report that overlays the arms step by step.
+"""`r3flow local --compare off,tis,r3,r3+tis`: the same local run once per arm (a replay mode
+and/or a rollout correction; same seed, data, model and machine, one after the other) and one
+report that overlays the arms step by step.
 
 Each arm is a complete `LocalRun` in `<compare dir>/<arm>/local-*`; the comparison writes
 `compare.json` (per-arm summary lines) and `compare.png` (reward, ppo_kl, clip fraction,
-rollout/train |logprob diff| and routing agreement per step, one line per arm).
+rollout/train |logprob diff| overall and of fresh samples, importance weights, mismatch KL and
+routing agreement per step, one line per arm).
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ OVERLAY = [
     ("ppo_kl", "ppo_kl"),
     ("clip fraction", "clip_ratio"),
     ("rollout vs train logprob |diff|", "logprob_diff_mean"),
+    ("|diff| of fresh samples (trainer's own version)", "logprob_diff_mean_fresh"),
+    ("IS weight pi_old / mu (mean)", "is_weight_mean"),
+    ("IS weights past the TIS threshold 2", "is_truncated_share"),
+    ("rollout vs trainer mismatch KL", "mismatch_kl"),
     ("routing agreement", "routing_agreement"),
 ]
 # The chart's R3flowPpoKlSpike rule, applied per step instead of per scrape: ppo_kl above
@@ -70,7 +76,7 @@ def arm_summary(arm: str, rows: list[dict], reference: list[dict] | None,
            "ppo_kl_mean": mean_of(rows, "ppo_kl"), "ppo_kl_p99": percentile(kls, 0.99),
            "ppo_kl_spikes": count_spikes(kls),
            "clip_fraction_mean": mean_of(rows, "clip_ratio"),
-           "routing_agreement": mean_of(rows, "routing_agreement")}
+           "routing_agreement": mean_of(rows, "routing_agreement")} | off_policy_figures(rows)
     off = mean_of(reference, "logprob_diff_mean") if reference else math.nan
     out["logprob_diff_ratio_vs_off"] = diff / off if off > 0 else None
     # step 1: every sample from the weights the trainer holds (the mismatch without drift)
@@ -80,6 +86,17 @@ def arm_summary(arm: str, rows: list[dict], reference: list[dict] | None,
     out["logprob_diff_step1_ratio_vs_off"] = (first / first_off if first is not None
                                               and first_off else None)
     return out | run_figures(run or {})
+
+
+def off_policy_figures(rows: list[dict]) -> dict:
+    """Means over the steps of the IS-weight statistics, the mismatch KL and |Δlogprob| of
+    fresh (sampled by the trainer's own version) and stale samples."""
+    keys = ("is_weight_mean", "is_truncated_share", "is_masked_share", "mismatch_kl",
+            "logprob_diff_mean_fresh", "logprob_diff_mean_stale", "logprob_diff_mean_off_fresh")
+    out: dict = {k: _finite(mean_of(rows, k)) for k in keys}
+    out["is_weight_max"] = _finite(max((r.get("is_weight_max") or math.nan for r in rows),
+                                       default=math.nan))
+    return out
 
 
 def _finite(x: float) -> float | None:
@@ -107,7 +124,16 @@ def summary_line(s: dict) -> str:
             f"{s['ppo_kl_spikes']}, clip fraction {s['clip_fraction_mean']:.3f}, agreement "
             f"{s['routing_agreement']:.3f}, reward {s['reward_first5']:.3f} -> "
             f"{s['reward_last5']:.3f}{'' if stale is None else f', stale {stale:.1%}'}"
-            f"{'' if wall is None else f', {wall:.0f} s'}")
+            f"{'' if wall is None else f', {wall:.0f} s'}"
+            f"{_opt(s, 'logprob_diff_mean_fresh', ', |Δlogprob| fresh {:.3e}')}"
+            f"{_opt(s, 'is_weight_mean', ', IS weight mean {:.3f}')}"
+            f"{_opt(s, 'is_weight_max', ' max {:.2f}')}"
+            f"{_opt(s, 'is_truncated_share', ' truncated {:.2%}')}"
+            f"{_opt(s, 'mismatch_kl', ', mismatch KL {:.2e}')}")
+
+
+def _opt(s: dict, key: str, fmt: str) -> str:
+    return "" if s.get(key) is None else fmt.format(s[key])
 
 
 def write_comparison(out_dir: Path, arms: dict[str, list[dict]],
@@ -128,7 +154,7 @@ def plot_comparison(arms: dict[str, list[dict]], out_png: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    fig, axes = plt.subplots(3, 3, figsize=(15, 12))
     for ax, (title, key) in zip(axes.flat, OVERLAY, strict=False):
         for arm, rows in arms.items():
             ax.plot([r["step"] for r in rows], [r.get(key, math.nan) for r in rows],
@@ -138,7 +164,7 @@ def plot_comparison(arms: dict[str, list[dict]], out_png: Path) -> Path:
         ax.grid(alpha=0.3)
         ax.legend()
     _plot_same_batch_ratio(axes.flat[-1], arms)
-    fig.suptitle("r3flow local — replay arms on the same seed, data and machine")
+    fig.suptitle("r3flow local — arms on the same seed, data and machine")
     fig.tight_layout()
     fig.savefig(out_png, dpi=90)
     plt.close(fig)

@@ -38,6 +38,13 @@ class GrpoConfig(StrictConfig):
     ppo_epochs: int = Field(1, ge=1, description="passes of PPO updates over each batch")
     mini_batches: int = Field(1, ge=1, description="optimizer updates per pass over a batch")
     kl_coef: float = Field(0.0, ge=0, description="KL to the reference model (0 = no reference)")
+    kl_metric: bool = Field(
+        True, description="measure kl_ref (KL to the reference model) even at kl_coef 0: the "
+        "dashboards' KL panel and the kl_ref column show it (one reference forward per step)")
+    rollout_correction: Literal["off", "tis", "mis"] = Field(
+        "off", description="tis: truncated importance sampling against the rollout policy "
+        "(token level, threshold 2); mis: masked (tokens outside [0.5, 2]); both take the PPO "
+        "ratio against the trainer's old-policy pass (old_logprobs trainer)")
     entropy_coef: float = Field(0.0, ge=0, description="entropy bonus (keeps the groups exploring)")
     adv_std_normalize: bool = Field(
         True, description="divide advantages by the group's reward std (GRPO; false: Dr. GRPO)")
@@ -168,6 +175,11 @@ def rollout_config(cfg: LocalConfig, run_dir: Path, model_dir: Path, worker: int
     }
 
 
+# grpo.rollout_correction -> the trainer's loss.rollout_correction
+CORRECTIONS: dict[str, dict] = {"off": {}, "tis": {"is_level": "token", "is_threshold": 2.0},
+                                "mis": {"mask_level": "token", "mask_low": 0.5, "mask_high": 2.0}}
+
+
 def backend_config(plan: FamilyPlan | None) -> dict:
     """The trainer config's backend choice and the family's hf knobs (default: megatron)."""
     if plan is None or plan.backend == "megatron":
@@ -189,12 +201,14 @@ def trainer_config(cfg: LocalConfig, run_dir: Path, model_dir: Path,
                   "ppo_epochs": g.ppo_epochs, "mini_batches": g.mini_batches,
                   "test_lr_spike_step": g.test_lr_spike_step,
                   "test_lr_spike_factor": g.test_lr_spike_factor},
-        "loss": {"kl_coef": g.kl_coef, "entropy_coef": g.entropy_coef,
-                 "adv_std_normalize": g.adv_std_normalize},
+        "loss": {"kl_coef": g.kl_coef, "entropy_coef": g.entropy_coef, "kl_metric": g.kl_metric,
+                 "adv_std_normalize": g.adv_std_normalize,
+                 "rollout_correction": CORRECTIONS[g.rollout_correction]},
         "replay": {"mode": cfg.replay, "compare_off": g.compare_off},
         "data": {"groups_per_step": g.groups_per_step, "micro_batch_size": 16,
                  "lease_seconds": g.lease_seconds, "wait_ms": 2000,
-                 "old_logprobs": g.old_logprobs, "max_policy_lag": g.max_policy_lag},
+                 "old_logprobs": "trainer" if g.rollout_correction != "off" else g.old_logprobs,
+                 "max_policy_lag": g.max_policy_lag},
         "weight_sync": {"timeout_s": g.weight_push_timeout_s},
         "run": {"run_dir": str(run_dir / "trainer"), "steps": g.steps, "checkpoint_every": 1,
                 "push_weights_every": 1, "launcher": launcher,

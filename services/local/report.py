@@ -2,7 +2,8 @@
 
 Reads the trainer's JSONL run log (one object per step); the PNG shows the same quantities as
 the Grafana "R3 training health" dashboard: reward, ppo_kl, kl_ref, rollout/train logprob |diff|
-(with the replay-off comparison of the same batch), routing agreement and tokens/s.
+(with the replay-off comparison of the same batch, and split by staleness), importance weights,
+routing agreement, tokens/s and staleness.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ TABLE_COLUMNS = [
     ("kl_ref", "kl_ref", "{:>9.2e}"),
     ("|Δlp| r3", "logprob_diff_mean", "{:>9.2e}"),
     ("|Δlp| off", "logprob_diff_mean_off", "{:>9.2e}"),
+    ("fresh r3", "logprob_diff_mean_fresh", "{:>9.2e}"),
+    ("fresh off", "logprob_diff_mean_off_fresh", "{:>9.2e}"),
+    ("IS w", "is_weight_mean", "{:>6.3f}"),
     ("agree", "routing_agreement", "{:>6.3f}"),
     ("tok/s", "tokens_per_second", "{:>7.0f}"),
 ]
@@ -69,11 +73,18 @@ def plot_report(rows: list[dict], out_png: Path, title: str) -> Path:
         ("ppo_kl / kl_ref", [("ppo_kl", "ppo_kl"), ("kl_ref", "kl_ref")]),
         ("rollout vs train logprob |diff|", [("logprob_diff_mean", "r3 (replayed)"),
                                              ("logprob_diff_mean_off", "off (same batch)")]),
+        ("|diff| by staleness (fresh: the trainer's own version)", [
+            ("logprob_diff_mean_fresh", "fresh, run's routing"),
+            ("logprob_diff_mean_off_fresh", "fresh, natural routing"),
+            ("logprob_diff_mean_stale", "stale, run's routing"),
+            ("logprob_diff_mean_off_stale", "stale, natural routing")]),
+        ("importance weights pi_old / mu", [("is_weight_mean", "mean"), ("is_weight_max", "max")]),
         ("routing agreement", [("routing_agreement", "natural router vs replayed")]),
         ("tokens / s", [("tokens_per_second", "trained tokens/s")]),
         ("grad norm", [("grad_norm", "grad norm")]),
+        ("staleness (versions behind)", [("staleness_mean", "mean"), ("staleness_max", "max")]),
     ]
-    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    fig, axes = plt.subplots(3, 3, figsize=(15, 12))
     for ax, (name, series) in zip(axes.flat, panels, strict=True):
         for key, label in series:
             ys = [r.get(key, float("nan")) for r in rows]
@@ -101,7 +112,23 @@ def summarize(rows: list[dict]) -> dict[str, float | None]:
     on, off = mean_of(rows, "logprob_diff_mean"), mean_of(rows, "logprob_diff_mean_off")
     out["logprob_diff_ratio_vs_off"] = on / off if off > 0 else None
     out["routing_agreement"] = mean_of(rows, "routing_agreement")
-    return out | step1_diffs(rows)
+    return out | step1_diffs(rows) | by_staleness(rows)
+
+
+def by_staleness(rows: list[dict]) -> dict[str, float | None]:
+    """|Δlogprob| over the whole run, split by staleness: fresh samples (sampled by the version
+    the trainer holds: the engine/trainer mismatch alone, what replay acts on) and stale ones
+    (policy drift added), each with the run's routing and natural routing on the same batches."""
+    out: dict[str, float | None] = {}
+    for cls in ("fresh", "stale"):
+        on, off = (mean_of(rows, f"logprob_diff_mean{s}_{cls}") for s in ("", "_off"))
+        out[f"logprob_diff_{cls}"] = on if math.isfinite(on) else None
+        out[f"logprob_diff_{cls}_off"] = off if math.isfinite(off) else None
+        out[f"logprob_diff_{cls}_ratio"] = on / off if off > 0 and math.isfinite(on) else None
+    for key in ("is_weight_mean", "mismatch_kl", "kl_ref"):
+        v = mean_of(rows, key)
+        out[key] = v if math.isfinite(v) else None
+    return out
 
 
 def step1_diffs(rows: list[dict]) -> dict[str, float | None]:

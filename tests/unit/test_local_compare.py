@@ -67,3 +67,33 @@ def test_step_one_mismatch_is_reported_against_the_off_arm() -> None:
     assert s["logprob_diff_step1"] == 2e-3
     assert s["logprob_diff_step1_ratio_vs_off"] == pytest.approx(2 / 3)
     assert "step 1 2.000e-03 (0.67 x off)" in compare.summary_line(s)
+
+
+def test_arms_combine_replay_and_rollout_correction() -> None:
+    from services.local.cli import arm_config
+    from services.local.config import LocalConfig, trainer_config
+
+    assert _arms("off,tis,r3,r3+tis") == ["off", "tis", "r3", "r3+tis"]
+    for bad in ("tis+r3", "r3+", "r3+tis+mis"):
+        with pytest.raises(Exception, match="--compare"):
+            _arms(bad)
+    cfg = LocalConfig()
+    tis = trainer_config(arm_config(cfg, "tis", "x"), Path("run"), Path("model"))
+    assert tis["replay"]["mode"] == "off" and tis["data"]["old_logprobs"] == "trainer"
+    assert tis["loss"]["rollout_correction"]["is_level"] == "token"
+    both = arm_config(cfg, "r3+tis", "x")
+    assert (both.replay, both.grpo.rollout_correction) == ("r3", "tis")
+    off = trainer_config(arm_config(cfg, "off", "x"), Path("run"), Path("model"))
+    assert off["data"]["old_logprobs"] == "rollout" and off["loss"]["rollout_correction"] == {}
+    assert off["loss"]["kl_metric"] is True  # make run measures kl_ref
+
+
+def test_comparison_reports_is_weights_and_fresh_diff(tmp_path: Path) -> None:
+    rows = _rows(2e-3, [1e-3, 2e-3])
+    for r in rows:
+        r |= {"is_weight_mean": 1.01, "is_weight_max": 3.5, "is_truncated_share": 0.02,
+              "mismatch_kl": 4e-4, "logprob_diff_mean_fresh": 1e-3}
+    s = compare.write_comparison(tmp_path, {"tis": rows})["arms"][0]
+    assert s["is_weight_max"] == 3.5 and s["logprob_diff_mean_fresh"] == pytest.approx(1e-3)
+    line = compare.summary_line(s)
+    assert "IS weight mean 1.010 max 3.50 truncated 2.00%" in line and "fresh 1.000e-03" in line

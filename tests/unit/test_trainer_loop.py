@@ -143,3 +143,27 @@ def test_quarantined_group_is_acked_as_dropped_at_once_and_the_step_goes_on(tmp_
                                      {"reason": "invalid_routing"}) == 1.0
     ids = [json.loads(x) for x in (tmp_path / "trained_ids.jsonl").read_text().splitlines()]
     assert ids[-1]["trajectory_ids"] == ["g0/0", "g0/1", "g0/2"]
+
+
+def _rewarded(i: int, rewards: list[float]):
+    return store_pb2.PulledGroup(delivery_id=f"d{i}", group_id=f"g{i}", trajectories=[
+        {"trajectory_id": f"g{i}/{j}", "reward": r} for j, r in enumerate(rewards)])
+
+
+def test_dynamic_sampling_drops_equal_reward_groups_and_refills_the_batch(tmp_path):
+    """DAPO dynamic sampling at intake: all-equal groups acked dropped, the batch refilled."""
+    store = DroppingStore([_rewarded(0, [1, 1]), _rewarded(1, [0, 1]), _rewarded(2, [0, 0]),
+                           _rewarded(3, [1, 0])])
+    loop = TrainLoop(_cfg(tmp_path, dynamic_sampling=True), FakeRanks(1), store)
+    batch = loop.pull_batch()
+    assert [g.group_id for g in batch] == ["g1", "g3"]
+    assert store.dropped == [("d0", "equal_rewards", 2), ("d2", "equal_rewards", 2)]
+    m = loop.train_step(batch)
+    assert m["groups_dropped_equal_rewards"] == 2 and m["dynamic_sampling_dropped_share"] == 0.5
+
+
+def test_dynamic_sampling_keeps_equal_groups_past_its_pull_budget(tmp_path):
+    store = DroppingStore([_rewarded(i, [1, 1]) for i in range(4)])
+    cfg = _cfg(tmp_path, dynamic_sampling=True, dynamic_sampling_max_pulls=1)
+    batch = TrainLoop(cfg, FakeRanks(1), store).pull_batch()
+    assert [g.group_id for g in batch] == ["g2", "g3"] and len(store.dropped) == 2

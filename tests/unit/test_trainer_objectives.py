@@ -161,5 +161,5 @@ def test_dapo_overlong_punishment_and_dynamic_sampling_test() -> None:
 def test_staleness_histogram() -> None:
     samples = [_sample(2, 1, version=v) for v in (5, 5, 4, 2, 0)]
     m = staleness_metrics(samples, policy_version=5)
-    assert m["staleness_hist"] == {"0": 2, "1": 1, "2": 0, "3": 1, "4": 1, "8": 0}
+    assert m["staleness_hist"] == {"0": 2, "1": 1, "3": 1, "5": 1}
     assert m["staleness_max"] == 5.0 and m["staleness_mean"] == pytest.approx(1.8)

@@ -29,6 +29,8 @@ from typing import Any
 
 from trainer.checkpoint import DataPosition
 from trainer.config import TrainerConfig
+from trainer.loop.dynamic_sampling import REASON as EQUAL_REWARDS
+from trainer.loop.dynamic_sampling import DynamicSampler
 from trainer.loop.ledger import TrainedIdsLedger
 from trainer.loop.metrics import TrainerMetrics, reduce_metrics
 from trainer.loop.ranks import Ranks, RankTransport
@@ -51,6 +53,7 @@ class TrainLoop:
         self.ranks = ranks if isinstance(ranks, Ranks) else Ranks(ranks)
         self.cfg, self.client = cfg, client
         self.metrics, self.push_fn = TrainerMetrics.of(metrics), push_fn
+        self.sampler = DynamicSampler(cfg.data)
         self.pending_acks: list[str] = []
         # This process's pulls: the store renews (does not redeliver) our own expired leases,
         # so a batch that waits long is not dead-lettered; a restarted trainer is a new session.
@@ -111,6 +114,7 @@ class TrainLoop:
         d = self.cfg.data
         batch: dict[str, object] = {}  # group id -> its newest delivery, in pull order
         trained = set(self.pos.trained_group_ids)
+        self.sampler.start_step()
         while len(batch) < d.groups_per_step:
             if stop():
                 return []
@@ -119,10 +123,20 @@ class TrainLoop:
                                    session=self.session)
             if not got:
                 self.resync_lagging_workers()
-            fresh = self.drop_stale([g for g in got if g.group_id not in trained])
+            fresh = self.drop_equal_rewards(
+                self.drop_stale([g for g in got if g.group_id not in trained]))
             self.pending_acks += [g.delivery_id for g in got if g.group_id in trained]
             batch.update((g.group_id, g) for g in fresh)
         return list(batch.values())
+
+    def drop_equal_rewards(self, groups: list) -> list:
+        """DAPO dynamic sampling (trainer.loop.dynamic_sampling): equal-reward groups acked as
+        dropped `equal_rewards`; returns the others."""
+        keep, drop = self.sampler.split(groups)
+        if drop:
+            self.client.ack(self.cfg.data.consumer, [], dropped=[
+                (g.delivery_id, EQUAL_REWARDS, len(g.trajectories)) for g in drop])
+        return keep
 
     def drop_stale(self, groups: list) -> list:
         """Ack as dropped `stale` the groups older than `data.max_policy_lag` versions (their
@@ -152,6 +166,7 @@ class TrainLoop:
         self.quarantine([g for g in groups if g.group_id in dropped], dropped)
         groups = [g for g in groups if g.group_id not in dropped]
         metrics["groups_quarantined"] = len(dropped)
+        metrics |= self.sampler.metrics(len(groups))
         self.pos.step += 1
         self.pos.policy_version = int(metrics["policy_version"])
         self.pos.remember([g.group_id for g in groups])

@@ -15,12 +15,17 @@ import numpy as np
 PREFIX = "r3flow_trainer_"
 # step-metric key -> gauge (r3flow_trainer_<key>), set from each step's metrics when present
 GAUGE_KEYS = ("ppo_kl", "kl_ref", "clip_ratio", "logprob_diff_mean", "logprob_diff_max",
-              "grad_norm", "entropy", "reward_mean", "tokens_per_second", "policy_version")
+              "grad_norm", "entropy", "reward_mean", "tokens_per_second", "policy_version",
+              "clip_ratio_dual", "is_weight_mean", "is_weight_max", "is_truncated_share",
+              "is_masked_share", "mismatch_kl", "dynamic_sampling_dropped_share")
+# |rollout - trainer| logprob by staleness: step-metric key -> (staleness, routing) labels
+DIFF_BY_STALENESS = {f"logprob_diff_mean{r}_{s}": (s, routing)
+                     for r, routing in (("", "run"), ("_off", "off")) for s in ("fresh", "stale")}
 
 
 def reduce_metrics(per_rank: list[dict]) -> dict:
     """Mean over ranks (max for *_max, min for *_min); dict values (per-layer agreement)
-    averaged per key.
+    averaged per key, `*_hist` counts summed.
     A rank that trained only padding micro-batches has no value (None or no key) for what it
     did not measure (reward, agreement): such a metric is reduced over the ranks that have it."""
     out: dict = {}
@@ -28,7 +33,8 @@ def reduce_metrics(per_rank: list[dict]) -> dict:
         vals = [r[k] for r in per_rank if r.get(k) is not None]
         v = vals[0] if vals else None
         if isinstance(v, dict):
-            out[k] = {kk: float(np.mean([x[kk] for x in vals if kk in x]))
+            agg = np.sum if k.endswith("_hist") else np.mean
+            out[k] = {kk: float(agg([x[kk] for x in vals if kk in x]))
                       for kk in dict.fromkeys(kk for x in vals for kk in x)}
         elif k == "trajectories":
             out[k] = int(sum(vals))
@@ -52,6 +58,8 @@ class TrainerMetrics:
     groups_stale: Any = None
     weight_push_seconds: Any = None
     weight_push_failures: Any = None
+    staleness: Any = None  # histogram of samples' versions behind
+    diff_by_staleness: Any = None
 
     @classmethod
     def of(cls, registered: dict[str, Any] | None) -> TrainerMetrics:
@@ -64,13 +72,16 @@ class TrainerMetrics:
             groups_quarantined=r.get(PREFIX + "groups_quarantined_total"),
             groups_stale=r.get(PREFIX + "groups_stale_total"),
             weight_push_seconds=r.get(PREFIX + "weight_push_seconds"),
-            weight_push_failures=r.get(PREFIX + "weight_push_failures_total"))
+            weight_push_failures=r.get(PREFIX + "weight_push_failures_total"),
+            staleness=r.get(PREFIX + "sample_staleness_versions"),
+            diff_by_staleness=r.get(PREFIX + "logprob_diff_mean_by_staleness"))
 
     def export_step(self, m: dict) -> None:
         """Set the gauges, agreement per layer, step time and step count of one step."""
         for key, gauge in self.gauges.items():
-            if key in m:
+            if m.get(key) is not None:
                 gauge.set(m[key])
+        self._export_off_policy(m)
         if self.routing_agreement is not None and m.get("routing_agreement") is not None:
             self.routing_agreement.labels(layer="all").set(m["routing_agreement"])
             for layer, v in m.get("routing_agreement_by_layer", {}).items():
@@ -79,6 +90,17 @@ class TrainerMetrics:
             self.step_seconds.observe(m.get("step_seconds", 0.0))
         if self.steps is not None:
             self.steps.inc()
+
+    def _export_off_policy(self, m: dict) -> None:
+        """Samples' staleness into its histogram; |Delta logprob| per staleness class."""
+        if self.staleness is not None:
+            for behind, n in m.get("staleness_hist", {}).items():
+                for _ in range(int(n)):
+                    self.staleness.observe(float(behind))
+        if self.diff_by_staleness is not None:
+            for key, (stale, routing) in DIFF_BY_STALENESS.items():
+                if m.get(key) is not None:
+                    self.diff_by_staleness.labels(staleness=stale, routing=routing).set(m[key])
 
     def quarantined(self, reason: str) -> None:
         if self.groups_quarantined is not None:
