@@ -37,7 +37,8 @@ class DynamicSampler:
         d = self.cfg
         if not d.dynamic_sampling:
             return groups, []
-        keep, drop = [], []
+        keep: list = []
+        drop: list = []
         for g in groups:
             self.inspected += 1
             budget_left = self.inspected <= d.dynamic_sampling_max_pulls * d.groups_per_step
