@@ -20,7 +20,10 @@ What it checks, in order (docs/cluster-test.md: status, and what only a real clu
   and every trajectory id once, and the store's accounting (over mTLS + token) balances with trained == those ids;
 - every push of the resumed job goes from rank 0's pod address and the configured port to both
   rollout pods; the per-tensor digests of the last push, written by each rollout pod
-  (rollout `weight_digests_file`), equal rank 0's export (`weight_sync.export_digests_dir`).
+  (rollout `weight_digests_file`), equal rank 0's export (`weight_sync.export_digests_dir`);
+- the stale share (trajectories dropped stale / produced, start, kill and resume included) is
+  printed and at most 20%: the rollout pods stay within the store's backlog budget
+  (`max_groups_ahead`) while the trainer starts, is down and restarts (issue 28).
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ EXPORT_DIGESTS = f"/checkpoints/{RUN_DIR}/export-digests"  # rank 0's pod: the P
 ROLLOUT_DIGESTS = "weight_digests.json"  # rollout config weight_digests_file, under /tmp
 
 PLACED = r"2 rank\(s\) on nodes \[.*?\]; MASTER_ADDR=[0-9.]+:\d+"
+MAX_STALE_SHARE = 0.2  # dropped stale / produced, kill and resume included
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -379,12 +383,19 @@ def test_cluster_in_a_box(cluster: Cluster):
         assert not bad, (r.name, bad[:5])
     acc = accounting(c)
     assert acc["balanced"] and acc["trained"] == len(ids), (acc, len(ids))
+    # Rollouts stay within the store's backlog budget (max_groups_ahead) while the trainer
+    # starts, trains, is killed and resumes: little of what they produce goes stale (issue 28).
+    stale_share = acc["dropped"].get("stale", 0) / max(1, acc["produced"])
     print(json.dumps({"seconds": round(time.monotonic() - t0, 1), "nodes": nodes,
                       "master": master, "killed": victim.name, "failed_in_s": failed_in,
                       "status": [status1, status2],
                       "resumed": resumed[0] if resumed else None, "nodes2": nodes2,
                       "pushes": pushes, "digests": len(want["digests"]),
-                      "ledger_steps": sorted(ledger), "accounting": acc}))
+                      "ledger_steps": sorted(ledger), "accounting": acc,
+                      "stale_share": round(stale_share, 3)}))
+    print(f"stale share: {acc['dropped'].get('stale', 0)} dropped stale / {acc['produced']} "
+          f"produced = {stale_share:.1%}")
+    assert stale_share <= MAX_STALE_SHARE, acc
 
 
 def _tails(c: Cluster, pods: list, chars: int = 2500) -> dict[str, str]:

@@ -171,3 +171,48 @@ def test_store_backpressure_slows_the_worker_down_without_dropping(setup, tmp_pa
         store.stop()
     assert summary.groups_ok == 4 and len(got) == 8
     assert client.retries + worker.sink.backpressure_waits > 0  # it was refused and waited
+
+
+def test_budget_holds_the_worker_while_no_trainer_pulls(setup, tmp_path,
+                                                        store_redis):  # noqa: F811
+    """With the store's max_groups_ahead 1 and no trainer (down, restarting: no new version
+    comes), the worker starts one group and holds; when a trainer pulls it goes on, and every
+    group arrives (issue 28)."""
+    import threading
+    import time
+
+    from store_fixtures import StoreProcess
+
+    h = setup[0]
+    store = StoreProcess(store_redis.url, tmp_path, key_prefix="budget:", max_groups_ahead=1,
+                         backpressure_retry_ms=50).start()
+    client = StoreClient(store.address)
+    rows = [{"prompt_token_ids": [10 + i] * 10, "answer": "0"} for i in range(3)]
+    cfg = rollout_config(h.cfg.model, write_jsonl(tmp_path / "d.jsonl", rows),
+                         sampling={"n": 2, "max_tokens": 4, "ignore_eos": True})
+    worker = RolloutWorker(cfg, h.engine, StoreSink(client, 0.05), build_tokenizer())
+    started: list[int] = []
+    worker.on_progress = lambda s: started.append(s.groups_started)
+    got: dict = {}
+    held: dict = {}
+
+    def late_trainer() -> None:  # down for a while, then pulls everything
+        with StoreClient(store.address) as trainer:
+            deadline = time.monotonic() + 120
+            while trainer.stats().groups_ready < 1 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            time.sleep(3)  # still down: the worker must not start another group meanwhile
+            held.update(started=max(started), ready=trainer.stats().groups_ready)
+            while len(got) < 6:
+                got.update(pull_all(trainer, 1))
+
+    puller = threading.Thread(target=late_trainer)
+    puller.start()
+    try:
+        summary = h.run(worker.run(worker_records(worker)))
+        puller.join(60)
+    finally:
+        client.close()
+        store.stop()
+    assert held == {"started": 1, "ready": 1}, held
+    assert summary.groups_ok == 3 and len(got) == 6
