@@ -34,9 +34,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _out_dir(out: str) -> Path:
+    """--out, if it (or the nearest part of it that exists) is a directory to write into."""
     path = Path(out)
-    if path.exists() and not path.is_dir():
-        raise UserError(f"--out {out}: exists and is not a directory")
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise UserError(f"--out {out}: {existing} exists and is not a directory")
     return path
 
 

@@ -62,7 +62,7 @@ FLAGS: dict[str, dict[str, tuple[tuple[str, ...], str]]] = {
     "train": {"--steps": (("--steps", "run.steps"), "int"), "--metrics-port": (
               ("--metrics-port", "run.metrics_port"), "int"), "--store": (("--store",
               "data.store"), "str"), "--replay": (("--replay",), "str"), "--backend": (
-              ("--backend",), "str"), "--hf-config": (("--hf-config",), "path"),
+              ("--backend",), "str"), "--hf-config": (("--hf-config", "hf."), "path"),
               "--run-dir": (("--run-dir", "run.run_dir"), "str")},
     "store": {"--listen": (("--listen", "listen"), "str"), "--metrics-port": (
               ("--metrics-port", "metrics_port"), "int"), "--redis-url": (("--redis-url",
@@ -77,7 +77,8 @@ FLAGS: dict[str, dict[str, tuple[tuple[str, ...], str]]] = {
              "float"), "--tp": (("--tp",), "int"), "--ep": (("--ep",), "int"),
              "--vllm-share": (("--vllm-share", "vllm_share"), "float"),
              "--overhead-gib": (("--overhead-gib",), "float"), "--recompute": (("--recompute",),
-                                                                                "str")},
+                                                                                "str"),
+             "--model": (("--model", "model config"), "path")},
 }
 
 
@@ -94,6 +95,7 @@ def write_inputs(tmp: Path) -> dict[str, Path]:
     for src in MANIFESTS:
         shutil.copy(src, tmp / src.name)
     (tmp / "binary.yaml").write_bytes(bytes(range(256)) * 4)
+    (tmp / "model.json").write_text('{"num_hidden_layers": "many", "hidden_size": 8}')
     return files
 
 
@@ -208,8 +210,8 @@ def flag_cases(files: dict[str, Path], tmp: Path) -> Iterator[Case]:
     for command, flags in FLAGS.items():
         base = base_argv(command, files)
         for flag, (needles, kind) in flags.items():
-            values = JUNK_FLAGS + ([str(tmp / "dir.yaml"), str(tmp / "binary.yaml")]
-                                   if kind == "path" else [])
+            values = JUNK_FLAGS + ([str(tmp / "dir.yaml"), str(tmp / "binary.yaml"),
+                                    str(tmp / "model.json")] if kind == "path" else [])
             for value in values:
                 extra = (value.partition("=")[0],) if flag == "--set" else ()
                 extra += (value.strip() or repr(value), repr(value)) if kind == "path" and value \
