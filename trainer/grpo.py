@@ -114,29 +114,31 @@ class GRPOStep:
             mb.train_old_lp = lp
             if self.cfg.loss.uses_reference:
                 mb.ref_lp = self.compute_logprobs([mb], mode, reference=True)[0]
-        metrics: dict[str, Any] = diff_metrics(mbs, old, "") | self._off_policy(mbs, old, "")
+        metrics: dict[str, Any] = self._diffs(mbs, old, "")
         if self.cfg.replay.compare_off and mode != ReplayMode.OFF:
             # Same batch, same weights, natural routing: what replay bought on this step.
-            off = self.compute_logprobs(mbs, ReplayMode.OFF)
-            metrics |= diff_metrics(mbs, off, "_off") | self._off_policy(mbs, off, "_off")
+            metrics |= self._diffs(mbs, self.compute_logprobs(mbs, ReplayMode.OFF), "_off")
+        metrics |= self._off_policy(mbs)
         agreement.check_used()
         if check:
             metrics |= self._agreement_metrics()
             agreement.check(self.cfg.replay.agreement_floor)
         return metrics
 
-    def _off_policy(self, mbs: Sequence[MicroBatch], lps: Sequence[torch.Tensor],
-                    suffix: str) -> dict[str, Any]:
-        """|Delta logprob| per staleness; once, for the policy pass: staleness, IS weights and
-        mismatch KL, the rollout correction set on `mbs`, KL in the reward."""
-        out = diff_by_staleness(mbs, lps, self.policy_version, suffix)
-        if suffix:
-            return out
+    def _diffs(self, mbs: Sequence[MicroBatch], lps: Sequence[torch.Tensor], suffix: str
+               ) -> dict[str, Any]:
+        """|rollout - trainer| logprob: mean and max, and the mean per staleness."""
+        return diff_metrics(mbs, lps, suffix) | diff_by_staleness(mbs, lps, self.policy_version,
+                                                                  suffix)
+
+    def _off_policy(self, mbs: Sequence[MicroBatch]) -> dict[str, Any]:
+        """After the diffs: KL in the reward, staleness, IS weights and mismatch KL, and the
+        rollout correction set on `mbs` (MIS changes their loss masks)."""
         loss = self.cfg.loss
         if loss.kl_in == "reward" and loss.kl_coef > 0:
             kl_in_reward(mbs, loss)
         samples = [s for mb in mbs for s in mb.samples]
-        return out | staleness_metrics(samples, self.policy_version) | apply_rollout_correction(
+        return staleness_metrics(samples, self.policy_version) | apply_rollout_correction(
             mbs, loss.rollout_correction, apply=loss.rollout_correction.enabled)
 
     def _agreement_metrics(self) -> dict[str, Any]:
