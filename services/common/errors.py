@@ -69,9 +69,10 @@ def describe(exc: BaseException, inputs: Iterable[str] = ()) -> UserError | None
 
 
 def _named(filename: Any, inputs: Iterable[str]) -> bool:
-    name = os.fsdecode(filename)
+    if not isinstance(filename, str | bytes | os.PathLike):  # e.g. a file descriptor
+        return False
     given = {os.path.abspath(p) for p in inputs}
-    return os.path.abspath(name) in given
+    return os.path.abspath(os.fsdecode(filename)) in given
 
 
 def argv_inputs(args: argparse.Namespace) -> list[str]:

@@ -25,11 +25,15 @@ class Metadata(_Loose):
     annotations: dict[str, str] = Field(default_factory=dict)
 
 
+class Resources(_Loose):
+    limits: dict[str, str | int | float] = Field(default_factory=dict)
+
+
 class Container(_Loose):
-    resources: dict[str, dict[str, str | int | float]] = Field(default_factory=dict)
+    resources: Resources = Field(default_factory=Resources)
 
     def limit(self, key: str) -> Any:
-        return self.resources.get("limits", {}).get(key)
+        return self.resources.limits.get(key)
 
 
 class ConfigMapRef(_Loose):
