@@ -22,11 +22,13 @@ from prometheus_client import CollectorRegistry
 from services.common.metrics import MetricsServer, create_metrics
 from services.rollout.config import RolloutConfig
 from services.rollout.engine import EngineDead
+from services.rollout.shutdown import SHUTDOWN_S, StopDeadline
 
 log = logging.getLogger(__name__)
 
 EXIT_FATAL = 3  # the engine died (or another error no later group can avoid)
 ENGINE_SHUTDOWN_S = 5.0  # then vLLM kills what is left of its processes
+UNREGISTER_S = 5.0  # withdrawing the registration at exit (the store may be gone)
 
 
 def _watch_trainer_version(client: Any, worker: Any, loop: asyncio.AbstractEventLoop) -> None:
@@ -88,10 +90,23 @@ async def _leave(renewal: Registration | None, client: Any, worker_id: str) -> N
         await asyncio.to_thread(renewal.stop)
     if client is None:
         return
-    try:
-        await asyncio.to_thread(client.unregister_worker, worker_id)
+    try:  # its own thread: the executor's may all be busy with abandoned groups' appends
+        await asyncio.wait_for(_in_own_thread(client.unregister_worker, worker_id), UNREGISTER_S)
     except Exception as e:  # noqa: BLE001 (shutting down: log and go on)
         log.warning("could not unregister %s from the store: %s", worker_id, e)
+
+
+async def _in_own_thread(fn: Callable[..., Any], *args: Any) -> Any:
+    """fn(*args) in a daemon thread of its own (never queued behind the default executor)."""
+    fut: concurrent.futures.Future = concurrent.futures.Future()
+
+    def body() -> None:
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 (handed to the awaiting task)
+            fut.set_exception(e)
+    threading.Thread(target=body, name=getattr(fn, "__name__", "call"), daemon=True).start()
+    return await asyncio.wrap_future(fut)
 
 
 def _open_store(cfg: RolloutConfig) -> Any:
@@ -144,6 +159,17 @@ def _summary_writer(path: str | None, worker_id: str, engine_pids: dict[str, lis
     return write
 
 
+def _stop_on_sigterm(worker: Any, stop_grace_s: float) -> None:
+    """SIGTERM: no new prompt (in-flight groups get the stop grace), and the whole stop bounded
+    by a deadline that ends the process (services/rollout/shutdown.py)."""
+    deadline = StopDeadline(stop_grace_s + SHUTDOWN_S)
+
+    def on_sigterm() -> None:
+        worker.request_stop()
+        deadline.arm()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, on_sigterm)
+
+
 async def serve(cfg: RolloutConfig, summary_file: str | None = None,
                 stop_grace_s: float = 30.0) -> int:
     """Run the worker to the end of its dataset, or until SIGTERM (then in-flight groups get
@@ -171,7 +197,7 @@ async def serve(cfg: RolloutConfig, summary_file: str | None = None,
         worker = RolloutWorker(cfg, engine, sink, tokenizer, env_factory)
         write_summary = _summary_writer(summary_file, cfg.worker_id, engine.pids)
         worker.on_progress = write_summary
-        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, worker.request_stop)
+        _stop_on_sigterm(worker, stop_grace_s)
         ttl_s = await worker.report_version()
         if client is not None and ttl_s:
             renewal = Registration(client, worker, ttl_s)

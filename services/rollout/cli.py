@@ -60,12 +60,11 @@ def load(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    import asyncio
-
     from services.rollout.app import serve
+    from services.rollout.shutdown import run_bounded
 
     cfg = load(args)
-    return asyncio.run(serve(cfg, summary_file=args.summary_file,
+    return run_bounded(serve(cfg, summary_file=args.summary_file,
                              stop_grace_s=args.stop_grace_s))
 
 

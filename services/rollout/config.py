@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Literal
+import re
+from typing import Literal, Self
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from services.common.auth import ClientAuthConfig
 from services.common.config import StrictConfig
@@ -87,7 +88,15 @@ class RolloutConfig(StrictConfig):
     metrics_port: int = Field(0, ge=0, description="port of /metrics and /health (0 = any free)")
     worker_id: str = Field("rollout-0", min_length=1, description="unique name of this worker")
     num_prompts: int | None = Field(None, ge=1, description="stop after this many groups")
-    epochs: int = Field(1, ge=1, description="passes over the dataset")
+    epochs: int = Field(1, ge=0, description="passes over the dataset; 0 = without end (the "
+                        "chart's setting: a pod never exits at the end of the dataset)")
+    shuffle: bool = Field(False, description="a new order of the prompts each epoch (seeded by "
+                          "data_seed and the epoch: the same order on every worker)")
+    data_seed: int = Field(0, description="seed of the epoch shuffles; one value per fleet")
+    num_shards: int = Field(1, ge=1, description="workers sharing the dataset: each takes a "
+                            "disjoint shard (the chart sets rollout.replicas)")
+    shard: int | None = Field(None, ge=0, description="this worker's shard; unset = the trailing "
+                              "-N of worker_id (a StatefulSet pod's ordinal), or 0 with one shard")
     max_policy_lag: int | None = Field(
         None, ge=0,
         description="hold new groups while the trainer's published version is ahead by more")
@@ -96,3 +105,23 @@ class RolloutConfig(StrictConfig):
         "write {version, worker_id, digests: HF name -> tensor_digest of each tensor handed to "
         "the loader} to this JSON file, atomically (compare with the trainer's "
         "weight_sync.export_digests_dir; reads every byte once more)")
+
+    @model_validator(mode="after")
+    def _shard_known(self) -> Self:
+        if self.shard_index >= self.num_shards:
+            raise ValueError(f"shard {self.shard_index} (worker_id {self.worker_id!r}) must be "
+                             f"below num_shards {self.num_shards}")
+        return self
+
+    @property
+    def shard_index(self) -> int:
+        """The shard this worker takes: `shard`, else worker_id's trailing ordinal."""
+        if self.shard is not None:
+            return self.shard
+        if self.num_shards == 1:
+            return 0
+        m = re.search(r"-(\d+)$", self.worker_id)
+        if m is None:
+            raise ValueError(f"num_shards {self.num_shards}: set shard, or a worker_id ending "
+                             f"in -N (a StatefulSet ordinal), not {self.worker_id!r}")
+        return int(m.group(1))

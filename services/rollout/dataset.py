@@ -6,7 +6,9 @@ Rows are validated one by one; a bad row is reported with its line/row number.
 
 from __future__ import annotations
 
+import itertools
 import json
+import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,13 +98,30 @@ def load_dataset(path: str | Path) -> list[PromptRecord]:
     return records
 
 
-def iterate_prompts(records: list[PromptRecord], epochs: int,
-                    num_prompts: int | None) -> Iterator[tuple[int, PromptRecord]]:
-    """(epoch, record) pairs: `epochs` passes in file order, at most `num_prompts` in all."""
+def shard_order(n: int, epoch: int, shard: int, num_shards: int, shuffle: bool,
+                seed: int) -> list[int]:
+    """Row indices shard `shard` of `num_shards` takes in `epoch`: one permutation of all rows
+    per epoch (file order, or a shuffle seeded by (seed, epoch), the same on every worker),
+    dealt round-robin. The shards of one epoch are disjoint and cover every row once."""
+    order = list(range(n))
+    if shuffle:
+        random.Random(f"{seed}:{epoch}").shuffle(order)
+    return order[shard::num_shards]
+
+
+def iterate_prompts(records: list[PromptRecord], epochs: int, num_prompts: int | None, *,
+                    shard: int = 0, num_shards: int = 1, shuffle: bool = False,
+                    seed: int = 0) -> Iterator[tuple[int, PromptRecord]]:
+    """(epoch, record) pairs of this worker's shard: `epochs` passes (0 = without end, a new
+    shuffle each epoch), at most `num_prompts` in all."""
+    if not 0 <= shard < num_shards:
+        raise ValueError(f"shard {shard} is not one of num_shards {num_shards}")
+    if num_shards > len(records):
+        raise ValueError(f"dataset: {len(records)} prompts cannot feed {num_shards} shards")
     count = 0
-    for epoch in range(epochs):
-        for rec in records:
+    for epoch in itertools.count() if epochs == 0 else range(epochs):
+        for i in shard_order(len(records), epoch, shard, num_shards, shuffle, seed):
             if num_prompts is not None and count >= num_prompts:
                 return
             count += 1
-            yield epoch, rec
+            yield epoch, records[i]

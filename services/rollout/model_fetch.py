@@ -5,7 +5,8 @@ is set. Pods start together, so the first takes an exclusive lock on `DIR.lock` 
 into `DIR.partial`, then renames it to DIR with a completion marker; the others wait on the
 lock and find the marker. A failure exits non-zero and writes its reason to the termination
 message file, so it shows in `kubectl get pods` (Init:Error) and `kubectl describe pod`.
-URIs: hf://ORG/REPO[@REVISION] (huggingface_hub), anything fsspec opens (s3://, gs://,
+URIs: hf://ORG/REPO[@REVISION] (huggingface_hub; hf://datasets/ORG/REPO a dataset repo, as
+the chart's `model.download.datasetUri` fetches the prompts), anything fsspec opens (s3://, gs://,
 file://; object stores need their fsspec package, e.g. s3fs, in the image).
 """
 
@@ -26,7 +27,9 @@ def _download(uri: str, dest: Path) -> None:
         from huggingface_hub import snapshot_download
 
         repo, _, revision = uri[len("hf://"):].partition("@")
-        snapshot_download(repo_id=repo, revision=revision or None, local_dir=str(dest))
+        kind = "dataset" if repo.startswith("datasets/") else "model"
+        snapshot_download(repo_id=repo.removeprefix("datasets/"), repo_type=kind,
+                          revision=revision or None, local_dir=str(dest))
         return
     import fsspec
 

@@ -47,6 +47,7 @@ class TrajectoryMeta:
     group_size: int
     prompt_id: str
     worker_id: str
+    epoch: int = 0  # the pass over the dataset the prompt came from
 
 
 def segment_to_proto(seg: SegmentRecord, index: int, rows: tuple[int, int], prompt_len: int,
@@ -80,4 +81,4 @@ def trajectory_to_proto(meta: TrajectoryMeta, state: RolloutState, *, reward: fl
         trajectory_id=meta.trajectory_id, group_id=meta.group_id, group_size=meta.group_size,
         prompt_token_ids=state.prompt_ids, segments=segments, reward=reward,
         reward_components=reward_components or {}, finish_reason=FINISH_REASONS[finish_reason],
-        worker_id=meta.worker_id, prompt_id=meta.prompt_id)
+        worker_id=meta.worker_id, prompt_id=meta.prompt_id, epoch=meta.epoch)

@@ -151,7 +151,10 @@ class RolloutWorker:
         slots = asyncio.Semaphore(2 * max(1, -(-self.cfg.concurrency // self.cfg.sampling.n)))
         tasks: set[asyncio.Task] = set()
         watchdog = asyncio.create_task(self._watch_engine(summary))
-        prompts = iterate_prompts(records, self.cfg.epochs, self.cfg.num_prompts)
+        cfg = self.cfg
+        prompts = iterate_prompts(records, cfg.epochs, cfg.num_prompts, shard=cfg.shard_index,
+                                  num_shards=cfg.num_shards, shuffle=cfg.shuffle,
+                                  seed=cfg.data_seed)
         for seq, (epoch, rec) in enumerate(prompts):
             if not await self._until_stop(slots.acquire()):
                 break
@@ -228,7 +231,7 @@ class RolloutWorker:
                           summary: WorkerSummary) -> None:
         group_id = f"{self.cfg.worker_id}-{self._nonce}-g{seq}"
         try:
-            group = await self.run_group(group_id, rec, seed=self.cfg.engine.seed + seq)
+            group = await self.run_group(group_id, rec, seed=self._group_seed(seq), epoch=epoch)
             if self.sink is not None and self.engine.cfg.capture_routing:
                 await self.sink.send_group(group.trajectories)
         except ValueError as e:  # bad input, failed routing check, store refusal: this group
@@ -265,8 +268,12 @@ class RolloutWorker:
         self.metrics["r3flow_rollout_trajectories_total"].labels("ok").inc(len(group.results))
         self.on_progress(summary)
 
-    async def run_group(self, group_id: str, rec: PromptRecord, seed: int | None = None
-                        ) -> GroupResult:
+    def _group_seed(self, seq: int) -> int:
+        """Seed of this worker's `seq`-th group: distinct across the shards of a fleet."""
+        return self.cfg.engine.seed + seq * self.cfg.num_shards + self.cfg.shard_index
+
+    async def run_group(self, group_id: str, rec: PromptRecord, seed: int | None = None,
+                        epoch: int = 0) -> GroupResult:
         """n samples of one prompt -> rewards, routing checks, wire trajectories."""
         verifier = self.verifiers.get(rec.verifier or self.cfg.verifier)
         prompt_ids = rec.token_ids(self.tokenizer.encode)
@@ -283,7 +290,7 @@ class RolloutWorker:
         trajs, tokens = [], 0
         for i, res in enumerate(done):
             meta = TrajectoryMeta(f"{group_id}-{i}", group_id, n, rec.prompt_id,
-                                  self.cfg.worker_id)
+                                  self.cfg.worker_id, epoch)
             traj = self._finish(meta, res, rec, verifier)
             if traj is not None:
                 trajs.append(traj)

@@ -161,6 +161,33 @@ app.kubernetes.io/component: {{ .component }}
       mountPath: /models
     - name: tmp
       mountPath: /tmp
+{{- $dataset := get $ctx.Values.rollout.config "dataset" | default "" }}
+{{- if and .dataset $ctx.Values.model.download.datasetUri }}
+{{- /* The prompts too (rollout pods): a directory fetched next to the model. */}}
+- name: dataset-fetch
+  image: {{ include "r3flow.image" (dict "ctx" $ctx "image" .image) }}
+  command: [r3flow]
+  args: [model, fetch, --uri, {{ $ctx.Values.model.download.datasetUri | quote }}, --out, {{ dir $dataset | quote }}]
+  terminationMessagePolicy: FallbackToLogsOnError
+  env:
+    - name: HOME
+      value: /tmp
+  {{- with $ctx.Values.model.download.envFromSecret }}
+  envFrom:
+    - secretRef:
+        name: {{ . }}
+  {{- end }}
+  securityContext:
+    {{- include "r3flow.securityContext" $ctx | nindent 4 }}
+  resources:
+    requests: {cpu: "1", memory: 2Gi}
+    limits: {cpu: "2", memory: 2Gi}
+  volumeMounts:
+    - name: models
+      mountPath: /models
+    - name: tmp
+      mountPath: /tmp
+{{- end }}
 {{- end }}
 {{- end }}
 
@@ -273,4 +300,10 @@ key_file: /var/run/r3flow/client-tls/tls.key
     {{- end }}
 {{- end }}
 {{- end }}
+{{- end }}
+
+{{/* The checkpoint PVC of the trainer (chart's RayJob and named runs, mounted at /checkpoints):
+     the user's claim or the chart-made `<fullname>-checkpoints`. */}}
+{{- define "r3flow.checkpointClaim" -}}
+{{- .Values.trainer.checkpoints.existingClaim | default (printf "%s-checkpoints" (include "r3flow.fullname" .)) }}
 {{- end }}

@@ -90,12 +90,8 @@ spec:
   volumes:
     {{- include "r3flow.modelVolume" $ctx | nindent 4 }}
     - name: checkpoints
-      {{- with $ctx.Values.trainer.checkpoints.existingClaim }}
       persistentVolumeClaim:
-        claimName: {{ . }}
-      {{- else }}
-      emptyDir: {}
-      {{- end }}
+        claimName: {{ include "r3flow.checkpointClaim" $ctx }}
     - name: config
       configMap:
         name: {{ include "r3flow.fullname" $ctx }}-trainer
