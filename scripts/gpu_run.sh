@@ -2,7 +2,10 @@
 # Everything r3flow measures on a lent GPU machine, in one call (device tool; see BENCHMARKS.md):
 #   run(command="bash scripts/gpu_run.sh", kind="nvidia-h100-x4", carry=[".gpu"])
 # or some sections only: `bash scripts/gpu_run.sh parallel` (trainer | parallel | bench | weights |
-# cpu; the default runs all but bench and cpu). `cpu` is the host CPU's codec and weight-push
+# cpu | fastpath | fastpath-tests; the default runs all but bench, cpu and the fastpath ones).
+# fastpath: issue 30's kernels probe and the plain vs fast path bench (LAYOUTS="--ep=4 ...");
+# fastpath-tests: tests/gpu with the fast path's model switches (R3FLOW_GPU_MODEL).
+# `cpu` is the host CPU's codec and weight-push
 # benches (issue 16; no GPU; bench-codec needs zstandard from .gpu/wheels):
 # CPU_AB="stores:bucket_mb:inflight ..." picks the push variants (default stream:64:2), each
 # run pinned to 2 cores and unpinned, the list twice (alternating).
@@ -36,6 +39,26 @@ for section in $SECTIONS; do
           --layers 8 $layout --out "bench-results/megatron_parallel_${layout//[ -]/}.json" 2>&1 \
           | grep -v -i "warn\|deprecated\|mimomodel\|return func" | tail -8
       done | tee "$OUT/bench_megatron_parallel.txt";;
+    fastpath)
+      # issue 30: the kernels, then the plain path (the issue's baseline: agreement check off)
+      # and the fast path (agreement check on) in the same call; LAYOUTS picks the layouts
+      echo "== fast-path kernels"
+      python3 tests/bench/probe_fastpath.py 2>&1 | grep -v -i "warn" | tee "$OUT/probe_fastpath.txt"
+      FAST="--experts grouped --attention sdpa --overlap-grad-reduce --fused-adam --check-agreement"
+      for layout in ${LAYOUTS:-"--ep=4" "--ep=4 --tp=2"}; do
+        for path in fast plain; do
+          flags=""; [ $path = fast ] && flags=$FAST
+          echo "== bench $layout $path"
+          python3 tests/bench/bench_megatron_parallel.py --gpus "$(nvidia-smi -L | wc -l)" \
+            --layers 8 $layout $flags --out "bench-results/fastpath_${layout//[ =-]/}_$path.json" \
+            2>&1 | grep -v -i "warn\|deprecated\|mimomodel\|return func" | tail -7
+        done
+      done | tee "$OUT/bench_fastpath.txt";;
+    fastpath-tests)
+      echo "== pytest -m gpu with the fast path (grouped experts, sdpa)"
+      export R3FLOW_GPU_MODEL='{"experts": "grouped", "attention": "sdpa"}'
+      python3 -m pytest tests/gpu -m gpu -q -rs -p no:cacheprovider -o addopts="" --timeout=900 \
+        2>&1 | tail -40 | tee "$OUT/pytest_gpu_fastpath.txt";;
     weights)
       echo "== bench-weights --device cuda"
       python3 tests/bench/bench_weights.py --device cuda 2>&1 | tail -30 \
@@ -59,7 +82,7 @@ for section in $SECTIONS; do
           done
         done
       done;;
-    *) echo "gpu_run.sh: unknown section $section (trainer | parallel | bench | weights | cpu)"; exit 2;;
+    *) echo "gpu_run.sh: unknown section $section (trainer | parallel | bench | weights | cpu | fastpath | fastpath-tests)"; exit 2;;
   esac
 done
 cp bench-results/*.json "$OUT/" 2>/dev/null

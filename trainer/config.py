@@ -28,6 +28,12 @@ class OptimConfig(StrictConfig):
     use_distributed_optimizer: bool = Field(
         False, description="shard Adam state and fp32 main weights over the data-parallel ranks "
         "(megatron-core DistributedOptimizer: grads reduce-scattered, params all-gathered)")
+    overlap_grad_reduce: bool = Field(
+        False, description="megatron DDP: reduce gradient buckets during backward, as they fill "
+        "(DistributedDataParallelConfig.overlap_grad_reduce), instead of after it")
+    fused_adam: bool = Field(
+        False, description="run torch's AdamW as its fused multi-tensor kernel (fused=True; "
+        "megatron-core falls back to torch.optim.AdamW without TransformerEngine/Apex)")
     ppo_epochs: int = Field(1, ge=1, description="passes of PPO updates over each GRPO batch")
     mini_batches: int = Field(
         1, ge=1, description="optimizer updates per pass (the batch's micro-batches split "

@@ -8,7 +8,11 @@ routing is random distinct ids (r3 replays them; r2 records then replays the pol
 Modes run round-robin (off, r3, r2, then the next round) after a warm-up step each, so drift
 hits all alike. MFU counts the model FLOPs of the update (6 x active params x tokens +
 attention) and of the old-policy forward (2 x ... + attention), against the card's dense bf16
-peak (`--peak-tflops`, H100/H200 SXM: 989). Writes bench-results/megatron_parallel.json.
+peak (`--peak-tflops`, H100/H200 SXM: 989); "MFU dec" leaves the lm head out (decoder only).
+The fast path's switches (issue 30): --experts grouped --attention sdpa [--overlap-grad-reduce
+--fused-adam]; --check-agreement turns the routing agreement check on (its cost; floor 0:
+random rollout ids agree with a random-init router at chance, so no group is quarantined).
+Writes bench-results/megatron_parallel.json.
 Run: python tests/bench/bench_megatron_parallel.py --gpus 4 [--layers 8 --ep 4 ...]
 """
 
@@ -43,14 +47,15 @@ def _hf_config(layers: int, small: bool) -> dict:
     return cfg
 
 
-def _flops_per_token(cfg: dict, seq: int) -> float:
-    """Forward model FLOPs per token: 2 x active matmul params + causal attention."""
+def _flops_per_token(cfg: dict, seq: int, lm_head: bool = True) -> float:
+    """Forward model FLOPs per token: 2 x active matmul params + causal attention (without the
+    lm head's 2 x hidden x vocab when `lm_head` is False: the decoder-only figure)."""
     h, layers, d = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["head_dim"]
     q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
     attn_params = h * (q + 2 * kv) + q * h
     expert = 3 * h * cfg["moe_intermediate_size"] * cfg["num_experts_per_tok"]
     router = h * cfg["num_experts"]
-    active = layers * (attn_params + expert + router) + h * cfg["vocab_size"]
+    active = layers * (attn_params + expert + router) + h * cfg["vocab_size"] * lm_head
     attn_scores = layers * 2 * 2 * q * seq / 2  # QK^T and PV, causal half
     return 2 * active + attn_scores
 
@@ -79,10 +84,13 @@ def _rank(args: argparse.Namespace, model_dir: str, out: str) -> None:
     engine.build_model = lambda d, c: real_build(d, c, load_weights=False)  # random init
     model = {"dtype": "bf16", "expert_parallel": args.ep, "tensor_parallel": args.tp,
              "sequence_parallel": args.tp > 1, "pipeline_parallel": args.pp,
-             "recompute_moe": args.recompute_moe, "router_dtype": "native"}
+             "recompute_moe": args.recompute_moe, "router_dtype": "native",
+             "experts": args.experts, "attention": args.attention}
     cfg = TrainerConfig(model_dir=model_dir, model=model, data={"micro_batch_size": 1,
-                        "pad_multiple": 128}, replay={"check_agreement": False},
-                        optim={"lr": 1e-7, "use_distributed_optimizer": args.distributed_optimizer})
+                        "pad_multiple": 128}, replay={"check_agreement": args.check_agreement,
+                                                  "agreement_floor": 0.0},
+                        optim={"lr": 1e-7, "use_distributed_optimizer": args.distributed_optimizer}
+                        | _optim_switches(args))
     tr = make_trainer(cfg)
     b = tr.backend
     samples = _samples(args.samples, args.seq_len, len(b.moe_layers), b.top_k, b.num_experts,
@@ -101,11 +109,37 @@ def _rank(args: argparse.Namespace, model_dir: str, out: str) -> None:
                 times[mode].append(time.perf_counter() - t0)
         samples = _samples(args.samples, args.seq_len, len(b.moe_layers), b.top_k,
                            b.num_experts, torch.distributed.get_rank())
+    if args.profile:
+        _profile(tr, samples, out)
     peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
     Path(out).write_text(json.dumps({"times": times, "peak_bytes": peak,
                                      "rank": torch.distributed.get_rank()}))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+
+
+def _profile(tr, samples: list, out: str) -> None:
+    """One off and one r3 step under torch.profiler; rank 0 prints the top ops by self CPU and
+    by device time and writes them beside `out` (--profile)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    for mode in ("off", "r3"):
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            tr.train_step(samples, mode)
+            torch.cuda.synchronize()
+        if torch.distributed.get_rank() == 0:
+            avg = prof.key_averages()
+            text = "\n".join(f"== {mode} by {key}\n" + avg.table(sort_by=key, row_limit=14,
+                                                                   max_name_column_width=60)
+                             for key in ("self_cpu_time_total", "self_device_time_total"))
+            Path(out).with_suffix(f".profile_{mode}.txt").write_text(text)
+            print(text)
+
+
+def _optim_switches(args: argparse.Namespace) -> dict:
+    """The fast path's optimizer switches that were given (older checkouts lack the fields)."""
+    return {k: True for k in ("overlap_grad_reduce", "fused_adam") if getattr(args, k)}
 
 
 def _launch(args: argparse.Namespace, model_dir: str, tmp: Path) -> list[dict]:
@@ -131,7 +165,7 @@ def _plan(args: argparse.Namespace, cfg: dict) -> float:
 
     lay = Layout(world=args.gpus, tp=args.tp, pp=args.pp, ep=args.ep, seq_len=args.seq_len,
                  distributed_optimizer=args.distributed_optimizer,
-                 recompute="moe" if args.recompute_moe else "none")
+                 recompute="moe" if args.recompute_moe else "none", attention=args.attention)
     return plan(Arch.from_hf_config(cfg), lay, gpu_gib=80, overhead_gib=0).total
 
 
@@ -147,6 +181,15 @@ def main() -> None:
     p.add_argument("--ep", type=int, default=4)
     p.add_argument("--recompute-moe", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--experts", choices=("sequential", "grouped"), default="sequential",
+                   help="model.experts (grouped: the fast path's grouped GEMM)")
+    p.add_argument("--attention", choices=("unfused", "sdpa"), default="unfused",
+                   help="model.attention (sdpa: fused causal attention)")
+    p.add_argument("--overlap-grad-reduce", action="store_true", help="optim.overlap_grad_reduce")
+    p.add_argument("--fused-adam", action="store_true", help="optim.fused_adam")
+    p.add_argument("--check-agreement", action=argparse.BooleanOptionalAction, default=False,
+                   help="replay.check_agreement (the routing agreement check of r3/r2 passes)")
+    p.add_argument("--profile", action="store_true", help="profile one off and one r3 step")
     p.add_argument("--peak-tflops", type=float, default=989.0)
     p.add_argument("--small", action="store_true", help="tiny widths (CPU smoke)")
     p.add_argument("--out", default=str(REPO / "bench-results" / "megatron_parallel.json"))
@@ -162,11 +205,13 @@ def main() -> None:
     med = {m: statistics.median(max(r["times"][m][i] for r in ranks)
                                 for i in range(args.rounds)) for m in MODES}
     tokens = args.samples * args.seq_len * args.gpus  # trained per step (every rank's share)
-    fpt = _flops_per_token(cfg, args.seq_len)
+    fpt, dec = _flops_per_token(cfg, args.seq_len), _flops_per_token(cfg, args.seq_len, False)
     res = {"config": vars(args), "step_seconds": med,
            "tokens_per_s_per_gpu": {m: tokens / med[m] / args.gpus for m in MODES},
            "mfu": {m: 4 * fpt * tokens / med[m] / args.gpus / (args.peak_tflops * 1e12)
                    for m in MODES},
+           "mfu_decoder": {m: 4 * dec * tokens / med[m] / args.gpus / (args.peak_tflops * 1e12)
+                           for m in MODES},
            "r3_over_off": med["r3"] / med["off"], "r2_over_off": med["r2"] / med["off"],
            "peak_gib_per_rank": [r["peak_bytes"] / 2**30 for r in ranks],
            "plan_gib_no_overhead": _plan(args, cfg) / 2**30}
@@ -178,9 +223,12 @@ def main() -> None:
         pass
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=2))
-    print(f"{'mode':5s} {'step s':>8s} {'tok/s/GPU':>10s} {'MFU':>6s}")
+    print(f"experts {args.experts}, attention {args.attention}, tp {args.tp} ep {args.ep}, "
+          f"check_agreement {args.check_agreement}, optim {_optim_switches(args) or 'plain'}")
+    print(f"{'mode':5s} {'step s':>8s} {'tok/s/GPU':>10s} {'MFU':>6s} {'MFU dec':>7s}")
     for m in MODES:
-        print(f"{m:5s} {med[m]:8.3f} {res['tokens_per_s_per_gpu'][m]:10.0f} {res['mfu'][m]:6.3f}")
+        print(f"{m:5s} {med[m]:8.3f} {res['tokens_per_s_per_gpu'][m]:10.0f} {res['mfu'][m]:6.3f} "
+              f"{res['mfu_decoder'][m]:7.3f}")
     print(f"r3/off {res['r3_over_off']:.3f}  r2/off {res['r2_over_off']:.3f}  peak GiB per rank "
           f"{[round(x, 2) for x in res['peak_gib_per_rank']]}  plan (no overhead) "
           f"{res['plan_gib_no_overhead']:.2f} GiB  on {res.get('device')}")

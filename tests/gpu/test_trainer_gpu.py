@@ -24,6 +24,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                                  reason="needs a CUDA GPU")]
 REPO = Path(__file__).resolve().parents[2]
 OUT = REPO / "bench-results" / "trainer_gpu.json"
+# model.* fields every trainer here takes (the fast path: R3FLOW_GPU_MODEL='{"experts":
+# "grouped", "attention": "sdpa"}'; scripts/gpu_run.sh fastpath-tests sets it)
+FAST = json.loads(os.environ.get("R3FLOW_GPU_MODEL", "{}"))
 
 
 def _load(name: str, path: Path):
@@ -62,7 +65,8 @@ def _trainer(model_dir, **model):
     from trainer.backend import make_trainer
     from trainer.config import TrainerConfig
 
-    return make_trainer(TrainerConfig(model_dir=str(model_dir), model=model, optim={"lr": 1e-6},
+    return make_trainer(TrainerConfig(model_dir=str(model_dir), model=model | FAST,
+                                      optim={"lr": 1e-6},
                                  data={"micro_batch_size": 4}, replay={"agreement_floor": 0.9}))
 
 
@@ -121,8 +125,9 @@ def test_gpu_two_ranks_ep2(tmp_path, model_dir):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    mode = ["grouped"] if FAST.get("experts") == "grouped" else []
     procs = [subprocess.Popen([sys.executable, str(worker), str(model_dir),
-                               str(tmp_path / f"r{r}.json")], cwd=REPO,
+                               str(tmp_path / f"r{r}.json"), *mode], cwd=REPO,
                               env=os.environ | {"RANK": str(r), "LOCAL_RANK": str(r),
                                                 "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
                                                 "MASTER_PORT": str(port),
@@ -134,4 +139,5 @@ def test_gpu_two_ranks_ep2(tmp_path, model_dir):
     assert all(r["export_exact"] and r["agreement_r3"] == 1.0 for r in res)
     assert res[0]["grad_norm_r3"] == pytest.approx(res[1]["grad_norm_r3"], rel=1e-5)
     _record("ep2_grad_norms", [r["grad_norm_r3"] for r in res])
+    _record("model", FAST)
     assert np.isfinite(res[0]["grad_norm_r2"])

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -53,10 +54,13 @@ TABLE: dict[str, tuple[int, dict, dict]] = {
     "dp2_ep2_distopt": (4, {"expert_parallel": 2}, {"use_distributed_optimizer": True}),
 }
 DTYPES = ("fp32", "bf16")
+# model.* fields of every layout and reference (the fast path: R3FLOW_GPU_MODEL='{"experts":
+# "grouped", "attention": "sdpa"}'; scripts/gpu_run.sh fastpath-tests sets it)
+FAST = json.loads(os.environ.get("R3FLOW_GPU_MODEL", "{}"))
 
 
 def _with_dtype(table: dict, world: int) -> dict:
-    return {f"{name}/{dt}": (w, m | {"dtype": dt}, o) for name, (w, m, o) in table.items()
+    return {f"{name}/{dt}": (w, m | {"dtype": dt} | FAST, o) for name, (w, m, o) in table.items()
             if w == world for dt in DTYPES}
 
 
@@ -66,7 +70,7 @@ def results(tmp_path_factory):
 
     model = build_tiny_moe(tmp_path_factory.mktemp("tiny"), TinyMoeConfig(num_layers=4,
                                                                          first_k_dense=1))
-    refs = {f"ref/{dt}": (1, {"dtype": dt}, {}) for dt in DTYPES}
+    refs = {f"ref/{dt}": (1, {"dtype": dt} | FAST, {}) for dt in DTYPES}
     out = P.run_layouts(tmp_path_factory.mktemp("ref"), model, refs, gpu=True, timeout=300)
     for world in sorted({w for w, _, _ in TABLE.values()}):
         if torch.cuda.device_count() < world:
@@ -88,6 +92,7 @@ def _record(name: str, value) -> None:
     data[name] = value
     data["device"] = torch.cuda.get_device_name(0)
     data["gpus"] = torch.cuda.device_count()
+    data["model"] = FAST
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps(data, indent=2))
 

@@ -58,6 +58,16 @@ def test_two_ranks_ep2_step_with_identical_grad_norms(tmp_path):
         assert res[0][key] == pytest.approx(res[1][key], rel=1e-6), key
     assert all(r["agreement_r3"] == 1.0 for r in res)
     assert res[0]["loss_r3"] != res[1]["loss_r3"]  # each rank trained on its own shard
+    # the fast path's grouped experts (CPU: the reference loop over stacked weights) behind the
+    # same all-to-all dispatcher: the same gradients bit for bit (test_megatron_fastpath); the
+    # grad norm sums one stacked tensor instead of 8 (another order: 1e-9 relative), and its
+    # clip coefficient moves the r3 step's weights by as much
+    grouped = _run_ranks(tmp_path, model, "grouped")
+    assert all(r["export_exact"] for r in grouped)
+    assert all(r["agreement_r3"] == 1.0 for r in grouped)
+    for key in ("grad_norm_r2", "grad_norm_r3", "loss_r3"):
+        for r, g in zip(res, grouped, strict=True):
+            assert g[key] == pytest.approx(r[key], rel=1e-7), key
 
 
 def test_ep2_ranks_with_unequal_microbatch_counts_step_together(tmp_path):
@@ -99,7 +109,7 @@ def _attach_recorded_routing(trainer, samples) -> None:
             x.routing_TLK = rows_BSLK[j, :x.tokens.size - 1].cpu().numpy()
 
 
-def _worker(model_dir: str, out_path: str) -> None:
+def _worker(model_dir: str, out_path: str, experts: str = "sequential") -> None:
     import torch
     from safetensors.torch import load_file
 
@@ -107,7 +117,7 @@ def _worker(model_dir: str, out_path: str) -> None:
     from trainer.config import TrainerConfig
 
     rank = int(os.environ["RANK"])
-    cfg = TrainerConfig(model_dir=model_dir, model={"expert_parallel": 2},
+    cfg = TrainerConfig(model_dir=model_dir, model={"expert_parallel": 2, "experts": experts},
                         data={"micro_batch_size": 2}, optim={"lr": 1e-4})
     tr = make_trainer(cfg)
     ref = load_file(str(Path(model_dir) / "model.safetensors"))
@@ -117,7 +127,7 @@ def _worker(model_dir: str, out_path: str) -> None:
     r2 = tr.train_step(samples, "r2")
     _attach_recorded_routing(tr, samples)
     r3 = tr.train_step(samples, "r3")
-    local = len(tr.backend.policy.module.decoder.layers[1].mlp.experts.local_experts)
+    local = int(tr.backend.policy.module.decoder.layers[1].mlp.experts.num_local_experts)
     Path(out_path).write_text(json.dumps({
         "export_exact": exact, "local_experts": local, "grad_norm_r2": r2["grad_norm"],
         "grad_norm_r3": r3["grad_norm"], "agreement_r3": r3["routing_agreement"],
@@ -156,4 +166,8 @@ def _uneven_worker(model_dir: str, out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    (_uneven_worker if sys.argv[3:] == ["uneven"] else _worker)(sys.argv[1], sys.argv[2])
+    if sys.argv[3:] == ["uneven"]:
+        _uneven_worker(sys.argv[1], sys.argv[2])
+    else:
+        _worker(sys.argv[1], sys.argv[2], "grouped" if sys.argv[3:] == ["grouped"] else
+                "sequential")

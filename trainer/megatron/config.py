@@ -46,6 +46,15 @@ class ModelConfig(StrictConfig):
         "dtype), auto = what the rollout engine does for this model family (ENGINE_ROUTER_DTYPE; "
         "qwen3_moe: native), resolved when the model is built and logged")
     seed: int = Field(1234, description="megatron RNG seed (init of unused params, dropout)")
+    experts: Literal["sequential", "grouped"] = Field(
+        "sequential", description="routed experts: sequential (megatron's SequentialMLP, a loop "
+        "of linears per expert; the reference) or grouped (trainer.megatron.grouped_experts: "
+        "stacked weights, one torch._grouped_mm per projection on CUDA bf16)")
+    attention: Literal["unfused", "sdpa"] = Field(
+        "unfused", description="core attention: unfused (megatron's DotProductAttention; the "
+        "reference) or sdpa (trainer.megatron.fused_attention: fused causal "
+        "F.scaled_dot_product_attention, GQA without K/V repeat; families with sinks, sliding "
+        "windows or MLA keep DotProductAttention)")
 
     @model_validator(mode="after")
     def _recompute_once(self) -> ModelConfig:

@@ -56,7 +56,8 @@ def _optimizer(built: BuiltModel, cfg: TrainerConfig):
     bf16, o = cfg.model.dtype == "bf16", cfg.optim
     dist_opt = o.use_distributed_optimizer
     ddp = DDP(built.config, DistributedDataParallelConfig(
-        use_distributed_optimizer=dist_opt, grad_reduce_in_fp32=True), built.module)
+        use_distributed_optimizer=dist_opt, grad_reduce_in_fp32=True,
+        overlap_grad_reduce=o.overlap_grad_reduce), built.module)
     with cuda_tensor_type_names():  # no-op on GPUs
         opt = get_megatron_optimizer(OptimizerConfig(
             optimizer="adam", lr=o.lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
@@ -64,7 +65,21 @@ def _optimizer(built: BuiltModel, cfg: TrainerConfig):
             use_distributed_optimizer=dist_opt, params_dtype=torch.bfloat16 if bf16 else torch.float32), [ddp])
     built.config.finalize_model_grads_func = finalize_model_grads
     built.config.no_sync_func = ddp.no_sync
+    if o.fused_adam:
+        fuse_adam(opt)
     return ddp, opt
+
+
+def fuse_adam(opt: Any) -> None:
+    """Switch the torch AdamW(s) megatron built (no TransformerEngine/Apex here) to their fused
+    kernel: the param groups' documented `fused` option, read at every step()."""
+    for inner in getattr(opt, "chained_optimizers", [opt]):
+        torch_opt = inner.optimizer
+        if not isinstance(torch_opt, torch.optim.Adam | torch.optim.AdamW):
+            raise ValueError(f"optim.fused_adam: megatron built {type(torch_opt).__name__}, not "
+                             "torch's Adam/AdamW")
+        for group in torch_opt.param_groups:
+            group["fused"], group["foreach"] = True, False
 
 
 class MegatronBackend:

@@ -16,6 +16,8 @@ Dense layers (HF `mlp_only_layers`, `first_k_dense_replace`) are plain MLPs; the
 `gate.e_score_correction_bias` <-> the router's `expert_bias` buffer (trainer.megatron.grouped_router).
 Partial rotary (`partial_rotary_factor`) is megatron's `rotary_percent` (MoeArch.rotary_percent).
 Multi-latent attention (DeepSeek-V3) maps in trainer.megatron.family_deepseek_v3.
+Grouped experts (model.experts: grouped) hold each layer's experts stacked; `megatron_to_hf` and
+`gather_experts` read them in the per-expert layout (trainer.megatron.grouped_experts).
 RoPE (scaling, partial rotary) is read by trainer.megatron.rope.
 Legend: H hidden, d head dim, nh query heads, ng KV groups, E experts, El local experts.
 """
@@ -38,6 +40,7 @@ from trainer.megatron.family_deepseek_v3 import (
     check_mla_rope,
     mla_from_hf_config,
 )
+from trainer.megatron.grouped_experts import unstack_experts
 from trainer.megatron.grouped_router import bias_to_hf, bias_to_megatron
 from trainer.megatron.rope import RopeScaling, rope_from_hf_config, rope_params, rotary_percent
 
@@ -253,7 +256,9 @@ def hf_to_megatron(sd: dict[str, torch.Tensor], a: MoeArch, ep_rank: int = 0,
 
 def megatron_to_hf(sd: dict[str, torch.Tensor], a: MoeArch, ep_rank: int = 0,
                    ep_size: int = 1) -> dict[str, torch.Tensor]:
-    """This EP rank's megatron parameter dict -> HF names (its local experts under global ids)."""
+    """This EP rank's megatron parameter dict -> HF names (its local experts under global ids);
+    grouped experts' stacked weights are read as SequentialMLP's per-expert ones."""
+    sd = unstack_experts(sd)
     out = {h: sd[m] for h, m in _GLOBAL.items()}
     for i in range(a.num_layers):
         out |= _layer_to_hf(sd, a, i, ep_rank, ep_size)
@@ -274,10 +279,12 @@ def _unwrap(model: Any) -> Any:
 
 
 def gather_experts(params: dict[str, torch.Tensor], a: MoeArch) -> dict[str, torch.Tensor]:
-    """Replace local-expert params by all experts (global ids) via all_gather on the EP group."""
+    """Replace local-expert params by all experts (global ids) via all_gather on the EP group
+    (grouped experts' stacked weights first split into SequentialMLP's per-expert names)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
+    params = unstack_experts(params)
     ep = ps.get_expert_model_parallel_world_size()
     if ep == 1:
         return params

@@ -19,6 +19,7 @@ from trainer.megatron.config import ModelConfig
 from trainer.megatron.families import ENGINE_ROUTER_DTYPE as FAMILY_ROUTER_DTYPE
 from trainer.megatron.families import config_overrides
 from trainer.megatron.family_deepseek_v3 import mla_config_kwargs
+from trainer.megatron.grouped_experts import to_layout_of
 from trainer.megatron.grouped_router import freeze_expert_bias
 from trainer.megatron.hf_mapping import MoeArch, hf_to_megatron, load_arch
 from trainer.megatron.parallel import (
@@ -213,7 +214,7 @@ def build_model(hf_dir: str | Path, cfg: ModelConfig, load_weights: bool = True)
     tcfg = transformer_config(arch, cfg)
     # The replay instance list is class-level: each model must own exactly its routers.
     RouterReplay.clear_global_router_replay_instances()
-    spec = decoder_spec(tcfg, arch.fam)
+    spec = decoder_spec(tcfg, arch.fam, cfg.experts, cfg.attention)
     # parallel_output=False: the logits are gathered over TP (the loss is computed on [B, S, V])
     module = GPTModel(config=tcfg, transformer_layer_spec=spec, vocab_size=arch.vocab_size,
                       max_sequence_length=arch.max_positions,
@@ -254,6 +255,8 @@ def copy_into(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None
     """Copy `tensors` into `module`'s weights (parallel.model_weights); every weight must be
     covered, no extras."""
     params = model_weights(module)
+    # r3flow's expert names are SequentialMLP's (HF mapping, old checkpoints): restack them
+    tensors = to_layout_of(tensors, set(params))
     missing, extra = set(params) - set(tensors), set(tensors) - set(params)
     if missing or extra:
         raise ValueError(f"weights: missing {sorted(missing)[:4]}, unexpected {sorted(extra)[:4]}")

@@ -213,30 +213,42 @@ class AgreementMonitor(AgreementStats):
 
     def collect(self, mb, pos_S: torch.Tensor | None = None) -> None:
         """File the hits of `mb`'s forward (padded [B, S], router order t = s*B + b over the
-        sequence positions `pos_S` this rank routes; None = all of them)."""
+        sequence positions `pos_S` this rank routes; None = all of them). The sums are taken on
+        the hits' device, as prefix sums over S, and come to the host in one copy: unit sums
+        are then differences (no per-layer or per-unit indexing of host tensors, which cost
+        ~0.4 s per 4K-token micro-batch on the bench's host)."""
         hits, self._hits = self._hits, [None] * len(self.hf_layers)
         if not hits or any(h is None for h in hits):
             return
         b, s = mb.tokens_BS.shape
-        pos_S = torch.arange(s) if pos_S is None else pos_S.cpu()
-        hits_LBS = torch.zeros(len(hits), b, s, dtype=torch.long)
-        hits_LBS[:, :, pos_S] = torch.stack(
-            [h.view(-1, b).t() for h in hits]).cpu()  # type: ignore[union-attr]
-        mine_S = torch.zeros(s, dtype=torch.bool)
-        mine_S[pos_S] = True
-        valid_BS = mb.valid_rows_BS.bool().cpu() & mine_S
-        for m in range(hits_LBS.shape[0]):
-            self.agree[m] += int(hits_LBS[m][valid_BS].sum())
-            self.total[m] += int(valid_BS.sum()) * self.top_k
-        hits_BS = hits_LBS.sum(0)
+        dev = hits[0].device  # type: ignore[union-attr]
+        pos_S = torch.arange(s, device=dev) if pos_S is None else pos_S.to(dev)
+        hits_LBS = torch.zeros(len(hits), b, s, dtype=torch.long, device=dev)
+        hits_LBS[:, :, pos_S] = torch.stack([h.view(-1, b).t() for h in hits])  # type: ignore[union-attr]
+        mine_S = torch.zeros(s, dtype=torch.long, device=dev)
+        mine_S[pos_S] = 1
+        valid_BS = mb.valid_rows_BS.to(dev).bool().long() * mine_S
+        zero = torch.zeros(b, 1, dtype=torch.long, device=dev)
+        # one host copy: per-layer agreeing ids on valid rows, valid rows, prefix sums over S of
+        # every row's hits (all layers) and of this rank's rows
+        agree_L = (hits_LBS * valid_BS).sum((1, 2))
+        prefix_BS = torch.cat([zero, hits_LBS.sum(0).cumsum(1)], 1)
+        mine_S1 = torch.cat([zero[0], mine_S.cumsum(0)])
+        flat = torch.cat([agree_L, valid_BS.sum().view(1), prefix_BS.flatten(), mine_S1]).tolist()
+        n_layers, row = len(hits), s + 1
+        prefix = [flat[n_layers + 1 + i * row:n_layers + 1 + (i + 1) * row] for i in range(b)]
+        mine = flat[n_layers + 1 + b * row:]
+        for m in range(n_layers):
+            self.agree[m] += int(flat[m])
+            self.total[m] += int(flat[n_layers]) * self.top_k
         per_row = len(self.hf_layers) * self.top_k
         for i, sample in enumerate(mb.samples):
             for name, a, e in sample.agreement_units():
-                rows = int(mine_S[a:e].sum())
+                rows = mine[e] - mine[a]
                 if not rows:
                     continue
                 cell = self.units.setdefault((sample.group_id, sample.trajectory_id, name), [0, 0])
-                cell[0] += int(hits_BS[i, a:e].sum())
+                cell[0] += prefix[i][e] - prefix[i][a]
                 cell[1] += rows * per_row
 
     def remove(self) -> None:

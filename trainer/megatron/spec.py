@@ -16,10 +16,15 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import logging
 from typing import Any
 
 import torch
 
+from trainer.megatron.fused_attention import SdpaAttention, applies
+from trainer.megatron.grouped_experts import GroupedExperts
+
+log = logging.getLogger(__name__)
 
 class SequenceParallelRMSNorm(torch.nn.RMSNorm):
     """torch RMSNorm whose weight is tagged for the TP grad all-reduce of sequence parallel."""
@@ -56,10 +61,12 @@ def _swap(node: Any, old: type, new: type, seen: set[int]) -> Any:
     return node
 
 
-def decoder_spec(tcfg: Any, fam: Any = None) -> Any:
+def decoder_spec(tcfg: Any, fam: Any = None, experts: str = "sequential",
+                 attention: str = "unfused") -> Any:
     """megatron's local GPT decoder block spec for `tcfg` (norms SP-capable when SP is on) and
     the family `fam` (a families.FamilyArch: OLMoE's full-width QK-norm; GPT-OSS's sinks and
-    expert biases follow `tcfg`)."""
+    expert biases follow `tcfg`); `experts` grouped / `attention` sdpa put the fast path's
+    modules in the experts and core-attention slots (model.experts / model.attention)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
@@ -79,4 +86,21 @@ def decoder_spec(tcfg: Any, fam: Any = None) -> Any:
         from trainer.megatron.family_gpt_oss import swap_modules
 
         spec = swap_modules(copy.deepcopy(spec), tcfg, lambda s, old, new: _swap(s, old, new, set()))
+    return fast_path(spec, tcfg, experts, attention)
+
+
+def fast_path(spec: Any, tcfg: Any, experts: str, attention: str) -> Any:
+    """`spec` with GroupedExperts for megatron's SequentialMLP (experts: grouped) and, where the
+    family's attention allows it, SdpaAttention for the plain DotProductAttention (attention:
+    sdpa; GPT-OSS's sink attention and MLA's keep theirs: they are other classes)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    if experts == "grouped" and tcfg.num_moe_experts:
+        spec = _swap(copy.deepcopy(spec), SequentialMLP, GroupedExperts, set())
+    if attention == "sdpa" and applies(tcfg):
+        spec = _swap(copy.deepcopy(spec), DotProductAttention, SdpaAttention, set())
+    elif attention == "sdpa":
+        log.info("model.attention: sdpa does not apply to this family (sinks, sliding window "
+                 "or MLA): its DotProductAttention runs")
     return spec

@@ -65,7 +65,8 @@ def layout_from_trainer(cfg: Any, seq_len: int) -> Layout:
         pp=m.pipeline_parallel, cp=m.context_parallel, dtype=m.dtype,
         distributed_optimizer=cfg.optim.use_distributed_optimizer,
         grad_reduce_in_fp32=True, recompute=_recompute(m),
-        reference=cfg.loss.uses_reference, micro_batch=cfg.data.micro_batch_size, seq_len=seq_len)
+        reference=cfg.loss.uses_reference, micro_batch=cfg.data.micro_batch_size, seq_len=seq_len,
+        attention=m.attention)
 
 
 def _recompute(m: Any) -> Recompute:

@@ -28,7 +28,8 @@ An estimate written down so that it can be checked by hand (tests/unit/test_plan
     recomputed (recompute "moe" keeps them, "full" holds one layer's, live in that layer's
     backward, after the loss buffers below are freed: the sum over-counts it then); plus
     megatron's global memory buffer that baddbmm takes as its input, eb x one layer's scores,
-    allocated once;
+    allocated once. With model.attention sdpa (Layout.attention, the fused kernel) neither:
+    each layer keeps the kernel's fp32 logsumexp, 4 B x micro_batch x heads/TP x seq_len;
   * loss: the trainer's loss works on the full [B, S, V] logits (the trainer gathers them over
     TP, parallel_output=False, so every TP rank holds the full vocabulary; PP: the last
     stage). trainer/loss.py's ppo_loss takes two fp32 log-softmaxes (token_logprobs and
@@ -135,6 +136,7 @@ class Layout:
     reference: bool = False
     micro_batch: int = 1
     seq_len: int = 4096
+    attention: Literal["unfused", "sdpa"] = "unfused"  # model.attention (issue 30 fast path)
 
     def check(self, arch: Arch) -> None:
         """UserError naming the field when the layout cannot be built."""
@@ -227,10 +229,13 @@ def activation_bytes(arch: Arch, lay: Layout) -> dict[str, float]:
         elems, live = per_stage * h, attn + (moe if moe_n else mlp)
     in_flight = lay.pp
     acts = eb * tokens * (elems * in_flight + live)
-    # unfused attention: [micro_batch, heads/TP, S, S] scores per layer (module docstring)
+    # unfused attention: [micro_batch, heads/TP, S, S] scores per layer (module docstring);
+    # sdpa (fused) keeps no scores, only its fp32 logsumexp per query row and head
     scores = lay.micro_batch * arch.heads / lay.tp * lay.seq_len ** 2 / lay.cp
     kept = (4 + eb if eb == 2 else 4) * scores
     kept_layers = 1 if lay.recompute == "full" else per_stage * in_flight
+    if lay.attention == "sdpa":
+        kept, scores = 4 * scores / lay.seq_len, 0.0
     loss_logits = 24 * lay.seq_len * lay.micro_batch / lay.cp * arch.vocab
     routing = 8 * tokens * moe_n * arch.top_k * in_flight
     return {"activations": acts, "attention scores": kept * kept_layers,
