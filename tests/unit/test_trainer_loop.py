@@ -167,3 +167,22 @@ def test_dynamic_sampling_keeps_equal_groups_past_its_pull_budget(tmp_path):
     cfg = _cfg(tmp_path, dynamic_sampling=True, dynamic_sampling_max_pulls=1)
     batch = TrainLoop(cfg, FakeRanks(1), store).pull_batch()
     assert [g.group_id for g in batch] == ["g2", "g3"] and len(store.dropped) == 2
+
+
+def test_off_policy_metrics_reach_prometheus_and_hist_counts_sum_over_ranks():
+    from trainer.loop.metrics import TrainerMetrics
+
+    m = reduce_metrics([{"staleness_hist": {"0": 2, "1": 1}, "ppo_kl": None, "is_weight_max": 2.0},
+                        {"staleness_hist": {"1": 3}, "ppo_kl": 0.1, "is_weight_max": 4.0,
+                         "logprob_diff_mean_fresh": 0.01, "logprob_diff_mean_off_stale": 0.3}])
+    assert m["staleness_hist"] == {"0": 2.0, "1": 4.0} and m["ppo_kl"] == 0.1  # filler: None
+    registry = CollectorRegistry()
+    TrainerMetrics.of(create_metrics(registry, "trainer")).export_step(m | {"mismatch_kl": None})
+    get = registry.get_sample_value
+    assert get("r3flow_trainer_sample_staleness_versions_count") == 6
+    assert get("r3flow_trainer_sample_staleness_versions_bucket", {"le": "0.0"}) == 2
+    assert get("r3flow_trainer_is_weight_max") == 4.0
+    assert get("r3flow_trainer_logprob_diff_mean_by_staleness",
+               {"staleness": "fresh", "routing": "run"}) == 0.01
+    assert get("r3flow_trainer_logprob_diff_mean_by_staleness",
+               {"staleness": "stale", "routing": "off"}) == 0.3
