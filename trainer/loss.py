@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from trainer.logprobs import logprob_entropy
 from trainer.loss_config import LossConfig
 from trainer.objectives import LOG_RATIO_CLAMP, gspo_log_ratio, kl_estimate
 
@@ -96,8 +97,9 @@ def ppo_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor, mask_BS: torch.T
     `seq_BS`, trainer.objectives.sequence_index) on sampled-token logprobs, times the TIS
     weight, + kl_coef * KL to the reference (kl_in loss), - entropy bonus, all under the
     sampling temperature."""
-    lp = token_logprobs(logits_BSV, labels_BS, temperature_BS)
-    ent = token_entropy(logits_BSV, temperature_BS)
+    lp, ent = logprob_entropy(logits_BSV, labels_BS, temperature_BS, cfg.entropy_coef != 0) \
+        if cfg.chunked_logprobs else (token_logprobs(logits_BSV, labels_BS, temperature_BS),
+                                      token_entropy(logits_BSV, temperature_BS))
     log_ratio = lp - old_lp_BS
     if cfg.ratio_level == "sequence":
         assert seq_BS is not None, "GSPO needs the micro-batch's sequence index"

@@ -84,6 +84,10 @@ class LossConfig(StrictConfig):
     kl_metric: bool = Field(False, description="build the reference model and report kl_ref "
                             "even when kl_coef is 0 (a measurement: no gradient)")
     entropy_coef: float = Field(0.0, description="entropy bonus weight (subtracted from loss)")
+    chunked_logprobs: bool = Field(
+        False, description="ppo_loss takes logprobs and entropy from trainer.logprobs' chunked "
+        "log-softmax (no fp32 copy of the full-vocabulary logits; the entropy without a graph "
+        "when entropy_coef is 0) instead of torch.log_softmax (the reference; issue 30)")
     adv_eps: float = Field(1e-6, gt=0, description="std floor of group-normalised advantages")
     adv_std_normalize: bool = Field(True, description="divide by the group reward std (GRPO)")
     rollout_correction: RolloutCorrectionConfig = Field(

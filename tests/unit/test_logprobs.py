@@ -48,3 +48,26 @@ def test_entropy_has_no_graph_unless_asked():
     logits, labels, _ = _inputs(torch.float32, False)
     _, ent = logprob_entropy(logits, labels)
     assert not ent.requires_grad
+
+
+@pytest.mark.parametrize("entropy_coef", [0.0, 0.01])
+def test_ppo_loss_with_chunked_logprobs_matches_the_plain_loss(entropy_coef):
+    """loss.chunked_logprobs: ppo_loss's value, metrics and logits gradient as with
+    torch.log_softmax (fp32 rounding), with and without an entropy bonus."""
+    from trainer.loss import ppo_loss
+    from trainer.loss_config import LossConfig
+
+    logits, labels, temp = _inputs(torch.float32, True, seed=3)
+    g = torch.Generator().manual_seed(4)
+    mask, adv = (torch.rand(2, 7, generator=g) < 0.8).float(), torch.randn(2, 7, generator=g)
+    old = token_logprobs(logits, labels, temp).detach() + 0.1 * torch.randn(2, 7, generator=g)
+    out = {}
+    for chunked in (False, True):
+        cfg = LossConfig(entropy_coef=entropy_coef, chunked_logprobs=chunked)
+        sums = ppo_loss(logits, labels, mask, adv, old, None, cfg, temp)
+        sums.loss.backward()
+        out[chunked], logits.grad = (sums, logits.grad.clone()), None
+    (plain, g_plain), (fast, g_fast) = out[False], out[True]
+    assert float(fast.loss) == pytest.approx(float(plain.loss), rel=1e-5)
+    assert fast.entropy == pytest.approx(plain.entropy, rel=1e-5)
+    assert torch.allclose(g_fast, g_plain, rtol=1e-4, atol=1e-6)
