@@ -11,6 +11,7 @@ import asyncio
 import logging
 import socket
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 from services.common.pb.r3flow.v1 import trajectory_pb2
@@ -112,6 +113,16 @@ class StoreSink:
         """RegisterWorker with this worker's policy version; returns the TTL in seconds."""
         return await asyncio.to_thread(self.client.register_worker, worker_id,
                                        socket.gethostname(), 1, version)
+
+
+async def wait_for_room(sink: TrajectorySink, unsent: Callable[[], int], poll_s: float) -> None:
+    """Return once `sink` has room for one more group beyond the `unsent()` ones this worker
+    holds (at once when the store has no budget in groups)."""
+    while True:
+        room = await sink.room()
+        if room is None or room > unsent():
+            return
+        await asyncio.sleep(poll_s)
 
 
 def _is_backpressure(err) -> bool:  # noqa: ANN001

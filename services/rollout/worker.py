@@ -26,7 +26,7 @@ from services.rollout.config import RolloutConfig
 from services.rollout.dataset import PromptRecord, iterate_prompts
 from services.rollout.engine import EngineDead, RolloutEngine
 from services.rollout.segments import RoutingCheckError, check_routing
-from services.rollout.sink import TrajectorySink
+from services.rollout.sink import TrajectorySink, wait_for_room
 from services.rollout.trajectory_proto import RoutingLayout, TrajectoryMeta, trajectory_to_proto
 from services.rollout.verifiers import VerifierRegistry
 
@@ -385,16 +385,6 @@ class RolloutWorker:
         if self.sink is not None:
             await wait_for_room(self.sink, lambda: summary.groups_in_flight,
                                 ROOM_POLL_S)
-
-
-async def wait_for_room(sink: TrajectorySink, unsent: Callable[[], int], poll_s: float) -> None:
-    """Return once `sink` has room for one more group beyond the `unsent()` ones this worker
-    holds (at once when the store has no budget in groups)."""
-    while True:
-        room = await sink.room()
-        if room is None or room > unsent():
-            return
-        await asyncio.sleep(poll_s)
 
 
 def write_json_atomic(path: str, data: Any) -> None:

@@ -6,7 +6,7 @@ import grpc
 import pytest
 
 from services.common.pb.r3flow.v1 import trajectory_pb2
-from services.rollout.sink import MemorySink, StoreRejected, StoreSink
+from services.rollout.sink import MemorySink, StoreRejected, StoreSink, wait_for_room
 from services.store.client import RETRY_AFTER_KEY
 
 
@@ -96,8 +96,6 @@ def test_a_store_without_budget_is_asked_again_only_later():
 
 def test_a_worker_waits_while_the_budget_has_no_room_for_its_unsent_groups():
     """The hold ends when the trainer takes groups, not when a new version comes."""
-    from services.rollout.worker import wait_for_room
-
     class Sink(MemorySink):
         def __init__(self, rooms: list[int]) -> None:
             super().__init__()
