@@ -42,6 +42,16 @@ class _Puller:
     session: str = ""
 
 
+@dataclass(frozen=True)
+class _Entry:
+    """A stream entry being delivered: its id, delivery count, and whether it is its holder's
+    own renewal."""
+
+    eid: str
+    count: int
+    renewed: bool = False
+
+
 def _parse_lease(value: bytes | None, default_ms: int) -> tuple[int, str]:
     """A leases-hash value `<lease ms>[|<session>]` -> (lease ms, session)."""
     if not value:
@@ -149,13 +159,13 @@ class TrajectoryStoreCore:
             out += [d for d in (self._deliver(e) for e in entries) if d is not None]
         return out
 
-    def _claim_expired(self, who: _Puller, count: int) -> list[tuple[str, int]]:
+    def _claim_expired(self, who: _Puller, count: int) -> list[_Entry]:
         pending = self.r.xpending_range(self.keys.ready, CONSUMER_GROUP, "-", "+",
                                         max(100, 4 * count), idle=1000)
         if not pending:
             return []
         leases = self.r.hmget(self.keys.leases, [p["message_id"] for p in pending])
-        claimed: list[tuple[str, int]] = []
+        claimed: list[_Entry] = []
         redelivered = 0
         limit = self.cfg.max_redeliveries
         for p, lease in zip(pending, leases, strict=True):
@@ -172,7 +182,7 @@ class TrajectoryStoreCore:
             got = self.r.xclaim(self.keys.ready, CONSUMER_GROUP, who.consumer, lease_ms, [eid],
                                 justid=renew)
             if got and (renew or (got[0] and got[0][0])):
-                claimed.append((eid, times if renew else times + 1))
+                claimed.append(_Entry(eid, times if renew else times + 1, renew))
                 redelivered += not renew
         if redelivered:
             self.r.hincrby(self.keys.stats, "redeliveries", redelivered)
@@ -200,29 +210,28 @@ class TrajectoryStoreCore:
             log.error("group %s dead-lettered: %s (%d trajectories; record in %s)", gid,
                       rec.reason, n, self.keys.dead_letters)
 
-    def _read_new(self, consumer: str, count: int, block_ms: int | None
-                  ) -> list[tuple[str, int]]:
+    def _read_new(self, consumer: str, count: int, block_ms: int | None) -> list[_Entry]:
         if count <= 0:
             return []
         reply = self.r.xreadgroup(CONSUMER_GROUP, consumer, {self.keys.ready: ">"},
                                   count=count, block=block_ms)
-        entries = [(_s(eid), 1) for _, msgs in (reply or []) for eid, _ in msgs]
+        entries = [_Entry(_s(eid), 1) for _, msgs in (reply or []) for eid, _ in msgs]
         if entries:
             self.r.hincrby(self.keys.stats, "groups_delivered", len(entries))
         return entries
 
-    def _set_leases(self, entries: list[tuple[str, int]], lease_ms: int, session: str) -> None:
+    def _set_leases(self, entries: list[_Entry], lease_ms: int, session: str) -> None:
         value = f"{lease_ms}|{session}" if session else lease_ms
-        self.r.hset(self.keys.leases, mapping={eid: value for eid, _ in entries})
+        self.r.hset(self.keys.leases, mapping={e.eid: value for e in entries})
 
-    def _deliver(self, entry: tuple[str, int]) -> Delivery | None:
-        eid, count = entry
+    def _deliver(self, entry: _Entry) -> Delivery | None:
+        eid = entry.eid
         found = self.r.xrange(self.keys.ready, eid, eid)
         if not found:
             return None
         gid = _s(found[0][1][b"g"])
-        d = assemble_group(self.r, self.keys, gid, eid, count)
-        reason = self._drop_reason(d)
+        d = assemble_group(self.r, self.keys, gid, eid, entry.count)
+        reason = self._drop_reason(d, entry.renewed)
         if reason:
             n = 0 if d is None else len(d.trajectory_bytes)
             self._release(eid, "", reason, n)
@@ -231,14 +240,18 @@ class TrajectoryStoreCore:
             return None
         return d
 
-    def _drop_reason(self, d: Delivery | None) -> str:
+    def _drop_reason(self, d: Delivery | None, renewed: bool = False) -> str:
+        """Why a group is dropped instead of delivered ('' = deliver). A renewal is never
+        dropped as stale: its holder took the group already (it may be in a batch, or trained
+        and waiting for its checkpoint) and judged its staleness then."""
         if d is None:
             log.error("ready group has no payload in Redis; dropping its stream entry")
             return "missing"
         if not d.trajectory_bytes:
             return "aborted"  # every member aborted; counted when they finished
         lag = self.cfg.max_policy_lag
-        if lag is not None and self.policy_version() - d.min_policy_version > lag:
+        if lag is not None and not renewed and \
+                self.policy_version() - d.min_policy_version > lag:
             return "stale"
         return ""
 

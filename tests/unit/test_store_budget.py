@@ -91,3 +91,18 @@ def test_own_session_renews_its_lease_without_counting(redis_url: str) -> None:
     assert core.stats().counters.get("redeliveries", 0) == 0
     assert core.pull("t", 1, lease_seconds=1, session="s2") == []  # 2nd delivery > 0 allowed
     assert core.stats().counters["groups_dead_lettered"] == 1
+
+
+def test_a_renewal_is_never_dropped_stale(redis_url: str) -> None:
+    """The holder took the group before the version moved (a batch waiting across a resync
+    push, or trained and waiting for its checkpoint): only another session's pull drops it."""
+    core = make_core(redis_url, max_policy_lag=1)
+    append_group(core, "g")
+    [d] = core.pull("t", 1, lease_seconds=1, session="s1")
+    core.publish_policy_version(5)
+    time.sleep(1.05)
+    [again] = core.pull("t", 1, lease_seconds=1, session="s1")
+    assert again.delivery_id == d.delivery_id
+    time.sleep(1.05)
+    assert core.pull("t", 1, session="s2") == []
+    assert core.stats().dropped_by_reason() == {"stale": 2}

@@ -186,3 +186,37 @@ def test_off_policy_metrics_reach_prometheus_and_hist_counts_sum_over_ranks():
                {"staleness": "fresh", "routing": "run"}) == 0.01
     assert get("r3flow_trainer_logprob_diff_mean_by_staleness",
                {"staleness": "stale", "routing": "off"}) == 0.3
+
+
+def test_a_group_in_the_batch_is_not_judged_again_when_redelivered(tmp_path):
+    """A resync push raises the version while the batch waits; the batch's own group, taken
+    back after its lease, stays in the batch (its newest delivery), and is not dropped stale."""
+    from services.common.pb.r3flow.v1 import trajectory_pb2
+
+    def aged(i: int, version: int, delivery: str):
+        traj = trajectory_pb2.Trajectory(trajectory_id=f"g{i}-0")
+        traj.segments.add(policy_version=version)
+        return store_pb2.PulledGroup(delivery_id=delivery, group_id=f"g{i}", trajectories=[traj])
+
+    class Store(FakeStore):
+        def __init__(self, loop_ref) -> None:
+            super().__init__([])
+            self.loop_ref, self.dropped = loop_ref, []
+            self.pulls = iter([[aged(0, 0, "d0")], [aged(0, 0, "d0-again")], [aged(1, 5, "d1")]])
+
+        def pull(self, consumer, max_groups, lease_seconds=0, wait_ms=0, session=""):
+            got = next(self.pulls)
+            if got[0].delivery_id == "d0-again":
+                self.loop_ref[0].pos.policy_version = 5  # a resync push happened meanwhile
+            return got
+
+        def ack(self, consumer, ids, dropped=()):
+            self.dropped += list(dropped)
+
+    ref: list = []
+    store = Store(ref)
+    loop = TrainLoop(_cfg(tmp_path, max_policy_lag=1), FakeRanks(1), store)
+    ref.append(loop)
+    batch = loop.pull_batch()
+    assert [(g.group_id, g.delivery_id) for g in batch] == [("g0", "d0-again"), ("g1", "d1")]
+    assert store.dropped == []

@@ -123,9 +123,12 @@ class TrainLoop:
                                    session=self.session)
             if not got:
                 self.resync_lagging_workers()
-            fresh = self.drop_equal_rewards(
-                self.drop_stale([g for g in got if g.group_id not in trained]))
+            # A group already in the batch (its lease renewed while the batch waited) was
+            # judged when it came: it is taken as its newest delivery, never dropped now.
+            new = [g for g in got if g.group_id not in trained and g.group_id not in batch]
+            fresh = self.drop_equal_rewards(self.drop_stale(new))
             self.pending_acks += [g.delivery_id for g in got if g.group_id in trained]
+            batch.update((g.group_id, g) for g in got if g.group_id in batch)
             batch.update((g.group_id, g) for g in fresh)
         return list(batch.values())
 
