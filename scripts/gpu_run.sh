@@ -44,7 +44,7 @@ for section in $SECTIONS; do
       # and the fast path (agreement check on) in the same call; LAYOUTS picks the layouts
       echo "== fast-path kernels"
       python3 tests/bench/probe_fastpath.py 2>&1 | grep -v -i "warn" | tee "$OUT/probe_fastpath.txt"
-      FAST="--experts grouped --attention sdpa --overlap-grad-reduce --fused-adam --check-agreement"
+      FAST="--experts grouped --attention sdpa --overlap-grad-reduce --fused-adam --chunked-logprobs --check-agreement"
       for layout in ${LAYOUTS:-"--ep=4" "--ep=4 --tp=2"}; do
         for path in fast plain; do
           flags=""; [ $path = fast ] && flags=$FAST

@@ -10,7 +10,7 @@ hits all alike. MFU counts the model FLOPs of the update (6 x active params x to
 attention) and of the old-policy forward (2 x ... + attention), against the card's dense bf16
 peak (`--peak-tflops`, H100/H200 SXM: 989); "MFU dec" leaves the lm head out (decoder only).
 The fast path's switches (issue 30): --experts grouped --attention sdpa [--overlap-grad-reduce
---fused-adam]; --check-agreement turns the routing agreement check on (its cost; floor 0:
+--fused-adam --chunked-logprobs]; --check-agreement turns the routing agreement check on (its cost; floor 0:
 random rollout ids agree with a random-init router at chance, so no group is quarantined).
 Writes bench-results/megatron_parallel.json.
 Run: python tests/bench/bench_megatron_parallel.py --gpus 4 [--layers 8 --ep 4 ...]
@@ -90,7 +90,8 @@ def _rank(args: argparse.Namespace, model_dir: str, out: str) -> None:
                         "pad_multiple": 128}, replay={"check_agreement": args.check_agreement,
                                                   "agreement_floor": 0.0},
                         optim={"lr": 1e-7, "use_distributed_optimizer": args.distributed_optimizer}
-                        | _optim_switches(args))
+                        | _optim_switches(args),
+                        loss={"chunked_logprobs": True} if args.chunked_logprobs else {})
     tr = make_trainer(cfg)
     b = tr.backend
     samples = _samples(args.samples, args.seq_len, len(b.moe_layers), b.top_k, b.num_experts,
@@ -187,6 +188,7 @@ def main() -> None:
                    help="model.attention (sdpa: fused causal attention)")
     p.add_argument("--overlap-grad-reduce", action="store_true", help="optim.overlap_grad_reduce")
     p.add_argument("--fused-adam", action="store_true", help="optim.fused_adam")
+    p.add_argument("--chunked-logprobs", action="store_true", help="loss.chunked_logprobs")
     p.add_argument("--check-agreement", action=argparse.BooleanOptionalAction, default=False,
                    help="replay.check_agreement (the routing agreement check of r3/r2 passes)")
     p.add_argument("--profile", action="store_true", help="profile one off and one r3 step")
@@ -224,7 +226,8 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=2))
     print(f"experts {args.experts}, attention {args.attention}, tp {args.tp} ep {args.ep}, "
-          f"check_agreement {args.check_agreement}, optim {_optim_switches(args) or 'plain'}")
+          f"check_agreement {args.check_agreement}, optim {_optim_switches(args) or 'plain'}, "
+          f"chunked_logprobs {args.chunked_logprobs}")
     print(f"{'mode':5s} {'step s':>8s} {'tok/s/GPU':>10s} {'MFU':>6s} {'MFU dec':>7s}")
     for m in MODES:
         print(f"{m:5s} {med[m]:8.3f} {res['tokens_per_s_per_gpu'][m]:10.0f} {res['mfu'][m]:6.3f} "

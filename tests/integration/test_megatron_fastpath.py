@@ -47,10 +47,17 @@ def _run(built, tokens_BS):
 
 
 @pytest.fixture(scope="module")
-def runs(model_dir):
+def models(model_dir):
+    """The three paths' models, built once for the module (tests that change weights restore
+    them)."""
+    return {name: _build(model_dir, **fast) for name, fast in PATHS.items()}
+
+
+@pytest.fixture(scope="module")
+def runs(models):
     torch.manual_seed(0)
     tokens = torch.randint(4, 100, (2, 24))
-    return {name: _run(_build(model_dir, **fast), tokens) for name, fast in PATHS.items()}
+    return {name: _run(built, tokens) for name, built in models.items()}
 
 
 def test_grouped_experts_equal_sequential_bit_for_bit(runs):
@@ -67,11 +74,11 @@ def test_sdpa_matches_unfused_attention_to_fp32_rounding(runs):
         assert torch.allclose(g_fast[k], g_plain[k], rtol=1e-4, atol=1e-6), k
 
 
-def test_fast_path_modules_sit_in_megatron_slots(model_dir):
+def test_fast_path_modules_sit_in_megatron_slots(models):
     from trainer.megatron.fused_attention import SdpaAttention
     from trainer.megatron.grouped_experts import GroupedExperts
 
-    built = _build(model_dir, **PATHS["fast"])
+    built = models["fast"]
     layers = built.module.decoder.layers
     assert all(isinstance(layer.self_attention.core_attention, SdpaAttention) for layer in layers)
     assert isinstance(layers[1].mlp.experts, GroupedExperts)
@@ -79,14 +86,14 @@ def test_fast_path_modules_sit_in_megatron_slots(model_dir):
     assert tuple(w.shape) == (8, 2 * built.config.moe_ffn_hidden_size, built.config.hidden_size)
 
 
-def test_grouped_export_is_the_checkpoint_and_old_layout_loads(model_dir):
+def test_grouped_export_is_the_checkpoint_and_old_layout_loads(model_dir, models, runs):
     from safetensors.torch import load_file
 
     from trainer.megatron.hf_mapping import export_hf_state_dict
-    from trainer.megatron.model import copy_into
+    from trainer.megatron.model import copy_into, load_hf_weights
     from trainer.megatron.parallel import model_weights
 
-    plain, grouped = _build(model_dir), _build(model_dir, experts="grouped")
+    plain, grouped = models["plain"], models["grouped"]
     ref = load_file(str(model_dir / "model.safetensors"))
     out = export_hf_state_dict(grouped.module, grouped.arch)
     assert set(out) == set(ref) and all(torch.equal(out[k], ref[k]) for k in ref)
@@ -98,6 +105,8 @@ def test_grouped_export_is_the_checkpoint_and_old_layout_loads(model_dir):
     assert torch.equal(plain.module.decoder.layers[1].mlp.experts.local_experts[3]
                        .linear_fc2.weight, old["decoder.layers.1.mlp.experts.local_experts.3"
                                               ".linear_fc2.weight"])
+    for built in (plain, grouped):  # back to the checkpoint for the module's other tests
+        load_hf_weights(built, model_dir)
 
 
 def test_grouped_experts_refuse_expert_biases_and_expert_tp():
