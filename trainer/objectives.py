@@ -159,7 +159,8 @@ class RolloutWeights:
     is_weight_BS: torch.Tensor | None  # TIS weight per token (None: off)
     keep_BS: torch.Tensor  # 1 where MIS keeps the token
     raw_BS: torch.Tensor  # the untruncated per-token ratio pi_old / mu (metrics)
-    truncated: float  # trained tokens whose TIS weight was cut at the threshold
+    truncated: float  # trained tokens whose TIS weight was cut at the threshold (MIS
+                      # masked or not: the metric must not depend on MIS)
     masked: float  # trained tokens MIS left out
 
 
@@ -188,7 +189,7 @@ def rollout_weights(old_lp: torch.Tensor, rollout_lp: torch.Tensor, mask_BS: tor
     if cfg.is_level != "off":
         w = torch.exp(_level_log_ratio(log_w, mask_BS, seq_BS, n, cfg.is_level).clamp(
             max=LOG_RATIO_CLAMP))
-        truncated = float(((w > cfg.is_threshold).to(mask_BS.dtype) * mask_BS * keep).sum())
+        truncated = float(((w > cfg.is_threshold).to(mask_BS.dtype) * mask_BS).sum())
         weight = w.clamp(max=cfg.is_threshold)
     return RolloutWeights(weight, keep, torch.exp(log_w), truncated,
                           float(((1 - keep) * mask_BS).sum()))

@@ -134,6 +134,8 @@ def test_truncated_and_masked_importance_weights() -> None:
     assert run(mask_level="sequence").keep_BS.tolist() == [[1.0, 1.0]]
     assert run(mask_level="geometric").keep_BS.tolist() == [[1.0, 1.0]]
     assert run(mask_level="sequence", mask_high=1.2).masked == 2
+    both = run(is_level="token", mask_level="token")  # the 3 is both truncated and masked
+    assert (both.truncated, both.masked) == (1, 1)
 
 
 def test_gspo_sequence_ratio_value_and_gradient() -> None:
