@@ -29,6 +29,9 @@ class RoutingChecks:
 
     threads: int = 1
     items: list[tuple[bytes, str, store_pb2.AppendRequest]] = field(default_factory=list)
+    # Below this many payload bytes a second thread costs more than it saves (a rollout's
+    # trajectory of a few hundred tokens: its start and join on a busy machine; issue 34).
+    thread_min_bytes: int = 256 << 10
 
     def add(self, data: bytes, name: str, req: store_pb2.AppendRequest) -> None:
         self.items.append((data, name, req))
@@ -36,7 +39,9 @@ class RoutingChecks:
     def raise_first(self) -> None:
         """Walk every pending payload; raise the first failure (with its message's context)."""
         items, self.items = self.items, []
-        results = routing.check_many([data for data, _, _ in items], self.threads)
+        blobs = [data for data, _, _ in items]
+        threads = self.threads if sum(map(len, blobs)) >= self.thread_min_bytes else 1
+        results = routing.check_many(blobs, threads)
         for (_, name, req), result in zip(items, results, strict=True):
             if isinstance(result, ValueError):
                 raise in_context(f"{name}.data: {result}", req)
