@@ -8,7 +8,8 @@ STAMP := $(VENV)/.r3flow-setup
 export PYTHONUNBUFFERED := 1
 
 .PHONY: setup run test test-unit test-integration lint proto proto-check bench bench-codec \
-        bench-store bench-rollout bench-trainer bench-weights bench-hf bench-constriction chart-check \
+        bench-store bench-rollout bench-trainer bench-weights bench-hf bench-constriction bench-smoke \
+        chart-check \
         test-faults test-cluster clean
 
 # The C cores (routing codec, weight-push pack) are built here, not on import: the loaders only
@@ -50,6 +51,10 @@ proto-check: setup
 	$(PY) -m pytest tests/unit/test_proto_stubs.py -q
 
 bench: bench-codec bench-store bench-rollout bench-trainer bench-weights bench-hf
+
+# Every bench in its --smoke mode (tiny sizes, seconds each; make test runs the same file).
+bench-smoke: setup
+	$(PY) -m pytest tests/integration/test_bench_smoke.py -q
 
 bench-codec: setup
 	$(PY) tests/bench/bench_codec.py

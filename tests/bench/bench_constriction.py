@@ -37,12 +37,12 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(REPO), str(REPO / "tests/bench")]
+sys.path.insert(0, str(REPO))  # run as a script: the repository's packages
 
 import constriction  # noqa: E402
-from routing_data import skewed_routing, uniform_routing  # noqa: E402
 
 from services.common import routing  # noqa: E402
+from tests.bench.routing_data import skewed_routing, uniform_routing  # noqa: E402
 
 EXPERTS, TOPK = 128, 8
 FIRST_REBUILD, REBUILD_STEP = 8, 4096
@@ -209,10 +209,14 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=16_384)
     ap.add_argument("--out", default=str(REPO / "bench-results/constriction.json"))
+    ap.add_argument("--smoke", action="store_true",
+                    help="make test's run: 512 tokens, one repeat (the keys, not the figures)")
     a = ap.parse_args()
+    if a.smoke:
+        a.tokens, a.repeats = 512, 1
     cases = {
-        "skewed_16384": skewed_routing(a.tokens),
-        "uniform_16384": uniform_routing(a.tokens),
+        f"skewed_{a.tokens}": skewed_routing(a.tokens),
+        f"uniform_{a.tokens}": uniform_routing(a.tokens),
         "skewed_511": skewed_routing(511),
         "uniform_511": uniform_routing(511),
     }
@@ -232,7 +236,8 @@ def main() -> int:
               f"x{r['decode_time_ratio_constriction_kernel_over_ours']:.2f} of ours", flush=True)
     meta = {"machine": f"{platform.machine()}, {os.cpu_count()} cores",
             "load_1min_at_end": os.getloadavg()[0],
-            "constriction": "0.5.0", "repeats": a.repeats}
+            "constriction": "0.5.0", "repeats": a.repeats, "tokens": a.tokens,
+            "smoke": a.smoke}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     return 0

@@ -111,14 +111,19 @@ def main() -> int:
     p.add_argument("--width", type=int, default=1, help="multiply hidden/FFN sizes")
     p.add_argument("--dtypes", default="bf16,fp32")
     p.add_argument("--out", default=str(REPO / "bench-results/hf_replay.json"))
+    p.add_argument("--smoke", action="store_true", help="make test's run: one timed round, "
+                   "no warm-up, 2 short samples, fp32 (the keys, not the figures)")
     a = p.parse_args()
+    if a.smoke:
+        a.steps, a.warmup, a.samples, a.prompt_len, a.response_len = 1, 0, 2, 8, 8
+        a.dtypes = "fp32"
     with tempfile.TemporaryDirectory() as tmp:
         model = _build(Path(tmp), a.width)
         runs = [run(model, dt, a.steps, a.samples, a.prompt_len, a.response_len, a.warmup)
                 for dt in a.dtypes.split(",")]
     result = {"runs": runs, "width": a.width,
               "model": f"Qwen3-MoE 3 layers (1 dense), 8 experts top-2, hidden {128 * a.width}",
-              "machine": _machine(),
+              "machine": _machine(), "smoke": a.smoke,
               "replay_overhead_ratio": max(r["replay_overhead_ratio"] for r in runs)}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=2))

@@ -170,6 +170,13 @@ def _plan(args: argparse.Namespace, cfg: dict) -> float:
     return plan(Arch.from_hf_config(cfg), lay, gpu_gib=80, overhead_gib=0).total
 
 
+def _smoke(args: argparse.Namespace) -> argparse.Namespace:
+    if args.smoke:
+        args.small, args.gpus, args.ep, args.tp, args.pp = True, 1, 1, 1, 1
+        args.layers, args.seq_len, args.samples, args.rounds = 2, 64, 1, 1
+    return args
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--gpus", type=int, default=4)
@@ -195,11 +202,13 @@ def main() -> None:
     p.add_argument("--peak-tflops", type=float, default=989.0)
     p.add_argument("--small", action="store_true", help="tiny widths (CPU smoke)")
     p.add_argument("--out", default=str(REPO / "bench-results" / "megatron_parallel.json"))
+    p.add_argument("--smoke", action="store_true", help="make test's run on the CPU: --small, "
+                   "one rank, 2 layers, one 64-token sequence, one timed round")
     if sys.argv[1:2] == ["--rank-of"]:
         model_dir, out = sys.argv[2], sys.argv[3]
-        _rank(p.parse_args(sys.argv[4:]), model_dir, out)
+        _rank(_smoke(p.parse_args(sys.argv[4:])), model_dir, out)
         return
-    args = p.parse_args()
+    args = _smoke(p.parse_args())
     cfg = _hf_config(args.layers, args.small)
     with tempfile.TemporaryDirectory() as d:
         (Path(d) / "config.json").write_text(json.dumps(cfg))

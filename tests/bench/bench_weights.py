@@ -45,9 +45,12 @@ MB = 1_000_000
 EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 
 
-def moe_config(target_bytes: int, device: str) -> dict:
+def moe_config(target_bytes: int, device: str, smoke: bool = False) -> dict:
     """A Qwen3-MoE-like shape; layers are added until the bf16 model reaches target_bytes."""
-    if device == "cuda":
+    if smoke:  # make test's run: tiny widths, a few layers
+        c = dict(hidden=128, heads=2, kv_heads=1, head_dim=64, experts=4, moe_inter=64,
+                 vocab=1024)
+    elif device == "cuda":
         c = dict(hidden=2048, heads=32, kv_heads=4, head_dim=128, experts=64, moe_inter=768,
                  vocab=151936)
     else:
@@ -263,7 +266,7 @@ def _run(args: argparse.Namespace) -> dict:
     _set_pack_stores(args.pack_stores)
     size_mb = args.size_mb or (2500 if cuda else 256)
     bucket = (args.bucket_mb or (256 if cuda else 64)) << 20
-    c = moe_config(size_mb * MB, args.device)
+    c = moe_config(size_mb * MB, args.device, args.smoke)
     named = make_weights(c, dev.type if not cuda else "cuda", getattr(torch, args.source_dtype))
     cfg = sender_config(backend="nccl" if cuda else "gloo", device=str(dev),
                         wire_dtype=args.wire_dtype, bucket_bytes=bucket, timeout_s=300,
@@ -411,8 +414,12 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=15,
                     help="pushes and raw broadcasts, interleaved; medians are compared")
     ap.add_argument("--out", default="")
+    ap.add_argument("--smoke", action="store_true", help="make test's run: a 2 MB model of "
+                    "tiny widths, 1 MiB buckets, one push (the keys, not the figures)")
     args = ap.parse_args()
-    result = run(args)
+    if args.smoke:
+        args.size_mb, args.bucket_mb, args.repeats = 2, 1, 1
+    result = run(args) | {"smoke": args.smoke}
     print_table(result)
     out = Path(args.out or f"bench-results/weights{'_cuda' if args.device == 'cuda' else ''}.json")
     out.parent.mkdir(parents=True, exist_ok=True)

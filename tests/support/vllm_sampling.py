@@ -1,6 +1,7 @@
 """vLLM-CPU offline sampling in bf16 with routed experts and sampled-token logprobs -> .npz, in a
-child process (this file as a script): tests/integration/test_trainer_vllm.py and
-tests/bench/bench_families.py score the same kind of rollouts with and without replay.
+child process (`python -m tests.support.vllm_sampling`): tests/integration/test_trainer_vllm.py,
+tests/bench/bench_trainer.py and tests/bench/bench_families.py score the same kind of rollouts
+with and without replay. `real_like_rollouts` is the trainer test's and bench's workload.
 
 The .npz holds, per prompt i: tokens_i [P+R] (prompt then response), logprobs_i [R] (the
 sampled tokens' logprobs), routing_i [P+R-1, L, K] (the engine's routed experts).
@@ -16,6 +17,11 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[2]
+# The tiny Qwen3-MoE shaped like real MoE routing (TinyMoeConfig fields): 128 experts top-8 as
+# in Qwen3-30B-A3B, 5 MoE layers after a dense one; 8-15% of its routing decisions per layer
+# differ between vLLM-CPU and the trainer, as in real models.
+REAL_LIKE_MOE = {"num_layers": 6, "first_k_dense": 1, "num_experts": 128, "top_k": 8}
+NUM_PROMPTS, PROMPT_LEN, MAX_TOKENS = 8, 24, 48
 
 
 def sample(model_dir: str, out: str, seed: int, num_prompts: int, prompt_len: int,
@@ -49,9 +55,39 @@ def sample_in_child(model_dir: Path, out: Path, *, seed: int = 0, num_prompts: i
                         "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
     args = [str(model_dir), str(out), *map(str, (seed, num_prompts, prompt_len, max_tokens,
                                                  max_model_len))]
-    subprocess.run([sys.executable, __file__, *args], env=env, cwd=REPO, check=True,
-                   timeout=timeout)
+    subprocess.run([sys.executable, "-m", "tests.support.vllm_sampling", *args], env=env,
+                   cwd=REPO, check=True, timeout=timeout)
     return np.load(out)
+
+
+def real_like_rollouts(root: Path, model_fields: dict | None = None, timeout: float = 600
+                       ) -> tuple[Path, list]:
+    """The REAL_LIKE_MOE model (with `model_fields` over it) built under `root` and its vLLM-CPU
+    rollouts: (model dir, [(tokens, logprobs, routing_TLK)] per prompt); the .npz is root/r.npz."""
+    from services.rollout.tiny_moe import TinyMoeConfig, build_tiny_moe
+
+    model = build_tiny_moe(root / "tiny", TinyMoeConfig(**(REAL_LIKE_MOE | (model_fields or {}))))
+    sample_in_child(model, root / "r.npz", num_prompts=NUM_PROMPTS, prompt_len=PROMPT_LEN,
+                    max_tokens=MAX_TOKENS, max_model_len=256, timeout=timeout)
+    return model, load_rollouts(root / "r.npz")
+
+
+def prefix_rollouts(rollouts: list, count: int = 2, response: int = 8) -> list:
+    """The first `count` rollouts, each its prompt and first `response` sampled tokens (a
+    rollout's prefix is a rollout: its logprobs and routing rows are the prefix's): the benches'
+    --smoke, where a 128-expert bf16 step on a CPU costs seconds per sample."""
+    out = []
+    for tokens, logprobs, routing_TLK in rollouts[:count]:
+        end = tokens.size - logprobs.size + response
+        out.append((tokens[:end], logprobs[:response], routing_TLK[:end - 1]))
+    return out
+
+
+def load_rollouts(npz: Path) -> list:
+    """[(tokens, logprobs, routing_TLK)] per prompt of a `sample` .npz."""
+    data = np.load(npz)
+    n = len([k for k in data.files if k.startswith("tokens_")])
+    return [(data[f"tokens_{i}"], data[f"logprobs_{i}"], data[f"routing_{i}"]) for i in range(n)]
 
 
 if __name__ == "__main__":

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 from pathlib import Path
 
 import pytest
 import yaml
 
 from services import cli
+from tests.bench import bench_megatron_parallel as bench_mp
 from trainer.plan.memory import Arch, GiB, Layout, plan
 from trainer.plan.models import QWEN3_30B_A3B, tiny_moe_config
 
@@ -154,14 +154,9 @@ def _bench_plan(tp: int, attention: str = "unfused") -> float:
     """The planner's total (GiB, no overhead) as tests/bench/bench_megatron_parallel.py prints it:
     its own `_plan` (Layout of --gpus/--tp/--pp/--ep/--seq-len, distributed optimizer, MoE
     recompute) at its own `_hf_config` (Qwen3-30B-A3B widths, 8 layers), run's arguments."""
-    spec = importlib.util.spec_from_file_location(
-        "bench_megatron_parallel", ROOT / "tests" / "bench" / "bench_megatron_parallel.py")
-    assert spec and spec.loader
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
     args = argparse.Namespace(gpus=4, tp=tp, pp=1, ep=4, seq_len=4096, layers=8,
                               distributed_optimizer=True, recompute_moe=True, attention=attention)
-    return bench._plan(args, bench._hf_config(args.layers, small=False)) / GiB
+    return bench_mp._plan(args, bench_mp._hf_config(args.layers, small=False)) / GiB
 
 
 @pytest.mark.parametrize("tp,measured", [(1, 68.0), (2, 52.3)])

