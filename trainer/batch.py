@@ -171,6 +171,15 @@ class MicroBatch:
         return self
 
 
+def sample_spans(mb: MicroBatch) -> list[tuple[Sample, int, int]]:
+    """(sample, batch row, first position) of each sample of `mb`: one sample per row when
+    padded, back to back in row 0 when packed ([1, T], trainer.hf.packing)."""
+    if mb.tokens_BS.shape[0] != 1 or len(mb.samples) < 2:
+        return [(s, b, 0) for b, s in enumerate(mb.samples)]
+    starts = np.cumsum([0] + [s.tokens.size for s in mb.samples])[:-1]
+    return [(s, 0, int(o)) for s, o in zip(mb.samples, starts, strict=True)]
+
+
 def _pad_len(n: int, multiple: int) -> int:
     return (n + multiple - 1) // multiple * multiple
 

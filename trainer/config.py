@@ -51,12 +51,26 @@ class ReplayConfig(StrictConfig):
 
     mode: ReplayMode = Field(ReplayMode.R3, description="r3 | r2 | off")
     agreement_floor: float = Field(
-        0.5, ge=0, le=1, description="minimum per-layer fraction of replayed ids the trainer's "
-        "router also picks; below it the step fails (chance level is top_k/num_experts)")
+        0.5, ge=0, le=1, description="floor of the routing agreement (fraction of replayed ids "
+        "the trainer's router also picks), judged per (trajectory unit, MoE layer): each "
+        "trajectory's prompt rows and each segment's rows, on every MoE layer separately. A "
+        "unit below it quarantines its group; how the number reads: agreement_floor_kind")
+    agreement_floor_kind: Literal["absolute", "over_chance"] = Field(
+        "absolute", description="absolute: agreement_floor is the floor itself; over_chance: "
+        "it is the fraction of the way from chance (top_k/num_experts, what random ids read) "
+        "to 1, floor = c + agreement_floor * (1 - c), so one setting means the same for 8 and "
+        "128 experts")
     check_agreement: bool = Field(True, description="compute and enforce routing agreement")
     compare_off: bool = Field(
         False, description="also compute the batch's logprobs with natural routing and log "
         "logprob_diff_mean_off / _max_off (one extra forward pass per step)")
+
+    def floor(self, top_k: int, num_experts: int) -> float:
+        """The absolute agreement floor of a (unit, MoE layer) cell for this model."""
+        if self.agreement_floor_kind == "absolute":
+            return self.agreement_floor
+        chance = top_k / num_experts
+        return chance + self.agreement_floor * (1 - chance)
 
 
 class DataConfig(StrictConfig):

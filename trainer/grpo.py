@@ -3,19 +3,25 @@
 `train_step(samples)`:
   1. group-normalised advantages; micro-batches (the backend cuts them);
   2. old-policy logprob pass (no grad): r3 replays the rollout routing and measures routing
-     agreement per layer and per trajectory unit (RoutingAgreementError below the floor names
-     the groups to quarantine; the pass is redone without them on every rank), r2 records the
-     policy's own routing, off routes naturally; |rollout - trainer| logprob diff is measured;
+     agreement per (trajectory unit, MoE layer) (RoutingAgreementError below the floor names
+     the groups to quarantine), r2 records the policy's own routing, off routes naturally;
+     |rollout - trainer| logprob diff is measured;
   3. reference pass (kl_coef > 0 or kl_metric) replaying the same routing; KL in reward,
      rollout correction (TIS/MIS) and the off-policy metrics (trainer.corrections);
   4. updates: `optim.ppo_epochs` x `optim.mini_batches` backend updates with the PPO loss,
-     normalised over the whole update on every data-parallel rank (trainer.objectives).
+     normalised over the whole update on every data-parallel rank (trainer.objectives); a
+     non-finite loss or gradient on any rank skips the update on every rank (the backends'
+     vote point before the optimizer step).
+The passes run through trainer.guard.run_pass: a fault one group's data caused (agreement,
+replay desync, OOM, non-finite loss) is decided on every rank together and its groups are
+quarantined; while no update of the step was applied the step is redone without them.
 Legend: B batch rows, S sequence.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -27,7 +33,6 @@ import torch
 
 from trainer.alignment import LayerMap
 from trainer.batch import MicroBatch, Sample, update_schedule
-from trainer.collectives import any_rank
 from trainer.corrections import (
     apply_rollout_correction,
     diff_by_staleness,
@@ -35,11 +40,12 @@ from trainer.corrections import (
     set_advantages,
     staleness_metrics,
 )
+from trainer.guard import Fault, gather, nonfinite_groups, run_pass
 from trainer.hf.packing import response_logprobs
 from trainer.loss import logprob_diff, ppo_loss, sft_loss, token_logprobs
 from trainer.objectives import UpdateNorm, aggregate, sequence_index, update_norm
 from trainer.protocol import TrainBackend
-from trainer.replay import ReplayMode, RoutingAgreementError
+from trainer.replay import ReplayMode
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +53,13 @@ PPO_SUMS = ("ppo_kl", "kl_ref", "clipped", "clipped_dual", "entropy")
 
 
 def diff_metrics(mbs: Sequence[MicroBatch], lps: Sequence[torch.Tensor], suffix: str) -> dict:
-    """Token-weighted mean and max |rollout - trainer| logprob over the trained tokens."""
+    """Token-weighted mean and max |rollout - trainer| logprob over the trained tokens (None on
+    a rank with none: filler micro-batches only)."""
     diffs = [logprob_diff(mb.old_logprobs_BS, lp, mb.loss_mask_BS)
              for mb, lp in zip(mbs, lps, strict=True)]
     w = np.array([mb.num_tokens for mb in mbs], dtype=np.float64)
+    if not w.sum():
+        return {f"logprob_diff_mean{suffix}": None, f"logprob_diff_max{suffix}": None}
     return {f"logprob_diff_mean{suffix}": float(np.dot([d[0] for d in diffs], w) / max(w.sum(), 1)),
             f"logprob_diff_max{suffix}": max(d[1] for d in diffs)}
 
@@ -122,7 +131,7 @@ class GRPOStep:
         agreement.check_used()
         if check:
             metrics |= self._agreement_metrics()
-            agreement.check(self.cfg.replay.agreement_floor)
+            agreement.check(self.cfg.replay.floor(self.backend.top_k, self.backend.num_experts))
         return metrics
 
     def _diffs(self, mbs: Sequence[MicroBatch], lps: Sequence[torch.Tensor], suffix: str
@@ -150,30 +159,19 @@ class GRPOStep:
             out["routing_agreement_min"], out["routing_agreement_worst"] = worst[1], worst[0]
         return out
 
-    def _checked_old_policy(self, samples: list[Sample], mode: ReplayMode
-                            ) -> tuple[list[MicroBatch], dict, dict[str, str]]:
-        """Old-policy pass; groups below the agreement floor are quarantined and the pass is
-        redone without them. Every rank takes part in every redo (agreed after each pass, before
-        the next collective), so one rank's bad group never strands its peers in all-to-all."""
-        dropped: dict[str, str] = {}
-        while True:
-            mbs = self.prepare(samples)
-            bad: dict[str, str] = {}
-            try:
-                metrics = self.old_policy_pass(mbs, mode) if mbs else {}
-            except RoutingAgreementError as e:
-                if not e.bad_groups:
-                    raise
-                bad, metrics = e.bad_groups, {}
-            if not any_rank(bool(bad)):
-                return mbs, metrics, dropped
-            for g, why in bad.items():
-                log.error("quarantining group %s: %s", g, why)
-            dropped |= {g: "routing_agreement" for g in bad}
-            samples = [s for s in samples if s.group_id not in bad]
+    def _in_flight(self) -> MicroBatch | None:
+        return self.backend.current
+
+    def _old_policy(self, samples: list[Sample], mode: ReplayMode
+                    ) -> tuple[list[MicroBatch], dict, Fault | None]:
+        """Micro-batches and the old-policy pass over them, decided on every rank together."""
+        mbs = self.prepare(samples)  # a collective (micro-batch count): outside the guard
+        metrics, fault = run_pass(lambda: self.old_policy_pass(mbs, mode) if mbs else {},
+                                  self._in_flight)
+        return mbs, metrics or {}, fault
 
     # ------------------------------------------------------------------ steps
-    def _ppo_loss(self, norm: UpdateNorm, acc: dict, mb: MicroBatch,
+    def _ppo_loss(self, norm: UpdateNorm, acc: dict, blamed: dict[str, str], mb: MicroBatch,
                   logits: torch.Tensor) -> torch.Tensor:
         old = mb.old_logprobs_BS if self.cfg.data.old_logprobs == "rollout" else mb.train_old_lp
         assert old is not None, "old-policy pass must run before the update"
@@ -186,26 +184,65 @@ class GRPOStep:
         assert sums.loss_BS is not None
         loss = aggregate(sums.loss_BS, mb.loss_mask_BS, seq, n, cfg.agg_mode, norm,
                          cfg.agg_norm_len)
-        acc["loss"] = acc.get("loss", 0.0) + float(loss.detach())
+        value = float(loss.detach())
+        if not math.isfinite(value):  # whose? (the backend skips the update on every rank)
+            loss_BS = sums.loss_BS.detach()
+            blamed |= nonfinite_groups(mb, lambda b, sl: loss_BS[b, sl])
+        acc["loss"] = acc.get("loss", 0.0) + value
         return loss
+
+    def _updates(self, mbs: list[MicroBatch], mode: ReplayMode
+                 ) -> tuple[dict, list[float], Fault | None]:
+        """The step's updates until one faults: (PPO sums of the applied ones, their grad
+        norms, the fault). A non-finite gradient no group's loss explains quarantines every
+        group of that update."""
+        acc: dict = {}
+        norms: list[float] = []
+        dp = self.backend.data_parallel_size
+        for u in update_schedule(mbs, self.cfg.optim.ppo_epochs, self.cfg.optim.mini_batches):
+            mine: dict = {}
+            blamed: dict[str, str] = {}
+            loss_fn = partial(self._ppo_loss, update_norm(u, dp), mine, blamed)  # collective
+            norm, fault = run_pass(partial(self.backend.update, u, mode, loss_fn),
+                                   self._in_flight, blamed)
+            if fault is not None:
+                if not fault.groups:  # every rank is here (the same union): blame alike
+                    fault = gather(Fault({s.group_id: "non_finite" for mb in u
+                                          for s in mb.samples}))
+                return acc, norms, fault
+            assert norm is not None
+            norms.append(norm)
+            for k, v in mine.items():
+                acc[k] = acc.get(k, 0.0) + v
+            acc["tokens"] = acc.get("tokens", 0.0) + _tokens(u)
+        return acc, norms, None
 
     def train_step(self, samples: Sequence[Sample], replay: ReplayMode | str | None = None) -> dict:
         """One GRPO/PPO optimizer step on `samples`; returns its metrics (`dropped`: group id ->
         reason of the groups quarantined in this step)."""
         t0 = time.perf_counter()
         mode = ReplayMode(replay or self.cfg.replay.mode)
-        mbs, metrics, dropped = self._checked_old_policy(list(samples), mode)
-        samples = [s for s in samples if s.group_id not in dropped]
+        samples, dropped = list(samples), dict[str, str]()
+        with self._test_lr_spike():
+            while True:
+                mbs, metrics, fault = self._old_policy(samples, mode)
+                acc: dict = {}
+                norms: list[float] = []
+                if fault is None and mbs:  # as many micro-batches on every rank
+                    acc, norms, fault = self._updates(mbs, mode)
+                if fault is not None:
+                    if not set(fault.groups) - set(dropped):  # the same union on every rank
+                        raise RuntimeError(f"a step fault repeats with no new group to "
+                                           f"quarantine: {fault.groups}")
+                    dropped |= fault.groups
+                    samples = [s for s in samples if s.group_id not in dropped]
+                    if not norms:
+                        continue  # nothing applied: the step again without them
+                break
         metrics["dropped"] = dropped
-        if not mbs:  # as many micro-batches on every rank: none anywhere
+        if not norms:
             return metrics | {"trajectories": 0, "policy_version": self.policy_version,
                               "replay": mode.value, "skipped": True}
-        acc: dict = {}
-        updates = update_schedule(mbs, self.cfg.optim.ppo_epochs, self.cfg.optim.mini_batches)
-        with self._test_lr_spike():
-            dp = self.backend.data_parallel_size
-            norms = [self.backend.update(u, mode, partial(self._ppo_loss, update_norm(u, dp), acc))
-                     for u in updates]
         self.policy_version += 1  # one version per step, however many updates it took
         return metrics | self._step_metrics(samples, mbs, acc, norms, mode, t0)
 
@@ -233,12 +270,13 @@ class GRPOStep:
         """Per-token means over every update (ppo_kl is 0 in the first, > 0 after it); a rank
         that trained no token (filler only) has None, never 0.0, for them."""
         dt, total = time.perf_counter() - t0, _tokens(mbs)
-        seen = total * self.cfg.optim.ppo_epochs
+        seen = acc.get("tokens", 0.0)  # trained tokens summed over the applied updates
         keys = {"ppo_kl": "ppo_kl", "kl_ref": "kl_ref", "entropy": "entropy",
                 "clip_ratio": "clipped", "clip_ratio_dual": "clipped_dual"}
         means = {k: acc.get(v, 0.0) / seen if seen else None for k, v in keys.items()}
         return means | {
-            "loss": acc.get("loss", 0.0) / len(norms), "grad_norm": float(np.mean(norms)), "updates": len(norms),
+            "loss": acc.get("loss", 0.0) / len(norms) if total else None,
+            "grad_norm": float(np.mean(norms)), "updates": len(norms),
             "reward_mean": float(np.mean([s.reward for s in samples])) if samples else None,
             "trajectories": len(samples), "microbatches_padded": self.backend.padded,
             "step_seconds": dt, "tokens": total,

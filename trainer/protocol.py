@@ -31,6 +31,7 @@ class TrainBackend(Protocol):
     top_k: int
     padded: int  # filler micro-batches of the last `microbatches` call
     data_parallel_size: int  # replicas the gradient reduction averages over (loss normaliser)
+    current: MicroBatch | None  # the micro-batch in a forward/backward now (fault blame)
 
     @property
     def agreement(self) -> AgreementStats:
@@ -53,7 +54,9 @@ class TrainBackend(Protocol):
         ...
 
     def update(self, mbs: Sequence[MicroBatch], mode: ReplayMode, loss_fn: LossFn) -> float:
-        """Forward/backward over `mbs` + clip + optimizer step; returns the grad norm."""
+        """Forward/backward over `mbs` + clip + optimizer step; returns the grad norm. A vote
+        before the step (trainer.guard.checkpoint) skips it on every rank when any rank's loss
+        or gradients are non-finite (trainer.guard.PeerFault, nothing applied)."""
         ...
 
     def export_hf_state_dict(self) -> dict[str, torch.Tensor]:

@@ -182,6 +182,11 @@ TRAINING_PANELS = (
           "percentunit", CATALOG[AGREEMENT].help),
     Panel("routing agreement per layer", (_q(f'{AGREEMENT}{{layer!="all"}}', "layer {{layer}}"),),
           "percentunit", "per MoE layer; one low layer points at a layer-map error"),
+    Panel("groups quarantined (trainer)", (_q(
+        "sum by (reason) (increase(r3flow_trainer_groups_quarantined_total[10m]))",
+        "{{reason}}"),), "short", "GRPO groups set aside instead of trained, by reason "
+          "(routing_agreement, replay_desync, oom, non_finite, intake checks); "
+          "docs/replay_guarantees.md"),
     Panel("clip ratio", (_q("r3flow_trainer_clip_ratio", "ppo clip"),
                          _q("r3flow_trainer_clip_ratio_dual", "dual clip")), "percentunit",
           "share of tokens clipped by PPO's ratio clip and held by dual-clip"),

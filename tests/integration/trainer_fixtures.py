@@ -35,3 +35,45 @@ def load_hf_fp32(model_dir):
     rope.inv_freq.copy_(inv)
     rope.original_inv_freq.copy_(inv)
     return hf
+
+
+# A tiny MoE narrow enough that many layers stay cheap (services.rollout.tiny_moe sizes).
+TINY = dict(hidden_size=32, moe_intermediate_size=32, intermediate_size=64,
+            num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+
+
+def natural_samples(model_dir, rewards, seed=0, prompt_len=5, prefix="g", lengths=None):
+    """Samples whose routing and logprobs are the HF model's own (an fp32 engine), two per
+    group (`prefix`<i // 2>), trajectory ids t<i>; `lengths`: response lengths (else 4-7)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from trainer.alignment import LayerMap
+    from trainer.batch import Sample
+
+    k = 2
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    layers = tuple(range(hf.config.num_hidden_layers))
+    lm = LayerMap.build(layers, layers)
+    rng = np.random.default_rng(seed)
+    out = []
+    for i, reward in enumerate(rewards):
+        r = int(rng.integers(4, 8)) if lengths is None else lengths[i]
+        toks = torch.from_numpy(rng.integers(4, 90, prompt_len + r)).unsqueeze(0)
+        with torch.no_grad():
+            o = hf(toks, output_router_logits=True, use_cache=False)
+        ids_TLK = torch.stack([x.topk(k, -1).indices for x in o.router_logits], 1).numpy()
+        lp = torch.log_softmax(o.logits[0].float(), -1)[:-1].gather(-1, toks[0, 1:, None])[:, 0]
+        out.append(Sample(toks[0].numpy(), prompt_len, lp[prompt_len - 1:].numpy(),
+                          np.ones(r, bool), float(reward), f"{prefix}{i // 2}",
+                          routing_TLK=lm.select(ids_TLK[:-1]), trajectory_id=f"t{i}"))
+    return out
+
+
+def randomise_layer(sample, layer: int, seed: int = 0) -> None:
+    """Random distinct ids on one MoE layer of every row of `sample` (chance: K/E)."""
+    E, K = 8, 2
+    rng = np.random.default_rng(seed)
+    ids = sample.routing_TLK.copy()
+    ids[:, layer] = np.stack([rng.permutation(E)[:K] for _ in range(ids.shape[0])])
+    sample.routing_TLK = ids

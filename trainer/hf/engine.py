@@ -21,6 +21,7 @@ import torch
 from trainer.alignment import check_routes
 from trainer.batch import MicroBatch, Sample, split_microbatches
 from trainer.config import TrainerConfig
+from trainer.guard import Level, PeerFault, checkpoint
 from trainer.hf.config import HFBackendConfig
 from trainer.hf.model import check_packing, export_hf, init_process_group, load_model, shard
 from trainer.hf.packing import hf_router_rows, pack_microbatches
@@ -35,6 +36,7 @@ from trainer.protocol import LossFn
 from trainer.replay import ReplayMode, drive
 
 log = logging.getLogger(__name__)
+
 
 class HFBackend:
     """Policy (+ frozen reference) HF model, AdamW and routing replay on this rank."""
@@ -77,6 +79,7 @@ class HFBackend:
                             "drift", cfg.loss.kl_coef, cfg.replay.mode.value)
         self.device = next(self.model.parameters()).device
         self.padded = 0  # micro-batches are not padded across ranks here
+        self.current: MicroBatch | None = None  # in a forward/backward now (fault blame)
 
     def _use_fsdp(self) -> bool:
         if self.hf.fsdp == "off":
@@ -156,7 +159,10 @@ class HFBackend:
         if ctl is not None:
             drive(ctl, rows, record)
         self.agreement.valid_T = mb.valid_rows_BS.reshape(-1)
+        self.current = mb
         out = self._logits(model, mb)
+        if not reference:
+            self.agreement.collect(mb)
         if ctl is not None and record and rows is None:
             mb.replay_rows = ctl.recorded()
         if ctl is not None:
@@ -170,24 +176,34 @@ class HFBackend:
         return [mb.to(self.device) for mb in cut(samples, d.micro_batch_size, d.pad_multiple)]
 
     def update(self, mbs: Sequence[MicroBatch], mode: ReplayMode, loss_fn: LossFn) -> float:
-        """Forward/backward over `mbs` + clip + AdamW; returns the (global) grad norm."""
+        """Forward/backward over `mbs` + clip + AdamW; returns the (global) grad norm. The step
+        is taken only if every rank's loss and the grad norm are finite (one vote): otherwise
+        PeerFault on every rank and nothing is applied."""
         self.optimizer.zero_grad(set_to_none=True)
         self._stage(mbs, mode)
+        finite = torch.ones((), dtype=torch.bool, device=self.device)
         try:
             for i, mb in enumerate(mbs):
+                self.current = mb
                 if self.sharded:  # accumulate unsharded grads; reduce-scatter once at the end
                     self.model.set_requires_gradient_sync(i == len(mbs) - 1)
                 drive(self.replay, self._rows(mb, mode), record=False)
-                loss_fn(mb, self._logits(self.model, mb)).backward()
+                loss = loss_fn(mb, self._logits(self.model, mb))
+                finite &= torch.isfinite(loss.detach()).all()
+                loss.backward()
                 self.replay.end_step()
         finally:
             self.replay.end_step()
+        self.current = None
         clip = self.cfg.optim.clip_grad or float("inf")
         total = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
         norm = float(total.full_tensor() if hasattr(total, "full_tensor") else total)
-        if not np.isfinite(norm):
+        ok = bool(finite) and np.isfinite(norm)
+        try:
+            checkpoint(Level.OK if ok else Level.DATA)
+        except PeerFault:
             self.optimizer.zero_grad(set_to_none=True)
-            raise FloatingPointError(f"optimizer step skipped (grad norm {norm})")
+            raise
         self.optimizer.step()
         return norm
 

@@ -155,22 +155,24 @@ class ReplayAction(StrEnum):
 
 
 class HFAgreementMonitor(AgreementStats):
-    """Routing agreement for HF routers: same counters, per-layer/overall/check (and error) as
-    trainer.megatron.replay.AgreementMonitor (trainer.replay.AgreementStats); fed by the replay
-    hook, which already holds the router's own top-k, instead of megatron router hooks.
-    Counts accumulate on the router's device and are read back only when asked for: a host sync
-    per layer per micro-batch stalls the GPU queue (with it and the per-pass route check, r3/off
-    was 1.06-1.13 on an H200)."""
+    """Routing agreement for HF routers: same counters, per-layer / per-(unit, layer) check (and
+    error) as trainer.megatron.replay.AgreementMonitor (trainer.replay.AgreementStats); fed by
+    the replay hook, which already holds the router's own top-k, instead of megatron router
+    hooks. Hits accumulate on the router's device, per layer and per micro-batch (`collect`),
+    and are read back only when asked for: a host sync per layer per micro-batch stalls the GPU
+    queue (with it and the per-pass route check, r3/off was 1.06-1.13 on an H200)."""
 
     def __init__(self, hf_layers: tuple[int, ...], top_k: int, num_experts: int) -> None:
         self.num_experts = num_experts
         self.valid_T: torch.Tensor | None = None
-        super().__init__(hf_layers, top_k)  # per-unit agreement is not filed here yet
+        super().__init__(hf_layers, top_k)
 
     def reset(self) -> None:
         super().reset()
         self._pending: list[list[torch.Tensor]] = [[] for _ in self.hf_layers]
         self._valid: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor] | None = None
+        self._mb_hits: list[torch.Tensor | None] = [None] * len(self.hf_layers)
+        self._by_mb: list[tuple[Any, torch.Tensor]] = []  # (micro-batch, hits [L, T] on device)
 
     def _valid_mask(self, hits_T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(float mask, its sum) of `valid_T`, computed once per micro-batch, not per layer."""
@@ -192,6 +194,13 @@ class HFAgreementMonitor(AgreementStats):
         hits_T = (replay_TK.unsqueeze(-1) == own_TK.unsqueeze(-2)).any(-1).sum(-1)
         mask_T, n_valid = self._valid_mask(hits_T)
         self._pending[m].append(torch.stack([torch.dot(hits_T.float(), mask_T), n_valid]))
+        self._mb_hits[m] = hits_T
+
+    def collect(self, mb) -> None:
+        """Keep the per-token hits of `mb`'s forward (every layer) for its units."""
+        hits, self._mb_hits = self._mb_hits, [None] * len(self.hf_layers)
+        if all(h is not None for h in hits):
+            self._by_mb.append((mb, torch.stack(hits)))  # type: ignore[arg-type]
 
     def _flush(self) -> None:
         for m, parts in enumerate(self._pending):
@@ -200,15 +209,11 @@ class HFAgreementMonitor(AgreementStats):
                 self.agree[m] += agree
                 self.total[m] += valid * self.top_k
         self._pending = [[] for _ in self.hf_layers]
-
-    def per_layer(self) -> dict[int, float]:
-        """HF layer index -> agreement ratio (layers that saw no replayed tokens are left out)."""
-        self._flush()
-        return super().per_layer()
-
-    def overall(self) -> float | None:
-        self._flush()
-        return super().overall()
+        for mb, hits_LT in self._by_mb:  # router order t = b*S + s
+            b, s = mb.tokens_BS.shape
+            self.file_units(mb, hits_LT.view(-1, b, s),
+                            torch.ones(s, dtype=torch.bool, device=hits_LT.device))
+        self._by_mb = []
 
 
 class HFModelReplay:

@@ -10,7 +10,10 @@ Micro-batches are padded [B, S] and as many on every rank (filler ones on the le
 An update is megatron's forward_backward_func over the micro-batches (replay per micro-batch,
 FIFO REPLAY_BACKWARD when MoE activations are recomputed), grad clip + Adam; ids cleared. Every
 replaying forward (r3 and r2) checks that the experts used are the replayed ids, and the
-agreement floor is checked again before the optimizer step.
+agreement floor is checked again before the optimizer step. Two vote points (trainer.guard)
+keep the ranks together: before the grad reduction (a peer's fault in its forward/backward)
+and before the optimizer step (a non-finite loss or gradient on any rank skips the step on
+every rank).
 Legend: B batch rows, S sequence, V vocabulary, T router rows (S*B), K top-k.
 """
 
@@ -28,6 +31,7 @@ from trainer.alignment import check_routes, local_routing, to_router_rows
 from trainer.batch import MicroBatch, Sample, filler_microbatch, split_microbatches
 from trainer.collectives import max_over_ranks
 from trainer.config import TrainerConfig
+from trainer.guard import Level, checkpoint
 from trainer.megatron.cpu_shims import cuda_tensor_type_names
 from trainer.megatron.hf_mapping import gather_experts, load_arch, megatron_to_hf
 from trainer.megatron.model import BuiltModel, build_model, init_parallel, resolve_router_dtype
@@ -50,7 +54,7 @@ def _optimizer(built: BuiltModel, cfg: TrainerConfig):
     optim.use_distributed_optimizer its state and the fp32 main weights are sharded over the
     data-parallel ranks (grads reduce-scattered, parameters all-gathered after the step)."""
     from megatron.core.distributed import DistributedDataParallel as DDP
-    from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     bf16, o = cfg.model.dtype == "bf16", cfg.optim
@@ -63,7 +67,6 @@ def _optimizer(built: BuiltModel, cfg: TrainerConfig):
             optimizer="adam", lr=o.lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
             adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad, bf16=bf16,
             use_distributed_optimizer=dist_opt, params_dtype=torch.bfloat16 if bf16 else torch.float32), [ddp])
-    built.config.finalize_model_grads_func = finalize_model_grads
     built.config.no_sync_func = ddp.no_sync
     if o.fused_adam:
         fuse_adam(opt)
@@ -108,6 +111,9 @@ class MegatronBackend:
         self.agreement = AgreementMonitor(self.policy.routers, self.policy.moe_layers,
                                           self.arch.top_k, recompute, model_parallel_group())
         self.ddp, self.optimizer = _optimizer(self.policy, cfg)
+        self.policy.config.finalize_model_grads_func = self._finalize_grads  # vote, reduce
+        self.current: MicroBatch | None = None  # in a forward/backward now (fault blame)
+        self._finite = torch.ones((), dtype=torch.bool)
         self.reference: BuiltModel | None = None
         if cfg.loss.uses_reference:  # built after the policy: it owns its own replay instances
             self.reference = build_model(cfg.model_dir, cfg.model)
@@ -194,6 +200,7 @@ class MegatronBackend:
         model, ctl = (self.reference, self.ref_replay) if reference else (self.policy,
                                                                           self.replay)
         assert model is not None
+        self.current = mb
         rows = self._rows(mb, mode)
         record = mode == ReplayMode.R2 and not reference
         drive(ctl, rows, record)
@@ -209,14 +216,40 @@ class MegatronBackend:
     # ------------------------------------------------------------------ update
     def _forward_step(self, mode: ReplayMode, loss_fn: LossFn, n_mb: int, data_iter, model):
         mb = next(data_iter)
+        self.current = mb
         drive(self.replay, self._rows(mb, mode), record=False)
         logits = self._logits(model, mb)
         self.agreement.collect(mb, self._positions(mb))
         self.replay.after_forward()
-        return logits, partial(_schedule_loss, loss_fn, n_mb, mb)
+        return logits, partial(self._schedule_loss, loss_fn, n_mb, mb)
+
+    def _schedule_loss(self, loss_fn: LossFn, n_mb: int, mb: MicroBatch, logits: torch.Tensor):
+        """megatron's schedule divides each micro-batch's loss by their count: undo it. Whether
+        the loss is finite is kept for the vote before the optimizer step (no host sync)."""
+        loss = loss_fn(mb, logits) * n_mb
+        self._finite &= torch.isfinite(loss.detach()).all()
+        return loss, {"loss": loss.detach()}
+
+    def _finalize_grads(self, *args, **kwargs) -> None:
+        """megatron's grad reduction, after a vote: a rank whose forward/backward raised (an
+        OOM on one trajectory) is heard here instead of leaving its peers in the reduction."""
+        from megatron.core.distributed import finalize_model_grads
+
+        checkpoint(Level.OK)
+        finalize_model_grads(*args, **kwargs)
+
+    def _update_level(self) -> Level:
+        """DATA when this rank's loss or (reduced) gradients are non-finite (a sum per grad
+        buffer: an inf or NaN anywhere makes it non-finite, without a mask the buffer's size)."""
+        finite = self._finite.clone()
+        for buf in self.ddp.buffers + self.ddp.expert_parallel_buffers:
+            finite &= torch.isfinite(buf.grad_data.sum())
+        return Level.OK if bool(finite) else Level.DATA
 
     def update(self, mbs: Sequence[MicroBatch], mode: ReplayMode, loss_fn: LossFn) -> float:
-        """forward_backward_func over `mbs` + optimizer step; returns the grad norm."""
+        """forward_backward_func over `mbs` + optimizer step; returns the grad norm. The step is
+        taken only if every rank's loss and gradients are finite (megatron's optimizer checks
+        only under an fp16 grad scaler): otherwise PeerFault on every rank, nothing applied."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         self.ddp.zero_grad_buffer()
@@ -224,16 +257,19 @@ class MegatronBackend:
         check = mode != ReplayMode.OFF and self.cfg.replay.check_agreement
         self.agreement.reset()
         self.agreement.enabled = check
+        self._finite = torch.ones((), dtype=torch.bool, device=self.device)
         try:
             get_forward_backward_func()(
                 forward_step_func=partial(self._forward_step, mode, loss_fn, len(mbs)),
                 data_iterator=iter(mbs), model=[self.ddp], num_microbatches=len(mbs),
                 seq_length=int(mbs[0].tokens_BS.shape[1]),
                 micro_batch_size=int(mbs[0].tokens_BS.shape[0]), forward_only=False)
+            self.current = None
             # Every rank finished its forward/backward: raising here strands no collective.
             self.agreement.check_recomputed()
             if check:
-                self.agreement.check(self.cfg.replay.agreement_floor)
+                self.agreement.check(self.cfg.replay.floor(self.top_k, self.num_experts))
+            checkpoint(self._update_level())
             ok, grad_norm, _ = self.optimizer.step()
         finally:
             self.replay.end_step()
@@ -268,9 +304,3 @@ def model_parallel_samples(samples: Sequence[Sample]) -> list[Sample]:
     dist.all_gather_object(shares, list(samples), group=group)
     shares[dist.get_rank(group)] = list(samples)
     return [x for share in shares for x in share]
-
-
-def _schedule_loss(loss_fn: LossFn, n_mb: int, mb: MicroBatch, logits: torch.Tensor):
-    """megatron's schedule divides each micro-batch's loss by their count: undo it."""
-    loss = loss_fn(mb, logits) * n_mb
-    return loss, {"loss": loss.detach()}

@@ -11,10 +11,11 @@ micro-batch's own routing); `end_step()` clears ids and action after every step.
 checks that the experts the router used are exactly the replayed ids (ReplayDesyncError: replay
 bypassed or out of step), and recomputes the router's own choice (`router.gating(input)`, then
 megatron's routing function with the router's options: `own_topk`) to count how many replayed ids
-it would also have picked, per layer and per trajectory unit
-(prompt rows, each segment's rows). A misaligned layer map, a row offset in any one segment or
-bad ids bring a unit near chance (K/E); below `floor` `RoutingAgreementError` names the worst
-trajectory/segment and layer and lists the groups to quarantine.
+it would also have picked, per layer and per (trajectory unit, MoE layer) (units: prompt rows,
+each segment's rows). A misaligned layer map, a row offset in any one segment, one randomised
+layer or bad ids bring a cell near chance (K/E); below `floor` `RoutingAgreementError` names the
+worst trajectory/segment and layer and lists the groups to quarantine. A desync is filed with
+the micro-batch it happened in (ReplayDesyncError names those groups when only some did).
 Legend: T router tokens (local, sequence-major), E experts, K top-k.
 """
 
@@ -24,7 +25,7 @@ from typing import Any
 
 import torch
 
-from trainer.replay import AgreementStats
+from trainer.replay import AgreementStats, UnitKey
 
 
 class ModelReplay:
@@ -117,10 +118,17 @@ class AgreementMonitor(AgreementStats):
         super().__init__(hf_layers, top_k)
         self._handles = [r.register_forward_hook(self._hook(m)) for m, r in enumerate(routers)]
 
-    def _used(self, m: int, used_TE: torch.Tensor, ids_TK: torch.Tensor, what: str) -> None:
+    def _used(self, m: int, used_TE: torch.Tensor, ids_TK: torch.Tensor, forward: bool) -> None:
+        what = "a forward" if forward else "a backward recompute"
         want_TE = torch.zeros_like(used_TE)
         want_TE.scatter_(1, ids_TK.to(used_TE.device).long(), True)
-        if self.desync is None and not torch.equal(used_TE, want_TE):
+        if torch.equal(used_TE, want_TE):
+            return
+        if forward:
+            self._fwd_desync = True
+        else:
+            self.unattributed = True  # a recompute's mismatch belongs to no one micro-batch
+        if self.desync is None:
             bad = int((used_TE != want_TE).any(-1).sum())
             self.desync = (f"MoE layer {m} (HF layer {self.hf_layers[m]}): the router used "
                            f"experts other than the replayed ids for {bad} of {used_TE.shape[0]} "
@@ -130,10 +138,11 @@ class AgreementMonitor(AgreementStats):
         """A backward recompute must use the ids of the oldest forward not yet recomputed."""
         self.recomputes[m] += 1
         if not self._fifo[m]:
+            self.unattributed = True
             self.desync = self.desync or (f"MoE layer {m} (HF layer {self.hf_layers[m]}): a "
                                           "recompute with no forward left to replay")
             return
-        self._used(m, used_TE, self._fifo[m].pop(0), "a backward recompute")
+        self._used(m, used_TE, self._fifo[m].pop(0), forward=False)
 
     def _hook(self, m: int):
         def hook(router, inputs, outputs) -> None:
@@ -147,7 +156,7 @@ class AgreementMonitor(AgreementStats):
                 return  # natural routing or RECORD: nothing replayed
             with torch.no_grad():
                 used_TE = outputs[1].bool()
-                self._used(m, used_TE, replay.target_topk_idx, "a forward")
+                self._used(m, used_TE, replay.target_topk_idx, forward=True)
                 if self._recompute and router.training:
                     self.forwards[m] += 1
                     self._fifo[m].append(replay.target_topk_idx)
@@ -169,6 +178,7 @@ class AgreementMonitor(AgreementStats):
         # ids of each training forward, oldest first, until its backward recompute replays them
         self._fifo: list[list[torch.Tensor]] = [[] for _ in range(n)]
         self.forwards, self.recomputes = [0] * n, [0] * n
+        self._fwd_desync = False  # the current forward used other experts than replayed
 
     def sync(self) -> None:
         """Merge the counters of the model-parallel group (TP ranks route other tokens, PP
@@ -181,11 +191,13 @@ class AgreementMonitor(AgreementStats):
 
         parts: list[Any] = [None] * dist.get_world_size(self._group)
         dist.all_gather_object(parts, (self.hf_layers, self.agree, self.total, self.units,
-                                       self.desync), group=self._group)
+                                       self.desync, self.desync_groups,
+                                       (self.mbs_seen, self.mbs_desynced, self.unattributed)),
+                                group=self._group)
         layers = sorted({h for p in parts for h in p[0]})
         agree, total = [0] * len(layers), [0] * len(layers)
-        units: dict[tuple[str, str, str], list[int]] = {}
-        for hf, a, t, u, _ in parts:
+        units: dict[UnitKey, list[int]] = {}
+        for hf, a, t, u, *_ in parts:
             for h, x, y in zip(hf, a, t, strict=True):
                 agree[layers.index(h)] += x
                 total[layers.index(h)] += y
@@ -195,6 +207,11 @@ class AgreementMonitor(AgreementStats):
                 cell[1] += y
         self.hf_layers, self.agree, self.total, self.units = tuple(layers), agree, total, units
         self.desync = next((p[4] for p in parts if p[4] is not None), None)
+        self.desync_groups = {g: why for p in parts for g, why in p[5].items()}
+        # every rank of the group runs the same micro-batches: a micro-batch desynced on any
+        self.mbs_seen = max(p[6][0] for p in parts)
+        self.mbs_desynced = max(p[6][1] for p in parts)
+        self.unattributed = any(p[6][2] for p in parts)
         self._synced = True
 
     def check_used(self) -> None:
@@ -206,6 +223,7 @@ class AgreementMonitor(AgreementStats):
         exactly once, in order (a layer the recompute skips keeps all of its forwards)."""
         for m in range(len(self._local_layers)):
             if self.recomputes[m] and self.recomputes[m] != self.forwards[m]:
+                self.unattributed = True
                 self.desync = self.desync or (
                     f"MoE layer {m} (HF layer {self.hf_layers[m]}): {self.forwards[m]} forwards "
                     f"but {self.recomputes[m]} backward recomputes replayed")
@@ -213,10 +231,13 @@ class AgreementMonitor(AgreementStats):
 
     def collect(self, mb, pos_S: torch.Tensor | None = None) -> None:
         """File the hits of `mb`'s forward (padded [B, S], router order t = s*B + b over the
-        sequence positions `pos_S` this rank routes; None = all of them). The sums are taken on
-        the hits' device, as prefix sums over S, and come to the host in one copy: unit sums
-        are then differences (no per-layer or per-unit indexing of host tensors, which cost
-        ~0.4 s per 4K-token micro-batch on the bench's host)."""
+        sequence positions `pos_S` this rank routes; None = all of them), per MoE layer and per
+        (unit, MoE layer); count the forward for the desync verdict. The sums are taken on the
+        hits' device and come to the host in two small copies (per-layer and per-cell sums):
+        per-layer or per-unit indexing of host tensors cost ~0.4 s per 4K-token micro-batch on
+        the bench's host."""
+        self.note_forward(mb, self._fwd_desync)
+        self._fwd_desync = False
         hits, self._hits = self._hits, [None] * len(self.hf_layers)
         if not hits or any(h is None for h in hits):
             return
@@ -228,28 +249,11 @@ class AgreementMonitor(AgreementStats):
         mine_S = torch.zeros(s, dtype=torch.long, device=dev)
         mine_S[pos_S] = 1
         valid_BS = mb.valid_rows_BS.to(dev).bool().long() * mine_S
-        zero = torch.zeros(b, 1, dtype=torch.long, device=dev)
-        # one host copy: per-layer agreeing ids on valid rows, valid rows, prefix sums over S of
-        # every row's hits (all layers) and of this rank's rows
-        agree_L = (hits_LBS * valid_BS).sum((1, 2))
-        prefix_BS = torch.cat([zero, hits_LBS.sum(0).cumsum(1)], 1)
-        mine_S1 = torch.cat([zero[0], mine_S.cumsum(0)])
-        flat = torch.cat([agree_L, valid_BS.sum().view(1), prefix_BS.flatten(), mine_S1]).tolist()
-        n_layers, row = len(hits), s + 1
-        prefix = [flat[n_layers + 1 + i * row:n_layers + 1 + (i + 1) * row] for i in range(b)]
-        mine = flat[n_layers + 1 + b * row:]
-        for m in range(n_layers):
-            self.agree[m] += int(flat[m])
-            self.total[m] += int(flat[n_layers]) * self.top_k
-        per_row = len(self.hf_layers) * self.top_k
-        for i, sample in enumerate(mb.samples):
-            for name, a, e in sample.agreement_units():
-                rows = mine[e] - mine[a]
-                if not rows:
-                    continue
-                cell = self.units.setdefault((sample.group_id, sample.trajectory_id, name), [0, 0])
-                cell[0] += prefix[i][e] - prefix[i][a]
-                cell[1] += rows * per_row
+        sums = torch.cat([(hits_LBS * valid_BS).sum((1, 2)), valid_BS.sum().view(1)]).tolist()
+        for m in range(len(hits)):
+            self.agree[m] += int(sums[m])
+            self.total[m] += int(sums[-1]) * self.top_k
+        self.file_units(mb, hits_LBS, mine_S)
 
     def remove(self) -> None:
         for h in self._handles:
