@@ -7,7 +7,7 @@ trainer.backend (the factory) picks one by `TrainerConfig.backend`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
@@ -61,6 +61,13 @@ class TrainBackend(Protocol):
 
     def export_hf_state_dict(self) -> dict[str, torch.Tensor]:
         """HF-named full weights (a collective: every rank calls it)."""
+        ...
+
+    def iter_hf_weights(self, sender: int = 0, chunk_bytes: int = 256 << 20
+                        ) -> Iterable[tuple[str, torch.Tensor]]:
+        """The HF-named weights streamed to rank `sender` (a collective: every rank iterates
+        it once, to the end; only `sender` gets tensors, each valid until the next one is drawn
+        unless kept). No rank holds the whole model: memory is bounded by `chunk_bytes`."""
         ...
 
     def checkpoint_state(self) -> tuple[Any, Any]:

@@ -9,7 +9,7 @@ rank 0's process, never pass through the Ray object store or the head pod.
   driver                                   rank 0 (every rank joins the EP export gather)
   list_workers ──► plan_push(version, workers) ──► WeightSender.plan ──► plan bytes
   publish_weight_sync(plan)
-               ──► push_weights(plan) ──► export_hf_state_dict ──► WeightSender.push
+               ──► push_weights(plan) ──► iter_hf_weights (streamed to rank 0) ──► WeightSender.push
 
 A push to zero registered workers is skipped (logged): rollout pods may come and go.
 A failed push is reported (the member named) and counted; the next push re-forms the group.
@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -52,18 +52,26 @@ class RankSender:
         workers = [store_pb2.WorkerInfo.FromString(b) for b in workers_bytes]
         return self.sender.plan(version, workers).SerializeToString()
 
-    def push(self, plan_bytes: bytes, weights: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-        """Send `weights`; {"ok": True, report...} or {"ok": False, "error", "members"}."""
+    def push(self, plan_bytes: bytes,
+             weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
+             ) -> dict[str, Any]:
+        """Send `weights` (a stream, packed as it comes; or a dict); {"ok": True, report...}
+        or {"ok": False, "error", "members"}."""
         from services.common.pb.r3flow.v1 import store_pb2
         from services.common.weight_sync import WeightSyncError
 
         plan = store_pb2.WeightSyncPlan.FromString(plan_bytes)
+        if isinstance(weights, Mapping):
+            weights = weights.items()
+        digests: dict[str, str] = {}
         if self.cfg.export_digests_dir:
-            write_export_digests(self.cfg, plan.version, weights)
+            weights = digesting(self.cfg, weights, digests)
         try:
-            r = self.sender.push(plan, weights.items())
+            r = self.sender.push(plan, iter(weights))
         except WeightSyncError as e:
             return {"ok": False, "error": str(e), "members": list(e.members)}
+        if self.cfg.export_digests_dir:
+            write_export_digests(self.cfg, plan.version, digests)
         return {"ok": True, "version": r.version, "members": list(r.members),
                 "num_tensors": r.num_tensors, "num_bytes": r.num_bytes, "seconds": r.seconds,
                 "gb_s": r.gb_s, "address": f"{plan.master_addr}:{plan.master_port}"}
@@ -72,20 +80,27 @@ class RankSender:
         self.sender.close()
 
 
-def write_export_digests(cfg: WeightSyncConfig, version: int,
-                         weights: Mapping[str, torch.Tensor]) -> Path:
-    """`<export_digests_dir>/v<version>.json`: the digest of each tensor as it goes on the wire
-    (floating ones cast to the wire dtype), written atomically."""
+def digesting(cfg: WeightSyncConfig, weights: Iterable[tuple[str, torch.Tensor]],
+              into: dict[str, str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """`weights` passed through, the digest of each tensor as it goes on the wire (floating
+    ones cast to the wire dtype) recorded in `into`."""
     from services.common.weight_sync.buckets import dtype_on_wire, wire_dtype
     from services.rollout.worker_ext import tensor_digest
 
     wire = wire_dtype(cfg.wire_dtype)
-    digests = {n: tensor_digest(t.to(dtype_on_wire(t.dtype, wire))) for n, t in weights.items()}
+    for name, t in weights:
+        into[name] = tensor_digest(t.to(dtype_on_wire(t.dtype, wire)))
+        yield name, t
+
+
+def write_export_digests(cfg: WeightSyncConfig, version: int, digests: Mapping[str, str]) -> Path:
+    """`<export_digests_dir>/v<version>.json` ({"version", "digests": HF name -> digest}),
+    written atomically."""
     d = Path(cfg.export_digests_dir)
     d.mkdir(parents=True, exist_ok=True)
     target = d / f"v{version}.json"
     tmp = target.with_name(target.name + ".tmp")
-    tmp.write_text(json.dumps({"version": version, "digests": digests}))
+    tmp.write_text(json.dumps({"version": version, "digests": dict(digests)}))
     os.replace(tmp, target)
     return target
 

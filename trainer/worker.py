@@ -97,12 +97,20 @@ class RankWorker:
         return self._sender.plan(version, workers)
 
     def push_weights(self, plan: bytes) -> dict | None:
-        """Every rank joins the export; rank 0 sends it to the plan's members (the result)."""
-        weights = self.export_hf()
+        """Every rank joins the streamed export; rank 0 sends it to the plan's members as it
+        arrives (the result). No rank holds the whole model (TrainBackend.iter_hf_weights)."""
+        chunk = self.cfg.weight_sync.resolved_bucket_bytes()
+        weights = iter(self.trainer.backend.iter_hf_weights(sender=0, chunk_bytes=chunk))
         if self.rank:
+            for _ in weights:  # a collective: this rank's part is sending its chunks
+                pass
             return None
         assert self._sender is not None, "plan_push comes first"
-        return self._sender.push(plan, weights)
+        try:
+            return self._sender.push(plan, weights)
+        finally:
+            for _ in weights:  # a failed push stops early: the other ranks still send
+                pass
 
     def policy_version(self) -> int:
         return self.trainer.policy_version

@@ -31,6 +31,10 @@ class EngineConfig(StrictConfig):
     enforce_eager: bool = Field(
         True, description="no CUDA graphs (vLLM-CPU needs it; false on GPUs captures CUDA "
         "graphs: faster decode, longer start and a little more GPU memory)")
+    gpu_memory_utilization: float = Field(
+        0.85, gt=0, le=0.98, description="share of each GPU vLLM takes for weights, "
+        "activations and KV cache (GPU engines; vLLM-CPU ignores it); leave room for the "
+        "weight push's staging ring (3 buckets, trainer.plan counts it)")
 
     @field_validator("tensor_parallel_size")
     @classmethod

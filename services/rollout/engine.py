@@ -140,7 +140,7 @@ def engine_args(cfg: EngineConfig) -> Any:
         model=cfg.model, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
         max_num_seqs=cfg.max_num_seqs, block_size=cfg.block_size,
         enforce_eager=cfg.enforce_eager, tensor_parallel_size=cfg.tensor_parallel_size,
-        seed=cfg.seed, enable_prefix_caching=cfg.enable_prefix_caching,
+        gpu_memory_utilization=cfg.gpu_memory_utilization, seed=cfg.seed, enable_prefix_caching=cfg.enable_prefix_caching,
         enable_return_routed_experts=cfg.capture_routing,
         # Logprobs of the distribution tokens are sampled from (after temperature), not the
         # raw T=1 ones: they are the PPO behaviour logprobs the trainer compares against.
@@ -286,31 +286,40 @@ class RolloutEngine:
                           top_p=params.top_p)
 
     @contextlib.asynccontextmanager
-    async def pause_for_update(self, version: int | None = None) -> AsyncIterator[None]:
+    async def pause_for_update(self, version: int | None = None, torn_on_failure: bool = False
+                               ) -> AsyncIterator[None]:
         """Pause generation, aborting in-flight calls (their callers resume them as prompt +
         generated), let the body load weights, then reset the prefix cache (its KV came from
         the old weights), set the new policy version and resume. A failing body resumes on the
-        old version."""
+        old version, unless `torn_on_failure` (a streamed push loads as it receives): then
+        generation stays paused until an update succeeds."""
         if version is not None and version <= self.policy_version:
             raise ValueError(f"version: {version} is not newer than {self.policy_version}")
         async with self._gate:
             t0 = time.perf_counter()
             await self.llm.pause_generation(mode="abort", clear_cache=True)
+            done = False
             try:
                 yield
                 await self.llm.reset_prefix_cache()
                 self.policy_version = self.policy_version + 1 if version is None else version
+                done = True
             finally:
-                await self.llm.resume_generation()
+                if done or not torn_on_failure:
+                    await self.llm.resume_generation()
+                else:
+                    log.error("weight update to v%s failed part-way: generation stays paused "
+                              "until the next update completes", version)
             dt = time.perf_counter() - t0
         self.metrics["r3flow_rollout_weight_sync_seconds"].observe(dt)
         self.metrics["r3flow_rollout_policy_version"].set(self.policy_version)
         log.info("weights updated in %.2fs; policy version %d", dt, self.policy_version)
 
-    async def update_weights(self, method: str, *args: Any, version: int | None = None) -> int:
+    async def update_weights(self, method: str, *args: Any, version: int | None = None,
+                             torn_on_failure: bool = False) -> int:
         """Run worker-extension `method(*args)` under `pause_for_update`; returns the number of
         tensors it loaded."""
-        async with self.pause_for_update(version):
+        async with self.pause_for_update(version, torn_on_failure):
             counts = await self.llm.collective_rpc(method, args=args)
         return int(counts[0])
 

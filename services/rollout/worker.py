@@ -358,7 +358,7 @@ class RolloutWorker:
         digests = self.cfg.weight_digests_file
         count = await self.engine.update_weights(
             "receive_weights", plan.SerializeToString(), self.cfg.worker_id, bool(digests),
-            version=plan.version)
+            version=plan.version, torn_on_failure=True)  # loaded as it arrives
         if digests:
             got = (await self.engine.llm.collective_rpc("last_load_digests"))[0]
             write_json_atomic(digests, {"version": plan.version, "worker_id": self.cfg.worker_id,

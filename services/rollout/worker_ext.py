@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import itertools
 import re
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -58,18 +59,31 @@ class R3WorkerExtension:
 
     def load_named_tensors(self, named: Iterable[tuple[str, torch.Tensor]],
                            digests: bool = False) -> int:
-        """Load (HF name, tensor) pairs into the live model; returns the number of tensors.
-        With `digests`, the `tensor_digest` of every tensor handed to the loader is kept for
-        `last_load_digests` (a test/debug aid: it reads every byte once more)."""
+        """Load (HF name, tensor) pairs into the live model as they come (a generator is
+        consumed once, by vLLM's loader); returns the number of tensors. With `digests`, the
+        `tensor_digest` of every tensor handed to the loader is kept for `last_load_digests`
+        (a test/debug aid: it reads every byte once more)."""
         from services.rollout.cpu_shims import apply_cpu_shims
 
         apply_cpu_shims()  # before reload: process_weights_after_loading runs inside it
-        tensors = [(n, t.contiguous()) for n, t in unfuse_hf_experts(named)]
-        if not tensors:
+        tensors = iter(unfuse_hf_experts(named))
+        first = next(tensors, None)
+        if first is None:
             raise ValueError("named tensors: nothing to load")
-        self.r3flow_load_digests = {n: tensor_digest(t) for n, t in tensors} if digests else {}
-        self.model_runner.reload_weights(weights_iterator=iter(tensors), is_checkpoint_format=True)
-        return len(tensors)
+        self.r3flow_load_digests: dict[str, str] = {}
+        count = 0
+
+        def loaded() -> Iterator[tuple[str, torch.Tensor]]:
+            nonlocal count
+            for name, t in itertools.chain([first], tensors):
+                t = t.contiguous()
+                if digests:
+                    self.r3flow_load_digests[name] = tensor_digest(t)
+                count += 1
+                yield name, t
+
+        self.model_runner.reload_weights(weights_iterator=loaded(), is_checkpoint_format=True)
+        return count
 
     def last_load_digests(self) -> dict[str, str]:
         """HF name -> `tensor_digest` of the last load made with `digests=True` (else empty)."""
@@ -97,22 +111,27 @@ class R3WorkerExtension:
         return self.load_named_tensors(fn(**kwargs))
 
     def receive_weights(self, plan_bytes: bytes, worker_id: str, digests: bool = False) -> int:
-        """Join the weight-sync push described by a serialized `WeightSyncPlan` and load what
-        the trainer committed (nothing is loaded when the push aborts: that raises).
-        `digests`: as in `load_named_tensors`."""
+        """Join the weight-sync push described by a serialized `WeightSyncPlan` and load each
+        bucket as it lands (weight_sync.receiver_stream: a ring of a few staging buckets, never
+        the whole model). A failed push raises after part of it was loaded: the caller keeps
+        generation paused until the next push completes. `digests`: as in
+        `load_named_tensors`."""
         from services.common.pb.r3flow.v1 import store_pb2
         from services.common.weight_sync import WeightReceiver
+        from services.common.weight_sync.receiver_stream import stream_weights
 
         plan = store_pb2.WeightSyncPlan.FromString(plan_bytes)
         rx = getattr(self, "r3flow_receiver", None)
         if rx is None or rx.worker_id != worker_id:
             # One receiver per engine rank for the engine's lifetime: it keeps the group and
-            # the staging buffers between pushes.
+            # the staging ring between pushes.
             rx = WeightReceiver(worker_id, local_rank=getattr(self, "local_rank", 0),
                                 device=getattr(self, "device", "cpu"))
             self.r3flow_receiver = rx
-        got = rx.receive(plan)
-        return self.load_named_tensors(got.named, digests)
+        # vLLM's layerwise reload keeps a layer's tensors until the layer is complete (and
+        # may do so across buckets), so each tensor leaves the ring as a copy of its own
+        return self.load_named_tensors(((n, t.clone()) for n, t in stream_weights(rx, plan)),
+                                       digests)
 
     def moe_reprepack_count(self) -> int:
         """How many MoE layer re-prepacks the CPU shim has done (0 off CPU)."""

@@ -113,3 +113,14 @@ def test_chart_images_have_dockerfiles():
     for component in ("store", "rollout", "trainer"):
         assert values[component]["image"]["repository"] == f"r3flow-{component}"
         assert (ROOT / "docker" / f"{component}.Dockerfile").exists()
+
+
+def test_trainer_and_rollout_share_one_torch_nccl_build():
+    """The weight push's two ends: one base image, so one torch and one NCCL (engines refuse a
+    push from another NCCL version)."""
+    def final_base(name: str) -> str:
+        return [a for k, a in instructions(ROOT / "docker" / name) if k == "FROM"][-1].split()[0]
+
+    assert final_base("trainer.Dockerfile") == final_base("rollout.Dockerfile")
+    trainer_reqs = (ROOT / "docker" / "requirements-trainer.txt").read_text()
+    assert not re.search(r"^(torch|nvidia-nccl)", trainer_reqs, re.M)  # the base's, never re-pinned

@@ -234,6 +234,10 @@ def _fsdp_rank(rank, world, port, model_dir, shares, out_dir):
            "agreement": m["routing_agreement"], "moved": max(
                float((after[k] - before[k]).abs().max()) for k in before),
            "checksum": float(sum(v.double().sum() for v in after.values()))}
+    # the streamed export (one parameter gathered at a time) reaches rank 0 only, equal
+    streamed = [(k, v.cpu()) for k, v in tr.backend.iter_hf_weights(sender=0)]
+    res["stream_equal"] = (sorted(k for k, _ in streamed) == sorted(after) and all(
+        torch.equal(v, after[k]) for k, v in streamed)) if rank == 0 else streamed == []
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(res, f)
 
@@ -249,3 +253,4 @@ def test_two_cpu_ranks_fsdp2_gloo_take_a_step(model_dir, plain, tmp_path):
     assert r0["grad_norm"] == pytest.approx(r1["grad_norm"], rel=1e-6) and r0["grad_norm"] > 0
     assert r0["agreement"] == 1.0 and r1["agreement"] == 1.0
     assert r0["moved"] > 0 and r0["checksum"] == pytest.approx(r1["checksum"], rel=1e-12)
+    assert r0["stream_equal"] and r1["stream_equal"]

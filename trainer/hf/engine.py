@@ -23,7 +23,14 @@ from trainer.batch import MicroBatch, Sample, split_microbatches
 from trainer.config import TrainerConfig
 from trainer.guard import Level, PeerFault, checkpoint
 from trainer.hf.config import HFBackendConfig
-from trainer.hf.model import check_packing, export_hf, init_process_group, load_model, shard
+from trainer.hf.model import (
+    check_packing,
+    export_hf,
+    init_process_group,
+    iter_export_hf,
+    load_model,
+    shard,
+)
 from trainer.hf.packing import hf_router_rows, pack_microbatches
 from trainer.hf.routers import (
     HFAgreementMonitor,
@@ -212,6 +219,13 @@ class HFBackend:
         """Checkpoint-named full weights (collective under FSDP2: every rank must call it)."""
         dtype = torch.bfloat16 if self.cfg.model.dtype == "bf16" else torch.float32
         return export_hf(self.model, dtype)
+
+    def iter_hf_weights(self, sender: int = 0, chunk_bytes: int = 256 << 20
+                        ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Checkpoint-named weights streamed to rank `sender`: one parameter gathered at a
+        time (FSDP2's gather is per parameter; `chunk_bytes` does not apply)."""
+        dtype = torch.bfloat16 if self.cfg.model.dtype == "bf16" else torch.float32
+        return iter_export_hf(self.model, dtype, sender)
 
     def checkpoint_state(self) -> tuple[Any, Any]:
         """This rank's FSDP2 parameter shards (as plain tensors) and its optimizer."""

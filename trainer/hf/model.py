@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -104,3 +105,20 @@ def export_hf(model: Any, dtype: torch.dtype) -> dict[str, torch.Tensor]:
 
     sd = revert_weight_conversion(model, full_state_dict(model))
     return {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
+
+
+def iter_export_hf(model: Any, dtype: torch.dtype, sender: int = 0
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+    """`export_hf` as a stream to rank `sender` (a collective under FSDP2: every rank iterates
+    it to the end): one parameter gathered at a time and reverted to checkpoint names on its
+    own, so no rank holds the whole model."""
+    from torch.distributed.tensor import DTensor
+    from transformers.core_model_loading import revert_weight_conversion
+
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    for key, value in model.state_dict().items():
+        full = value.full_tensor() if isinstance(value, DTensor) else value
+        if rank != sender:
+            continue
+        for name, t in revert_weight_conversion(model, {key: full.detach()}).items():
+            yield name, t.to(dtype) if t.is_floating_point() else t

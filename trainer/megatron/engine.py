@@ -33,6 +33,7 @@ from trainer.collectives import max_over_ranks
 from trainer.config import TrainerConfig
 from trainer.guard import Level, checkpoint
 from trainer.megatron.cpu_shims import cuda_tensor_type_names
+from trainer.megatron.export_stream import HFStream
 from trainer.megatron.hf_mapping import gather_experts, load_arch, megatron_to_hf
 from trainer.megatron.model import BuiltModel, build_model, init_parallel, resolve_router_dtype
 from trainer.megatron.parallel import (
@@ -122,6 +123,7 @@ class MegatronBackend:
         self.device = torch.device("cuda", torch.cuda.current_device()) \
             if torch.cuda.is_available() else torch.device("cpu")
         self.padded = 0  # filler micro-batches of the last `microbatches` call
+        self._streams: dict[tuple[int, int], HFStream] = {}  # iter_hf_weights, per (sender, chunk)
 
     def microbatches(self, samples: Sequence[Sample]) -> list[MicroBatch]:
         """Padded micro-batches of `samples`, as many on every rank (collective: every rank
@@ -284,6 +286,17 @@ class MegatronBackend:
         full = gather_full(self.policy.module, self.policy.config.gated_linear_unit)
         return {k: v.clone() for k, v in megatron_to_hf(gather_experts(full, self.arch),
                                                          self.arch).items()}
+
+    def iter_hf_weights(self, sender: int = 0, chunk_bytes: int = 256 << 20
+                        ) -> HFStream:
+        """HF-named weights streamed to rank `sender`, unit by unit (export_stream.HFStream;
+        its layout is worked out at the first push and kept: the parameters stay the same)."""
+        key = (sender, chunk_bytes)
+        if key not in self._streams:
+            self._streams[key] = HFStream(self.policy.module, self.arch,
+                                          self.policy.config.gated_linear_unit, sender=sender,
+                                          chunk_bytes=chunk_bytes)
+        return self._streams[key]
 
     def checkpoint_state(self) -> tuple[Any, Any]:
         return self.policy.module, self.optimizer

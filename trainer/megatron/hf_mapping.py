@@ -25,9 +25,10 @@ Legend: H hidden, d head dim, nh query heads, ng KV groups, E experts, El local 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -51,6 +52,7 @@ _ATTN = {"self_attn.o_proj": "self_attention.linear_proj",
          "post_attention_layernorm": "pre_mlp_layernorm"}
 # MLA has no per-head QK-norm: its q/kv latent norms map in family_deepseek_v3
 _ATTN_MLA = {h: m for h, m in _ATTN.items() if h not in ("self_attn.q_norm", "self_attn.k_norm")}
+GLOBAL_UNIT = -1  # export unit of the tensors outside the decoder layers (unit_to_hf)
 _GLOBAL = {"model.embed_tokens.weight": "embedding.word_embeddings.weight",
            "model.norm.weight": "decoder.final_layernorm.weight",
            "lm_head.weight": "output_layer.weight"}
@@ -263,6 +265,28 @@ def megatron_to_hf(sd: dict[str, torch.Tensor], a: MoeArch, ep_rank: int = 0,
     for i in range(a.num_layers):
         out |= _layer_to_hf(sd, a, i, ep_rank, ep_size)
     return out
+
+
+GLOBAL_NAMES = tuple(_GLOBAL.values())  # megatron names of the GLOBAL_UNIT
+
+
+def unit_to_megatron(sd: Mapping[str, torch.Tensor], a: MoeArch, unit: int, ep_rank: int = 0,
+                     ep_size: int = 1, wanted: set[str] | None = None) -> dict[str, torch.Tensor]:
+    """One export unit of an HF checkpoint (a mapping read on access: LazyCheckpoint) -> this
+    EP rank's megatron tensors: `GLOBAL_UNIT` (those megatron names in `wanted`, default all)
+    or decoder layer `unit` (global index). Reads only that unit's tensors."""
+    if unit == GLOBAL_UNIT:
+        return {m: sd[h] for h, m in _GLOBAL.items() if wanted is None or m in wanted}
+    return _layer_to_megatron(cast(dict, sd), a, unit, ep_rank, ep_size)  # read by key only
+
+
+def unit_to_hf(sd: dict[str, torch.Tensor], a: MoeArch, unit: int, ep_rank: int = 0,
+               ep_size: int = 1) -> dict[str, torch.Tensor]:
+    """One export unit of this EP rank's megatron tensors -> HF names: `GLOBAL_UNIT` (embedding,
+    final norm, output layer: those of them in `sd`) or decoder layer `unit` (global index)."""
+    if unit == GLOBAL_UNIT:
+        return {h: sd[m] for h, m in _GLOBAL.items() if m in sd}
+    return _layer_to_hf(unstack_experts(sd), a, unit, ep_rank, ep_size)
 
 
 def expert_param_names(a: MoeArch, num_local: int) -> list[str]:

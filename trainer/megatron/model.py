@@ -21,7 +21,14 @@ from trainer.megatron.families import config_overrides
 from trainer.megatron.family_deepseek_v3 import mla_config_kwargs
 from trainer.megatron.grouped_experts import to_layout_of
 from trainer.megatron.grouped_router import freeze_expert_bias
-from trainer.megatron.hf_mapping import MoeArch, hf_to_megatron, load_arch
+from trainer.megatron.hf_mapping import (
+    GLOBAL_NAMES,
+    GLOBAL_UNIT,
+    MoeArch,
+    load_arch,
+    unit_to_megatron,
+)
+from trainer.megatron.lazy_checkpoint import LazyCheckpoint
 from trainer.megatron.parallel import (
     check_layout,
     describe,
@@ -29,6 +36,7 @@ from trainer.megatron.parallel import (
     shard_full,
     stage_layers,
     stage_moe_layers,
+    stage_name,
 )
 from trainer.megatron.spec import decoder_spec
 
@@ -237,35 +245,57 @@ def build_model(hf_dir: str | Path, cfg: ModelConfig, load_weights: bool = True)
     return built
 
 
-def load_hf_weights(built: BuiltModel, hf_dir: str | Path) -> None:
+def load_hf_weights(built: BuiltModel, hf_dir: str | Path) -> LazyCheckpoint:
     """Copy the HF safetensors weights into the model (this rank's experts, pipeline stage and
-    tensor-parallel slices); exact names."""
+    tensor-parallel slices); exact names. The checkpoint is read lazily, one export unit
+    (decoder layer) at a time, only the tensors this rank maps; returns the reader (its
+    `bytes_read`)."""
     from megatron.core import parallel_state as ps
-    from safetensors.torch import load_file
 
-    sd: dict[str, torch.Tensor] = {}
-    for f in sorted(Path(hf_dir).glob("*.safetensors")):
-        sd |= load_file(str(f))
-    mapped = hf_to_megatron(sd, built.arch, ps.get_expert_model_parallel_rank(),
-                            ps.get_expert_model_parallel_world_size())
-    copy_into(built.module, shard_full(built.module, mapped, built.config.gated_linear_unit))
+    ckpt = LazyCheckpoint(hf_dir)
+    module, arch, gated = built.module, built.arch, built.config.gated_linear_unit
+    ep = (ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size())
+    local_of = {g: i for i, g in enumerate(stage_layers(module))}
+    needed = {m for m in GLOBAL_NAMES if stage_name(m, local_of, module.pre_process,
+                                                     module.post_process) is not None}
+    params, loaded = model_weights(module), set()
+    for unit in [GLOBAL_UNIT, *local_of]:
+        mapped = unit_to_megatron(ckpt, arch, unit, *ep, wanted=needed)
+        shard = shard_full(module, mapped, gated)
+        loaded |= copy_some(params, shard)
+        del mapped, shard
+    if set(params) - loaded:
+        raise ValueError(f"weights: missing {sorted(set(params) - loaded)[:4]}")
+    return ckpt
 
 
 def copy_into(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
     """Copy `tensors` into `module`'s weights (parallel.model_weights); every weight must be
     covered, no extras."""
     params = model_weights(module)
-    # r3flow's expert names are SequentialMLP's (HF mapping, old checkpoints): restack them
     tensors = to_layout_of(tensors, set(params))
-    missing, extra = set(params) - set(tensors), set(tensors) - set(params)
-    if missing or extra:
-        raise ValueError(f"weights: missing {sorted(missing)[:4]}, unexpected {sorted(extra)[:4]}")
+    missing = set(params) - set(tensors)
+    if missing:
+        raise ValueError(f"weights: missing {sorted(missing)[:4]}")
+    copy_some(params, tensors)
+
+
+def copy_some(params: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> set[str]:
+    """Copy `tensors` into the weights `params` of the same names (no extras); returns the
+    names copied. r3flow's expert names are SequentialMLP's (HF mapping, old checkpoints):
+    restacked where the model groups its experts."""
+    tensors = to_layout_of(tensors, set(params))
+    extra = set(tensors) - set(params)
+    if extra:
+        raise ValueError(f"weights: unexpected {sorted(extra)[:4]}")
     with torch.no_grad():
-        for name, p in params.items():
-            if tuple(p.shape) != tuple(tensors[name].shape):
-                raise ValueError(f"weights.{name}: shape {tuple(tensors[name].shape)}, "
+        for name, t in tensors.items():
+            p = params[name]
+            if tuple(p.shape) != tuple(t.shape):
+                raise ValueError(f"weights.{name}: shape {tuple(t.shape)}, "
                                  f"model has {tuple(p.shape)}")
             if name.endswith(".expert_bias"):  # megatron keeps it fp32 in a bf16 model
-                p.data = tensors[name].to(p.device, torch.float32).clone()
+                p.data = t.to(p.device, torch.float32).clone()
             else:
-                p.copy_(tensors[name])
+                p.copy_(t)
+    return set(tensors)

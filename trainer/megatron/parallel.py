@@ -168,7 +168,7 @@ def _slice(full: torch.Tensor, p: torch.Tensor, name: str, gated: bool) -> torch
     return full.chunk(size, dim=dim)[rank]
 
 
-def _unslice(local: torch.Tensor, p: torch.Tensor, name: str, gated: bool) -> torch.Tensor:
+def unslice(local: torch.Tensor, p: torch.Tensor, name: str, gated: bool) -> torch.Tensor:
     """Inverse of `_slice`: all-gather the tensor-parallel pieces (collective)."""
     import torch.distributed as dist
 
@@ -183,7 +183,16 @@ def _unslice(local: torch.Tensor, p: torch.Tensor, name: str, gated: bool) -> to
     return torch.cat(parts, dim=int(p.partition_dim))  # type: ignore[attr-defined]
 
 
-def _stage_name(name: str, local_of: dict[int, int], pre: bool, post: bool) -> str | None:
+def unsliced_meta(p: torch.Tensor) -> torch.Tensor:
+    """A meta tensor of `unslice(p)`'s shape and dtype (no data, no collective)."""
+    _, size, _ = _tp_group(p)
+    shape = list(p.shape)
+    if size > 1 and getattr(p, "tensor_model_parallel", False):
+        shape[int(p.partition_dim)] *= size  # type: ignore[attr-defined]
+    return torch.empty(shape, dtype=p.dtype, device="meta")
+
+
+def stage_name(name: str, local_of: dict[int, int], pre: bool, post: bool) -> str | None:
     """Full-model name -> this stage's name (None: another stage's parameter)."""
     m = _LAYER.match(name)
     if m:
@@ -202,7 +211,7 @@ def shard_full(module: Any, full: dict[str, torch.Tensor], gated: bool) -> dict[
     params = model_weights(module)
     out = {}
     for name, t in full.items():
-        local = _stage_name(name, local_of, module.pre_process, module.post_process)
+        local = stage_name(name, local_of, module.pre_process, module.post_process)
         if local is None:
             continue
         out[local] = _slice(t, params[local], local, gated) if local in params else t
@@ -218,7 +227,7 @@ def gather_full(module: Any, gated: bool) -> dict[str, torch.Tensor]:
     layers = stage_layers(module)
     mine = {}
     for name, p in model_weights(module).items():
-        t = _unslice(p.detach(), p, name, gated)
+        t = unslice(p.detach(), p, name, gated)
         m = _LAYER.match(name)
         mine[f"decoder.layers.{layers[int(m.group(1))]}.{m.group(2)}" if m else name] = t
     if ps.get_pipeline_model_parallel_world_size() == 1:

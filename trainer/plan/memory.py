@@ -40,6 +40,9 @@ An estimate written down so that it can be checked by hand (tests/unit/test_plan
     measured on CPU with ru_maxrss over ppo_loss forward + backward: 6.05 x 4 B bf16, 6.05 x
     4 B fp32; forward alone 4.5 x 4 B);
   * routing buffers: RouterReplay's int64 top-k ids of each micro-batch in flight;
+  * the weight push (push_bytes): the sender's buckets in flight and the chunks it gathers
+    from the other ranks (streamed: no rank holds the whole model); the rollout side's
+    staging ring is printed as a note (rollout_staging_bytes);
   * a colocated vLLM engine's share (gpu_memory_utilization of the same GPU; 0 when rollout
     runs in its own pods, as in the chart) and a fixed runtime overhead (CUDA context, NCCL
     buffers, allocator fragmentation).
@@ -137,6 +140,8 @@ class Layout:
     micro_batch: int = 1
     seq_len: int = 4096
     attention: Literal["unfused", "sdpa"] = "unfused"  # model.attention (issue 30 fast path)
+    push_bucket_bytes: int = 0  # weight push bucket (0: no push); see push_bytes
+    push_inflight: int = 2  # weight_sync.inflight_buckets
 
     def check(self, arch: Arch) -> None:
         """UserError naming the field when the layout cannot be built."""
@@ -243,6 +248,26 @@ def activation_bytes(arch: Arch, lay: Layout) -> dict[str, float]:
             "routing buffers": routing}
 
 
+PUSH_CHUNK_DEPTH = 3  # export_stream.HFStream: 2 chunks in flight + the one being filled
+RX_STAGING_SLOTS = 3  # weight_sync.receiver_stream.DEFAULT_SLOTS
+
+
+def push_bytes(lay: Layout) -> dict[str, float]:
+    """The streamed weight push on the trainer's worst rank (the sender, rank 0): its pack
+    buffers (inflight x bucket), the chunks it receives from other ranks (PUSH_CHUNK_DEPTH x
+    bucket; a non-sender rank holds as many it sends) and up to one bucket of sources awaiting
+    their pack. Measured on H200s at Qwen3-30B-A3B size (BENCHMARKS.md): within 2 GiB of it."""
+    b = lay.push_bucket_bytes
+    return {"weight push": (lay.push_inflight + PUSH_CHUNK_DEPTH + 1) * b} if b else {}
+
+
+def rollout_staging_bytes(bucket_bytes: int) -> int:
+    """Push staging on each rollout engine rank: the receiver's ring (RX_STAGING_SLOTS
+    buckets, weight_sync.receiver_stream), kept between pushes; leave it outside vLLM's
+    gpu_memory_utilization."""
+    return RX_STAGING_SLOTS * bucket_bytes
+
+
 def plan(arch: Arch, lay: Layout, gpu_gib: float, overhead_gib: float = 4.0,
          vllm_share: float = 0.0) -> Plan:
     """The per-rank memory table of `lay` on a GPU of `gpu_gib` GiB."""
@@ -250,10 +275,14 @@ def plan(arch: Arch, lay: Layout, gpu_gib: float, overhead_gib: float = 4.0,
     if not 0.0 <= vllm_share < 1.0:
         raise UserError(f"vllm_share: {vllm_share} is not in [0, 1)")
     dense, expert = params_per_rank(arch, lay)
-    rows = _state_bytes(lay, dense, expert) | activation_bytes(arch, lay)
+    rows = _state_bytes(lay, dense, expert) | activation_bytes(arch, lay) | push_bytes(lay)
     rows["vLLM KV share"] = vllm_share * gpu_gib * GiB
     rows["runtime overhead"] = overhead_gib * GiB
     out = Plan(rows=rows, gpu_bytes=gpu_gib * GiB, dense_params=dense, expert_params=expert)
+    if lay.push_bucket_bytes:
+        out.notes.append(f"rollout engine ranks: weight-push staging "
+                         f"{rollout_staging_bytes(lay.push_bucket_bytes) / GiB:.2f} GiB each "
+                         f"({RX_STAGING_SLOTS} buckets) outside gpu_memory_utilization")
     if not lay.distributed_optimizer and (lay.dp > 1 or lay.expert_dp > 1):
         out.notes.append("optimizer state is not sharded (no distributed optimizer)")
     return out

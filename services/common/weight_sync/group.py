@@ -51,6 +51,24 @@ class WeightSyncAborted(WeightSyncError):
     """The sender aborted the push (or vanished): the receiver discards what it staged."""
 
 
+def nccl_version() -> str:
+    """This process's NCCL version ('2.21.5'), '' where torch has no NCCL (CPU builds)."""
+    try:
+        return ".".join(str(v) for v in torch.cuda.nccl.version())
+    except (AttributeError, RuntimeError):
+        return ""
+
+
+def nccl_mismatch(backend: str, sender: str, mine: str, version: int, who: str) -> str | None:
+    """Why this receiver must refuse the push (NCCL refuses peers of another NCCL version,
+    in a way that hangs or fails deep inside the first collective), or None."""
+    if backend != "nccl" or sender == mine:
+        return None
+    return (f"weight sync v{version}: NCCL version mismatch: the sender (trainer) runs NCCL "
+            f"{sender or 'unknown'}, {who} runs NCCL {mine or 'none (a CPU torch build)'}; "
+            "trainer and rollout images must share one torch/NCCL build")
+
+
 class WaitTimeout(Exception):
     """Internal: a wait ran past its deadline (the caller names the members)."""
 

@@ -9,6 +9,7 @@ per-push host cost to one copy launch and one comparison per tensor.
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -51,6 +52,49 @@ def stream_layout(named, bucket_bytes: int, wire: torch.dtype, device: torch.dev
                                 first_index):
         yield lay_out(spec, first, device), spec.sources
         first += len(spec.entries)
+
+
+class StreamLayout:
+    """The buckets of the last streamed push (a generator input), reused bucket by bucket while
+    the stream brings the same names, shapes and dtypes in the same order (the trainer's
+    streamed export does, every push): a repeated bucket costs one comparison per tensor, not
+    its layout, header and checksum plan (on an H200 pair the fresh layout was ~40 us a
+    tensor, the push host-bound). The first tensor that differs lays the rest out afresh."""
+
+    def __init__(self) -> None:
+        self.buckets: list[tuple[LaidBucket, list[tuple[str, torch.Size, torch.dtype]]]] = []
+        self.reused = 0  # buckets of the last push taken from the previous one
+
+    def stream(self, named, bucket_bytes: int, wire: torch.dtype, device: torch.device,
+               direct_min_bytes: int) -> Iterator[tuple[LaidBucket, list[torch.Tensor]]]:
+        it, new, first = iter(named), [], 0
+        self.reused = 0
+        rest: Iterator = it
+        for laid, keys in self.buckets:
+            taken = list(itertools.islice(it, len(keys)))
+            if not _fits(laid, keys, taken, wire, device):
+                rest = itertools.chain(taken, it)
+                break
+            new.append((laid, keys))
+            self.reused += 1
+            first += len(keys)
+            yield laid, [t for _, t in taken]
+        for laid, sources in stream_layout(rest, bucket_bytes, wire, device, direct_min_bytes,
+                                           first, len(new)):
+            new.append((laid, [(e.name, torch.Size(e.shape), t.dtype)
+                               for e, t in zip(laid.entries, sources, strict=True)]))
+            yield laid, sources
+        self.buckets = new
+
+
+def _fits(laid: LaidBucket, keys: list[tuple[str, torch.Size, torch.dtype]],
+          taken: list[tuple[str, torch.Tensor]], wire: torch.dtype, device: torch.device) -> bool:
+    """`taken` fills `laid` as the tensors it was laid out for did (a bucket sent in place
+    needs its tensor still sendable in place)."""
+    if len(taken) != len(keys) or any(n != k[0] or t.shape != k[1] or t.dtype != k[2]
+                                      for (n, t), k in zip(taken, keys, strict=True)):
+        return False
+    return not laid.direct or bk.sendable_in_place(taken[0][1], wire, device)
 
 
 class BucketLayout:

@@ -37,9 +37,9 @@ from services.common.weight_sync.group import (
 from services.common.weight_sync.layout import (
     BucketLayout,
     LaidBucket,
+    StreamLayout,
     publish,
     refit,
-    stream_layout,
 )
 from services.common.weight_sync.monitor import MemberMonitor
 
@@ -65,6 +65,7 @@ class PushOwner(Protocol):
     _reuse: int | None
     _layout: BucketLayout | None
     _layout_digest: str
+    _streamed: StreamLayout
     _side: torch.cuda.Stream | None
 
 
@@ -215,7 +216,7 @@ class Push:
         else:
             self.store.set(Keys.LAYOUT, Keys.STREAM)
         self.layout_sent = True
-        return listed if listed is not None else stream_layout(
+        return listed if listed is not None else s._streamed.stream(
             named, s.bucket_bytes, s.wire, s.device, s.direct_min_bytes)
 
     def _send(self, laid: LaidBucket, sources: list[torch.Tensor]) -> torch.Tensor:

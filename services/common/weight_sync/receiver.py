@@ -33,6 +33,8 @@ from services.common.weight_sync.group import (
     discard,
     make_process_group,
     members_of,
+    nccl_mismatch,
+    nccl_version,
     push_store,
     rank_in,
     wait_work,
@@ -113,6 +115,7 @@ class WeightReceiver:
         self.reuse_buffers = reuse_buffers
         self.connect_timeout_s = connect_timeout_s
         self._staging: list[torch.Tensor] = []
+        self.ring_buffers: list[torch.Tensor] = []  # streamed pushes (receiver_stream)
         self._layouts: dict[int, tuple[bytes, _Layout]] = {}  # streamed pushes, per bucket
         self._listed: tuple[bytes, list[_Layout]] | None = None  # the last `layout` key
         self._root: dist.TCPStore | None = None
@@ -212,6 +215,7 @@ class _Receive:
 
     def run(self) -> ReceivedWeights:
         t0 = time.perf_counter()
+        self.refuse_other_nccl()  # before any collective, before joining
         self.heartbeat.start()
         try:
             self._join()
@@ -232,6 +236,15 @@ class _Receive:
         self.rx._group = (self.version, self.pg)
         return ReceivedWeights(self.version, list(zip(self.buckets, self.entries, strict=True)),
                                nbytes, time.perf_counter() - t0)
+
+    def refuse_other_nccl(self) -> None:
+        """Before any collective: an NCCL push from another NCCL version is refused, the
+        sender told why (it aborts the push naming this member)."""
+        why = nccl_mismatch(self.plan.backend, self.params.get("nccl_version", ""),
+                            nccl_version(), self.version, str(self.member))
+        if why is not None:
+            self._report(why)
+            raise WeightSyncError(why, version=self.version, members=(str(self.member),))
 
     def _deadline(self) -> float:
         # The sender decides (and names the culprit) first: it needs up to a heartbeat

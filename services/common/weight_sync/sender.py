@@ -18,9 +18,10 @@ from services.common.weight_sync.group import (
     Keys,
     connect_store,
     group_signature,
+    nccl_version,
     push_store,
 )
-from services.common.weight_sync.layout import BucketLayout
+from services.common.weight_sync.layout import BucketLayout, StreamLayout
 from services.common.weight_sync.push import Push, PushReport
 
 __all__ = ["STANDALONE_ADDR", "PushReport", "WeightSender"]
@@ -54,6 +55,7 @@ class WeightSender:
         self._reuse: int | None = None
         self._layout: BucketLayout | None = None  # the last pushed sequence's buckets
         self._layout_digest = ""  # the layout last written to the root store
+        self._streamed = StreamLayout()  # the last streamed (generator) push's buckets
         self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     @property
@@ -74,7 +76,8 @@ class WeightSender:
         self._reuse = g.version if g is not None and g.signature == group_signature(plan) else None
         params = {"timeout_s": self.cfg.timeout_s,
                   "heartbeat_interval_s": self.cfg.heartbeat_interval_s,
-                  "heartbeat_timeout_s": self.cfg.heartbeat_timeout_s, "reuse": self._reuse}
+                  "heartbeat_timeout_s": self.cfg.heartbeat_timeout_s, "reuse": self._reuse,
+                  "nccl_version": nccl_version()}
         push_store(self._root, version).set(Keys.PARAMS, json.dumps(params))
         self._last_version = version
         return plan
@@ -98,5 +101,5 @@ class WeightSender:
 
     def close(self) -> None:
         self._pool = [None] * self.cfg.inflight_buckets
-        self._group, self._layout = None, None
+        self._group, self._layout, self._streamed = None, None, StreamLayout()
         del self._root
