@@ -20,6 +20,7 @@ import grpc
 from prometheus_client import CollectorRegistry
 
 from services.common.metrics import MetricsServer, create_metrics
+from services.rollout.capture_check import RoutingCaptureError, check_capture
 from services.rollout.config import RolloutConfig
 from services.rollout.engine import EngineDead
 from services.rollout.shutdown import SHUTDOWN_S, StopDeadline
@@ -159,6 +160,23 @@ def _summary_writer(path: str | None, worker_id: str, engine_pids: dict[str, lis
     return write
 
 
+async def _capture_ok(worker: Any, rec: Any) -> bool:
+    """The start check of the engine's routing capture (services/rollout/capture_check.py),
+    before this worker registers: False (logged, one line naming the setting) when it fails."""
+    cfg = worker.cfg
+    try:
+        await check_capture(worker.engine, cfg.sampling, rec.token_ids(worker.tokenizer.encode),
+                            cfg.engine.seed, cfg.partial_rollout_policy)
+    except RoutingCaptureError as e:
+        log.critical("rollout %s refuses to serve: %s", cfg.worker_id, e)
+        return False
+    except ValueError as e:  # the probe prompt itself is bad (its group would fail alone)
+        log.warning("routing capture start check skipped: %s", e)
+        return True
+    log.info("routing capture start check passed")
+    return True
+
+
 def _stop_on_sigterm(worker: Any, stop_grace_s: float) -> None:
     """SIGTERM: no new prompt (in-flight groups get the stop grace), and the whole stop bounded
     by a deadline that ends the process (services/rollout/shutdown.py)."""
@@ -197,6 +215,8 @@ async def serve(cfg: RolloutConfig, summary_file: str | None = None,
         worker = RolloutWorker(cfg, engine, sink, tokenizer, env_factory)
         write_summary = _summary_writer(summary_file, cfg.worker_id, engine.pids)
         worker.on_progress = write_summary
+        if not await _capture_ok(worker, records[0]):
+            return EXIT_FATAL
         _stop_on_sigterm(worker, stop_grace_s)
         ttl_s = await worker.report_version()
         if client is not None and ttl_s:
