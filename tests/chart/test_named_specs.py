@@ -134,3 +134,25 @@ def test_named_runs_use_the_charts_ports(chart_job, k8s_specs):
             cfg = yaml.safe_load(cm["data"]["train.yaml"])
             assert cfg["run"]["metrics_port"] == ref["run"]["metrics_port"], name
             assert cfg["data"]["store"] == ref["data"]["store"], name
+
+
+def _ray_auth_env(spec: dict) -> list[dict]:
+    return [e for e in spec["containers"][0].get("env", []) if e["name"].startswith("RAY_AUTH")]
+
+
+def test_every_ray_cluster_requires_the_token_and_the_submitter_has_it(chart_job, k8s_specs):
+    docs, ref = chart_job
+    auth = ref["spec"]["rayClusterSpec"]["authOptions"]
+    assert auth["mode"] == "token"
+    secret = find(docs, "Secret", "-ray-token")[0]
+    assert secret["metadata"]["name"] == auth["secretName"] and "auth_token" in secret["data"]
+    want_env = _ray_auth_env(ref["spec"]["submitterPodTemplate"]["spec"])
+    assert {e["name"] for e in want_env} == {"RAY_AUTH_MODE", "RAY_AUTH_TOKEN"}
+    for name, job in _named_jobs(k8s_specs):
+        assert job["spec"]["rayClusterSpec"].get("authOptions") == auth, \
+            f"{name}: rayClusterSpec.authOptions must be the release's {auth}"
+        sub = job["spec"]["submitterPodTemplate"]["spec"]
+        assert _ray_auth_env(sub) == want_env, f"{name}: the submitter cannot authenticate"
+        for role, (spec, _) in _pods(job).items():
+            if role != "submitter":  # KubeRay sets them from authOptions; a value here wins
+                assert not _ray_auth_env(spec), f"{name} {role}: RAY_AUTH_* set by hand"

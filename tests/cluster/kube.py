@@ -115,13 +115,25 @@ def _quantity(q: str) -> int:
     return int(q)
 
 
-def rayjob_pods(job: dict, cluster: str) -> tuple[list[Pod], str]:
+def auth_env(spec: dict, objs: Objects | None) -> dict[str, str]:
+    """What authOptions (mode token, secretName) adds to every Ray container (pod.go): the mode,
+    and the token from the Secret's auth_token."""
+    auth = spec.get("authOptions") or {}
+    if auth.get("mode") != "token":
+        return {"RAY_AUTH_MODE": "disabled"}
+    assert objs is not None and auth.get("secretName"), "authOptions token needs its Secret"
+    return {"RAY_AUTH_MODE": "token",
+            "RAY_AUTH_TOKEN": objs.secret(auth["secretName"])["auth_token"].decode()}
+
+
+def rayjob_pods(job: dict, cluster: str, objs: Objects | None = None) -> tuple[list[Pod], str]:
     """Head and worker pods KubeRay makes for a RayJob's rayClusterSpec; the head Service name."""
     spec = job["spec"]["rayClusterSpec"]
     head_svc = f"{cluster}-head-svc"
     common = {"RAY_CLUSTER_NAME": cluster, "RAY_PORT": str(GCS_PORT),
               "RAY_USAGE_STATS_KUBERAY_IN_USE": "1", "RAY_DASHBOARD_ENABLE_K8S_DISK_USAGE": "1",
-              "RAY_CLUSTER_NAMESPACE": job["metadata"].get("namespace", "default")}
+              "RAY_CLUSTER_NAMESPACE": job["metadata"].get("namespace", "default"),
+              **auth_env(spec, objs)}
     pods = []
     h = spec["headGroupSpec"]
     c = h["template"]["spec"]["containers"][0]

@@ -132,7 +132,7 @@ class Cluster:
         self.box = bx.Box(work)
         self.objs = render(work)
         self.job = self.objs.get("RayJob", "tiny-moe-smoke")
-        ray_pods, self.head_svc = kube.rayjob_pods(self.job, CLUSTER)
+        ray_pods, self.head_svc = kube.rayjob_pods(self.job, CLUSTER, self.objs)
         submitter = kube.submitter_pod(self.job, CLUSTER)
         self.pods = kube.workload_pods(self.objs) + ray_pods + [submitter]
         self.pvcs = {"r3flow-models": models_volume(work / "pvc" / "r3flow-models"),
@@ -239,23 +239,45 @@ class Cluster:
     def submit(self, submission_id: str = SUBMISSION_ID, log: str = "submitter"
                ) -> subprocess.Popen:
         pod = self.by_name(f"{CLUSTER}-submitter")[0]
-        env = {"PATH": f"{VENV_BIN}:/usr/bin:/bin", "RAY_AUTH_MODE": "disabled",
+        env = {**self.ray_auth(pod), "PATH": f"{VENV_BIN}:/usr/bin:/bin",
                "HOME": str(self.ns(pod).root), "PYTHONUNBUFFERED": "1"}
         return self.box.start(self.ns(pod), kube.submitter_argv(self.job, self.head_svc,
                                                                  submission_id),
                               env, {}, log)
 
-    def job_status(self, submission_id: str) -> str:
-        """`ray job status` from the submitter pod (SUCCEEDED, FAILED, ...)."""
+    def ray_auth(self, pod: kube.Pod) -> dict[str, str]:
+        """The submitter's RAY_AUTH_* env (its template reads the cluster's token Secret)."""
+        return {k: v for k, v in kube.resolve_env(pod, self.objs).items()
+                if k.startswith("RAY_AUTH_")}
+
+    def job_status(self, submission_id: str, token: bool = True) -> str:
+        """`ray job status` from the submitter pod (SUCCEEDED, FAILED, ...); token=False asks
+        without the cluster's token (the answer is then the refusal)."""
         pod = self.by_name(f"{CLUSTER}-submitter")[0]
         addr = f"http://{self.head_svc}:{kube.DASHBOARD_PORT}"
+        auth = self.ray_auth(pod) if token else {"RAY_AUTH_MODE": "disabled"}
         r = self.box.exec(self.ns(pod), [str(VENV_BIN / "ray"), "job", "status", "--address",
                                          addr, submission_id], timeout=60,
-                          env={"PATH": f"{VENV_BIN}:/usr/bin:/bin", "RAY_AUTH_MODE": "disabled",
+                          env={**auth, "PATH": f"{VENV_BIN}:/usr/bin:/bin",
                                "HOME": str(self.ns(pod).root)})
         m = re.search(r"\b(succeeded|failed|stopped|running|pending)\b", r.stdout + r.stderr,
                       re.I)
         return m[1].upper() if m else (r.stdout + r.stderr)[-300:]
+
+    def submit_status(self, token: str | None) -> int:
+        """HTTP status of a job submission (POST /api/jobs/) from the submitter pod, with the
+        given bearer token or none."""
+        pod = self.by_name(f"{CLUSTER}-submitter")[0]
+        url = f"http://{self.head_svc}:{kube.DASHBOARD_PORT}/api/jobs/"
+        code = ("import json, sys, urllib.request as u, urllib.error as e\n"
+                f"r = u.Request({url!r}, data=json.dumps({{'entrypoint': 'true'}}).encode(),"
+                " headers={'Content-Type': 'application/json'})\n"
+                "if sys.argv[1]: r.add_header('Authorization', 'Bearer ' + sys.argv[1])\n"
+                "try: print(u.urlopen(r, timeout=30).status)\n"
+                "except e.HTTPError as x: print(x.code)\n")
+        r = self.box.exec(self.ns(pod), [str(VENV_BIN / "python"), "-c", code, token or ""],
+                          timeout=60, env={"PATH": f"{VENV_BIN}:/usr/bin:/bin"})
+        return int(r.stdout.strip().splitlines()[-1])
 
     def log(self, pod: kube.Pod, name: str = "main") -> str:
         path = self.ns(pod).root / f"{name}.log"
@@ -343,6 +365,11 @@ def test_cluster_in_a_box(cluster: Cluster):
                      failed_log), failed_log[-4000:]
     assert re.search(rf"Job '{SUBMISSION_ID}' failed", failed_log), failed_log[-4000:]
     status1 = c.job_status(SUBMISSION_ID)  # reported, for the record
+    # Ray token auth (the RayJob's authOptions): a submission without the token is refused;
+    # this test's own submissions above and below carry it (the submitter's Secret env).
+    unauthenticated = c.submit_status(None)
+    assert unauthenticated in (401, 403), f"dashboard accepted a job without the token: " \
+                                          f"HTTP {unauthenticated}"
     failed_in = round(time.monotonic() - t_kill, 1)
     # KubeRay recreates the pod; the RayJob is submitted again (a new submission id): it
     # resumes from the last checkpoint on the PVC.

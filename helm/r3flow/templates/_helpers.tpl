@@ -307,3 +307,8 @@ key_file: /var/run/r3flow/client-tls/tls.key
 {{- define "r3flow.checkpointClaim" -}}
 {{- .Values.trainer.checkpoints.existingClaim | default (printf "%s-checkpoints" (include "r3flow.fullname" .)) }}
 {{- end }}
+
+{{/* Secret of the Ray auth token (key auth_token): the user's or the chart-made one. */}}
+{{- define "r3flow.rayTokenSecretName" -}}
+{{- .Values.trainer.rayAuth.existingSecret | default (printf "%s-ray-token" (include "r3flow.fullname" .)) }}
+{{- end }}
