@@ -11,7 +11,7 @@ import json
 import logging
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -213,15 +213,14 @@ class _Receive:
         self.entries: list[list[bk.TensorEntry]] = []
         self.host_blocking = waits_on_host(plan.backend)
 
-    def run(self) -> ReceivedWeights:
-        t0 = time.perf_counter()
-        self.refuse_other_nccl()  # before any collective, before joining
+    @contextlib.contextmanager
+    def session(self) -> Iterator[None]:
+        """Around one receive: the heartbeat runs; a failure is reported to the sender, the push
+        discarded and raised as this member's WeightSyncError; on success the group is kept for
+        the next push."""
         self.heartbeat.start()
         try:
-            self._join()
-            nbytes = self._receive_all()
-            self._ack()
-            self._await_commit()
+            yield
         except WeightSyncAborted:
             self._discard()
             raise
@@ -234,6 +233,15 @@ class _Receive:
             self.heartbeat.stop()
         assert self.pg is not None
         self.rx._group = (self.version, self.pg)
+
+    def run(self) -> ReceivedWeights:
+        t0 = time.perf_counter()
+        self.refuse_other_nccl()  # before any collective, before joining
+        with self.session():
+            self._join()
+            nbytes = self._receive_all()
+            self._ack()
+            self._await_commit()
         return ReceivedWeights(self.version, list(zip(self.buckets, self.entries, strict=True)),
                                nbytes, time.perf_counter() - t0)
 

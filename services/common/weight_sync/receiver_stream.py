@@ -21,8 +21,6 @@ from services.common.weight_sync import buckets as bk
 from services.common.weight_sync import headers as hd
 from services.common.weight_sync.group import (
     Keys,
-    WaitTimeout,
-    WeightSyncAborted,
     WeightSyncError,
     broadcast,
     rank_in,
@@ -62,25 +60,12 @@ class _StreamReceive(_Receive):
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         self.refuse_other_nccl()  # before any collective, before joining
-        self.heartbeat.start()
-        try:
+        with self.session():
             self._join()
             yield from self._buckets()
             self._check_end()
             self._ack()
             self._await_commit()
-        except WeightSyncAborted:
-            self._discard()
-            raise
-        except (RuntimeError, WaitTimeout) as e:
-            self._report(f"{type(e).__name__}: {e}")
-            self._discard()
-            raise WeightSyncError(f"weight sync v{self.version}: {self.member} failed: {e}",
-                                  version=self.version, members=(str(self.member),)) from e
-        finally:
-            self.heartbeat.stop()
-        assert self.pg is not None
-        self.rx._group = (self.version, self.pg)
 
     def _buckets(self) -> Iterator[tuple[str, torch.Tensor]]:
         listed = self.rx.push_layout(self._wait_key(Keys.LAYOUT),
