@@ -183,9 +183,11 @@ TRAINING_PANELS = (
     Panel("routing agreement per layer", (_q(f'{AGREEMENT}{{layer!="all"}}', "layer {{layer}}"),),
           "percentunit", "per MoE layer; one low layer points at a layer-map error"),
     Panel("groups quarantined (trainer)", (_q(
-        "sum by (reason) (increase(r3flow_trainer_groups_quarantined_total[10m]))",
+        # a zero series while nothing was quarantined: the panel reads 0, not "no data"
+        "sum by (reason) (increase(r3flow_trainer_groups_quarantined_total[10m])) "
+        'or label_replace(vector(0), "reason", "none", "", "")',
         "{{reason}}"),), "short", "GRPO groups set aside instead of trained, by reason "
-          "(routing_agreement, replay_desync, oom, non_finite, intake checks); "
+          "(routing_agreement, replay_desync, oom, non_finite, intake checks; none: 0); "
           "docs/replay_guarantees.md"),
     Panel("clip ratio", (_q("r3flow_trainer_clip_ratio", "ppo clip"),
                          _q("r3flow_trainer_clip_ratio_dual", "dual clip")), "percentunit",
