@@ -48,8 +48,9 @@ def test_fresh_run_continues_from_the_store_and_engines(tmp_path, store_process)
         loop.resume()
         assert loop.pos.policy_version == ranks.version == 7
         loop.train_step([])
-        loop.checkpoint(force=True)  # publishes the new version: the store moves on
+        loop.publish_version()  # after every update, as run() does: the store moves on
         assert client.stats().policy_version == 8
+        loop.checkpoint(force=True)
 
         # An engine a step ahead of the store (a push landed, its publish did not).
         client.register_worker("rollout-0", "127.0.0.1", policy_version=10)
