@@ -60,6 +60,10 @@ class ReplayConfig(StrictConfig):
         "it is the fraction of the way from chance (top_k/num_experts, what random ids read) "
         "to 1, floor = c + agreement_floor * (1 - c), so one setting means the same for 8 and "
         "128 experts")
+    agreement_min_ids: int = Field(
+        8, ge=1, description="a (unit, MoE layer) cell is judged alone only when it holds at "
+        "least this many replayed ids (tokens x top_k); smaller cells count in their layer's "
+        "batch agreement only")
     check_agreement: bool = Field(True, description="compute and enforce routing agreement")
     compare_off: bool = Field(
         False, description="also compute the batch's logprobs with natural routing and log "

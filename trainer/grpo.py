@@ -131,7 +131,8 @@ class GRPOStep:
         agreement.check_used()
         if check:
             metrics |= self._agreement_metrics()
-            agreement.check(self.cfg.replay.floor(self.backend.top_k, self.backend.num_experts))
+            agreement.check(self.cfg.replay.floor(self.backend.top_k, self.backend.num_experts),
+                            self.cfg.replay.agreement_min_ids)
         return metrics
 
     def _diffs(self, mbs: Sequence[MicroBatch], lps: Sequence[torch.Tensor], suffix: str

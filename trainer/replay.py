@@ -166,12 +166,14 @@ class AgreementStats:
         partial = not self.unattributed and 0 < self.mbs_desynced < self.mbs_seen
         raise ReplayDesyncError(self.desync, self.desync_groups if partial else None)
 
-    def check(self, floor: float) -> None:
+    def check(self, floor: float, min_ids: int = 1) -> None:
         """Raise RoutingAgreementError naming the worst (trajectory unit, MoE layer) cell below
-        `floor`; its `bad_groups` are every group with a cell below the floor."""
+        `floor`; its `bad_groups` are every group with a cell below the floor. A cell of fewer
+        than `min_ids` replayed ids is too small to judge alone (a 3-token prompt at top-2 reads
+        0.333 on one differing tie); it still counts in its layer's batch agreement."""
         self.check_used()
         layers = self.per_layer()
-        bad = {k: a / t for k, (a, t) in self.units.items() if t and a / t < floor}
+        bad = {k: a / t for k, (a, t) in self.units.items() if t >= min_ids and a / t < floor}
         bad_layers = {m: r for m, r in layers.items() if r < floor}
         if not bad and not bad_layers:
             return

@@ -270,7 +270,8 @@ class MegatronBackend:
             # Every rank finished its forward/backward: raising here strands no collective.
             self.agreement.check_recomputed()
             if check:
-                self.agreement.check(self.cfg.replay.floor(self.top_k, self.num_experts))
+                self.agreement.check(self.cfg.replay.floor(self.top_k, self.num_experts),
+                                     self.cfg.replay.agreement_min_ids)
             checkpoint(self._update_level())
             ok, grad_norm, _ = self.optimizer.step()
         finally:
