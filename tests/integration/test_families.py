@@ -55,7 +55,8 @@ def test_hf_backend_export_is_the_checkpoint(family_chain, family, tmp_path):
 
 @pytest.mark.parametrize("family", NAMES)
 def test_megatron_export_loads_into_vllm_and_greedy_equals_hf(family_chain, family):
-    check_greedy_equals_hf(family_chain(family), FAMILIES[family].greedy_prefix)
+    checks = FAMILIES[family]
+    check_greedy_equals_hf(family_chain(family), checks.greedy_prefix, checks.greedy_tie)
 
 
 @pytest.mark.parametrize("backend", ["megatron", "hf"])
