@@ -266,7 +266,23 @@ class TrainLoop:
         if history:
             self.checkpoint(force=True)
             self.export_hf(final=True)
+            self.await_engines()
         return history
+
+    def await_engines(self, timeout_s: float = 30.0) -> None:
+        """Before the trainer exits (and its push rendezvous store with it): wait, bounded, until
+        every registered engine reports the last pushed version, so none is left polling a gone
+        store for the commit of the final push."""
+        if self.push_fn is None or not self.cfg.run.push_weights_every:
+            return
+        deadline, behind = time.monotonic() + timeout_s, ['?']
+        while time.monotonic() < deadline:
+            behind = [w.worker_id for w in self.client.list_workers()
+                      if w.policy_version < self.pos.policy_version]
+            if not behind:
+                return
+            time.sleep(0.5)
+        log.warning("engines %s still behind v%d at exit", behind, self.pos.policy_version)
 
     # ------------------------------------------------------------------ observability
     def record(self, m: dict) -> None:
