@@ -62,8 +62,8 @@ class ReplayConfig(StrictConfig):
         "128 experts")
     agreement_min_ids: int = Field(
         8, ge=1, description="a (unit, MoE layer) cell is judged alone only when it holds at "
-        "least this many replayed ids (tokens x top_k); smaller cells count in their layer's "
-        "batch agreement only")
+        "least this many replayed ids (tokens x top_k); a unit whose cells are smaller is judged on "
+        "them pooled over the MoE layers, and every cell counts in its layer's batch agreement")
     check_agreement: bool = Field(True, description="compute and enforce routing agreement")
     compare_off: bool = Field(
         False, description="also compute the batch's logprobs with natural routing and log "

@@ -170,10 +170,22 @@ class AgreementStats:
         """Raise RoutingAgreementError naming the worst (trajectory unit, MoE layer) cell below
         `floor`; its `bad_groups` are every group with a cell below the floor. A cell of fewer
         than `min_ids` replayed ids is too small to judge alone (a 3-token prompt at top-2 reads
-        0.333 on one differing tie); it still counts in its layer's batch agreement."""
+        0.333 on one differing tie): such a unit is judged on its cells pooled over the MoE
+        layers (a shifted 3-token segment reads low on every layer, a tie on one), and every
+        cell counts in its layer's batch agreement."""
         self.check_used()
         layers = self.per_layer()
         bad = {k: a / t for k, (a, t) in self.units.items() if t >= min_ids and a / t < floor}
+        pooled: dict[tuple[str, str, str], list[int]] = {}
+        for (g, tid, unit, _h), (a, t) in self.units.items():
+            if t < min_ids:
+                cell = pooled.setdefault((g, tid, unit), [0, 0])
+                cell[0], cell[1] = cell[0] + a, cell[1] + t
+        for (g, tid, unit), (a, t) in pooled.items():
+            if t >= min_ids and a / t < floor:  # the unit's worst small cell names it
+                key = min(((k, ka / kt) for k, (ka, kt) in self.units.items()
+                           if k[:3] == (g, tid, unit) and 0 < kt < min_ids), key=lambda kv: kv[1])
+                bad[key[0]] = key[1]
         bad_layers = {m: r for m, r in layers.items() if r < floor}
         if not bad and not bad_layers:
             return

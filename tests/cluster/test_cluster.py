@@ -34,6 +34,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -303,6 +304,17 @@ class Cluster:
         return r.returncode == 0 and "ok" in r.stdout
 
 
+def _finish(proc: subprocess.Popen, timeout: float, log_tail: Callable[[], str]) -> int:
+    """The exit code of `proc`; past `timeout` it is killed and the test fails with its log
+    (read after the kill, so the message shows where it hung)."""
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=30)
+        raise AssertionError(f"still running after {timeout:.0f}s:\n{log_tail()[-4000:]}") from None
+
+
 def _dns(name: str) -> list[str]:
     return [name, f"{name}.r3flow", f"{name}.r3flow.svc", f"{name}.r3flow.svc.cluster.local"]
 
@@ -359,7 +371,7 @@ def test_cluster_in_a_box(cluster: Cluster):
     killed = c.box.kill_pod(c.ns(victim))
     assert killed, "no process in the victim pod"
     t_kill = time.monotonic()
-    assert sub.wait(timeout=300) is not None
+    _finish(sub, 300, lambda: c.log(spod, "submitter"))
     failed_log = c.log(spod, "submitter")
     assert re.search(rf"RankDiedError: trainer rank 1 \(node {re.escape(victim.ip)}\) died",
                      failed_log), failed_log[-4000:]
@@ -375,7 +387,8 @@ def test_cluster_in_a_box(cluster: Cluster):
     # resumes from the last checkpoint on the PVC.
     c.start_ready(victim, r"Ray runtime started", 300)
     sub2 = c.submit(RESUBMISSION_ID, "submitter-2")
-    assert sub2.wait(timeout=600) == 0, c.log(spod, "submitter-2")[-4000:]
+    rc2 = _finish(sub2, 600, lambda: c.log(spod, "submitter-2"))
+    assert rc2 == 0, c.log(spod, "submitter-2")[-4000:]
     status2 = c.job_status(RESUBMISSION_ID)
     job_log = c.log(spod, "submitter-2")
     resumed = re.search(r"resum\w* (?:from|at) (?:step )?(\d+)", job_log, re.I)
