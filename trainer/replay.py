@@ -183,9 +183,10 @@ class AgreementStats:
                 cell[0], cell[1] = cell[0] + a, cell[1] + t
         for (g, tid, unit), (a, t) in pooled.items():
             if t >= min_ids and a / t < floor:  # the unit's worst small cell names it
-                key = min(((k, ka / kt) for k, (ka, kt) in self.units.items()
-                           if k[:3] == (g, tid, unit) and 0 < kt < min_ids), key=lambda kv: kv[1])
-                bad[key[0]] = key[1]
+                cell_key, ratio = min(
+                    ((k, ka / kt) for k, (ka, kt) in self.units.items()
+                     if k[:3] == (g, tid, unit) and 0 < kt < min_ids), key=lambda kv: kv[1])
+                bad[cell_key] = ratio
         bad_layers = {m: r for m, r in layers.items() if r < floor}
         if not bad and not bad_layers:
             return
