@@ -3,11 +3,16 @@
 Layout under `<run_dir>/checkpoints/`:
   step_000012/model_rank0.safetensors   this rank's parameters (megatron names, local experts)
   step_000012/optim_rank0.pt            megatron optimizer state_dict (Adam moments, step)
+  step_000012/dcp/                      instead of the two above, a ShardedState (hf backend):
+                                        torch.distributed.checkpoint of model + optimizer
   step_000012/meta.json                 step, policy version, data position (rank 0 writes)
   latest                                name of the newest complete checkpoint (rank 0, atomic)
 Shards: every rank writes only its own parameters and optimizer state (its local experts and its
 copy of the dense layers); no rank gathers another's. Without Megatron's distributed optimizer
 the dense layers' state is still replicated across data-parallel ranks (see `r3flow plan`).
+A ShardedState checkpoint (DCP) is resharded on load: it resumes on any world size (each rank
+reads the pieces of its own shards), where the per-rank files resume only on the world that
+wrote them.
 Retention (`keep`): after `latest` moves, rank 0 removes all but the newest `keep` complete
 checkpoints, never the one `latest` names or the one this run resumed from. A checkpoint is
 first renamed to `.deleting-<name>` (atomic), then removed, so a crash mid-delete never leaves a
@@ -25,8 +30,10 @@ import re
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 
 log = logging.getLogger(__name__)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -65,6 +72,17 @@ def _barrier() -> None:
         dist.barrier()
 
 
+class ShardedState:
+    """A backend's model + optimizer state saved with torch.distributed.checkpoint (DCP): every
+    rank writes its own shards of one checkpoint; DCP reshards them to the loading world."""
+
+    def state_dict(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+
 class CheckpointManager:
     """Save/resume for one trainer rank (every rank calls save/load; rank 0 writes meta and
     prunes); `keep` = how many complete checkpoints to keep (0 = all)."""
@@ -89,11 +107,17 @@ class CheckpointManager:
 
         rank, path = _rank(), self.root / f"step_{pos.step:06d}"
         path.mkdir(parents=True, exist_ok=True)
-        from trainer.megatron.parallel import model_weights
+        if isinstance(module, ShardedState):
+            # overwrite: the final save of a run may repeat the step's periodic one
+            dcp.save({"train": module},
+                     storage_writer=dcp.FileSystemWriter(str(path / "dcp"), overwrite=True))
+        else:
+            from trainer.megatron.parallel import model_weights
 
-        params = {k: v.detach().contiguous().clone() for k, v in model_weights(module).items()}
-        save_file(params, str(path / f"model_rank{rank}.safetensors"))
-        torch.save(optimizer.state_dict(), path / f"optim_rank{rank}.pt")
+            params = {k: v.detach().contiguous().clone()
+                      for k, v in model_weights(module).items()}
+            save_file(params, str(path / f"model_rank{rank}.safetensors"))
+            torch.save(optimizer.state_dict(), path / f"optim_rank{rank}.pt")
         _barrier()
         if rank == 0:
             (path / "meta.json").write_text(json.dumps(asdict(pos)))
@@ -139,9 +163,15 @@ class CheckpointManager:
         path = path or self.latest()
         if path is None:
             raise FileNotFoundError(f"checkpoint: nothing to resume under {self.root}")
-        rank = _rank()
-        copy_into(module, load_file(str(path / f"model_rank{rank}.safetensors")))
-        state = torch.load(path / f"optim_rank{rank}.pt", weights_only=False)
-        optimizer.load_state_dict(state)
+        if isinstance(module, ShardedState) != (path / "dcp").is_dir():
+            raise ValueError(f"backend: checkpoint {path} was written by the other backend "
+                             f"({'per-rank files' if isinstance(module, ShardedState) else 'DCP'})")
+        if isinstance(module, ShardedState):
+            dcp.load({"train": module}, checkpoint_id=str(path / "dcp"))
+        else:
+            rank = _rank()
+            copy_into(module, load_file(str(path / f"model_rank{rank}.safetensors")))
+            state = torch.load(path / f"optim_rank{rank}.pt", weights_only=False)
+            optimizer.load_state_dict(state)
         self.resumed_from = path
         return DataPosition(**json.loads((path / "meta.json").read_text()))

@@ -176,11 +176,13 @@ class TrainerConfig(StrictConfig):
     def _launcher_world(self) -> TrainerConfig:
         if self.run.launcher == "local" and self.run.world_size != 1:
             raise ValueError("run.world_size: the local launcher runs exactly 1 rank (use ray)")
-        if self.run.launcher == "ray":
+        if self.backend == "hf":
+            if self.model.expert_parallel != 1:
+                raise ValueError("model.expert_parallel: the hf backend shards experts with "
+                                 "FSDP2 like every other weight; EP must be 1")
+            self.hf.check_world(self.run.world_size)
+        elif self.run.launcher == "ray":
             from trainer.megatron.parallel import check_layout
 
             check_layout(self.model, self.run.world_size, pad_multiple=self.data.pad_multiple)
-        if self.backend == "hf" and self.run.launcher != "local":
-            raise ValueError("run.launcher: the hf backend supports only 'local' (one in-process "
-                             "rank) for now")
         return self

@@ -227,13 +227,13 @@ def _fsdp_rank(rank, world, port, model_dir, shares, out_dir):
     from trainer.backend import make_trainer
 
     tr = make_trainer(_cfg(model_dir, backend="hf"))
-    before = tr.export_hf_state_dict()
+    before = tr.export_hf_state_dict()  # rank 0 only: the others get {}
     m = tr.train_step(shares[rank], "r3")
     after = tr.export_hf_state_dict()
     res = {"sharded": tr.backend.sharded, "grad_norm": m["grad_norm"],
            "agreement": m["routing_agreement"], "moved": max(
-               float((after[k] - before[k]).abs().max()) for k in before),
-           "checksum": float(sum(v.double().sum() for v in after.values()))}
+               (float((after[k] - before[k]).abs().max()) for k in before), default=0.0),
+           "exported": len(after)}
     # the streamed export (one parameter gathered at a time) reaches rank 0 only, equal
     streamed = [(k, v.cpu()) for k, v in tr.backend.iter_hf_weights(sender=0)]
     res["stream_equal"] = (sorted(k for k, _ in streamed) == sorted(after) and all(
@@ -252,5 +252,5 @@ def test_two_cpu_ranks_fsdp2_gloo_take_a_step(model_dir, plain, tmp_path):
     assert r0["sharded"] and r1["sharded"]
     assert r0["grad_norm"] == pytest.approx(r1["grad_norm"], rel=1e-6) and r0["grad_norm"] > 0
     assert r0["agreement"] == 1.0 and r1["agreement"] == 1.0
-    assert r0["moved"] > 0 and r0["checksum"] == pytest.approx(r1["checksum"], rel=1e-12)
+    assert r0["moved"] > 0 and r0["exported"] > 0 and r1["exported"] == 0
     assert r0["stream_equal"] and r1["stream_equal"]

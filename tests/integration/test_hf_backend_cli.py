@@ -46,12 +46,3 @@ def test_run_hf_pulls_trains_checkpoints_and_resumes(tmp_path, store_process, ca
     assert lines[0]["routing_agreement"] > 0.99 and lines[0]["logprob_diff_mean"] < 1e-3
     assert stats.groups_acked >= 4 and stats.policy_version == 2
     assert "resumed at step 1" in caplog.text
-
-
-def test_run_hf_refuses_the_ray_launcher(tmp_path):
-    from trainer.cli import train
-    from trainer.config import TrainerConfig
-
-    with pytest.raises(ValueError, match="run.launcher"):
-        train(TrainerConfig(model_dir=str(tmp_path), backend="hf",
-                            run={"launcher": "ray", "world_size": 2}))

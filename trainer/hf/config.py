@@ -22,6 +22,16 @@ class HFBackendConfig(StrictConfig):
         "auto", description="auto: FSDP2 fully_shard (per decoder layer + root) when the world "
         "has more than one rank or dtype is bf16 (fp32 master weights); off: plain module "
         "(world size 1 only)")
+    sharding: Literal["full", "hybrid"] = Field(
+        "full", description="full: FSDP2 shards every weight over all ranks; hybrid (HSDP): "
+        "shard within groups of hf.shard_group_size ranks (a node), replicate across groups")
+    shard_group_size: int = Field(
+        0, ge=0, description="hybrid: ranks per shard group (the GPUs of one node; must divide "
+        "run.world_size); 0 = the whole world (then hybrid is full)")
+    meta_init: bool = Field(
+        True, description="build the model on the meta device, shard it, then read only this "
+        "rank's shards from the checkpoint (no rank holds the full model); false: every rank "
+        "loads the full model with from_pretrained, then shards it")
     reshard_after_forward: bool = Field(True, description="FSDP2: free gathered params after "
                                         "forward (ZeRO-3) instead of keeping them (ZeRO-2)")
     attn_implementation: Literal["sdpa", "eager"] = Field(
@@ -30,3 +40,21 @@ class HFBackendConfig(StrictConfig):
                                          "backward (the routers replay the same ids again)")
     reference_replay: bool = Field(True, description="the KL reference model replays the same "
                                    "routing as the policy (a warning is logged when off)")
+
+    def check_world(self, world_size: int) -> None:
+        """ValueError naming the field when this sharding cannot run on `world_size` ranks."""
+        if self.fsdp == "off" and world_size > 1:
+            raise ValueError(f"hf.fsdp: off needs run.world_size 1 (have {world_size})")
+        if self.shard_group_size and world_size % self.shard_group_size:
+            raise ValueError(f"hf.shard_group_size: {self.shard_group_size} does not divide "
+                             f"run.world_size {world_size}")
+        if self.shard_group_size and self.sharding != "hybrid":
+            raise ValueError("hf.shard_group_size: only hybrid sharding has shard groups (set "
+                             "hf.sharding: hybrid or leave it 0)")
+
+    def mesh_shape(self, world_size: int) -> tuple[int, ...]:
+        """FSDP2 device mesh: (shard,) for full, (replicate, shard) for hybrid."""
+        if self.sharding == "full":
+            return (world_size,)
+        shard = self.shard_group_size or world_size
+        return (world_size // shard, shard)

@@ -17,15 +17,21 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from trainer.alignment import check_routes
-from trainer.batch import MicroBatch, Sample, split_microbatches
+from trainer.batch import MicroBatch, Sample, filler_microbatch, split_microbatches
+from trainer.checkpoint import ShardedState
+from trainer.collectives import max_over_ranks
 from trainer.config import TrainerConfig
 from trainer.guard import Level, PeerFault, checkpoint
 from trainer.hf.config import HFBackendConfig
+from trainer.hf.loading import build_meta, materialise
 from trainer.hf.model import (
     check_packing,
+    device_mesh,
     export_hf,
+    fill_derived_buffers,
     init_process_group,
     iter_export_hf,
     load_model,
@@ -59,6 +65,7 @@ class HFBackend:
         self.cfg, self.hf = cfg, hf or cfg.hf
         self.rank, self.world_size = init_process_group()
         self.sharded = self._use_fsdp()
+        self.mesh = device_mesh(self.hf.mesh_shape(self.world_size)) if self.sharded else None
         # FSDP2 averages gradients over the ranks; unsharded is one rank
         self.data_parallel_size = self.world_size if self.sharded else 1
         self.model = self._build(trainable=True)
@@ -85,7 +92,7 @@ class HFBackend:
                             "the reference routes naturally, so kl_ref mixes routing and policy "
                             "drift", cfg.loss.kl_coef, cfg.replay.mode.value)
         self.device = next(self.model.parameters()).device
-        self.padded = 0  # micro-batches are not padded across ranks here
+        self.padded = 0  # filler micro-batches of the last `microbatches` call
         self.current: MicroBatch | None = None  # in a forward/backward now (fault blame)
 
     def _use_fsdp(self) -> bool:
@@ -99,14 +106,20 @@ class HFBackend:
         return self.world_size > 1 or self.cfg.model.dtype == "bf16"
 
     def _build(self, trainable: bool) -> Any:  # an HF PreTrainedModel (FSDP2-wrapped or not)
-        model = load_model(self.cfg.model_dir, self.hf.attn_implementation)
+        meta = self.sharded and self.hf.meta_init
+        model = build_meta(self.cfg.model_dir, self.hf.attn_implementation) if meta else \
+            load_model(self.cfg.model_dir, self.hf.attn_implementation)
         if trainable and self.hf.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         if not trainable:
             model.requires_grad_(False)
         if self.sharded:
             shard(model, decoder_layers(model), self.cfg.model.dtype == "bf16",
-                  self.hf.reshard_after_forward)
+                  self.hf.reshard_after_forward, self.mesh)
+        if meta:  # this rank's shards only, read from the checkpoint
+            device = torch.device("cuda", torch.cuda.current_device()) \
+                if torch.cuda.is_available() else torch.device("cpu")
+            fill_derived_buffers(model, materialise(model, self.cfg.model_dir, device))
         return model
 
     # ------------------------------------------------------------------ routing
@@ -180,7 +193,13 @@ class HFBackend:
         """Packed (hf.packing) or padded micro-batches, on this rank's device."""
         d = self.cfg.data
         cut = pack_microbatches if self.hf.packing else split_microbatches
-        return [mb.to(self.device) for mb in cut(samples, d.micro_batch_size, d.pad_multiple)]
+        mbs = cut(samples, d.micro_batch_size, d.pad_multiple)
+        if self.sharded:  # every forward gathers parameters: as many on every rank
+            n = max_over_ranks(len(mbs))
+            self.padded = n - len(mbs)
+            mbs += [filler_microbatch(d.pad_multiple, len(self.moe_layers), self.top_k)
+                    for _ in range(self.padded)]
+        return [mb.to(self.device) for mb in mbs]
 
     def update(self, mbs: Sequence[MicroBatch], mode: ReplayMode, loss_fn: LossFn) -> float:
         """Forward/backward over `mbs` + clip + AdamW; returns the (global) grad norm. The step
@@ -216,9 +235,12 @@ class HFBackend:
 
     # ------------------------------------------------------------------ weights
     def export_hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """Checkpoint-named full weights (collective under FSDP2: every rank must call it)."""
+        """Checkpoint-named full weights on rank 0, {} on the others (collective under FSDP2:
+        every rank must call it; one parameter is gathered at a time)."""
         dtype = torch.bfloat16 if self.cfg.model.dtype == "bf16" else torch.float32
-        return export_hf(self.model, dtype)
+        if not self.sharded:
+            return export_hf(self.model, dtype)
+        return {k: v.detach().clone() for k, v in iter_export_hf(self.model, dtype, sender=0)}
 
     def iter_hf_weights(self, sender: int = 0, chunk_bytes: int = 256 << 20
                         ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -228,22 +250,21 @@ class HFBackend:
         return iter_export_hf(self.model, dtype, sender)
 
     def checkpoint_state(self) -> tuple[Any, Any]:
-        """This rank's FSDP2 parameter shards (as plain tensors) and its optimizer."""
-        return _LocalShards(self.model), self.optimizer
+        """(model + optimizer as one DCP state: sharded, resharded on load, the optimizer)."""
+        return HFTrainState(self.model, self.optimizer), self.optimizer
 
 
-class _LocalShards:
-    """This rank's parameters as plain tensors (FSDP2 DTensor -> local shard) for checkpoints."""
+class HFTrainState(ShardedState):
+    """Policy parameters and AdamW state as DCP saves them: this rank's FSDP2 shards (DTensors),
+    loaded back onto any world size (torch.distributed.checkpoint.state_dict)."""
 
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.module = module
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
 
-    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, p in self.module.named_parameters():
-            yield name, p.to_local() if hasattr(p, "to_local") else p
+    def state_dict(self) -> dict[str, Any]:
+        model, optim = get_state_dict(self.model, self.optimizer)
+        return {"model": model, "optim": optim}
 
-    def named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The module's buffers (trainer.checkpoint keeps only megatron's router expert_bias of
-        them: HF's e_score_correction_bias is fixed and comes back from the checkpoint dir)."""
-        for name, b in self.module.named_buffers():
-            yield name, b.to_local() if hasattr(b, "to_local") else b
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])

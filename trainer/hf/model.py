@@ -76,15 +76,40 @@ def check_packing(model: Any, packing: bool) -> None:
                          "set hf.packing: false")
 
 
-def shard(model: torch.nn.Module, layers, bf16: bool, reshard_after_forward: bool) -> None:
-    """FSDP2 in place: every decoder layer, then the root; bf16 compute with fp32 grads."""
+def device_mesh(shape: tuple[int, ...]) -> Any:
+    """FSDP2's mesh over the world: (shard,) or, for hybrid sharding, (replicate, shard)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    names = ("shard",) if len(shape) == 1 else ("replicate", "shard")
+    return init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", shape,
+                            mesh_dim_names=names)
+
+
+def shard(model: torch.nn.Module, layers, bf16: bool, reshard_after_forward: bool,
+          mesh: Any = None) -> None:
+    """FSDP2 in place: every decoder layer, then the root; bf16 compute with fp32 grads. A 2-D
+    `mesh` (replicate, shard) is HSDP: sharded within a group, replicated across groups."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if bf16 else MixedPrecisionPolicy()
     for layer in layers:
-        fully_shard(layer, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+
+
+def fill_derived_buffers(model: torch.nn.Module, names: list[str]) -> None:
+    """Recompute the non-persistent buffers `materialise` left empty (RoPE frequencies); any
+    other is refused by name (its value is in no checkpoint)."""
+    rotary = {f"{n}.{b}" for n, m in model.named_modules()
+              if type(m).__name__.endswith("RotaryEmbedding")
+              for b in ("inv_freq", "original_inv_freq")}
+    unknown = [n for n in names if n not in rotary]
+    if unknown:
+        raise ValueError(f"hf.meta_init: non-persistent buffers {unknown} cannot be read from the "
+                         "checkpoint; set hf.meta_init: false")
+    with torch.no_grad():
+        _reset_rotary_buffers(model)
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
