@@ -7,7 +7,7 @@ PY=.venv/bin/python
 .venv/bin/mypy services trainer
 # A real Prometheus for the local-run test (and promtool for the chart checks).
 bash scripts/install_prometheus.sh
-"$PY" -m pytest tests/unit tests/integration tests/faults -q -m "not gpu and not manual" --timeout=900 -p no:cacheprovider
+"$PY" -m pytest tests/unit tests/integration tests/faults -q -m "not gpu and not manual" --timeout=900 -p no:cacheprovider --durations=40
 if [ -f scripts/chart_check.sh ]; then
   bash scripts/chart_check.sh
 fi

@@ -91,3 +91,33 @@ def test_streamed_pushes_reuse_the_last_streams_buckets_while_they_fit():
         assert 0 < reused[2][0] < reused[2][1]  # the buckets before the changed tensor
     finally:
         sender.close()
+
+
+def test_a_sender_restarted_at_the_same_address_is_joined_afresh():
+    """A trainer restarted on the same node and port (KubeRay's retry at the old pod IP): the
+    receiver's connection to the old sender's store is broken, so the next push reconnects
+    instead of failing on it for good (make test-cluster: 'Broken pipe' on every push after)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = WeightSyncConfig(bucket_bytes=BUCKET, timeout_s=10, port=port,
+                           heartbeat_interval_s=0.1, heartbeat_timeout_s=2.0)
+    rx = WeightReceiver("a")
+    for version in (1, 2):
+        sender = WeightSender(cfg)
+        try:
+            named = _weights(version)
+            plan = sender.plan(version, [store_pb2.WorkerInfo(worker_id="a", host="127.0.0.1",
+                                                              world_size=1)])
+            assert plan.master_port == port
+            out: dict = {}
+            t = threading.Thread(target=_load, args=(rx, plan, out))
+            t.start()
+            sender.push(plan, iter(named))
+            t.join()
+            assert "error" not in out, out.get("error")
+            assert torch.equal(out["got"][named[0][0]], named[0][1].to(torch.bfloat16))
+        finally:
+            sender.close()

@@ -132,22 +132,26 @@ class WeightReceiver:
         (gloo) or was queued (NCCL).
         """
         member = rank_in(plan, self.worker_id, self.local_rank)
-        try:
-            receive = _Receive(self, plan, member, on_bucket)
-        except (dist.DistNetworkError, dist.DistStoreError) as e:
-            self._root = None  # reconnect next time
-            raise WeightSyncAborted(f"weight sync v{plan.version}: sender store at "
-                                    f"{plan.master_addr}:{plan.master_port} unreachable ({e})",
-                                    version=plan.version) from e
-        return receive.run()
+        return _Receive(self, plan, member, on_bucket).run()
 
     def root_store(self, addr: str, port: int) -> dist.TCPStore:
-        """The connection to the sender's store, reused while the sender stays the same."""
+        """The connection to the sender's store, reused while the sender stays the same and
+        the connection answers (a sender restarted at the same address leaves it broken)."""
+        if self._root is not None and self._root_addr == (addr, port):
+            try:
+                self._root.check([Keys.PARAMS])
+            except RuntimeError:  # DistNetworkError: the old sender is gone
+                self.drop_root()
         if self._root is None or self._root_addr != (addr, port):
             self._root = connect_store(addr, port, self.connect_timeout_s, server=False)
             self._root_addr = (addr, port)
             self._group = None  # a new sender never reuses an old group
         return self._root
+
+    def drop_root(self) -> None:
+        """Forget the sender's store connection: the next push connects afresh (a restarted
+        sender may listen at the same address, and a broken connection never heals)."""
+        self._root, self._root_addr, self._group = None, None, None
 
     def layout(self, index: int, header: bytes) -> _Layout | None:
         """(nbytes, entries, checksum bounds) of a bucket header, None for the end header;
@@ -196,9 +200,15 @@ class _Receive:
                  on_bucket: Callable[[int], None] | None) -> None:
         self.rx, self.plan, self.member, self.on_bucket = rx, plan, member, on_bucket
         self.version = plan.version
-        root = self.root = rx.root_store(plan.master_addr, plan.master_port)
-        self.store = push_store(root, plan.version)
-        self.params = json.loads(self.store.get(Keys.PARAMS))
+        try:
+            root = self.root = rx.root_store(plan.master_addr, plan.master_port)
+            self.store = push_store(root, plan.version)
+            self.params = json.loads(self.store.get(Keys.PARAMS))
+        except (dist.DistNetworkError, dist.DistStoreError) as e:
+            rx.drop_root()
+            raise WeightSyncAborted(f"weight sync v{plan.version}: sender store at "
+                                    f"{plan.master_addr}:{plan.master_port} unreachable ({e})",
+                                    version=plan.version) from e
         # blocking waits on the sender's keys end after a step's timeout (see _deadline)
         self.store.set_timeout(timedelta(seconds=self._deadline() - time.monotonic()))
         beat_store = root.clone()  # type: ignore[attr-defined]  # its own connection; not in stubs
@@ -223,10 +233,12 @@ class _Receive:
             yield
         except WeightSyncAborted:
             self._discard()
+            self.rx.drop_root()
             raise
         except (RuntimeError, WaitTimeout) as e:
             self._report(f"{type(e).__name__}: {e}")
             self._discard()
+            self.rx.drop_root()
             raise WeightSyncError(f"weight sync v{self.version}: {self.member} failed: {e}",
                                   version=self.version, members=(str(self.member),)) from e
         finally:
