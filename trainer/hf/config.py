@@ -32,6 +32,10 @@ class HFBackendConfig(StrictConfig):
         True, description="build the model on the meta device, shard it, then read only this "
         "rank's shards from the checkpoint (no rank holds the full model); false: every rank "
         "loads the full model with from_pretrained, then shards it")
+    unsharded_grad_accumulation: bool = Field(
+        False, description="FSDP2: keep the gradients of an update's micro-batches unsharded "
+        "and reduce-scatter once at its end (fewer collectives, but every rank holds a "
+        "full-model gradient); false: reduce-scatter after every micro-batch (sharded)")
     reshard_after_forward: bool = Field(True, description="FSDP2: free gathered params after "
                                         "forward (ZeRO-3) instead of keeping them (ZeRO-2)")
     attn_implementation: Literal["sdpa", "eager"] = Field(

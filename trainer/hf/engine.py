@@ -64,6 +64,7 @@ class HFBackend:
                         "the model dtype (bf16), as vLLM's do")
         self.cfg, self.hf = cfg, hf or cfg.hf
         self.rank, self.world_size = init_process_group()
+        self.hf.check_world(self.world_size)
         self.sharded = self._use_fsdp()
         self.mesh = device_mesh(self.hf.mesh_shape(self.world_size)) if self.sharded else None
         # FSDP2 averages gradients over the ranks; unsharded is one rank
@@ -211,7 +212,7 @@ class HFBackend:
         try:
             for i, mb in enumerate(mbs):
                 self.current = mb
-                if self.sharded:  # accumulate unsharded grads; reduce-scatter once at the end
+                if self.sharded and self.hf.unsharded_grad_accumulation:  # one reduce-scatter
                     self.model.set_requires_gradient_sync(i == len(mbs) - 1)
                 drive(self.replay, self._rows(mb, mode), record=False)
                 loss = loss_fn(mb, self._logits(self.model, mb))

@@ -15,7 +15,7 @@ split over the ranks of one pod.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -57,9 +57,9 @@ def quantity_bytes(q: str | int) -> float:
 
 def layout_from_trainer(cfg: Any, seq_len: int) -> Layout:
     """The Layout a TrainerConfig runs (model.* parallel sizes, optim.use_distributed_optimizer,
-    model.recompute_*)."""
+    model.recompute_*; the hf backend: FSDP2 over hf.sharding's shard group)."""
     m = cfg.model
-    return Layout(
+    lay = Layout(
         world=cfg.run.world_size, ep=m.expert_parallel, etp=m.expert_tensor_parallel,
         tp=m.tensor_parallel,
         pp=m.pipeline_parallel, cp=m.context_parallel, dtype=m.dtype,
@@ -69,6 +69,13 @@ def layout_from_trainer(cfg: Any, seq_len: int) -> Layout:
         attention=m.attention, push_bucket_bytes=cfg.weight_sync.resolved_bucket_bytes()
         if cfg.run.push_weights_every else 0,
         push_inflight=cfg.weight_sync.inflight_buckets)
+    if cfg.backend != "hf":
+        return lay
+    hf = cfg.hf
+    return replace(lay, fsdp=True, tp=1, pp=1, cp=1, ep=1, etp=1, distributed_optimizer=False,
+                   fsdp_shard_group=hf.shard_group_size if hf.sharding == "hybrid" else 0,
+                   recompute="full" if hf.gradient_checkpointing else "none",
+                   attention="sdpa" if hf.attn_implementation == "sdpa" else "unfused")
 
 
 def _recompute(m: Any) -> Recompute:

@@ -43,6 +43,12 @@ An estimate written down so that it can be checked by hand (tests/unit/test_plan
   * the weight push (push_bytes): the sender's buckets in flight and the chunks it gathers
     from the other ranks (streamed: no rank holds the whole model); the rollout side's
     staging ring is printed as a note (rollout_staging_bytes);
+  * hf backend (Layout.fsdp, FSDP2): fp32 parameters, fp32 gradients and Adam moments (8 B),
+    each sharded over the shard group (the world, or hf.shard_group_size with hybrid
+    sharding), plus what is gathered at a time (fsdp_state_bytes): the largest decoder layer's
+    parameters at the compute dtype, two in flight (FSDP2 prefetches the next), and that
+    layer's unsharded fp32 gradient before its reduce-scatter; activations as above
+    (attention: hf.attn_implementation);
   * a colocated vLLM engine's share (gpu_memory_utilization of the same GPU; 0 when rollout
     runs in its own pods, as in the chart) and a fixed runtime overhead (CUDA context, NCCL
     buffers, allocator fragmentation).
@@ -142,9 +148,19 @@ class Layout:
     attention: Literal["unfused", "sdpa"] = "unfused"  # model.attention (issue 30 fast path)
     push_bucket_bytes: int = 0  # weight push bucket (0: no push); see push_bytes
     push_inflight: int = 2  # weight_sync.inflight_buckets
+    fsdp: bool = False  # the hf backend: FSDP2 instead of megatron's layout
+    fsdp_shard_group: int = 0  # hf hybrid sharding: ranks a weight is sharded over (0: world)
+
+    @property
+    def shard(self) -> int:
+        """Ranks each FSDP2 weight is sharded over."""
+        return self.fsdp_shard_group or self.world
 
     def check(self, arch: Arch) -> None:
         """UserError naming the field when the layout cannot be built."""
+        if self.fsdp and self.world % self.shard:
+            raise UserError(f"hf.shard_group_size {self.shard}: does not divide "
+                            f"run.world_size (--world) {self.world}")
         if self.world % (self.tp * self.pp * self.cp):
             raise UserError(f"run.world_size (--world) {self.world}: not a multiple of --tp x "
                             f"--pp x --cp = {self.tp * self.pp * self.cp}")
@@ -214,6 +230,19 @@ def _state_bytes(lay: Layout, dense: float, expert: float) -> dict[str, float]:
             "reference model": eb * params if lay.reference else 0.0}
 
 
+def fsdp_state_bytes(arch: Arch, lay: Layout) -> dict[str, float]:
+    """The hf backend's FSDP2 state per rank (module docstring)."""
+    dense, expert = params_per_rank(arch, lay)
+    shard = (dense + expert) / lay.shard
+    split, repl = arch.attention_params()
+    moe = arch.expert_params_per_layer + arch.hidden * arch.experts if arch.moe_layers else 0
+    layer = split + repl + max(moe, 3 * arch.hidden * arch.dense_ffn)
+    eb = 2 if lay.dtype == "bf16" else 4
+    return {"weights": 4 * shard, "grads": 4 * shard, "optimizer": 8 * shard,
+            "gathered layers": (2 * eb + 4) * layer,
+            "reference model": 4 * shard if lay.reference else 0.0}
+
+
 def activation_bytes(arch: Arch, lay: Layout) -> dict[str, float]:
     """Activations, attention scores, the loss's logits and routing buffers of the first (and,
     PP=1, last) stage."""
@@ -275,7 +304,10 @@ def plan(arch: Arch, lay: Layout, gpu_gib: float, overhead_gib: float = 4.0,
     if not 0.0 <= vllm_share < 1.0:
         raise UserError(f"vllm_share: {vllm_share} is not in [0, 1)")
     dense, expert = params_per_rank(arch, lay)
-    rows = _state_bytes(lay, dense, expert) | activation_bytes(arch, lay) | push_bytes(lay)
+    state = fsdp_state_bytes(arch, lay) if lay.fsdp else _state_bytes(lay, dense, expert)
+    if lay.fsdp:
+        dense, expert = dense / lay.shard, expert / lay.shard
+    rows = state | activation_bytes(arch, lay) | push_bytes(lay)
     rows["vLLM KV share"] = vllm_share * gpu_gib * GiB
     rows["runtime overhead"] = overhead_gib * GiB
     out = Plan(rows=rows, gpu_bytes=gpu_gib * GiB, dense_params=dense, expert_params=expert)
@@ -283,7 +315,10 @@ def plan(arch: Arch, lay: Layout, gpu_gib: float, overhead_gib: float = 4.0,
         out.notes.append(f"rollout engine ranks: weight-push staging "
                          f"{rollout_staging_bytes(lay.push_bucket_bytes) / GiB:.2f} GiB each "
                          f"({RX_STAGING_SLOTS} buckets) outside gpu_memory_utilization")
-    if not lay.distributed_optimizer and (lay.dp > 1 or lay.expert_dp > 1):
+    if lay.fsdp:
+        out.notes.append(f"hf backend: FSDP2, every weight sharded over {lay.shard} rank(s), "
+                         f"{lay.world // lay.shard} replica(s)")
+    elif not lay.distributed_optimizer and (lay.dp > 1 or lay.expert_dp > 1):
         out.notes.append("optimizer state is not sharded (no distributed optimizer)")
     return out
 
