@@ -145,7 +145,9 @@ class HFBackend:
             if mb.routing_BSLK is None:
                 raise ValueError("replay.mode: r3 needs rollout routing on every sample")
             ids = mb.routing_BSLK
-            if self.device.type == "cuda":  # check on the device: CPU masking cost ~5 ms/mb
+            # checked on the device (CPU masking cost ~5 ms/mb); MicroBatch.to has usually
+            # moved it already (pinning a CUDA tensor raised: r3 failed on every GPU)
+            if self.device.type == "cuda" and ids.device.type == "cpu":
                 ids = ids.pin_memory().to(self.device, non_blocking=True)
             check_routes(ids, mb.valid_rows_BS, self.num_experts, self.moe_layers, self.top_k)
             rows = hf_router_rows(ids)
