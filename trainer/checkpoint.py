@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 log = logging.getLogger(__name__)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -108,6 +107,8 @@ class CheckpointManager:
         rank, path = _rank(), self.root / f"step_{pos.step:06d}"
         path.mkdir(parents=True, exist_ok=True)
         if isinstance(module, ShardedState):
+            import torch.distributed.checkpoint as dcp  # seconds to import: hf backend only
+
             # overwrite: the final save of a run may repeat the step's periodic one
             dcp.save({"train": module},
                      storage_writer=dcp.FileSystemWriter(str(path / "dcp"), overwrite=True))
@@ -167,6 +168,8 @@ class CheckpointManager:
             raise ValueError(f"backend: checkpoint {path} was written by the other backend "
                              f"({'per-rank files' if isinstance(module, ShardedState) else 'DCP'})")
         if isinstance(module, ShardedState):
+            import torch.distributed.checkpoint as dcp
+
             dcp.load({"train": module}, checkpoint_id=str(path / "dcp"))
         else:
             rank = _rank()

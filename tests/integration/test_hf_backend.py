@@ -238,14 +238,20 @@ def _fsdp_rank(rank, world, port, model_dir, shares, out_dir):
     streamed = [(k, v.cpu()) for k, v in tr.backend.iter_hf_weights(sender=0)]
     res["stream_equal"] = (sorted(k for k, _ in streamed) == sorted(after) and all(
         torch.equal(v, after[k]) for k, v in streamed)) if rank == 0 else streamed == []
+    if rank == 0:
+        torch.save(after, os.path.join(out_dir, "after.pt"))
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(res, f)
 
 
-def test_two_cpu_ranks_fsdp2_gloo_take_a_step(model_dir, plain, tmp_path):
+def test_two_cpu_ranks_fsdp2_gloo_take_a_step(model_dir, plain, megatron, tmp_path):
     import torch.multiprocessing as mp
 
+    from trainer.backend import make_trainer
+
     shares = [make_samples(plain, n=4, seed=7), make_samples(plain, n=4, seed=8)]
+    for s in shares[1]:  # distinct groups on the two ranks
+        s.group_id = "h" + s.group_id[1:]
     mp.spawn(_fsdp_rank, args=(2, _free_port(), str(model_dir), shares, str(tmp_path)),
              nprocs=2, join=True)
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
@@ -254,3 +260,9 @@ def test_two_cpu_ranks_fsdp2_gloo_take_a_step(model_dir, plain, tmp_path):
     assert r0["agreement"] == 1.0 and r1["agreement"] == 1.0
     assert r0["moved"] > 0 and r0["exported"] > 0 and r1["exported"] == 0
     assert r0["stream_equal"] and r1["stream_equal"]
+    # one in-process rank (after `megatron`: its 1-rank group) on both shares: the same step
+    one = make_trainer(_cfg(model_dir, backend="hf"))
+    m = one.train_step(shares[0] + shares[1], "r3")
+    assert m["grad_norm"] == pytest.approx(r0["grad_norm"], rel=1e-5)
+    two, after = torch.load(tmp_path / "after.pt"), one.export_hf_state_dict()
+    assert max(float((after[k] - two[k]).abs().max()) for k in two) < 1e-5
