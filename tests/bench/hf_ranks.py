@@ -144,7 +144,8 @@ def main() -> None:
               "meta_init": not a.no_meta_init, "fsdp": "auto"}
         cfg = TrainerConfig.model_validate({
             "backend": "hf", "model_dir": str(model), "hf": hf, "optim": {"lr": 1e-4},
-            "data": {"micro_batch_size": 2}, "replay": {"agreement_floor": 0.9}})
+            "data": {"micro_batch_size": 2}, "replay": {"agreement_floor": 0.9},
+            "run": {"launcher": "ray" if w > 1 else "local", "world_size": w}})  # as Ray would
         mp.spawn(_rank, args=(w, _port(), cfg.model_dump_json(), samples, str(tmp)), nprocs=w)
     table = compare(tmp, a.worlds)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
