@@ -78,6 +78,8 @@ def _rank(rank: int, world: int, port: int, cfg_json: str, samples: list, out: s
     tr = make_trainer(TrainerConfig.model_validate_json(cfg_json))
     res = {"rss_load_mb": _rss_mb(), "gpu_load_mb": _gpu_mb(), "sharded": tr.backend.sharded}
     res["lp_before"] = [x.tolist() for x in tr.sample_logprobs(samples, "r3")]
+    # r3 replays HF's own routing: before the step the logprobs are HF's (fp32, forced)
+    res["lp_vs_hf_max_diff"] = _diff(res["lp_before"], [s.rollout_logprobs for s in samples])
     share = [s for s in samples if int(s.group_id[1:]) % world == rank]
     m = tr.train_step(share, "r3")
     res |= {"grad_norm": m["grad_norm"], "agreement": m["routing_agreement"],
@@ -107,7 +109,8 @@ def compare(out: Path, worlds: list[int]) -> dict:
     for w in worlds:
         ranks = [json.loads((out / f"rank{r}_of_{w}.json").read_text()) for r in range(w)]
         row = {"grad_norm": ranks[0]["grad_norm"], "agreement": min(r["agreement"] for r in ranks),
-               "sharded": ranks[0]["sharded"]}
+               "sharded": ranks[0]["sharded"],
+               "lp_vs_hf_max_diff": max(r["lp_vs_hf_max_diff"] for r in ranks)}
         for key in ("rss_load_mb", "rss_peak_mb", "gpu_load_mb", "gpu_peak_mb"):
             row[key] = [round(r[key], 1) for r in ranks]
         if base is not None and w1 is not None:
