@@ -16,16 +16,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from bench_megatron_parallel import _flops_per_token, _hf_config, _samples
+from bench_megatron_parallel import (
+    _flops_per_token,
+    _hf_config,
+    _launch,
+    _samples,
+    add_workload_args,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
@@ -88,24 +91,6 @@ def _rank(args: argparse.Namespace, model_dir: str, out: str) -> None:
         torch.distributed.destroy_process_group()
 
 
-def _launch(args: argparse.Namespace, model_dir: str, tmp: Path) -> list[dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for r in range(args.gpus):
-        env = os.environ | {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(args.gpus),
-                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                            "PYTHONPATH": os.pathsep.join([str(REPO),
-                                                           os.environ.get("PYTHONPATH", "")])}
-        procs.append(subprocess.Popen([sys.executable, __file__, "--rank-of", model_dir,
-                                       str(tmp / f"r{r}.json"), *sys.argv[1:]], env=env))
-    codes = [p.wait() for p in procs]
-    if codes != [0] * args.gpus:
-        raise SystemExit(f"rank exit codes {codes}")
-    return [json.loads((tmp / f"r{r}.json").read_text()) for r in range(args.gpus)]
-
-
 def summarise(args: argparse.Namespace, cfg: dict, ranks: list[dict]) -> dict:
     """Per mode: the median over rounds of the slowest rank's step, tokens/s per GPU, MFU."""
     tokens = args.samples * args.seq_len  # per rank per step
@@ -128,11 +113,7 @@ def summarise(args: argparse.Namespace, cfg: dict, ranks: list[dict]) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--gpus", type=int, default=4)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--samples", type=int, default=2, help="sequences per rank per step")
-    p.add_argument("--rounds", type=int, default=3)
+    add_workload_args(p)
     p.add_argument("--sharding", choices=("full", "hybrid"), default="full")
     p.add_argument("--shard-group", type=int, default=0)
     p.add_argument("--recompute", action="store_true", help="hf.gradient_checkpointing")
@@ -148,7 +129,7 @@ def main() -> None:
     cfg = _hf_config(args.layers, small=args.small)
     tmp = Path(tempfile.mkdtemp(prefix="hf_parallel_"))
     _write_model(cfg, tmp / "model")
-    res = summarise(args, cfg, _launch(args, str(tmp / "model"), tmp))
+    res = summarise(args, cfg, _launch(args, str(tmp / "model"), tmp, __file__))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
     print(json.dumps(res, indent=1))

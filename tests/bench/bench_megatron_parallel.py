@@ -143,7 +143,10 @@ def _optim_switches(args: argparse.Namespace) -> dict:
     return {k: True for k in ("overlap_grad_reduce", "fused_adam") if getattr(args, k)}
 
 
-def _launch(args: argparse.Namespace, model_dir: str, tmp: Path) -> list[dict]:
+def _launch(args: argparse.Namespace, model_dir: str, tmp: Path, script: str = __file__
+            ) -> list[dict]:
+    """One process of `script --rank-of MODEL_DIR OUT <this command's arguments>` per GPU;
+    each writes its figures as JSON to OUT."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -153,7 +156,7 @@ def _launch(args: argparse.Namespace, model_dir: str, tmp: Path) -> list[dict]:
                             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                             "PYTHONPATH": os.pathsep.join([str(REPO),
                                                            os.environ.get("PYTHONPATH", "")])}
-        procs.append(subprocess.Popen([sys.executable, __file__, "--rank-of", model_dir,
+        procs.append(subprocess.Popen([sys.executable, script, "--rank-of", model_dir,
                                        str(tmp / f"r{r}.json"), *sys.argv[1:]], env=env))
     codes = [p.wait() for p in procs]
     if codes != [0] * args.gpus:
@@ -177,13 +180,18 @@ def _smoke(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """GPUs, layers and tokens per step: the workload options both trainer benches share."""
     p.add_argument("--gpus", type=int, default=4)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--samples", type=int, default=2, help="sequences per rank per step")
     p.add_argument("--rounds", type=int, default=3)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_workload_args(p)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--ep", type=int, default=4)
