@@ -60,7 +60,8 @@ class TrainBackend(Protocol):
         ...
 
     def export_hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """HF-named full weights (a collective: every rank calls it)."""
+        """HF-named full weights on rank 0 (a collective: every rank calls it; other ranks may
+        get them too, or an empty dict: the HF backend gathers to rank 0 only)."""
         ...
 
     def iter_hf_weights(self, sender: int = 0, chunk_bytes: int = 256 << 20
