@@ -23,6 +23,8 @@ change between pushes. Keys under a push prefix:
 
 from __future__ import annotations
 
+import ipaddress
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -312,3 +314,25 @@ class Heartbeat:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
+
+
+def _is_loopback(addr: str) -> bool:
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        return addr == "localhost"
+
+
+def local_addr_toward(addr: str) -> str:
+    """This host's address on the route to `addr` (nothing is sent), for gloo to bind: the
+    address the sender and the other members reach this pod on, whatever its hostname resolves
+    to ("" = gloo's default when there is no route)."""
+    if _is_loopback(addr):
+        return addr
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(addr, 9, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(sockaddr)
+            return str(s.getsockname()[0])
+    except OSError:
+        return ""

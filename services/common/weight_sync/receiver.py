@@ -6,10 +6,8 @@ an engine never serves a mix of old and new weights."""
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import json
 import logging
-import socket
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -31,6 +29,7 @@ from services.common.weight_sync.group import (
     broadcast,
     connect_store,
     discard,
+    local_addr_toward,
     make_process_group,
     members_of,
     nccl_mismatch,
@@ -81,28 +80,6 @@ class _Staged:
     bucket: torch.Tensor
     work: dist.Work
     bounds: bk.ChecksumPlan
-
-
-def _is_loopback(addr: str) -> bool:
-    try:
-        return ipaddress.ip_address(addr).is_loopback
-    except ValueError:
-        return addr == "localhost"
-
-
-def local_addr_toward(addr: str) -> str:
-    """This host's address on the route to `addr` (nothing is sent), for gloo to bind: the
-    address the sender and the other members reach this pod on, whatever its hostname resolves
-    to ("" = gloo's default when there is no route)."""
-    if _is_loopback(addr):
-        return addr
-    try:
-        family, _, _, _, sockaddr = socket.getaddrinfo(addr, 9, type=socket.SOCK_DGRAM)[0]
-        with socket.socket(family, socket.SOCK_DGRAM) as s:
-            s.connect(sockaddr)
-            return str(s.getsockname()[0])
-    except OSError:
-        return ""
 
 
 class WeightReceiver:
