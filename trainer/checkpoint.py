@@ -28,6 +28,7 @@ import logging
 import os
 import re
 import shutil
+from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -71,15 +72,17 @@ def _barrier() -> None:
         dist.barrier()
 
 
-class ShardedState:
+class ShardedState(ABC):
     """A backend's model + optimizer state saved with torch.distributed.checkpoint (DCP): every
-    rank writes its own shards of one checkpoint; DCP reshards them to the loading world."""
+    rank writes its own shards of one checkpoint; DCP reshards them to the loading world. A
+    backend subclasses it (trainer.hf.engine.HFTrainState); the manager tells it apart from a
+    plain module by this type."""
 
-    def state_dict(self) -> dict[str, Any]:
-        raise NotImplementedError
+    @abstractmethod
+    def state_dict(self) -> dict[str, Any]: ...
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 class CheckpointManager:
