@@ -26,6 +26,9 @@ from services.store.validate import GroupState, TrajState, Write
 
 log = logging.getLogger(__name__)
 MEMORY_INFO_MAX_AGE_S = 0.25  # Redis INFO memory reused for this long while far from full
+# Redis memory a byte of AppendRequest may take (hash and stream overhead on small fields):
+# bytes appended since the last INFO read count this many times toward "near the limit".
+REDIS_BYTES_PER_REQUEST_BYTE = 3
 
 _COMMIT_ERRORS = {  # Lua result -> (field, meaning) for writes that lost a race
     "group_size": "begin.group_size: group size changed concurrently",
@@ -58,6 +61,7 @@ class Appender:
             models=tuple((m.name, m.num_experts, m.top_k) for m in config.models))
         self._metric = metric
         self._memory: tuple[dict | None, float] = (None, 0.0)  # last INFO memory, when read
+        self._appended_since_info = 0  # request bytes committed since that read
         if not self.limits.decode_routing:
             log.warning("routing_validation=header: routing ids are not range/duplicate "
                         "checked before they are stored")
@@ -77,7 +81,7 @@ class Appender:
         """Validate the whole stream, then commit it message by message (see module doc).
         `before_commit` may raise to stop a stream whose call broke off during validation."""
         try:
-            writes, duplicates = self._validate_stream(requests)
+            writes, duplicates, stream_bytes = self._validate_stream(requests)
         except ValueError:
             self._metric("r3flow_store_rejections_total", "invalid_argument").inc()
             raise
@@ -87,12 +91,14 @@ class Appender:
                                                  for w in writes):
             self._check_memory()
         result = self._commit(writes)
+        self._appended_since_info += stream_bytes
         result.duplicates += duplicates
         self._metric("r3flow_store_appends_total", "duplicate").inc(result.duplicates)
         return result
 
     def _validate_stream(self, requests: Iterable[store_pb2.AppendRequest]
-                         ) -> tuple[list[Write], int]:
+                         ) -> tuple[list[Write], int, int]:
+        """(writes, duplicates, the stream's bytes)."""
         reqs: list[store_pb2.AppendRequest] = []
         buffered = 0
         for req in requests:
@@ -116,7 +122,7 @@ class Appender:
             pending.raise_first()  # a routing payload error earlier in the stream wins
             raise
         pending.raise_first()
-        return writes, len(reqs) - len(writes)
+        return writes, len(reqs) - len(writes), buffered
 
     def _validate_each(self, reqs: list[store_pb2.AppendRequest], states: dict[str, TrajState],
                        groups: dict[str, GroupState], pending: RoutingChecks) -> list[Write]:
@@ -269,20 +275,26 @@ class Appender:
                              self.cfg.backpressure_retry_ms)
 
     def _memory_info(self) -> dict:
-        """INFO memory, re-read on every begin near the limit (used_memory above (1 - 2 x
-        reserve) x maxmemory), else at most every MEMORY_INFO_MAX_AGE_S: one INFO round trip
-        per Append stream cost the store and Redis a fifth more CPU per trajectory (issue 34)."""
+        """INFO memory, re-read on every begin near the limit (used_memory, plus what was
+        appended since the read, above (1 - 2 x reserve) x maxmemory), else at most every
+        MEMORY_INFO_MAX_AGE_S: one INFO round trip per Append stream cost the store and Redis
+        a fifth more CPU per trajectory (issue 34). Counting the appended bytes keeps a burst
+        within one read's age from running past the reserve into Redis's own OOM."""
         mem, at = self._memory
         now = time.monotonic()
         if mem is None or now - at > MEMORY_INFO_MAX_AGE_S or self._near_limit(mem):
             mem = self.r.info("memory")
             self._memory = (mem, now)
+            self._appended_since_info = 0
         return mem
 
     def _near_limit(self, mem: dict) -> bool:
         limit = int(mem.get("maxmemory", 0))
-        return bool(limit) and int(mem["used_memory"]) >= limit * (
-            1 - 2 * self.cfg.redis_memory_reserve)
+        if not limit:
+            return False
+        estimate = int(mem["used_memory"]) + (
+            REDIS_BYTES_PER_REQUEST_BYTE * self._appended_since_info)
+        return estimate >= limit * (1 - 2 * self.cfg.redis_memory_reserve)
 
     def _refuse(self, code: str) -> None:
         self._metric("r3flow_store_rejections_total", code).inc()
