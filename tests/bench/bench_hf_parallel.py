@@ -4,9 +4,9 @@ from bench_megatron_parallel.py, whose model, samples and FLOP count this bench 
 
 Model: Qwen3-30B-A3B's widths (hidden 2048, 128 experts top-8, expert FFN 768, 32 heads / 4 KV
 heads, head dim 128, vocab 151,936) with `--layers` layers, random init written once as a
-checkpoint (bf16) that every rank reads its FSDP2 shards of (hf.meta_init). Each rank trains
-`--samples` sequences of `--seq-len` tokens per step (micro-batch 1, packed); rollout routing is
-random distinct ids (r3 replays them). Modes alternate (off, r3, then the next round) after a
+checkpoint (bf16, one safetensors file per layer, written by parallel threads) that every rank
+reads its FSDP2 shards of (hf.meta_init). Each rank trains `--samples` sequences of `--seq-len`
+tokens per step (micro-batch 1, packed); rollout routing is random distinct ids (r3 replays them). Modes alternate (off, r3, then the next round) after a
 warm-up step each. One process per GPU (torch.distributed, NCCL; no Ray on the lent machines).
 Writes bench-results/hf_parallel.json.
 Run: python tests/bench/bench_hf_parallel.py --gpus 4 [--layers 8 --sharding full]
@@ -20,6 +20,7 @@ import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bench_megatron_parallel import (
@@ -36,18 +37,42 @@ MODES = ("off", "r3")
 
 
 def _write_model(cfg: dict, model_dir: Path) -> None:
-    """A random-init checkpoint of `cfg` (built on the first GPU when there is one)."""
+    """A random-init bf16 checkpoint of `cfg` in the names save_pretrained writes (one file per
+    decoder layer, written by parallel threads; values drawn on the first GPU when there is
+    one): the model is built on the meta device only for its names and shapes, so no process
+    holds it (save_pretrained of the 8-layer model took minutes of device time)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.core_model_loading import revert_weight_conversion
 
     conf = AutoConfig.for_model(**cfg)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    with torch.device(device):
+    with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(conf, dtype=torch.bfloat16)
-    model.save_pretrained(model_dir)
-    del model
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    shapes = {k: v.shape for k, v in revert_weight_conversion(model, model.state_dict()).items()}
+    model_dir.mkdir(parents=True)
+    conf.save_pretrained(model_dir)
+    files: dict[str, dict[str, torch.Size]] = {}
+    for name, shape in shapes.items():
+        layer = name.split(".")[2] if name.startswith("model.layers.") else "rest"
+        files.setdefault(f"model-{layer}.safetensors", {})[name] = shape
+    index = {"metadata": {}, "weight_map": {n: f for f, ns in files.items() for n in ns}}
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps(index))
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda f: _write_file(model_dir / f, files[f]), files))
+
+
+def _write_file(path: Path, shapes: dict) -> None:
+    """Norm weights 1, everything else N(0, 0.02), bf16, as one safetensors file."""
+    import torch
+    from safetensors.torch import save_file
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    out = {}
+    for name, shape in shapes.items():
+        t = torch.ones(shape, dtype=torch.bfloat16, device=device) if "norm" in name else \
+            torch.randn(shape, dtype=torch.bfloat16, device=device).mul_(0.02)
+        out[name] = t.cpu()
+    save_file(out, str(path), metadata={"format": "pt"})
 
 
 def _trainer_config(args: argparse.Namespace, model_dir: str):
@@ -68,9 +93,11 @@ def _rank(args: argparse.Namespace, model_dir: str, out: str) -> None:
 
     from trainer.backend import make_trainer
 
+    t_load = time.perf_counter()
     tr = make_trainer(_trainer_config(args, model_dir))
     b = tr.backend
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    _say(rank, f"rank 0 built and loaded its shards in {time.perf_counter() - t_load:.1f} s")
     moe_layers, k, experts = len(b.moe_layers), b.top_k, b.num_experts
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     times: dict[str, list[float]] = {m: [] for m in MODES}
@@ -81,6 +108,7 @@ def _rank(args: argparse.Namespace, model_dir: str, out: str) -> None:
             t0 = time.perf_counter()
             tr.train_step(samples, mode)
             sync()
+            _say(rank, f"round {r} {mode}: {time.perf_counter() - t0:.3f} s")
             if r:
                 times[mode].append(time.perf_counter() - t0)
     Path(out).write_text(json.dumps({"times": times, "rank": rank, "sharded": b.sharded,
@@ -89,6 +117,12 @@ def _rank(args: argparse.Namespace, model_dir: str, out: str) -> None:
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
+
+
+def _say(rank: int, text: str) -> None:
+    """Progress on rank 0's stdout (what a run cut short by its time limit still shows)."""
+    if rank == 0:
+        print(text, flush=True)
 
 
 def summarise(args: argparse.Namespace, cfg: dict, ranks: list[dict]) -> dict:
@@ -108,6 +142,9 @@ def summarise(args: argparse.Namespace, cfg: dict, ranks: list[dict]) -> dict:
                      "tokens_per_s_per_gpu": round(tokens / step),
                      "mfu": round(flops / step / (args.peak_tflops * 1e12), 4)}
     out["r3_over_off"] = round(out["r3"]["step_seconds"] / out["off"]["step_seconds"], 3)
+    import torch
+
+    out["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     return out
 
 
@@ -128,7 +165,9 @@ def main() -> None:
         return
     cfg = _hf_config(args.layers, small=args.small)
     tmp = Path(tempfile.mkdtemp(prefix="hf_parallel_"))
+    t0 = time.perf_counter()
     _write_model(cfg, tmp / "model")
+    print(f"wrote the checkpoint in {time.perf_counter() - t0:.1f} s", flush=True)
     res = summarise(args, cfg, _launch(args, str(tmp / "model"), tmp, __file__))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
