@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # Everything r3flow measures on a lent GPU machine, in one call (device tool; see BENCHMARKS.md):
 #   run(command="bash scripts/gpu_run.sh", kind="nvidia-h100-x4", carry=[".gpu"])
-# or some sections only: `bash scripts/gpu_run.sh parallel` (trainer | parallel | bench | weights |
-# cpu | fastpath | fastpath-tests; the default runs all but bench, cpu and the fastpath ones).
+# or some sections only: `bash scripts/gpu_run.sh parallel` (trainer | parallel | bench | hf |
+# weights | cpu | fastpath | fastpath-tests; the default runs all but bench, hf, cpu and the
+# fastpath ones).
 # fastpath: issue 30's kernels probe and the plain vs fast path bench (LAYOUTS="--ep=4 ...");
 # fastpath-tests: tests/gpu with the fast path's model switches (R3FLOW_GPU_MODEL).
+# hf: the HF/FSDP2 backend at Qwen3-30B-A3B widths (issue 31; needs transformers and its
+# dependencies as cp312 wheels in .gpu/hf-wheels, e.g. `pip download --no-deps` of the versions
+# in requirements/cpu.lock; HF_ROUNDS timed rounds, default 2).
 # `cpu` is the host CPU's codec and weight-push
 # benches (issue 16; no GPU; bench-codec needs zstandard from .gpu/wheels):
 # CPU_AB="stores:bucket_mb:inflight ..." picks the push variants (default stream:64:2), each
@@ -17,6 +21,9 @@ mkdir -p "$OUT" bench-results
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 if compgen -G ".gpu/wheels/*.whl" >/dev/null; then
   python3 -m pip install -q --no-deps --no-index --target /tmp/pylib .gpu/wheels/*.whl
+fi
+if compgen -G ".gpu/hf-wheels/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-deps --no-index --target /tmp/pylib .gpu/hf-wheels/*.whl
 fi
 export PYTHONPATH=/tmp/pylib:$PWD
 nvidia-smi -L | tee "$OUT/gpus.txt"
@@ -59,6 +66,12 @@ for section in $SECTIONS; do
       export R3FLOW_GPU_MODEL='{"experts": "grouped", "attention": "sdpa"}'
       python3 -m pytest tests/gpu -m gpu -q -rs -p no:cacheprovider -o addopts="" --timeout=900 \
         2>&1 | tail -40 | tee "$OUT/pytest_gpu_fastpath.txt";;
+    hf)
+      echo "== hf/FSDP2 at Qwen3-30B-A3B widths, 8 layers, 4K tokens, full sharding (issue 31)"
+      OMP_NUM_THREADS=4 python3 tests/bench/bench_hf_parallel.py --gpus "$(nvidia-smi -L | wc -l)" \
+        --layers 8 --rounds "${HF_ROUNDS:-2}" --out bench-results/hf_parallel.json 2>&1 \
+        | grep -v -i "warn\|deprecat\|return func\|Writing model" \
+        | tee "$OUT/bench_hf_parallel.txt" | tail -40;;
     weights)
       echo "== bench-weights --device cuda"
       python3 tests/bench/bench_weights.py --device cuda 2>&1 | tail -30 \
@@ -82,7 +95,7 @@ for section in $SECTIONS; do
           done
         done
       done;;
-    *) echo "gpu_run.sh: unknown section $section (trainer | parallel | bench | weights | cpu | fastpath | fastpath-tests)"; exit 2;;
+    *) echo "gpu_run.sh: unknown section $section (trainer | parallel | bench | hf | weights | cpu | fastpath | fastpath-tests)"; exit 2;;
   esac
 done
 cp bench-results/*.json "$OUT/" 2>/dev/null

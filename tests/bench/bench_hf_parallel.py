@@ -130,7 +130,7 @@ def summarise(args: argparse.Namespace, cfg: dict, ranks: list[dict]) -> dict:
     tokens = args.samples * args.seq_len  # per rank per step
     # the update (3 x forward) and the old-policy forward, as bench_megatron_parallel counts
     flops = 4 * tokens * _flops_per_token(cfg, args.seq_len)
-    out: dict = {"gpus": args.gpus, "layers": args.layers, "seq_len": args.seq_len,
+    out: dict = {"smoke": args.smoke, "gpus": args.gpus, "layers": args.layers, "seq_len": args.seq_len,
                  "samples_per_rank": args.samples, "sharding": args.sharding,
                  "shard_group": args.shard_group, "recompute": args.recompute,
                  "check_agreement": args.check_agreement,
@@ -157,9 +157,14 @@ def main() -> None:
     p.add_argument("--check-agreement", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--peak-tflops", type=float, default=989.0)
     p.add_argument("--small", action="store_true", help="CPU check: tiny widths")
+    p.add_argument("--smoke", action="store_true", help="make test's run on the CPU: --small, "
+                   "one rank, 2 layers, one 64-token sequence, one timed round")
     p.add_argument("--rank-of", nargs=2, metavar=("MODEL_DIR", "OUT"))
     p.add_argument("--out", default="bench-results/hf_parallel.json")
     args, _ = p.parse_known_args()
+    if args.smoke:
+        args.small, args.gpus, args.layers, args.seq_len, args.samples, args.rounds = (
+            True, 1, 2, 64, 1, 1)
     if args.rank_of:
         _rank(args, *args.rank_of)
         return

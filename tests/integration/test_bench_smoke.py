@@ -52,6 +52,8 @@ BENCHES: dict[str, tuple[str, list[str], list[str]]] = {
     "megatron_parallel": ("bench_megatron_parallel.py", [], [
         "step_seconds", "tokens_per_s_per_gpu", "mfu", "r3_over_off", "r2_over_off",
         "peak_gib_per_rank", "plan_gib_no_overhead"]),
+    "hf_parallel": ("bench_hf_parallel.py", [], [
+        "off", "r3", "r3_over_off", "peak_gib_per_rank", "device"]),
 }
 NEEDS_ROLLOUTS = {"trainer", "families"}
 
