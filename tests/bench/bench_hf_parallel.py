@@ -169,11 +169,12 @@ def main() -> None:
         _rank(args, *args.rank_of)
         return
     cfg = _hf_config(args.layers, small=args.small)
-    tmp = Path(tempfile.mkdtemp(prefix="hf_parallel_"))
-    t0 = time.perf_counter()
-    _write_model(cfg, tmp / "model")
-    print(f"wrote the checkpoint in {time.perf_counter() - t0:.1f} s", flush=True)
-    res = summarise(args, cfg, _launch(args, str(tmp / "model"), tmp, __file__))
+    with tempfile.TemporaryDirectory(prefix="hf_parallel_") as d:  # 11 GB at 8 layers
+        tmp = Path(d)
+        t0 = time.perf_counter()
+        _write_model(cfg, tmp / "model")
+        print(f"wrote the checkpoint in {time.perf_counter() - t0:.1f} s", flush=True)
+        res = summarise(args, cfg, _launch(args, str(tmp / "model"), tmp, __file__))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
     print(json.dumps(res, indent=1))
