@@ -44,6 +44,11 @@ class OptimConfig(StrictConfig):
         "0 = never. Never set it in a real run")
     test_lr_spike_factor: float = Field(
         1.0, gt=0, description="TEST ONLY: lr multiplier of test_lr_spike_step")
+    test_lr_spike_after_s: float = Field(
+        0.0, ge=0, description="TEST ONLY: instead of test_lr_spike_step, the first step that "
+        "starts this many seconds after the run's first step ended spikes, and the run ends "
+        "one step later (the step whose batch shows the spike); 0 = off. Never set it in a "
+        "real run")
 
 
 class ReplayConfig(StrictConfig):

@@ -75,6 +75,7 @@ class GRPOStep:
     def __init__(self, backend: TrainBackend) -> None:
         self.backend, self.cfg = backend, backend.cfg
         self.policy_version = 0
+        self.lr_spike_version = backend.cfg.optim.test_lr_spike_step  # test-only knob; 0 = off
         self._layer_maps: dict[tuple[int, ...], LayerMap] = {}
 
     def layer_map(self, engine_layer_ids: Sequence[int]) -> LayerMap:
@@ -251,13 +252,13 @@ class GRPOStep:
     def _test_lr_spike(self) -> Iterator[None]:
         """optim.test_lr_spike_*: this step's updates at a multiplied lr (test-only knob)."""
         o = self.cfg.optim
-        if o.test_lr_spike_step != self.policy_version + 1 or o.test_lr_spike_factor == 1.0:
+        if self.lr_spike_version != self.policy_version + 1 or o.test_lr_spike_factor == 1.0:
             yield
             return
         groups = self.backend.checkpoint_state()[1].param_groups
         saved = [g["lr"] for g in groups]
         log.warning("test_lr_spike: step to policy version %d at lr x %g",
-                    o.test_lr_spike_step, o.test_lr_spike_factor)
+                    self.lr_spike_version, o.test_lr_spike_factor)
         for g in groups:
             g["lr"] *= o.test_lr_spike_factor
         try:

@@ -119,3 +119,7 @@ class RankWorker:
         """Relabel the current weights (resume above what engines serve; an idle re-push)."""
         self.trainer.policy_version = version
 
+    def set_lr_spike_version(self, version: int) -> None:
+        """TEST ONLY (optim.test_lr_spike_after_s): the step to `version` runs at lr x factor."""
+        self.trainer.lr_spike_version = version
+

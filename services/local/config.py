@@ -71,6 +71,10 @@ class GrpoConfig(StrictConfig):
         "test_lr_spike_factor, to inject a ppo_kl spike (tests/integration/"
         "test_local_alerts.py); 0 = never (trainer optim.test_lr_spike_step)")
     test_lr_spike_factor: float = Field(1.0, gt=0, description="TEST ONLY: see above")
+    test_lr_spike_after_s: float = Field(
+        0.0, ge=0, description="TEST ONLY: spike the first step this many seconds after the "
+        "first step instead, and end the run one step later (trainer "
+        "optim.test_lr_spike_after_s); 0 = off")
 
 
 def local_model() -> TinyMoeConfig:
@@ -200,7 +204,8 @@ def trainer_config(cfg: LocalConfig, run_dir: Path, model_dir: Path,
         "optim": {"lr": g.lr, "adam_beta2": g.adam_beta2, "clip_grad": g.clip_grad,
                   "ppo_epochs": g.ppo_epochs, "mini_batches": g.mini_batches,
                   "test_lr_spike_step": g.test_lr_spike_step,
-                  "test_lr_spike_factor": g.test_lr_spike_factor},
+                  "test_lr_spike_factor": g.test_lr_spike_factor,
+                  "test_lr_spike_after_s": g.test_lr_spike_after_s},
         "loss": {"kl_coef": g.kl_coef, "entropy_coef": g.entropy_coef, "kl_metric": g.kl_metric,
                  "adv_std_normalize": g.adv_std_normalize,
                  "rollout_correction": CORRECTIONS[g.rollout_correction]},

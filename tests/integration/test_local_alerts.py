@@ -2,9 +2,11 @@
 R3flowPpoKlSpike rule (unchanged, `for: 1m`) fires, and every query of every chart dashboard
 panel returns data from the run.
 
-The spike is real: `grpo.test_lr_spike_step` (a test-only knob) runs one step's update at a
-multiplied learning rate, so the next step's batch, sampled by the policy before the jump, sits
-far from the trainer's policy. That step is the last one, and the trainer keeps serving its
+The spike is real: `grpo.test_lr_spike_after_s` (a test-only knob) runs the update of the first
+step SPIKE_AFTER_S seconds into the run at a multiplied learning rate, so the next step's batch,
+sampled by the policy before the jump, sits far from the trainer's policy. That step is the last
+one (the knob ends the run there; picking the step by time, not by count, keeps the low ppo_kl
+long enough however fast the machine steps, and no longer), and the trainer keeps serving its
 /metrics for `metrics_linger_s`, so Prometheus sees the spike held for longer than the rule's
 `for`. The rule compares against the 30-minute median of the same gauge over the samples taken after
 the trainer's first step (the gauge reads 0 from start-up until then, and those zeros are left
@@ -26,11 +28,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-# Enough steps that the low ppo_kl of the steps before the spike outlasts the rule's
-# `for` with room to spare: a quiet fresh-clone CI run reached step 48 63 s after Prometheus
-# started (too close to the minute); 160 steps took 98 s there after a 30 s boot.
-STEPS = 160
-SPIKE_STEP = STEPS - 1  # the update to this policy version runs at lr x FACTOR
+# Long enough that the low ppo_kl of the steps before the spike outlasts the rule's `for` with
+# room to spare (a fixed 160 steps took 98 s on a quiet CI box and 340 s on a busy one).
+SPIKE_AFTER_S = 80
+MAX_STEPS = 1000  # an upper bound the timed spike ends the run well before
 FACTOR = 20.0
 FOR_S = 60  # the chart rule's `for`
 HOLD_S = 100  # trainer metrics_linger_s: the last step's ppo_kl, held past FOR_S
@@ -46,8 +47,8 @@ def run_dir(tmp_path_factory) -> Path:
     runs = tmp_path_factory.mktemp("runs")
     cfg = tmp_path_factory.mktemp("cfg") / "spike.json"
     cfg.write_text(json.dumps({
-        "grpo": {"groups_per_step": 8, "steps": STEPS, "lr": 1e-3,
-                 "test_lr_spike_step": SPIKE_STEP, "test_lr_spike_factor": FACTOR},
+        "grpo": {"groups_per_step": 8, "steps": MAX_STEPS, "lr": 1e-3,
+                 "test_lr_spike_after_s": SPIKE_AFTER_S, "test_lr_spike_factor": FACTOR},
         "model": {},  # the tests' small MoE (TinyMoeConfig defaults): quicker than the run's
         "metrics_linger_s": HOLD_S, "warm_start_steps": 5, "runs_dir": str(runs)}))
     cmd = [sys.executable, "-m", "services.cli", "local", "--config", str(cfg)]
@@ -63,8 +64,10 @@ def _rows(run_dir: Path) -> list[dict]:
 
 
 def test_the_injected_spike_is_in_the_step_log(run_dir: Path):
-    kls = [r["ppo_kl"] for r in _rows(run_dir)]
-    assert len(kls) == STEPS
+    rows = _rows(run_dir)
+    kls = [r["ppo_kl"] for r in rows]
+    assert 3 <= len(kls) < MAX_STEPS  # the timed spike ended the run
+    assert rows[-2]["time"] - rows[0]["time"] >= SPIKE_AFTER_S - 1, rows  # not before its time
     before = statistics.median(kls[:-1])
     assert kls[-1] > 5 * before and kls[-1] > 5e-4, (kls[-1], before, kls)
 

@@ -44,10 +44,12 @@ def test_closeness_reward_ranks_wrong_answers():
 
 def test_test_only_spike_and_linger_reach_the_trainer(tmp_path: Path):
     cfg = LocalConfig.model_validate({"grpo": {"test_lr_spike_step": 7,
-                                               "test_lr_spike_factor": 50.0},
+                                               "test_lr_spike_factor": 50.0,
+                                               "test_lr_spike_after_s": 70.0},
                                       "metrics_linger_s": 90.0})
     tc = TrainerConfig.model_validate(trainer_config(cfg, tmp_path, tmp_path))
     assert (tc.optim.test_lr_spike_step, tc.optim.test_lr_spike_factor) == (7, 50.0)
+    assert tc.optim.test_lr_spike_after_s == 70.0
     assert tc.run.metrics_linger_s == 90.0
     off = TrainerConfig.model_validate(trainer_config(LocalConfig(), tmp_path, tmp_path))
     assert (off.optim.test_lr_spike_step, off.run.metrics_linger_s) == (0, 5.0)

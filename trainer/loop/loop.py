@@ -252,10 +252,13 @@ class TrainLoop:
     def run(self, steps: int, stop: Callable[[], bool] = lambda: False) -> list[dict]:
         """Take `steps` optimizer steps (0 = until `stop()`); returns their metrics."""
         history: list[dict] = []
-        while (steps == 0 or len(history) < steps) and not stop():
+        spike = _TimedLrSpike(self.cfg.optim.test_lr_spike_after_s)
+        while (steps == 0 or len(history) < steps) and not stop() and not spike.shown(self.pos):
             groups = self.pull_batch(stop)
             if not groups:
                 break
+            if spike.due(self.pos):
+                self.ranks.set_lr_spike_version(self.pos.policy_version + 1)
             metrics = self.train_step(groups)
             self.publish_version()
             self.push_weights()
@@ -290,3 +293,29 @@ class TrainLoop:
         self.metrics.export_step(m)
         with self.run_log.open("a") as f:
             f.write(json.dumps({"step": self.pos.step, "time": time.time(), **m}) + "\n")
+
+
+class _TimedLrSpike:
+    """optim.test_lr_spike_after_s (TEST ONLY): the loop picks the spiking step by wall time,
+    so a test holds low ppo_kl for long enough however fast this machine steps, then ends the
+    run one step after the spike (its batch, sampled before the jump, shows it)."""
+
+    def __init__(self, after_s: float) -> None:
+        self.after_s, self.first_step_end, self.version = after_s, 0.0, 0
+
+    def due(self, pos: DataPosition) -> bool:
+        """Before a step: is this the step to spike (once)?"""
+        if not self.after_s or self.version:
+            return False
+        if not self.first_step_end:
+            if pos.step:  # the first step is taken: time counts from now (before the next)
+                self.first_step_end = time.monotonic()
+            return False
+        if time.monotonic() - self.first_step_end < self.after_s:
+            return False
+        self.version = pos.policy_version + 1
+        return True
+
+    def shown(self, pos: DataPosition) -> bool:
+        """After the spiking step and the one that measured it: the run is done."""
+        return bool(self.version) and pos.policy_version > self.version
