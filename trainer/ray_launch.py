@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from services.common.net import free_port
 from trainer.config import TrainerConfig
 from trainer.ray_config import RayLaunchConfig
 
@@ -47,12 +47,6 @@ def local_rank_of(gpu_ids: list, visible: str | None) -> int:
         if gpu in ids:
             return ids.index(gpu)
     return int(gpu)
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 class RankActor:

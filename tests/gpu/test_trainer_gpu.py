@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -19,6 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
+from services.common.net import free_port
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                                  reason="needs a CUDA GPU")]
@@ -122,9 +123,7 @@ def test_gpu_bf16_step_time_r3_vs_off(model_dir, hf):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_gpu_two_ranks_ep2(tmp_path, model_dir):
     worker = REPO / "tests/integration/test_trainer_ep.py"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     mode = ["grouped"] if FAST.get("experts") == "grouped" else []
     procs = [subprocess.Popen([sys.executable, str(worker), str(model_dir),
                                str(tmp_path / f"r{r}.json"), *mode], cwd=REPO,

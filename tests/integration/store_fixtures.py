@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 import redis
 
+from services.common.net import free_port
 from services.common.pb.r3flow.v1 import trajectory_pb2
 from services.store.client import StoreClient
-from services.store.redis_server import EmbeddedRedis, free_port
+from services.store.redis_server import EmbeddedRedis
 from services.store.synthetic import small_group
 
 REPO = Path(__file__).resolve().parents[2]

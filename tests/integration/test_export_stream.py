@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from services.common.net import free_port
 
 pytestmark = pytest.mark.timeout(300)
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,12 +37,6 @@ def model_dir(tmp_path_factory):
     return build_tiny_moe(tmp_path_factory.mktemp("stream") / "tiny", TinyMoeConfig(
         hidden_size=256, num_layers=4, first_k_dense=1, num_experts=16,
         moe_intermediate_size=128, intermediate_size=512))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def write_sharded(src: Path, dst: Path, shard_bytes: int) -> Path:
@@ -75,7 +70,7 @@ def write_sharded(src: Path, dst: Path, shard_bytes: int) -> Path:
 def ranks(tmp_path_factory, model_dir):
     """Both layouts, one after the other, in one pair of rank processes: per layout, each
     rank's report."""
-    tmp, port, procs = tmp_path_factory.mktemp("ranks"), _free_port(), []
+    tmp, port, procs = tmp_path_factory.mktemp("ranks"), free_port(), []
     sharded = write_sharded(Path(model_dir), tmp / "sharded", 1 << 20)
     for rank in range(2):
         env = os.environ | {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",

@@ -12,12 +12,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 
 import numpy as np
 import pytest
 import torch
 
+from services.common.net import free_port
 from services.rollout.tiny_moe import TinyMoeConfig, build_tiny_moe
 from trainer.replay import ReplayMode
 
@@ -214,12 +214,6 @@ def test_warns_when_kl_reference_does_not_replay(model_dir, megatron, caplog):
 
 
 # ---------------------------------------------------------------- two ranks, FSDP2 over gloo
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _fsdp_rank(rank, world, port, model_dir, shares, out_dir):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -252,7 +246,7 @@ def test_two_cpu_ranks_fsdp2_gloo_take_a_step(model_dir, plain, megatron, tmp_pa
     shares = [make_samples(plain, n=4, seed=7), make_samples(plain, n=4, seed=8)]
     for s in shares[1]:  # distinct groups on the two ranks
         s.group_id = "h" + s.group_id[1:]
-    mp.spawn(_fsdp_rank, args=(2, _free_port(), str(model_dir), shares, str(tmp_path)),
+    mp.spawn(_fsdp_rank, args=(2, free_port(), str(model_dir), shares, str(tmp_path)),
              nprocs=2, join=True)
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert r0["sharded"] and r1["sharded"]

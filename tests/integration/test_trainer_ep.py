@@ -10,24 +10,19 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from services.common.net import free_port
+
 pytestmark = pytest.mark.timeout(240)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _run_ranks(tmp_path, model, mode: str) -> list[dict]:
-    port, root = _free_port(), Path(__file__).resolve().parents[2]
+    port, root = free_port(), Path(__file__).resolve().parents[2]
     procs = []
     for rank in range(2):
         env = os.environ | {"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",

@@ -15,22 +15,16 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import pytest
 import torch
 from trainer_fixtures import TINY, natural_samples
 
+from services.common.net import free_port
 from services.rollout.tiny_moe import TinyMoeConfig, build_tiny_moe
 
 pytestmark = pytest.mark.timeout(300)
 LONG = 32  # padded length of the micro-batch holding the long trajectory
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _oom_on_long(module, args, kwargs):
@@ -81,7 +75,7 @@ def test_a_fault_on_one_rank_is_quarantined_on_both(tmp_path):
          "filler": natural_samples(model_dir, r4, seed=6, prefix="e")},
         {"oom": natural_samples(model_dir, r4, seed=2, prefix="b", lengths=[5, 5, 30, 5]),
          "nan": nan, "filler": []}]
-    mp.spawn(_rank, args=(2, _free_port(), str(model_dir), shares, str(tmp_path)), nprocs=2,
+    mp.spawn(_rank, args=(2, free_port(), str(model_dir), shares, str(tmp_path)), nprocs=2,
              join=True)
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert r0["oom"]["dropped"] == r1["oom"]["dropped"] == {"b1": "oom"}

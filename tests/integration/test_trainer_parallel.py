@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from services.common.net import free_port
 
 pytestmark = pytest.mark.timeout(300)
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,19 +48,13 @@ CP_SKIP = ("megatron-core 0.19's local attention (DotProductAttention) asserts "
            "which is not installed")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_layouts(tmp_path: Path, model_dir, layouts: dict[str, tuple], dtype: str = "fp32",
                 gpu: bool = False, timeout: float = 280) -> dict[str, list[dict]]:
     """Run `layouts` (all of one world size) one after the other in one set of rank processes
     (process groups rebuilt per layout; a layout's model overrides may set its own dtype); per
     layout, each rank's results."""
     (world,) = {w for w, _, _ in layouts.values()}
-    port, out = _free_port(), tmp_path / "ranks"
+    port, out = free_port(), tmp_path / "ranks"
     out.mkdir(parents=True, exist_ok=True)
     spec = json.dumps({name: {"model": {"dtype": dtype} | m, "optim": o}
                        for name, (_, m, o) in layouts.items()})

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from services.common.net import free_port
 
 # ~70 s on a quiet 2-core machine, ~270 s measured with a load average of 45
 pytestmark = pytest.mark.timeout(600)
@@ -43,7 +44,7 @@ def pushed(tmp_path_factory):
     base = os.environ | {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     engine_env = base | {"VLLM_CPU_OMP_THREADS_BIND": "auto", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
                          "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    port = _free_port()
+    port = free_port()
     procs = [_spawn(["engine", str(model), str(work), wid], engine_env, work / f"{wid}.log")
              for wid in ENGINES]
     procs += [_spawn(["trainer", str(model), str(work)], base | {
@@ -60,12 +61,6 @@ def pushed(tmp_path_factory):
     logs = {f.name: f.read_text()[-3000:] for f in work.glob("*.log")}
     assert codes == [0, 0, 0, 0], logs
     return work, model
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _spawn(args: list[str], env: dict, log: Path) -> subprocess.Popen:

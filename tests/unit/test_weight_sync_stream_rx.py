@@ -8,6 +8,7 @@ import threading
 
 import torch
 
+from services.common.net import free_port
 from services.common.pb.r3flow.v1 import store_pb2
 from services.common.weight_sync import (
     WeightReceiver,
@@ -97,11 +98,7 @@ def test_a_sender_restarted_at_the_same_address_is_joined_afresh():
     """A trainer restarted on the same node and port (KubeRay's retry at the old pod IP): the
     receiver's connection to the old sender's store is broken, so the next push reconnects
     instead of failing on it for good (make test-cluster: 'Broken pipe' on every push after)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cfg = WeightSyncConfig(bucket_bytes=BUCKET, timeout_s=10, port=port,
                            heartbeat_interval_s=0.1, heartbeat_timeout_s=2.0)
     rx = WeightReceiver("a")
