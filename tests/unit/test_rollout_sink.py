@@ -1,4 +1,6 @@
-"""The store sink waits out backpressure (never drops a group) and fails on real refusals."""
+"""The store sink waits out backpressure (never drops a group) and fails on real refusals; a
+group goes in one Append stream, a group above GROUP_STREAM_MAX_BYTES one stream per
+trajectory."""
 
 import asyncio
 
@@ -6,6 +8,7 @@ import grpc
 import pytest
 
 from services.common.pb.r3flow.v1 import trajectory_pb2
+from services.rollout import sink as sink_module
 from services.rollout.sink import MemorySink, StoreRejected, StoreSink, wait_for_room
 from services.store.client import RETRY_AFTER_KEY
 
@@ -25,16 +28,18 @@ class FakeRpcError(grpc.RpcError):
 
 
 class FlakyClient:
-    """Refuses the first `refusals` appends with `error`, then accepts."""
+    """Refuses the first `refusals` Append streams with `error`, then accepts."""
 
     def __init__(self, refusals: int, error: grpc.RpcError) -> None:
         self.refusals, self.error, self.appended = refusals, error, []
+        self.streams: list[list[str]] = []
 
-    def append_trajectory(self, traj: trajectory_pb2.Trajectory) -> None:
+    def append_trajectories(self, trajs: list[trajectory_pb2.Trajectory]) -> None:
         if self.refusals:
             self.refusals -= 1
             raise self.error
-        self.appended.append(traj.trajectory_id)
+        self.streams.append([t.trajectory_id for t in trajs])
+        self.appended += self.streams[-1]
 
 
 def group(n: int) -> list[trajectory_pb2.Trajectory]:
@@ -47,6 +52,16 @@ def test_backpressure_slows_down_and_sends_everything():
     sink = StoreSink(client, backpressure_sleep_s=0.01)
     asyncio.run(sink.send_group(group(2)))
     assert sorted(client.appended) == ["t0", "t1"] and sink.backpressure_waits == 3
+    assert client.streams == [["t0", "t1"]]  # the group in one stream, sent again whole
+
+
+def test_a_large_group_goes_one_stream_per_trajectory(monkeypatch):
+    monkeypatch.setattr(sink_module, "GROUP_STREAM_MAX_BYTES", 0)
+    busy = FakeRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, ((RETRY_AFTER_KEY, "5"),))
+    client = FlakyClient(1, busy)
+    sink = StoreSink(client, backpressure_sleep_s=0.01)
+    asyncio.run(sink.send_group(group(3)))
+    assert sorted(client.streams) == [["t0"], ["t1"], ["t2"]] and sink.backpressure_waits == 1
 
 
 def test_size_limit_refusal_raises():
