@@ -228,8 +228,17 @@ def _fsdp_rank(rank, world, port, model_dir, shares, out_dir):
            "agreement": m["routing_agreement"], "moved": max(
                (float((after[k] - before[k]).abs().max()) for k in before), default=0.0),
            "exported": len(after)}
-    # the streamed export (one parameter gathered at a time) reaches rank 0 only, equal
-    streamed = [(k, v.cpu()) for k, v in tr.backend.iter_hf_weights(sender=0)]
+    # the streamed export (one parameter gathered at a time) reaches rank 0 only, equal, and
+    # gathers to rank 0 alone: no all-gather (DTensor.full_tensor) on the way
+    from torch.distributed.tensor import DTensor
+
+    def no_all_gather(self):  # noqa: ANN001, ANN202
+        raise AssertionError("the streamed export all-gathered a parameter")
+    full_tensor, DTensor.full_tensor = DTensor.full_tensor, no_all_gather
+    try:
+        streamed = [(k, v.cpu()) for k, v in tr.backend.iter_hf_weights(sender=0)]
+    finally:
+        DTensor.full_tensor = full_tensor
     res["stream_equal"] = (sorted(k for k, _ in streamed) == sorted(after) and all(
         torch.equal(v, after[k]) for k, v in streamed)) if rank == 0 else streamed == []
     if rank == 0:

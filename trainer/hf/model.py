@@ -135,15 +135,45 @@ def export_hf(model: Any, dtype: torch.dtype) -> dict[str, torch.Tensor]:
 def iter_export_hf(model: Any, dtype: torch.dtype, sender: int = 0
                    ) -> Iterator[tuple[str, torch.Tensor]]:
     """`export_hf` as a stream to rank `sender` (a collective under FSDP2: every rank iterates
-    it to the end): one parameter gathered at a time and reverted to checkpoint names on its
-    own, so no rank holds the whole model."""
+    it to the end): one parameter gathered at a time, to the sender only (`gather_to`), and
+    reverted to checkpoint names on its own, so no rank holds the whole model and no rank but
+    the sender holds even one whole parameter."""
     from torch.distributed.tensor import DTensor
     from transformers.core_model_loading import revert_weight_conversion
 
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     for key, value in model.state_dict().items():
-        full = value.full_tensor() if isinstance(value, DTensor) else value
-        if rank != sender:
+        full = gather_to(value, sender, rank) if isinstance(value, DTensor) else value
+        if rank != sender or full is None:
             continue
         for name, t in revert_weight_conversion(model, {key: full.detach()}).items():
             yield name, t.to(dtype) if t.is_floating_point() else t
+
+
+def gather_to(value: Any, sender: int, rank: int) -> torch.Tensor | None:
+    """A DTensor's full value on global rank `sender` (None on the others): its dim-0 shards
+    gathered over the shard dimension's group by the ranks of the sender's replica (HSDP: the
+    other replicas send nothing). Layouts other than one Shard(0) plus Replicate dims fall back
+    to `full_tensor()` (an all-gather to every rank)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh, placements = value.device_mesh, value.placements
+    shard = [d for d, p in enumerate(placements) if isinstance(p, Shard) and p.dim == 0]
+    if len(shard) != 1 or not all(isinstance(p, Shard | Replicate) for p in placements):
+        full = value.full_tensor()
+        return full if rank == sender else None
+    d = shard[0]
+    mine, theirs = mesh.get_coordinate(), (mesh.mesh == sender).nonzero()[0].tolist()
+    if any(mine[i] != theirs[i] for i in range(mesh.ndim) if i != d):
+        return None  # another replica: the sender's own replica gathers
+    local, rows, world = value.to_local(), value.shape[0], mesh.size(d)
+    chunk = -(-rows // world)  # torch.chunk's split: equal chunks, the last ones short or empty
+    padded = local.new_zeros((chunk, *value.shape[1:]))
+    padded[:local.shape[0]] = local
+    if rank != sender:
+        dist.gather(padded, None, dst=sender, group=mesh.get_group(d))
+        return None
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.gather(padded, parts, dst=sender, group=mesh.get_group(d))
+    return torch.cat(parts)[:rows]
