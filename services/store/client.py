@@ -48,7 +48,7 @@ def trajectory_requests(traj: trajectory_pb2.Trajectory) -> list[store_pb2.Appen
     begin = store_pb2.TrajectoryBegin(
         group_id=traj.group_id, group_size=traj.group_size,
         prompt_token_ids=traj.prompt_token_ids, worker_id=traj.worker_id,
-        prompt_id=traj.prompt_id)
+        prompt_id=traj.prompt_id, epoch=traj.epoch)
     reqs = [store_pb2.AppendRequest(trajectory_id=tid, sequence_number=0, begin=begin)]
     for j, seg in enumerate(traj.segments):
         reqs.append(store_pb2.AppendRequest(trajectory_id=tid, sequence_number=j + 1, segment=seg))

@@ -168,7 +168,8 @@ def validate_begin(req: store_pb2.AppendRequest, group: GroupState, limits: Limi
     _check_prompt(b.prompt_token_ids, limits)
     header = trajectory_pb2.Trajectory(
         trajectory_id=req.trajectory_id, group_id=b.group_id, group_size=b.group_size,
-        prompt_token_ids=b.prompt_token_ids, worker_id=b.worker_id, prompt_id=b.prompt_id)
+        prompt_token_ids=b.prompt_token_ids, worker_id=b.worker_id, prompt_id=b.prompt_id,
+        epoch=b.epoch)
     return BeginWrite(req.trajectory_id, b.group_id, b.group_size, len(b.prompt_token_ids),
                       header.SerializeToString())
 

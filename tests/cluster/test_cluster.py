@@ -18,6 +18,8 @@ What it checks, in order (docs/cluster-test.md: status, and what only a real clu
   submission id, the same checkpoints PVC): it resumes from the last checkpoint and takes its 3
   steps; the trainer's trained-ids ledger (`read_trained_ids`) holds steps 1..N without a gap
   and every trajectory id once, and the store's accounting (over mTLS + token) balances with trained == those ids;
+- the prompts trained on came from both rollout pods, and no (epoch, prompt) from both: each
+  pod reads its own shard of the dataset (the ledger's prompt sources);
 - every push of the resumed job goes from rank 0's pod address and the configured port to both
   rollout pods; the per-tensor digests of the last push, written by each rollout pod
   (rollout `weight_digests_file`), equal rank 0's export (`weight_sync.export_digests_dir`);
@@ -45,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import box as bx  # noqa: E402
 import kube  # noqa: E402
 
-from trainer.loop.ledger import read_trained_ids  # noqa: E402
+from trainer.loop.ledger import read_trained_ids, read_trained_prompts  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = REPO / ".venv" / "bin"
@@ -404,6 +406,12 @@ def test_cluster_in_a_box(cluster: Cluster):
     assert sorted(ledger) == list(range(1, len(ledger) + 1)) and len(ledger) >= 4, ledger
     ids = [i for step in ledger.values() for i in step]
     assert len(ids) == len(set(ids)) and len(ids) >= 3 * 2 * 2, ledger
+    # The two rollout pods read disjoint shards of the prompts (docs/rollout-data.md): the
+    # prompts trained on, by pod and epoch, are shared by no two pods, and both pods fed it.
+    shards = prompt_shards(c)
+    assert set(shards) == {r.name for r in rollouts}, shards
+    (pod_a, a), (pod_b, b) = shards.items()
+    assert a and b and not a & b, (pod_a, pod_b, sorted(a & b))
     # Each push of the resumed job went from rank 0's pod (its address, the configured port) to
     # both rollout pods; the last one's digests on both pods equal the trainer's export.
     pushes = re.findall(r"pushed v(\d+) from ([0-9.]+):(\d+) to (\d+) worker", job_log)
@@ -432,6 +440,7 @@ def test_cluster_in_a_box(cluster: Cluster):
                       "resumed": resumed[0] if resumed else None, "nodes2": nodes2,
                       "pushes": pushes, "digests": len(want["digests"]),
                       "ledger_steps": sorted(ledger), "accounting": acc,
+                      "prompts_by_pod": {k: sorted(v) for k, v in shards.items()},
                       "stale_share": round(stale_share, 3)}))
     print(f"stale share: {acc['dropped'].get('stale', 0)} dropped stale / {acc['produced']} "
           f"produced = {stale_share:.1%}")
@@ -441,6 +450,17 @@ def test_cluster_in_a_box(cluster: Cluster):
 def _tails(c: Cluster, pods: list, chars: int = 2500) -> dict[str, str]:
     """The last lines of each pod's log, for a failure message."""
     return {p.name: c.log(p)[-chars:] for p in pods}
+
+
+def prompt_shards(c: Cluster) -> dict[str, set[tuple[int, str]]]:
+    """Rollout pod (worker id) -> the (epoch, prompt id) of every group the trainer trained on
+    from it (the trained-ids ledger's prompt sources)."""
+    out: dict[str, set[tuple[int, str]]] = {}
+    path = c.pvcs["tiny-moe-smoke-checkpoints"] / RUN_DIR / "trained_ids.jsonl"
+    for step in read_trained_prompts(path).values():
+        for worker, epoch, prompt in step:
+            out.setdefault(worker, set()).add((epoch, prompt))
+    return out
 
 
 def train_log(c: Cluster) -> list[dict]:

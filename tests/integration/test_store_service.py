@@ -110,3 +110,21 @@ def test_bearer_token_required_when_configured(store_redis: EmbeddedRedis, tmp_p
         assert StoreClient(proc.address, auth=auth).stats().groups_acked == 0
     finally:
         proc.stop()
+
+
+def test_pulled_trajectories_name_their_prompt_source(store_redis: EmbeddedRedis,
+                                                      tmp_path) -> None:  # noqa: ANN001
+    # worker_id, prompt_id and epoch go in with the begin and come out with the pull (the
+    # trainer's ledger records them: which pod's shard, which pass over it)
+    proc = StoreProcess(store_redis.url, tmp_path, key_prefix="source:").start()
+    try:
+        with StoreClient(proc.address) as client:
+            group = small_group("source", 2, seed=5)
+            for traj in group:
+                traj.worker_id, traj.prompt_id, traj.epoch = "rollout-1", "p42", 3
+            client.append_trajectories(group)
+            [g] = client.pull("source", 4, wait_ms=2000)
+            assert {(t.worker_id, t.prompt_id, t.epoch) for t in g.trajectories} == {
+                ("rollout-1", "p42", 3)}
+    finally:
+        proc.stop()

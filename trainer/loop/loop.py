@@ -175,7 +175,8 @@ class TrainLoop:
         self.pos.remember([g.group_id for g in groups])
         self.pending_acks += [g.delivery_id for g in groups]
         self.ledger.step(self.pos.step, self.pos.policy_version,
-                         [t.trajectory_id for g in groups for t in g.trajectories])
+                         [t.trajectory_id for g in groups for t in g.trajectories],
+                         [_prompt_of(g) for g in groups])
         return metrics
 
     def quarantine(self, groups: list, reasons: dict[str, str]) -> None:
@@ -293,6 +294,12 @@ class TrainLoop:
         self.metrics.export_step(m)
         with self.run_log.open("a") as f:
             f.write(json.dumps({"step": self.pos.step, "time": time.time(), **m}) + "\n")
+
+
+def _prompt_of(group) -> tuple[str, int, str]:  # noqa: ANN001 (a store_pb2.PulledGroup)
+    """(worker_id, epoch, prompt_id) of a group's prompt (its trajectories share it)."""
+    t = group.trajectories[0] if group.trajectories else None
+    return (t.worker_id, t.epoch, t.prompt_id) if t is not None else ("", 0, "")
 
 
 class _TimedLrSpike:

@@ -8,18 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TrajectoryBegin(_message.Message):
-    __slots__ = ("group_id", "group_size", "prompt_token_ids", "worker_id", "prompt_id")
+    __slots__ = ("group_id", "group_size", "prompt_token_ids", "worker_id", "prompt_id", "epoch")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     group_size: int
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     worker_id: str
     prompt_id: str
-    def __init__(self, group_id: _Optional[str] = ..., group_size: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., worker_id: _Optional[str] = ..., prompt_id: _Optional[str] = ...) -> None: ...
+    epoch: int
+    def __init__(self, group_id: _Optional[str] = ..., group_size: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., worker_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class TrajectoryFinish(_message.Message):
     __slots__ = ("num_segments", "reward", "reward_components", "finish_reason")
