@@ -138,6 +138,9 @@ class RunConfig(StrictConfig):
         0.0, ge=0, le=600, description="after the last step, keep serving /metrics this long "
         "(a short job's final values reach a scraper; SIGTERM ends it early)")
     push_weights_every: int = Field(1, ge=0, description="weight push every N steps (0 = never)")
+    exit_engine_wait_s: float = Field(
+        30.0, ge=0, le=600, description="at exit, wait at most this long for every registered "
+        "engine to report the last pushed version (so none polls a gone rendezvous store)")
     launcher: Literal["local", "ray"] = Field(
         "local", description="local: one in-process rank; ray: one Ray actor per device")
     world_size: int = Field(1, ge=1, description="trainer ranks (ray launcher)")

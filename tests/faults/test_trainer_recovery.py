@@ -59,8 +59,10 @@ def _group(i: int):
 
 
 def _loop(tmp_path, store, ranks, pushes):
+    # the stand-in engine never reports the pushed version: no exit wait for it
     cfg = TrainerConfig(data={"groups_per_step": 1},
-                        run={"run_dir": str(tmp_path), "checkpoint_every": 1})
+                        run={"run_dir": str(tmp_path), "checkpoint_every": 1,
+                             "exit_engine_wait_s": 0})
     return TrainLoop(cfg, ranks, store, push_fn=lambda w, v: pushes.append(v))
 
 

@@ -270,10 +270,10 @@ class TrainLoop:
         if history:
             self.checkpoint(force=True)
             self.export_hf(final=True)
-            self.await_engines()
+            self.await_engines(self.cfg.run.exit_engine_wait_s)
         return history
 
-    def await_engines(self, timeout_s: float = 30.0) -> None:
+    def await_engines(self, timeout_s: float) -> None:
         """Before the trainer exits (and its push rendezvous store with it): wait, bounded, until
         every registered engine reports the last pushed version, so none is left polling a gone
         store for the commit of the final push."""
