@@ -7,7 +7,15 @@ PY=.venv/bin/python
 .venv/bin/mypy services trainer
 # A real Prometheus for the local-run test (and promtool for the chart checks).
 bash scripts/install_prometheus.sh
+# The chart tools' venv (checkov, helm, ...; minutes on a fresh clone) installs beside pytest.
+TOOLS_LOG=$(mktemp)
+bash scripts/chart_check.sh --install > "$TOOLS_LOG" 2>&1 &
+TOOLS_PID=$!
+trap 'kill "$TOOLS_PID" 2>/dev/null || true' EXIT  # pytest failed: stop the install too
 "$PY" -m pytest tests/unit tests/integration tests/faults -q -m "not gpu and not manual" --timeout=900 -p no:cacheprovider --durations=40
-if [ -f scripts/chart_check.sh ]; then
-  bash scripts/chart_check.sh
+if ! wait "$TOOLS_PID"; then
+  cat "$TOOLS_LOG"; echo "test.sh: the chart tools' install failed (above)" >&2; exit 1
 fi
+trap - EXIT
+cat "$TOOLS_LOG"; rm -f "$TOOLS_LOG"
+bash scripts/chart_check.sh
