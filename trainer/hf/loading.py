@@ -11,8 +11,9 @@ rank's rows. FSDP2 shards dim 0 (torch.chunk), so a rank's shard is one flat ran
 
 The index walk costs seconds per tensor at real widths (a fused experts tensor of Qwen3-30B-A3B
 holds 400 M elements), and every layer repeats it: when each source fills one contiguous range
-of the rank's shard (what fused experts give), that layout is kept as a `Plan` and reused for
-every layer with the same name after its layer number, shape and rows (`Plans`).
+of the rank's shard (what fused experts give), that layout is kept (`Block`s in `Plans`) and
+reused for every tensor whose name differs only in its numbers (the layer), with the same shape
+and rows.
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ def _sources(model: Any, key: str, shape: torch.Size, device: str = "cpu"
 
 
 _LAYER_PREFIX = re.compile(r"^(.*\.\d+\.)")  # "model.layers.5." of a layer's tensor name
+_NUMBER = re.compile(r"(?<=\.)\d+(?=\.)")  # layer (and expert) numbers in a tensor name
 
 
 @dataclass(frozen=True)
@@ -109,7 +111,7 @@ class Block:
 
 @dataclass
 class Plans:
-    """Contiguous source layouts of converted tensors, by (name after the layer prefix, shape,
+    """Contiguous source layouts of converted tensors, by (name with its numbers masked, shape,
     the rank's rows); None where a layout is not contiguous (walked every time)."""
 
     known: dict[tuple, list[Block] | None] = field(default_factory=dict)
@@ -117,9 +119,10 @@ class Plans:
     walks: int = 0  # index walks done (the rest came from `known` and `direct`)
 
 
-def _split_layer(key: str) -> tuple[str, str]:
+def _layer_prefix(key: str) -> str:
+    """The name up to its last number ("model.layers.5."): sources are named from it on."""
     m = _LAYER_PREFIX.match(key)
-    return (m.group(1), key[m.end():]) if m else ("", key)
+    return m.group(1) if m else ""
 
 
 def _blocks(prefix: str, sources: dict[str, torch.Tensor], lo: int, hi: int
@@ -146,8 +149,8 @@ def read_local(model: Any, reader: SafetensorsReader, key: str, t: torch.Tensor,
     or the tensor's own dtype when not floating; `plans` keeps layouts for the next layers."""
     shape, (start, end) = t.shape, local_rows(t)
     plans = plans if plans is not None else Plans()
-    prefix, rest = _split_layer(key)
-    plan_key = (rest, tuple(shape), start, end)
+    prefix = _layer_prefix(key)
+    plan_key = (_NUMBER.sub("#", key), tuple(shape), start, end)
     if plan_key in plans.direct:
         return reader.rows(key, start, end) if shape else reader.rows(key)
     row = shape[1:].numel()
