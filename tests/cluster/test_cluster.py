@@ -18,8 +18,8 @@ What it checks, in order (docs/cluster-test.md: status, and what only a real clu
   submission id, the same checkpoints PVC): it resumes from the last checkpoint and takes its 3
   steps; the trainer's trained-ids ledger (`read_trained_ids`) holds steps 1..N without a gap
   and every trajectory id once, and the store's accounting (over mTLS + token) balances with trained == those ids;
-- the prompts trained on came from both rollout pods, and no (epoch, prompt) from both: each
-  pod reads its own shard of the dataset (the ledger's prompt sources);
+- no (epoch, prompt) was trained on twice, from one pod or two: each rollout pod reads its own
+  shard of the dataset (the ledger's prompt sources, printed by pod);
 - every push of the resumed job goes from rank 0's pod address and the configured port to both
   rollout pods; the per-tensor digests of the last push, written by each rollout pod
   (rollout `weight_digests_file`), equal rank 0's export (`weight_sync.export_digests_dir`);
@@ -406,12 +406,16 @@ def test_cluster_in_a_box(cluster: Cluster):
     assert sorted(ledger) == list(range(1, len(ledger) + 1)) and len(ledger) >= 4, ledger
     ids = [i for step in ledger.values() for i in step]
     assert len(ids) == len(set(ids)) and len(ids) >= 3 * 2 * 2, ledger
-    # The two rollout pods read disjoint shards of the prompts (docs/rollout-data.md): the
-    # prompts trained on, by pod and epoch, are shared by no two pods, and both pods fed it.
-    shards = prompt_shards(c)
-    assert set(shards) == {r.name for r in rollouts}, shards
-    (pod_a, a), (pod_b, b) = shards.items()
-    assert a and b and not a & b, (pod_a, pod_b, sorted(a & b))
+    # The rollout pods read disjoint shards of the prompts (docs/rollout-data.md): every
+    # (epoch, prompt) trained on came from one group of one pod, never from two. Which pods'
+    # groups the trainer happened to take varies run to run (both, in most runs here).
+    sources = [s for step in read_trained_prompts(c.pvcs["tiny-moe-smoke-checkpoints"]
+                                                  / RUN_DIR / "trained_ids.jsonl").values()
+               for s in step]
+    assert {w for w, _, _ in sources} <= {r.name for r in rollouts}, sources
+    prompts = [(e, p) for _, e, p in sources]
+    assert len(sources) == len(ids) // 2 and len(set(prompts)) == len(prompts), sources
+    shards = prompt_shards(sources)
     # Each push of the resumed job went from rank 0's pod (its address, the configured port) to
     # both rollout pods; the last one's digests on both pods equal the trainer's export.
     pushes = re.findall(r"pushed v(\d+) from ([0-9.]+):(\d+) to (\d+) worker", job_log)
@@ -452,14 +456,11 @@ def _tails(c: Cluster, pods: list, chars: int = 2500) -> dict[str, str]:
     return {p.name: c.log(p)[-chars:] for p in pods}
 
 
-def prompt_shards(c: Cluster) -> dict[str, set[tuple[int, str]]]:
-    """Rollout pod (worker id) -> the (epoch, prompt id) of every group the trainer trained on
-    from it (the trained-ids ledger's prompt sources)."""
+def prompt_shards(sources: list[tuple[str, int, str]]) -> dict[str, set[tuple[int, str]]]:
+    """Rollout pod (worker id) -> the (epoch, prompt id) of every group trained on from it."""
     out: dict[str, set[tuple[int, str]]] = {}
-    path = c.pvcs["tiny-moe-smoke-checkpoints"] / RUN_DIR / "trained_ids.jsonl"
-    for step in read_trained_prompts(path).values():
-        for worker, epoch, prompt in step:
-            out.setdefault(worker, set()).add((epoch, prompt))
+    for worker, epoch, prompt in sources:
+        out.setdefault(worker, set()).add((epoch, prompt))
     return out
 
 
