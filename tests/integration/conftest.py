@@ -1,4 +1,5 @@
 import pytest
+from local_fixtures import spike_run
 from store_fixtures import store_process, store_redis  # noqa: F401
 
 
@@ -28,3 +29,11 @@ def real_moe_rollouts(tmp_path_factory):
     from tests.support.vllm_sampling import real_like_rollouts
 
     return real_like_rollouts(tmp_path_factory.mktemp("vllm"))
+
+
+@pytest.fixture(scope="session")
+def local_run_dir(tmp_path_factory):
+    """The folder of one `r3flow local` run with an injected ppo_kl spike (local_fixtures),
+    run once per session: test_local_run.py checks the run, test_local_alerts.py the spike and
+    its alert."""
+    return spike_run(tmp_path_factory.mktemp("runs"), tmp_path_factory.mktemp("cfg"))

@@ -1,0 +1,74 @@
+"""One `r3flow local` run shared by test_local_run.py and test_local_alerts.py (the session
+fixture `local_run_dir` in conftest.py), so `make test` boots the local topology for them once.
+
+The run carries an injected ppo_kl spike: `grpo.test_lr_spike_after_s` (a test-only knob) runs
+the update of the first step SPIKE_AFTER_S seconds into the run at a multiplied learning rate, so
+the next step's batch, sampled by the policy before the jump, sits far from the trainer's policy.
+That step is the last one (the knob ends the run there, through the loop's normal end; picking
+the step by time, not by count, keeps the low ppo_kl long enough however fast the machine steps,
+and no longer), and the trainer keeps serving its /metrics for `metrics_linger_s`, so Prometheus
+sees the spike held for longer than the rule's `for` (test_local_alerts.py says why it must).
+Every step before the spike is an ordinary GRPO step of the tests' small MoE (test_local_run.py
+checks them all).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+# Long enough that the low ppo_kl of the steps before the spike outlasts the rule's `for` with
+# room to spare (a fixed 160 steps took 98 s on a quiet CI box and 340 s on a busy one).
+SPIKE_AFTER_S = 80
+MAX_STEPS = 1000  # an upper bound the timed spike ends the run well before
+FACTOR = 20.0
+FOR_S = 60  # the chart rule's `for`
+HOLD_S = 100  # trainer metrics_linger_s: the last step's ppo_kl, held past FOR_S
+ALERT = "R3flowPpoKlSpike"
+WARM_START_STEPS = 5
+
+
+def need_prometheus() -> None:
+    """Skip without a `prometheus` binary on the PATH; under CI (make test installs it) fail."""
+    if shutil.which("prometheus") is None:
+        if os.environ.get("CI"):
+            pytest.fail("prometheus is not on the PATH under CI (scripts/install_prometheus.sh)")
+        pytest.skip("no prometheus binary on the PATH")
+
+
+def spike_run(runs: Path, cfg_dir: Path) -> Path:
+    """The `r3flow local` run (config file + flags, as a user starts one); its run folder."""
+    cfg = cfg_dir / "spike.json"
+    # the tests' small MoE (TinyMoeConfig defaults) at the lr it was tuned with, not the run's
+    # 64-expert model
+    cfg.write_text(json.dumps({
+        "grpo": {"groups_per_step": 8, "lr": 1e-3,
+                 "test_lr_spike_after_s": SPIKE_AFTER_S, "test_lr_spike_factor": FACTOR},
+        "model": {}, "metrics_linger_s": HOLD_S}))
+    cmd = [sys.executable, "-m", "services.cli", "local", "--config", str(cfg),
+           "--steps", str(MAX_STEPS), "--warm-start-steps", str(WARM_START_STEPS),
+           "--runs-dir", str(runs)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "=== r3flow local: summary ===" in proc.stdout
+    (path,) = list(runs.glob("local-*"))
+    return path
+
+
+def step_rows(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "trainer" / "train_log.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if "step" in r]
+
+
+def chart_panels() -> int:
+    """Panels with at least one query, over every chart dashboard."""
+    boards = (ROOT / "helm" / "r3flow" / "dashboards").glob("*.json")
+    return sum(1 for b in boards for p in json.loads(b.read_text())["panels"]
+               if any(t.get("expr") for t in p.get("targets", [])))
