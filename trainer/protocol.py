@@ -64,11 +64,14 @@ class TrainBackend(Protocol):
         get them too, or an empty dict: the HF backend gathers to rank 0 only)."""
         ...
 
-    def iter_hf_weights(self, sender: int = 0, chunk_bytes: int = 256 << 20
-                        ) -> Iterable[tuple[str, torch.Tensor]]:
+    def iter_hf_weights(self, sender: int = 0, chunk_bytes: int = 256 << 20,
+                        wire: str | None = None) -> Iterable[Any]:
         """The HF-named weights streamed to rank `sender` (a collective: every rank iterates
         it once, to the end; only `sender` gets tensors, each valid until the next one is drawn
-        unless kept). No rank holds the whole model: memory is bounded by `chunk_bytes`."""
+        unless kept). No rank holds the whole model: memory is bounded by `chunk_bytes`.
+        Items are (name, tensor) pairs; with `wire` (a weight-sync wire dtype) a backend may
+        give whole packed buckets instead (weight_sync.buckets.PackedBucket): either is what
+        WeightSender.push takes."""
         ...
 
     def checkpoint_state(self) -> tuple[Any, Any]:

@@ -100,7 +100,8 @@ class RankWorker:
         """Every rank joins the streamed export; rank 0 sends it to the plan's members as it
         arrives (the result). No rank holds the whole model (TrainBackend.iter_hf_weights)."""
         chunk = self.cfg.weight_sync.resolved_bucket_bytes()
-        weights = iter(self.trainer.backend.iter_hf_weights(sender=0, chunk_bytes=chunk))
+        weights = iter(self.trainer.backend.iter_hf_weights(
+            sender=0, chunk_bytes=chunk, wire=self.cfg.weight_sync.wire_dtype))
         if self.rank:
             for _ in weights:  # a collective: this rank's part is sending its chunks
                 pass

@@ -140,22 +140,22 @@ def trainer_rank(args: argparse.Namespace, layout: str, work: Path) -> dict:
     out: dict = {"rank": rank, "model_bytes": sum(p.numel() * 2 for p in module.parameters())}
 
     # the layout (one all_gather_object) is worked out once, as the trainer keeps it
-    hf_stream = HFStream(module, arch, tcfg.gated_linear_unit, sender=0, chunk_bytes=bucket)
+    hf_stream = HFStream(module, arch, tcfg.gated_linear_unit, sender=0, chunk_bytes=bucket,
+                         wire=torch.bfloat16)
 
-    def stream() -> HFStream:
-        return hf_stream
+    def stream():
+        return hf_stream.packed() if args.mode == "packed" else iter(hf_stream)
 
     if rank:
         for push in (1, 2):
             _sync()
             base, _ = _mem()
             torch.cuda.reset_peak_memory_stats() if torch.cuda.is_available() else None
-            s = stream()
-            for _ in s:
+            for _ in stream():
                 pass
             _sync()
             out[f"push{push}_extra"] = _mem()[1] - base
-            out["peak_inflight"] = s.peak_inflight
+            out["peak_inflight"] = hf_stream.peak_inflight
         return out
     cuda = torch.cuda.is_available()
     sender = WeightSender(WeightSyncConfig(
@@ -193,11 +193,20 @@ def trainer_rank(args: argparse.Namespace, layout: str, work: Path) -> dict:
 
 
 def recording(stream, sums: dict[str, torch.Tensor] | None):
-    """`stream` passed through, each tensor's checksum kept in `sums` (None: not recorded)."""
-    for n, t in stream:
-        if sums is not None:
-            sums[n] = checksum(t)
-        yield n, t
+    """`stream` (tensors or packed buckets) passed through, each tensor's checksum kept in
+    `sums`; None: the stream itself, untouched (the timed push)."""
+    from services.common.weight_sync import buckets as bk
+
+    if sums is None:
+        yield from stream
+        return
+    for item in stream:
+        if isinstance(item, bk.PackedBucket):
+            views = bk.bucket_views(item.buffer, list(item.entries))
+            sums |= {e.name: checksum(v) for e, v in zip(item.entries, views, strict=True)}
+        else:
+            sums[item[0]] = checksum(item[1])
+        yield item
 
 
 # ---- receivers -----------------------------------------------------------------------------
@@ -303,6 +312,8 @@ def main() -> None:
     p.add_argument("--layout", action="append", choices=sorted(LAYOUTS))
     p.add_argument("--layers", type=int, default=48)
     p.add_argument("--bucket-mb", type=int, default=256)
+    p.add_argument("--mode", choices=("packed", "tensors"), default="packed",
+                   help="the sender takes whole chunks (the trainer's push) or tensor by tensor")
     p.add_argument("--smoke", action="store_true", help="CPU, gloo, tiny widths, 2 layers")
     p.add_argument("--timeout", type=float, default=560)
     p.add_argument("--out", default=str(REPO / "bench-results" / "push_stream.json"))
@@ -329,8 +340,10 @@ def main() -> None:
         else "cpu"
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"device": device, "layers": args.layers,
+                                          "mode": args.mode,
                                           "bucket_mb": args.bucket_mb, "rows": rows}, indent=1))
-    print(f"device {device}, {args.layers} layers, {args.bucket_mb} MiB buckets")
+    print(f"device {device}, {args.layers} layers, {args.bucket_mb} MiB buckets, "
+          f"sender takes {args.mode}")
     print(f"{'layout':7} {'GB':>7} {'push s':>7} {'raw s':>7} {'ratio':>6} {'GB/s':>6}  "
           "peak extra GiB (t0 t1 r0 r1) / over budget  checked bad")
     for r in rows:

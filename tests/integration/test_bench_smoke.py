@@ -54,6 +54,7 @@ BENCHES: dict[str, tuple[str, list[str], list[str]]] = {
         "peak_gib_per_rank", "plan_gib_no_overhead"]),
     "hf_parallel": ("bench_hf_parallel.py", [], [
         "off", "r3", "r3_over_off", "peak_gib_per_rank", "device"]),
+    "push_stream": ("bench_push_stream.py", [], ["device", "layers", "mode", "rows"]),
 }
 NEEDS_ROLLOUTS = {"trainer", "families"}
 
@@ -99,5 +100,8 @@ def test_bench_smoke_writes_its_keys(bench, smoke_runs):
     assert not missing, f"{out.name} lacks {missing}"
     if bench == "weights":
         assert row["load_verified"], "the pushed weights did not load back"
+    if bench == "push_stream":  # every tensor of the packed push checked on both receivers
+        assert all(not r["bad"] and not r["missing"] and min(r["checked"]) == r["tensors"]
+                   for r in row["rows"]), row["rows"]
     if isinstance(data, dict) and "smoke" in data:
         assert data["smoke"] is True

@@ -245,10 +245,11 @@ class HFBackend:
             return export_hf(self.model, dtype)
         return {k: v.detach().clone() for k, v in iter_export_hf(self.model, dtype, sender=0)}
 
-    def iter_hf_weights(self, sender: int = 0, chunk_bytes: int = 256 << 20
-                        ) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_hf_weights(self, sender: int = 0, chunk_bytes: int = 256 << 20,
+                        wire: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Checkpoint-named weights streamed to rank `sender`: one parameter gathered at a
-        time (FSDP2's gather is per parameter; `chunk_bytes` does not apply)."""
+        time (FSDP2's gather is per parameter; `chunk_bytes` and `wire` do not apply: the
+        tensors come one by one)."""
         dtype = torch.bfloat16 if self.cfg.model.dtype == "bf16" else torch.float32
         return iter_export_hf(self.model, dtype, sender)
 

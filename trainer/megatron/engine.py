@@ -20,13 +20,14 @@ Legend: B batch rows, S sequence, V vocabulary, T router rows (S*B), K top-k.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
 import torch
 
+from services.common.weight_sync import buckets as bk
 from trainer.alignment import check_routes, local_routing, to_router_rows
 from trainer.batch import MicroBatch, Sample, filler_microbatch, split_microbatches
 from trainer.collectives import max_over_ranks
@@ -123,7 +124,7 @@ class MegatronBackend:
         self.device = torch.device("cuda", torch.cuda.current_device()) \
             if torch.cuda.is_available() else torch.device("cpu")
         self.padded = 0  # filler micro-batches of the last `microbatches` call
-        self._streams: dict[tuple[int, int], HFStream] = {}  # iter_hf_weights, per (sender, chunk)
+        self._streams: dict[tuple[int, int, str | None], HFStream] = {}  # per iter_hf_weights key
 
     def microbatches(self, samples: Sequence[Sample]) -> list[MicroBatch]:
         """Padded micro-batches of `samples`, as many on every rank (collective: every rank
@@ -288,16 +289,19 @@ class MegatronBackend:
         return {k: v.clone() for k, v in megatron_to_hf(gather_experts(full, self.arch),
                                                          self.arch).items()}
 
-    def iter_hf_weights(self, sender: int = 0, chunk_bytes: int = 256 << 20
-                        ) -> HFStream:
+    def iter_hf_weights(self, sender: int = 0, chunk_bytes: int = 256 << 20,
+                        wire: str | None = None) -> Iterable[Any]:
         """HF-named weights streamed to rank `sender`, unit by unit (export_stream.HFStream;
-        its layout is worked out at the first push and kept: the parameters stay the same)."""
-        key = (sender, chunk_bytes)
+        its layout is worked out at the first push and kept: the parameters stay the same).
+        With `wire` the sender gets whole packed buckets (its chunks) instead of tensors."""
+        key = (sender, chunk_bytes, wire)
         if key not in self._streams:
-            self._streams[key] = HFStream(self.policy.module, self.arch,
-                                          self.policy.config.gated_linear_unit, sender=sender,
-                                          chunk_bytes=chunk_bytes)
-        return self._streams[key]
+            self._streams[key] = HFStream(
+                self.policy.module, self.arch, self.policy.config.gated_linear_unit,
+                sender=sender, chunk_bytes=chunk_bytes,
+                wire=None if wire is None else bk.wire_dtype(wire))
+        stream = self._streams[key]
+        return stream if wire is None else stream.packed()
 
     def checkpoint_state(self) -> tuple[Any, Any]:
         return self.policy.module, self.optimizer

@@ -223,8 +223,17 @@ def _layer_to_megatron(sd: dict, a: MoeArch, i: int, ep_rank: int, ep_size: int)
     return out
 
 
-def _layer_to_hf(sd: dict, a: MoeArch, i: int, ep_rank: int, ep_size: int) -> dict:
+def _layer_to_hf(sd: dict, a: MoeArch, i: int, ep_rank: int, ep_size: int,
+                 experts: bool | None = None) -> dict:
+    """Layer `i` -> HF names: everything (`experts` None), only the routed experts (True:
+    `sd` needs only their tensors), or all but them (False; not for fused-expert families,
+    whose expert mapping carries other tensors too)."""
     hf, mc = f"model.layers.{i}", f"decoder.layers.{i}"
+    moe = a.fam.fused_experts or i in a.moe_layers
+    if experts:
+        return _experts_to_hf(sd, a, hf, mc, _local_experts(a, ep_rank, ep_size)) if moe else {}
+    if experts is False and a.fam.fused_experts:
+        raise ValueError("experts: a fused-expert family maps its experts with other tensors")
     out = {f"{hf}.{h}.weight": sd[f"{mc}.{m}.weight"]
            for h, m in (_ATTN_MLA if a.mla else _ATTN).items() if f"{mc}.{m}.weight" in sd}
     if a.mla:
@@ -236,12 +245,22 @@ def _layer_to_hf(sd: dict, a: MoeArch, i: int, ep_rank: int, ep_size: int) -> di
     if a.fam.qkv_bias:
         out |= {f"{hf}.{n}": t for n, t in _qkv_bias_to_hf(
             sd[f"{mc}.self_attention.linear_qkv.bias"], a).items()}
-    if a.fam.fused_experts:
-        return out | family_gpt_oss.layer_to_hf(sd, mc, hf, _local_experts(a, ep_rank, ep_size))
-    if i not in a.moe_layers:
+    if not moe:
         return out | _mlp_to_hf(sd, f"{mc}.mlp", f"{hf}.mlp")
-    out |= _moe_extras_to_hf(sd, a, mc, hf)
-    for local, e in enumerate(_local_experts(a, ep_rank, ep_size)):
+    if not a.fam.fused_experts:
+        out |= _moe_extras_to_hf(sd, a, mc, hf)
+    if experts is None:
+        out |= _experts_to_hf(sd, a, hf, mc, _local_experts(a, ep_rank, ep_size))
+    return out
+
+
+def _experts_to_hf(sd: dict, a: MoeArch, hf: str, mc: str, local_ids: range
+                   ) -> dict[str, torch.Tensor]:
+    """The routed experts `local_ids` (global ids) of one layer."""
+    if a.fam.fused_experts:  # GPT-OSS: with the layer's sinks, router and o_proj bias
+        return family_gpt_oss.layer_to_hf(sd, mc, hf, local_ids)
+    out: dict[str, torch.Tensor] = {}
+    for local, e in enumerate(local_ids):
         out |= _mlp_to_hf(sd, f"{mc}.mlp.experts.local_experts.{local}",
                           f"{hf}.{a.fam.moe_prefix}.experts.{e}", a.fam.expert_proj)
     return out
@@ -281,12 +300,13 @@ def unit_to_megatron(sd: Mapping[str, torch.Tensor], a: MoeArch, unit: int, ep_r
 
 
 def unit_to_hf(sd: dict[str, torch.Tensor], a: MoeArch, unit: int, ep_rank: int = 0,
-               ep_size: int = 1) -> dict[str, torch.Tensor]:
+               ep_size: int = 1, experts: bool | None = None) -> dict[str, torch.Tensor]:
     """One export unit of this EP rank's megatron tensors -> HF names: `GLOBAL_UNIT` (embedding,
-    final norm, output layer: those of them in `sd`) or decoder layer `unit` (global index)."""
+    final norm, output layer: those of them in `sd`) or decoder layer `unit` (global index);
+    `experts`: True only its routed experts, False all but them (`_layer_to_hf`)."""
     if unit == GLOBAL_UNIT:
-        return {h: sd[m] for h, m in _GLOBAL.items() if m in sd}
-    return _layer_to_hf(unstack_experts(sd), a, unit, ep_rank, ep_size)
+        return {} if experts else {h: sd[m] for h, m in _GLOBAL.items() if m in sd}
+    return _layer_to_hf(unstack_experts(sd), a, unit, ep_rank, ep_size, experts)
 
 
 def expert_param_names(a: MoeArch, num_local: int) -> list[str]:

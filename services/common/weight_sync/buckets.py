@@ -117,6 +117,25 @@ class BucketSpec:
         self.nbytes = aligned(offset + nbytes)  # whole ALIGN rows (see checksum_tensor)
 
 
+@dataclass(frozen=True)
+class PackedBucket:
+    """A bucket its producer packed itself (the trainer's streamed export hands the sender whole
+    chunks): `buffer` is flat uint8 of whole ALIGN rows and holds each entry at its offset in
+    its wire dtype. It goes on the wire as it is; a producer that yields the same `entries`
+    object push after push (a layout that repeats) has its header and checksum plan reused."""
+
+    entries: tuple[TensorEntry, ...]
+    buffer: torch.Tensor
+
+    def __post_init__(self) -> None:
+        n = self.buffer.numel()
+        if self.buffer.dtype != torch.uint8 or self.buffer.dim() != 1 or n % ALIGN:
+            raise ValueError(f"buffer: a packed bucket is flat uint8 of whole {ALIGN}-byte "
+                             f"rows, got {self.buffer.dtype} {tuple(self.buffer.shape)}")
+        if self.entries and self.entries[-1].offset + self.entries[-1].nbytes > n:
+            raise ValueError(f"entries: {self.entries[-1].name!r} ends past the buffer ({n} B)")
+
+
 def sendable_in_place(tensor: torch.Tensor, wire: torch.dtype, device: torch.device) -> bool:
     return (tensor.is_contiguous() and tensor.dtype == dtype_on_wire(tensor.dtype, wire)
             and tensor.device == device and tensor.nbytes % 8 == 0

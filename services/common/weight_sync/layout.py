@@ -87,6 +87,33 @@ class StreamLayout:
         self.buckets = new
 
 
+class PackedLayout:
+    """Buckets that arrive packed (`bk.PackedBucket`, from a producer that cut its own chunks):
+    each is sent in place. Its header and checksum plan are made once per distinct entries and
+    position and reused while the producer yields the same entries there (push after push)."""
+
+    def __init__(self) -> None:
+        self._laid: list[tuple[tuple[bk.TensorEntry, ...], LaidBucket]] = []
+
+    def stream(self, packed, device: torch.device
+               ) -> Iterator[tuple[LaidBucket, list[torch.Tensor]]]:
+        first = 0
+        for index, item in enumerate(packed):
+            if not isinstance(item, bk.PackedBucket):
+                raise TypeError(f"weights: item {index} is a {type(item).__name__} in a "
+                                "stream of packed buckets (one kind per push)")
+            if index < len(self._laid) and self._laid[index][0] is item.entries:
+                laid = self._laid[index][1]
+            else:
+                spec = bk.BucketSpec(index, list(item.entries), [item.buffer],
+                                     item.buffer.numel(), direct=item.buffer)
+                laid = lay_out(spec, first, device)
+                del self._laid[index:]
+                self._laid.append((item.entries, laid))
+            first += len(item.entries)
+            yield laid, [item.buffer]
+
+
 def _fits(laid: LaidBucket, keys: list[tuple[str, torch.Size, torch.dtype]],
           taken: list[tuple[str, torch.Tensor]], wire: torch.dtype, device: torch.device) -> bool:
     """`taken` fills `laid` as the tensors it was laid out for did (a bucket sent in place

@@ -5,6 +5,7 @@ abort. Failures are attributed to members by the `MemberMonitor`."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import time
 from collections import deque
@@ -37,6 +38,7 @@ from services.common.weight_sync.group import (
 from services.common.weight_sync.layout import (
     BucketLayout,
     LaidBucket,
+    PackedLayout,
     StreamLayout,
     publish,
     refit,
@@ -66,6 +68,7 @@ class PushOwner(Protocol):
     _layout: BucketLayout | None
     _layout_digest: str
     _streamed: StreamLayout
+    _packed: PackedLayout
     _side: torch.cuda.Stream | None
 
 
@@ -106,7 +109,7 @@ class Push:
         self.pg: dist.ProcessGroup | None = None
         self.new_group = True
         self.host_blocking = waits_on_host(self.cfg.backend)
-        self.layout_sent = self.streamed = False
+        self.layout_sent = self.streamed = self.packed = False
         self.published = 0  # the header key receivers may wait on next (written or not)
         self.t0 = time.perf_counter()
         self.phases: dict[str, float] = {}
@@ -216,8 +219,15 @@ class Push:
         else:
             self.store.set(Keys.LAYOUT, Keys.STREAM)
         self.layout_sent = True
-        return listed if listed is not None else s._streamed.stream(
-            named, s.bucket_bytes, s.wire, s.device, s.direct_min_bytes)
+        if listed is not None:
+            return listed
+        items = iter(named)
+        head = next(items, None)
+        rest = itertools.chain([] if head is None else [head], items)
+        if isinstance(head, bk.PackedBucket):  # whole buckets, packed by the producer
+            self.packed = True
+            return s._packed.stream(rest, s.device)
+        return s._streamed.stream(rest, s.bucket_bytes, s.wire, s.device, s.direct_min_bytes)
 
     def _send(self, laid: LaidBucket, sources: list[torch.Tensor]) -> torch.Tensor:
         """Pack, broadcast and sum one bucket (summed while it is on the wire: both only
@@ -285,9 +295,12 @@ class Push:
 
     def _free_slot(self, laid: LaidBucket) -> int | None:
         """A pool slot to pack `laid` into, retiring the oldest broadcasts until one is free.
-        A bucket sent in place needs none: it is posted at once, so the packs behind it do
-        not wait for it."""
+        A bucket sent in place needs none: a tensor of the caller's is posted at once, so the
+        packs behind it do not wait for it; a packed bucket (the producer's own buffer) waits
+        for a place among `inflight_buckets`, which bounds the buffers a push holds."""
         if laid.direct:
+            while self.packed and len(self.inflight) >= self.cfg.inflight_buckets:
+                self._retire_oldest()
             return None
         while True:
             busy = {entry[1] for entry in self.inflight}

@@ -21,7 +21,7 @@ from services.common.weight_sync.group import (
     nccl_version,
     push_store,
 )
-from services.common.weight_sync.layout import BucketLayout, StreamLayout
+from services.common.weight_sync.layout import BucketLayout, PackedLayout, StreamLayout
 from services.common.weight_sync.push import Push, PushReport
 
 __all__ = ["STANDALONE_ADDR", "PushReport", "WeightSender"]
@@ -56,6 +56,7 @@ class WeightSender:
         self._layout: BucketLayout | None = None  # the last pushed sequence's buckets
         self._layout_digest = ""  # the layout last written to the root store
         self._streamed = StreamLayout()  # the last streamed (generator) push's buckets
+        self._packed = PackedLayout()  # the last push of packed buckets' headers
         self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     @property
@@ -84,10 +85,11 @@ class WeightSender:
 
     def push(self, plan: store_pb2.WeightSyncPlan,
              named: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
-             ) -> PushReport:
+             | Iterable[bk.PackedBucket]) -> PushReport:
         """Send `named` to every member of `plan`. A list / dict / dict.items() reuses the
         last push's bucket layout when names, shapes and dtypes repeat; a generator streams
-        (tensors are packed as they come, nothing is cached).
+        (tensors are packed as they come; the buckets are reused while the tensors repeat);
+        a generator of `bk.PackedBucket`s (its producer packed them) sends each as it is.
 
         Returns once every member verified every tensor and the commit key is written.
         Raises WeightSyncError naming the failed member(s); then every receiver discards.
@@ -102,4 +104,5 @@ class WeightSender:
     def close(self) -> None:
         self._pool = [None] * self.cfg.inflight_buckets
         self._group, self._layout, self._streamed = None, None, StreamLayout()
+        self._packed = PackedLayout()
         del self._root
