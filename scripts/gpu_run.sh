@@ -2,8 +2,8 @@
 # Everything r3flow measures on a lent GPU machine, in one call (device tool; see BENCHMARKS.md):
 #   run(command="bash scripts/gpu_run.sh", kind="nvidia-h100-x4", carry=[".gpu"])
 # or some sections only: `bash scripts/gpu_run.sh parallel` (trainer | parallel | bench | hf |
-# weights | cpu | fastpath | fastpath-tests; the default runs all but bench, hf, cpu and the
-# fastpath ones).
+# push | weights | cpu | fastpath | fastpath-tests; the default runs all but bench, hf, push, cpu
+# and the fastpath ones).
 # fastpath: issue 30's kernels probe and the plain vs fast path bench (LAYOUTS="--ep=4 ...");
 # fastpath-tests: tests/gpu with the fast path's model switches (R3FLOW_GPU_MODEL).
 # hf: the HF/FSDP2 backend at Qwen3-30B-A3B widths (issue 31; needs transformers and its
@@ -72,6 +72,16 @@ for section in $SECTIONS; do
         --layers 8 --rounds "${HF_ROUNDS:-2}" --out bench-results/hf_parallel.json 2>&1 \
         | grep -v -i "warn\|deprecat\|return func\|Writing model" \
         | tee "$OUT/bench_hf_parallel.txt" | tail -40;;
+    push)
+      # issue 29: the streamed push at Qwen3-30B-A3B size, 48 layers (4 GPUs; transformers from
+      # .gpu/hf-wheels for the receivers' HF model): the sender taking whole chunks (packed),
+      # EP2 and PP2, then tensor by tensor (the path before), EP2; raw NCCL in each run
+      for mode in "packed --layout ep2 --layout pp2" "tensors --layout ep2"; do
+        echo "== bench_push_stream --mode $mode"
+        timeout 400 python3 tests/bench/bench_push_stream.py --mode $mode \
+          --out "$OUT/push_stream_${mode%% *}.json" 2>&1 \
+          | grep -v -i "warn\|deprecated\|mimomodel\|return func" | tail -6
+      done | tee "$OUT/bench_push_stream.txt";;
     weights)
       echo "== bench-weights --device cuda"
       python3 tests/bench/bench_weights.py --device cuda 2>&1 | tail -30 \
