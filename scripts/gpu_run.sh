@@ -4,7 +4,8 @@
 # or some sections only: `bash scripts/gpu_run.sh parallel` (trainer | parallel | bench | hf |
 # push | weights | cpu | fastpath | fastpath-tests; the default runs all but bench, hf, push, cpu
 # and the fastpath ones).
-# fastpath: issue 30's kernels probe and the plain vs fast path bench (LAYOUTS="--ep=4 ...");
+# fastpath: issue 30's kernels probe and the plain vs fast path bench (LAYOUTS="--ep=4 ...";
+# FASTPATH_PATHS="fast fast_no_pg plain" adds the fast path without --overlap-param-gather);
 # fastpath-tests: tests/gpu with the fast path's model switches (R3FLOW_GPU_MODEL).
 # hf: the HF/FSDP2 backend at Qwen3-30B-A3B widths (issue 31; needs transformers and its
 # dependencies as cp312 wheels in .gpu/hf-wheels, e.g. `pip download --no-deps` of the versions
@@ -51,10 +52,11 @@ for section in $SECTIONS; do
       # and the fast path (agreement check on) in the same call; LAYOUTS picks the layouts
       echo "== fast-path kernels"
       python3 tests/bench/probe_fastpath.py 2>&1 | grep -v -i "warn" | tee "$OUT/probe_fastpath.txt"
-      FAST="--experts grouped --attention sdpa --overlap-grad-reduce --fused-adam --chunked-logprobs --check-agreement"
+      FAST="--experts grouped --attention sdpa --overlap-grad-reduce --overlap-param-gather --fused-adam --chunked-logprobs --check-agreement"
       for layout in ${LAYOUTS:-"--ep=4" "--ep=4 --tp=2"}; do
-        for path in fast plain; do
-          flags=""; [ $path = fast ] && flags=$FAST
+        for path in ${FASTPATH_PATHS:-fast plain}; do  # fast_no_pg: fast, gather at step end
+          case $path in fast) flags=$FAST;; fast_no_pg) flags=${FAST/ --overlap-param-gather/};;
+            *) flags="";; esac
           echo "== bench $layout $path"
           python3 tests/bench/bench_megatron_parallel.py --gpus "$(nvidia-smi -L | wc -l)" \
             --layers 8 $layout $flags --out "bench-results/fastpath_${layout//[ =-]/}_$path.json" \

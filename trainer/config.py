@@ -31,6 +31,17 @@ class OptimConfig(StrictConfig):
     overlap_grad_reduce: bool = Field(
         False, description="megatron DDP: reduce gradient buckets during backward, as they fill "
         "(DistributedDataParallelConfig.overlap_grad_reduce), instead of after it")
+    overlap_param_gather: bool = Field(
+        False, description="megatron DDP with the distributed optimizer: all-gather the updated "
+        "parameters bucket by bucket during the next forward (pre-hooks on every module; "
+        "DistributedDataParallelConfig.overlap_param_gather) instead of at the end of the "
+        "optimizer step; export, weight push and checkpoint finish the gather first. Needs "
+        "use_distributed_optimizer and overlap_grad_reduce (without it megatron makes one "
+        "bucket: nothing to overlap)")
+    ddp_bucket_size: int | None = Field(
+        None, ge=1, description="megatron DDP: parameters per grad-reduce / param-gather bucket "
+        "(DistributedDataParallelConfig.bucket_size) when overlap_grad_reduce is on; None = "
+        "megatron's default, max(40M, 1M x DP size)")
     fused_adam: bool = Field(
         False, description="run torch's AdamW as its fused multi-tensor kernel (fused=True; "
         "megatron-core falls back to torch.optim.AdamW without TransformerEngine/Apex)")
@@ -49,6 +60,20 @@ class OptimConfig(StrictConfig):
         "starts this many seconds after the run's first step ended spikes, and the run ends "
         "one step later (the step whose batch shows the spike); 0 = off. Never set it in a "
         "real run")
+
+    @model_validator(mode="after")
+    def _overlap_param_gather(self) -> OptimConfig:
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            raise ValueError("optim.overlap_param_gather: needs optim.use_distributed_optimizer "
+                             "(without it no parameter is all-gathered after the step)")
+        if self.overlap_param_gather and not self.overlap_grad_reduce:
+            raise ValueError("optim.overlap_param_gather: needs optim.overlap_grad_reduce "
+                             "(without it megatron DDP makes one bucket, gathered whole before "
+                             "the first layer: nothing would overlap)")
+        if self.ddp_bucket_size is not None and not self.overlap_grad_reduce:
+            raise ValueError("optim.ddp_bucket_size: needs optim.overlap_grad_reduce (without "
+                             "it megatron DDP makes one bucket whatever the size)")
+        return self
 
 
 class ReplayConfig(StrictConfig):

@@ -10,7 +10,7 @@ hits all alike. MFU counts the model FLOPs of the update (6 x active params x to
 attention) and of the old-policy forward (2 x ... + attention), against the card's dense bf16
 peak (`--peak-tflops`, H100/H200 SXM: 989); "MFU dec" leaves the lm head out (decoder only).
 The fast path's switches (issue 30): --experts grouped --attention sdpa [--overlap-grad-reduce
---fused-adam --chunked-logprobs]; --check-agreement turns the routing agreement check on (its cost; floor 0:
+--overlap-param-gather --fused-adam --chunked-logprobs]; --check-agreement turns the routing agreement check on (its cost; floor 0:
 random rollout ids agree with a random-init router at chance, so no group is quarantined).
 Writes bench-results/megatron_parallel.json.
 Run: python tests/bench/bench_megatron_parallel.py --gpus 4 [--layers 8 --ep 4 ...]
@@ -141,7 +141,8 @@ def _profile(tr, samples: list, out: str) -> None:
 
 def _optim_switches(args: argparse.Namespace) -> dict:
     """The fast path's optimizer switches that were given (older checkouts lack the fields)."""
-    return {k: True for k in ("overlap_grad_reduce", "fused_adam") if getattr(args, k)}
+    return {k: True for k in ("overlap_grad_reduce", "overlap_param_gather", "fused_adam")
+            if getattr(args, k)}
 
 
 def _launch(args: argparse.Namespace, model_dir: str, tmp: Path, script: str = __file__
@@ -201,6 +202,9 @@ def main() -> None:
     p.add_argument("--attention", choices=("unfused", "sdpa"), default="unfused",
                    help="model.attention (sdpa: fused causal attention)")
     p.add_argument("--overlap-grad-reduce", action="store_true", help="optim.overlap_grad_reduce")
+    p.add_argument("--overlap-param-gather", action="store_true",
+                   help="optim.overlap_param_gather (needs --overlap-grad-reduce and the "
+                   "distributed optimizer)")
     p.add_argument("--fused-adam", action="store_true", help="optim.fused_adam")
     p.add_argument("--chunked-logprobs", action="store_true", help="loss.chunked_logprobs")
     p.add_argument("--check-agreement", action=argparse.BooleanOptionalAction, default=False,

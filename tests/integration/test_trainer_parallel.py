@@ -38,6 +38,11 @@ LAYOUTS: dict[str, tuple[int, dict, dict]] = {
     "pp2": (2, {"pipeline_parallel": 2}, {}),
     "ep2": (2, {"expert_parallel": 2}, {}),
     "dp2_distopt": (2, {}, {"use_distributed_optimizer": True}),
+    # the parameter all-gather left to the next forward's pre-hooks (lp_after reads through
+    # them), several buckets; grouped experts read their weights from child modules
+    "dp2_distopt_overlap": (2, {"experts": "grouped"}, {
+        "use_distributed_optimizer": True, "overlap_grad_reduce": True,
+        "overlap_param_gather": True, "ddp_bucket_size": 20_000}),
     "ep2_recompute_full": (2, {"expert_parallel": 2, "recompute_granularity": "full",
                                "recompute_method": "uniform", "recompute_num_layers": 1}, {}),
     "ep2_recompute_moe": (2, {"expert_parallel": 2, "recompute_granularity": "selective",

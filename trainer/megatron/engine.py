@@ -54,7 +54,8 @@ log = logging.getLogger(__name__)
 def _optimizer(built: BuiltModel, cfg: TrainerConfig):
     """Wrap in megatron DDP and build Adam (get_megatron_optimizer); with
     optim.use_distributed_optimizer its state and the fp32 main weights are sharded over the
-    data-parallel ranks (grads reduce-scattered, parameters all-gathered after the step)."""
+    data-parallel ranks (grads reduce-scattered, parameters all-gathered after the step, or with
+    optim.overlap_param_gather during the next forward: `finish_param_gather`)."""
     from megatron.core.distributed import DistributedDataParallel as DDP
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -63,12 +64,14 @@ def _optimizer(built: BuiltModel, cfg: TrainerConfig):
     dist_opt = o.use_distributed_optimizer
     ddp = DDP(built.config, DistributedDataParallelConfig(
         use_distributed_optimizer=dist_opt, grad_reduce_in_fp32=True,
-        overlap_grad_reduce=o.overlap_grad_reduce), built.module)
+        overlap_grad_reduce=o.overlap_grad_reduce, overlap_param_gather=o.overlap_param_gather,
+        bucket_size=o.ddp_bucket_size), built.module)
     with cuda_tensor_type_names():  # no-op on GPUs
         opt = get_megatron_optimizer(OptimizerConfig(
             optimizer="adam", lr=o.lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
             adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad, bf16=bf16,
-            use_distributed_optimizer=dist_opt, params_dtype=torch.bfloat16 if bf16 else torch.float32), [ddp])
+            use_distributed_optimizer=dist_opt, overlap_param_gather=o.overlap_param_gather,
+            params_dtype=torch.bfloat16 if bf16 else torch.float32), [ddp])
     built.config.no_sync_func = ddp.no_sync
     if o.fused_adam:
         fuse_adam(opt)
@@ -85,6 +88,22 @@ def fuse_adam(opt: Any) -> None:
                              "torch's Adam/AdamW")
         for group in torch_opt.param_groups:
             group["fused"], group["foreach"] = True, False
+
+
+def finish_param_gather(ddp: Any) -> None:
+    """optim.overlap_param_gather: finish the parameter all-gather the last optimizer step left
+    to the next forward, for readers of the parameters that are not a forward (export, weight
+    push, checkpoint). A forward needs nothing: megatron DDP's pre-hooks, on every submodule of
+    the module it wraps (so also on the no-grad passes, which call that module directly), wait
+    for each parameter's bucket before its module runs. Per bucket group, megatron's own finish
+    (the one its pre-hook calls): a group not yet dispatched is gathered, one in flight waited
+    for, one already gathered left alone. A collective: every rank of a group's DP ranks calls
+    it, in the same order."""
+    if not ddp.ddp_config.overlap_param_gather:
+        return
+    with torch.no_grad():
+        for group in ddp.bucket_groups + ddp.expert_parallel_bucket_groups:
+            group.finish_param_sync(skip_next_bucket_dispatch=True)
 
 
 class MegatronBackend:
@@ -285,6 +304,7 @@ class MegatronBackend:
     # ------------------------------------------------------------------ weights
     def export_hf_state_dict(self) -> dict[str, torch.Tensor]:
         """HF-named full weights (TP, PP and EP shards gathered; a collective)."""
+        finish_param_gather(self.ddp)
         full = gather_full(self.policy.module, self.policy.config.gated_linear_unit)
         return {k: v.clone() for k, v in megatron_to_hf(gather_experts(full, self.arch),
                                                          self.arch).items()}
@@ -294,6 +314,7 @@ class MegatronBackend:
         """HF-named weights streamed to rank `sender`, unit by unit (export_stream.HFStream;
         its layout is worked out at the first push and kept: the parameters stay the same).
         With `wire` the sender gets whole packed buckets (its chunks) instead of tensors."""
+        finish_param_gather(self.ddp)  # the stream reads the parameters, not a forward
         key = (sender, chunk_bytes, wire)
         if key not in self._streams:
             self._streams[key] = HFStream(
@@ -304,6 +325,9 @@ class MegatronBackend:
         return stream if wire is None else stream.packed()
 
     def checkpoint_state(self) -> tuple[Any, Any]:
+        """(the policy module, its optimizer); the parameters all-gathered first (save reads
+        them whole; load overwrites them whole)."""
+        finish_param_gather(self.ddp)
         return self.policy.module, self.optimizer
 
 

@@ -46,6 +46,12 @@ class _Stacked(torch.nn.Module):
         self.weight.allreduce = allreduce  # type: ignore[attr-defined]
         self.weight.tensor_model_parallel = False  # type: ignore[attr-defined]
 
+    def forward(self) -> torch.Tensor:
+        """The stacked weight. Called, not read: with optim.overlap_param_gather megatron DDP
+        finishes a parameter's all-gather in the forward pre-hook of the module that holds it,
+        so reading `linear_fcK.weight` from the parent would see the previous step's shards."""
+        return self.weight
+
 
 class GroupedExperts(torch.nn.Module):
     """megatron ExpertsInterface: forward(tokens [T, H], tokens_per_expert [El], probs [T])."""
@@ -78,7 +84,7 @@ class GroupedExperts(torch.nn.Module):
 
     def forward(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor,
                 probs: torch.Tensor) -> tuple[torch.Tensor, None]:
-        w1, w2 = self.linear_fc1.weight, self.linear_fc2.weight
+        w1, w2 = self.linear_fc1(), self.linear_fc2()  # pre-hooks: see _Stacked.forward
         if use_grouped_mm(tokens):
             counts = tokens_per_expert.to(device=tokens.device, non_blocking=True)
             offs = torch.cumsum(counts, 0, dtype=torch.int32)

@@ -1,0 +1,165 @@
+"""optim.overlap_param_gather against the step-end all-gather: two ranks over gloo, DP 2, the
+distributed optimizer, grouped experts (their stacked weights sit in child modules the parent
+reads: the case a forward pre-hook could miss), overlapped grad reduce with small buckets (several
+bucket groups, so megatron's bucket-after-bucket gather chain runs), two updates per step (a
+forward between optimizer steps). Both runs take the same three GRPO steps (r2) on each rank's
+own samples; after each step the parameters are read the three ways the trainer reads them:
+
+  step 1  export_hf_state_dict right after the step (no forward in between: explicit finish);
+  step 2  the no-grad logprob pass (the unwrapped module: megatron's pre-hooks gather);
+  step 3  checkpoint_state's module weights, then the streamed weight push (iter_hf_weights).
+
+Every metric of every step (loss, grad norm, ppo_kl, entropy, clip ratios: the old-policy pass
+and the second update's forward read the gathered parameters), the logprobs, the export, the
+checkpoint weights and the stream must be equal bit for bit. A control: with the overlap on, the
+raw parameters read right after a step (no finish) differ from the gathered ones (the gather was
+really left to later), and never with it off. The test runs this file as a script once per rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from services.common.net import free_port
+
+pytestmark = pytest.mark.timeout(240)  # ~30 s here, most of it two processes' imports
+ROOT = Path(__file__).resolve().parents[2]
+BUCKET = 20_000  # parameters per bucket: the tiny model's ~0.25M make several bucket groups
+RUNS = ("step_end", "overlap")
+
+
+def run_pair(tmp_path: Path, dtype: str = "fp32", gpu: bool = False) -> list[dict]:
+    """Both runs in one pair of rank processes (gloo on the CPU, NCCL with `gpu`); per rank,
+    what `_worker` found."""
+    from services.rollout.tiny_moe import TinyMoeConfig, build_tiny_moe
+
+    model = build_tiny_moe(tmp_path / "tiny", TinyMoeConfig(num_layers=3, first_k_dense=1))
+    port, procs = free_port(), []
+    for rank in range(2):
+        env = os.environ | {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                            "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+        if not gpu:
+            env["CUDA_VISIBLE_DEVICES"] = ""
+        procs.append(subprocess.Popen([sys.executable, __file__, str(model),
+                                       str(tmp_path / f"rank{rank}.json"), dtype],
+                                      env=env, cwd=ROOT))
+    try:
+        codes = [p.wait(timeout=200) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert codes == [0, 0], f"rank exit codes {codes}"
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def check_pair(ranks: list[dict]) -> None:
+    for rank, res in enumerate(ranks):
+        print(rank, res)
+        assert res["bucket_groups"] >= 3, res  # the gather chain has links to follow
+        assert res["stale"] == {"step_end": [False] * 3, "overlap": [True] * 3}, res
+        assert res["moved"] > 0  # the steps change the weights (lr 1e-3)
+        assert res["differences"] == [], res
+
+
+@pytest.mark.manual  # ~30 s on the 2-core box; make test runs test_trainer_parallel's layout
+def test_overlap_param_gather_equals_the_step_end_gather(tmp_path):
+    check_pair(run_pair(tmp_path))
+
+
+def test_overlap_param_gather_needs_the_distributed_optimizer_and_bucketing():
+    from trainer.config import OptimConfig
+
+    with pytest.raises(ValueError, match="optim.overlap_param_gather: needs optim.use_distrib"):
+        OptimConfig(overlap_param_gather=True, overlap_grad_reduce=True)
+    with pytest.raises(ValueError, match="optim.overlap_param_gather: needs optim.overlap_grad"):
+        OptimConfig(overlap_param_gather=True, use_distributed_optimizer=True)
+    with pytest.raises(ValueError, match="optim.ddp_bucket_size: needs optim.overlap_grad"):
+        OptimConfig(ddp_bucket_size=1000)
+    OptimConfig(overlap_param_gather=True, use_distributed_optimizer=True,
+                overlap_grad_reduce=True, ddp_bucket_size=1000)
+
+
+# ---------------------------------------------------------------- worker (one per rank)
+def _raw(module) -> list:
+    """The parameters as they are (no gather finished)."""
+    return [p.detach().clone() for p in module.parameters()]
+
+
+def _run(model_dir: str, dtype: str, overlap: bool) -> tuple[dict, dict]:
+    """Three GRPO steps; (what each step's reads gave, tensors), `stale` per step."""
+    import torch
+    from megatron.core import parallel_state as ps
+    from trainer_fixtures import toy_samples
+
+    from trainer.backend import make_trainer
+    from trainer.config import TrainerConfig
+    from trainer.megatron.parallel import model_weights
+
+    cfg = TrainerConfig(model_dir=model_dir, model={"experts": "grouped", "dtype": dtype},
+                        data={"micro_batch_size": 2},
+                        optim={"lr": 1e-3, "use_distributed_optimizer": True, "mini_batches": 2,
+                               "overlap_grad_reduce": True, "ddp_bucket_size": BUCKET,
+                               "overlap_param_gather": overlap})
+    tr = make_trainer(cfg)
+    b, rank = tr.backend, torch.distributed.get_rank()
+    module = b.policy.module
+    samples = toy_samples(100 + rank)
+    before = _raw(module)
+    got: dict = {}
+    info: dict = {"stale": [], "bucket_groups": len(b.ddp.bucket_groups)
+                  + len(b.ddp.expert_parallel_bucket_groups)}
+    for step in range(3):
+        m = tr.train_step(samples, "r2")
+        got |= {f"{step}.{k}": torch.tensor(float(m[k])) for k in (
+            "loss", "grad_norm", "ppo_kl", "entropy", "clip_ratio", "clip_ratio_dual")}
+        raw = _raw(module)
+        if step == 0:
+            got |= {f"0.export.{k}": v for k, v in tr.export_hf_state_dict().items()}
+        elif step == 1:
+            got |= {f"1.lp.{i}": torch.tensor(v) for i, v in
+                    enumerate(tr.sample_logprobs(samples, "off"))}
+        else:
+            got |= {f"2.ckpt.{k}": v.clone() for k, v in
+                    model_weights(b.checkpoint_state()[0]).items()}
+            got |= {f"2.push.{k}": v.clone() for k, v in b.iter_hf_weights(sender=0)}
+        info["stale"].append(any(not torch.equal(x, p) for x, p in
+                                 zip(raw, module.parameters(), strict=True)))
+    info["moved"] = sum(not torch.equal(x, p) for x, p in
+                        zip(before, module.parameters(), strict=True))
+    torch.distributed.barrier()
+    ps.destroy_model_parallel()
+    return info, got
+
+
+def _worker(model_dir: str, out_path: str, dtype: str) -> None:
+    import faulthandler
+
+    import torch
+
+    faulthandler.dump_traceback_later(150, exit=True)  # a stranded collective fails, not hangs
+    runs = {name: _run(model_dir, dtype, name == "overlap") for name in RUNS}
+    (info, ref), (info_on, got) = runs["step_end"], runs["overlap"]
+    common = sorted(set(ref) & set(got))
+    diffs = sorted(set(ref) ^ set(got)) + [k for k in common if not torch.equal(ref[k], got[k])]
+    Path(out_path).write_text(json.dumps({
+        "differences": diffs, "bucket_groups": info_on["bucket_groups"],
+        "max_abs_diff": max(float((ref[k].double() - got[k].double()).abs().max())
+                            for k in common if ref[k].numel()),
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "stale": {"step_end": info["stale"], "overlap": info_on["stale"]},
+        "moved": min(info["moved"], info_on["moved"])}))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    _worker(sys.argv[1], sys.argv[2], sys.argv[3])
