@@ -5,7 +5,8 @@
 # push | weights | cpu | fastpath | fastpath-tests; the default runs all but bench, hf, push, cpu
 # and the fastpath ones).
 # fastpath: issue 30's kernels probe and the plain vs fast path bench (LAYOUTS="--ep=4 ...";
-# FASTPATH_PATHS="fast fast_no_pg plain" adds the fast path without --overlap-param-gather);
+# FASTPATH_PATHS="fast fast_no_pg fast_pg_step plain" adds the fast path without
+# --overlap-param-gather and with the gathers started at the step's end);
 # fastpath-tests: tests/gpu with the fast path's model switches (R3FLOW_GPU_MODEL).
 # hf: the HF/FSDP2 backend at Qwen3-30B-A3B widths (issue 31; needs transformers and its
 # dependencies as cp312 wheels in .gpu/hf-wheels, e.g. `pip download --no-deps` of the versions
@@ -56,7 +57,7 @@ for section in $SECTIONS; do
       for layout in ${LAYOUTS:-"--ep=4" "--ep=4 --tp=2"}; do
         for path in ${FASTPATH_PATHS:-fast plain}; do  # fast_no_pg: fast, gather at step end
           case $path in fast) flags=$FAST;; fast_no_pg) flags=${FAST/ --overlap-param-gather/};;
-            *) flags="";; esac
+            fast_pg_step) flags="$FAST --param-gather-dispatch step";; *) flags="";; esac
           echo "== bench $layout $path"
           python3 tests/bench/bench_megatron_parallel.py --gpus "$(nvidia-smi -L | wc -l)" \
             --layers 8 $layout $flags --out "bench-results/fastpath_${layout//[ =-]/}_$path.json" \

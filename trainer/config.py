@@ -38,6 +38,11 @@ class OptimConfig(StrictConfig):
         "optimizer step; export, weight push and checkpoint finish the gather first. Needs "
         "use_distributed_optimizer and overlap_grad_reduce (without it megatron makes one "
         "bucket: nothing to overlap)")
+    param_gather_dispatch: Literal["forward", "step"] = Field(
+        "forward", description="with overlap_param_gather, when the gathers start: forward = "
+        "megatron's chain (the first layer's pre-hook starts its bucket's gather, each finished "
+        "bucket the next: one in flight); step = every bucket's right after the optimizer step, "
+        "in forward order (they also overlap the host work before the next forward)")
     ddp_bucket_size: int | None = Field(
         None, ge=1, description="megatron DDP: parameters per grad-reduce / param-gather bucket "
         "(DistributedDataParallelConfig.bucket_size) when overlap_grad_reduce is on; None = "
@@ -70,6 +75,8 @@ class OptimConfig(StrictConfig):
             raise ValueError("optim.overlap_param_gather: needs optim.overlap_grad_reduce "
                              "(without it megatron DDP makes one bucket, gathered whole before "
                              "the first layer: nothing would overlap)")
+        if self.param_gather_dispatch != "forward" and not self.overlap_param_gather:
+            raise ValueError("optim.param_gather_dispatch: step needs optim.overlap_param_gather")
         if self.ddp_bucket_size is not None and not self.overlap_grad_reduce:
             raise ValueError("optim.ddp_bucket_size: needs optim.overlap_grad_reduce (without "
                              "it megatron DDP makes one bucket whatever the size)")

@@ -141,8 +141,11 @@ def _profile(tr, samples: list, out: str) -> None:
 
 def _optim_switches(args: argparse.Namespace) -> dict:
     """The fast path's optimizer switches that were given (older checkouts lack the fields)."""
-    return {k: True for k in ("overlap_grad_reduce", "overlap_param_gather", "fused_adam")
-            if getattr(args, k)}
+    out: dict = {k: True for k in ("overlap_grad_reduce", "overlap_param_gather", "fused_adam")
+                 if getattr(args, k)}
+    if args.param_gather_dispatch != "forward":
+        out["param_gather_dispatch"] = args.param_gather_dispatch
+    return out
 
 
 def _launch(args: argparse.Namespace, model_dir: str, tmp: Path, script: str = __file__
@@ -205,6 +208,8 @@ def main() -> None:
     p.add_argument("--overlap-param-gather", action="store_true",
                    help="optim.overlap_param_gather (needs --overlap-grad-reduce and the "
                    "distributed optimizer)")
+    p.add_argument("--param-gather-dispatch", choices=("forward", "step"), default="forward",
+                   help="optim.param_gather_dispatch (with --overlap-param-gather)")
     p.add_argument("--fused-adam", action="store_true", help="optim.fused_adam")
     p.add_argument("--chunked-logprobs", action="store_true", help="loss.chunked_logprobs")
     p.add_argument("--check-agreement", action=argparse.BooleanOptionalAction, default=False,

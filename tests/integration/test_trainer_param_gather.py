@@ -2,8 +2,10 @@
 distributed optimizer, grouped experts (their stacked weights sit in child modules the parent
 reads: the case a forward pre-hook could miss), overlapped grad reduce with small buckets (several
 bucket groups, so megatron's bucket-after-bucket gather chain runs), two updates per step (a
-forward between optimizer steps). Both runs take the same three GRPO steps (r2) on each rank's
-own samples; after each step the parameters are read the three ways the trainer reads them:
+forward between optimizer steps). Three runs, the step-end gather and the overlap with each
+optim.param_gather_dispatch (forward: megatron's chain; step: every gather started at the step's
+end), take the same three GRPO steps (r2) on each rank's own samples; after each step the
+parameters are read the three ways the trainer reads them:
 
   step 1  export_hf_state_dict right after the step (no forward in between: explicit finish);
   step 2  the no-grad logprob pass (the unwrapped module: megatron's pre-hooks gather);
@@ -11,9 +13,10 @@ own samples; after each step the parameters are read the three ways the trainer 
 
 Every metric of every step (loss, grad norm, ppo_kl, entropy, clip ratios: the old-policy pass
 and the second update's forward read the gathered parameters), the logprobs, the export, the
-checkpoint weights and the stream must be equal bit for bit. A control: with the overlap on, the
-raw parameters read right after a step (no finish) differ from the gathered ones (the gather was
-really left to later), and never with it off. The test runs this file as a script once per rank.
+checkpoint weights and the stream must be equal bit for bit. Controls: with the overlap
+(dispatch forward) the raw parameters read right after a step differ from the gathered ones and
+no gather has started; with dispatch step every group's has; without the overlap all are done.
+The test runs this file as a script once per rank.
 """
 
 from __future__ import annotations
@@ -31,11 +34,13 @@ from services.common.net import free_port
 pytestmark = pytest.mark.timeout(240)  # ~30 s here, most of it two processes' imports
 ROOT = Path(__file__).resolve().parents[2]
 BUCKET = 20_000  # parameters per bucket: the tiny model's ~0.25M make several bucket groups
-RUNS = ("step_end", "overlap")
+# run -> optim overrides: the step-end gather, then the overlap with both dispatch points
+RUNS = {"step_end": {}, "overlap": {"overlap_param_gather": True},
+        "overlap_step": {"overlap_param_gather": True, "param_gather_dispatch": "step"}}
 
 
 def run_pair(tmp_path: Path, dtype: str = "fp32", gpu: bool = False) -> list[dict]:
-    """Both runs in one pair of rank processes (gloo on the CPU, NCCL with `gpu`); per rank,
+    """The runs in one pair of rank processes (gloo on the CPU, NCCL with `gpu`); per rank,
     what `_worker` found."""
     from services.rollout.tiny_moe import TinyMoeConfig, build_tiny_moe
 
@@ -64,7 +69,11 @@ def check_pair(ranks: list[dict]) -> None:
     for rank, res in enumerate(ranks):
         print(rank, res)
         assert res["bucket_groups"] >= 3, res  # the gather chain has links to follow
-        assert res["stale"] == {"step_end": [False] * 3, "overlap": [True] * 3}, res
+        # right after a step: with the overlap the gather is not done (forward: not even
+        # started; step: started at the step's end), without it it is
+        assert res["stale"]["step_end"] == [False] * 3 and res["stale"]["overlap"] == [True] * 3
+        assert res["started"] == {"step_end": [True] * 3, "overlap": [False] * 3,
+                                  "overlap_step": [True] * 3}, res
         assert res["moved"] > 0  # the steps change the weights (lr 1e-3)
         assert res["differences"] == [], res
 
@@ -93,8 +102,8 @@ def _raw(module) -> list:
     return [p.detach().clone() for p in module.parameters()]
 
 
-def _run(model_dir: str, dtype: str, overlap: bool) -> tuple[dict, dict]:
-    """Three GRPO steps; (what each step's reads gave, tensors), `stale` per step."""
+def _run(model_dir: str, dtype: str, optim: dict) -> tuple[dict, dict]:
+    """Three GRPO steps; (`stale`/`started` per step, what each step's reads gave)."""
     import torch
     from megatron.core import parallel_state as ps
     from trainer_fixtures import toy_samples
@@ -106,21 +115,22 @@ def _run(model_dir: str, dtype: str, overlap: bool) -> tuple[dict, dict]:
     cfg = TrainerConfig(model_dir=model_dir, model={"experts": "grouped", "dtype": dtype},
                         data={"micro_batch_size": 2},
                         optim={"lr": 1e-3, "use_distributed_optimizer": True, "mini_batches": 2,
-                               "overlap_grad_reduce": True, "ddp_bucket_size": BUCKET,
-                               "overlap_param_gather": overlap})
+                               "overlap_grad_reduce": True, "ddp_bucket_size": BUCKET}
+                        | optim)
     tr = make_trainer(cfg)
     b, rank = tr.backend, torch.distributed.get_rank()
     module = b.policy.module
     samples = toy_samples(100 + rank)
     before = _raw(module)
     got: dict = {}
-    info: dict = {"stale": [], "bucket_groups": len(b.ddp.bucket_groups)
-                  + len(b.ddp.expert_parallel_bucket_groups)}
+    groups = b.ddp.bucket_groups + b.ddp.expert_parallel_bucket_groups
+    info: dict = {"stale": [], "started": [], "bucket_groups": len(groups)}
     for step in range(3):
         m = tr.train_step(samples, "r2")
         got |= {f"{step}.{k}": torch.tensor(float(m[k])) for k in (
             "loss", "grad_norm", "ppo_kl", "entropy", "clip_ratio", "clip_ratio_dual")}
         raw = _raw(module)
+        info["started"].append(all(g.param_gather_dispatched for g in groups))
         if step == 0:
             got |= {f"0.export.{k}": v for k, v in tr.export_hf_state_dict().items()}
         elif step == 1:
@@ -145,17 +155,22 @@ def _worker(model_dir: str, out_path: str, dtype: str) -> None:
     import torch
 
     faulthandler.dump_traceback_later(150, exit=True)  # a stranded collective fails, not hangs
-    runs = {name: _run(model_dir, dtype, name == "overlap") for name in RUNS}
-    (info, ref), (info_on, got) = runs["step_end"], runs["overlap"]
-    common = sorted(set(ref) & set(got))
-    diffs = sorted(set(ref) ^ set(got)) + [k for k in common if not torch.equal(ref[k], got[k])]
+    runs = {name: _run(model_dir, dtype, optim) for name, optim in RUNS.items()}
+    info, ref = runs["step_end"]
+    diffs, worst = [], 0.0
+    for name, (_, got) in runs.items():
+        common = sorted(set(ref) & set(got))
+        diffs += [f"{name}: {k}" for k in sorted(set(ref) ^ set(got))]
+        diffs += [f"{name}: {k}" for k in common if not torch.equal(ref[k], got[k])]
+        worst = max([worst] + [float((ref[k].double() - got[k].double()).abs().max())
+                               for k in common if ref[k].numel()])
     Path(out_path).write_text(json.dumps({
-        "differences": diffs, "bucket_groups": info_on["bucket_groups"],
-        "max_abs_diff": max(float((ref[k].double() - got[k].double()).abs().max())
-                            for k in common if ref[k].numel()),
+        "differences": diffs, "max_abs_diff": worst,
+        "bucket_groups": info["bucket_groups"],
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-        "stale": {"step_end": info["stale"], "overlap": info_on["stale"]},
-        "moved": min(info["moved"], info_on["moved"])}))
+        "stale": {name: i["stale"] for name, (i, _) in runs.items()},
+        "started": {name: i["started"] for name, (i, _) in runs.items()},
+        "moved": min(i["moved"] for i, _ in runs.values())}))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 

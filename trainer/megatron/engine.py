@@ -44,6 +44,7 @@ from trainer.megatron.parallel import (
     local_positions,
     model_parallel_group,
 )
+from trainer.megatron.param_gather import dispatch_at_step, finish_param_gather, start_param_gather
 from trainer.megatron.replay import AgreementMonitor, ModelReplay
 from trainer.protocol import LossFn
 from trainer.replay import ReplayMode, drive
@@ -55,7 +56,7 @@ def _optimizer(built: BuiltModel, cfg: TrainerConfig):
     """Wrap in megatron DDP and build Adam (get_megatron_optimizer); with
     optim.use_distributed_optimizer its state and the fp32 main weights are sharded over the
     data-parallel ranks (grads reduce-scattered, parameters all-gathered after the step, or with
-    optim.overlap_param_gather during the next forward: `finish_param_gather`)."""
+    optim.overlap_param_gather later: trainer.megatron.param_gather)."""
     from megatron.core.distributed import DistributedDataParallel as DDP
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -73,6 +74,8 @@ def _optimizer(built: BuiltModel, cfg: TrainerConfig):
             use_distributed_optimizer=dist_opt, overlap_param_gather=o.overlap_param_gather,
             params_dtype=torch.bfloat16 if bf16 else torch.float32), [ddp])
     built.config.no_sync_func = ddp.no_sync
+    if o.overlap_param_gather and o.param_gather_dispatch == "step":
+        dispatch_at_step(ddp)
     if o.fused_adam:
         fuse_adam(opt)
     return ddp, opt
@@ -88,22 +91,6 @@ def fuse_adam(opt: Any) -> None:
                              "torch's Adam/AdamW")
         for group in torch_opt.param_groups:
             group["fused"], group["foreach"] = True, False
-
-
-def finish_param_gather(ddp: Any) -> None:
-    """optim.overlap_param_gather: finish the parameter all-gather the last optimizer step left
-    to the next forward, for readers of the parameters that are not a forward (export, weight
-    push, checkpoint). A forward needs nothing: megatron DDP's pre-hooks, on every submodule of
-    the module it wraps (so also on the no-grad passes, which call that module directly), wait
-    for each parameter's bucket before its module runs. Per bucket group, megatron's own finish
-    (the one its pre-hook calls): a group not yet dispatched is gathered, one in flight waited
-    for, one already gathered left alone. A collective: every rank of a group's DP ranks calls
-    it, in the same order."""
-    if not ddp.ddp_config.overlap_param_gather:
-        return
-    with torch.no_grad():
-        for group in ddp.bucket_groups + ddp.expert_parallel_bucket_groups:
-            group.finish_param_sync(skip_next_bucket_dispatch=True)
 
 
 class MegatronBackend:
@@ -294,6 +281,8 @@ class MegatronBackend:
                                      self.cfg.replay.agreement_min_ids)
             checkpoint(self._update_level())
             ok, grad_norm, _ = self.optimizer.step()
+            if ok:
+                start_param_gather(self.ddp)  # param_gather_dispatch: step (else a no-op)
         finally:
             self.replay.end_step()
             self.agreement.enabled = False
