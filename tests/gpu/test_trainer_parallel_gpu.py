@@ -2,7 +2,8 @@
 
 The equality test of tests/integration/test_trainer_parallel.py (its rank worker is reused) over
 the issue-21 table: {1 GPU; TP2 (SP); PP2; CP2; EP2; TP2xEP2; PP2xEP2; EP2 + recompute;
-DP2xEP2 with the distributed optimizer}, one r3 batch with random rollout routing each:
+DP2xEP2 with the distributed optimizer, also with its parameter all-gather overlapped}, one r3
+batch with random rollout routing each:
   * fp32: per-token logprobs (before and after one step) and the step's grad norm equal the
     1-GPU fp32 reference within 1e-5; every router used exactly the rollout's experts;
   * bf16: the same against the 1-GPU bf16 reference, within twice what bf16 itself moves the
@@ -52,6 +53,10 @@ TABLE: dict[str, tuple[int, dict, dict]] = {
     "tp2_ep2": (4, {"tensor_parallel": 2, "sequence_parallel": True, "expert_parallel": 2}, {}),
     "pp2_ep2": (4, {"pipeline_parallel": 2, "expert_parallel": 2}, {}),
     "dp2_ep2_distopt": (4, {"expert_parallel": 2}, {"use_distributed_optimizer": True}),
+    # the parameter all-gather left to the next forward (NCCL, async; expert DP 2 too)
+    "dp2_ep2_distopt_overlap": (4, {"expert_parallel": 2, "experts": "grouped"}, {
+        "use_distributed_optimizer": True, "overlap_grad_reduce": True,
+        "overlap_param_gather": True, "ddp_bucket_size": 20_000}),
 }
 DTYPES = ("fp32", "bf16")
 # model.* fields of every layout and reference (the fast path: R3FLOW_GPU_MODEL='{"experts":
