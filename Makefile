@@ -6,6 +6,9 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.r3flow-setup
 export PYTHONUNBUFFERED := 1
+# Python writes its bytecode cache: with PYTHONDONTWRITEBYTECODE set (some shells and agents set
+# it) every process the tests start compiles the project's modules again (~3 s a process here).
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: setup run test test-unit test-integration lint proto proto-check bench bench-codec \
         bench-store bench-rollout bench-trainer bench-weights bench-hf bench-constriction bench-smoke \
