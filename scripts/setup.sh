@@ -15,16 +15,37 @@ import sys
 if sys.version_info[:2] != (3, 11):
     sys.exit(f"r3flow needs Python 3.11 in .venv, found {sys.version.split()[0]}")
 PY
+pip_q() {  # pip, quiet, without the warnings of this machine's pip config
+  "$VENV/bin/pip" "$@" --disable-pip-version-check -q \
+    2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+}
+# The lock with uv (PyPI, pinned): it downloads, unpacks and byte-compiles in parallel, ~100 s
+# on a fresh clone here where pip took ~270 s. It reads no pip config, so it gets pip's
+# find-links (where this machine's CPU torch wheel lies). megatron-core 0.19.2 declares
+# Python >= 3.12, which uv enforces; its cp311-compatible wheel works (DESIGN §3), so pip
+# installs it, with --ignore-requires-python.
+install_lock_uv() {
+  local links=() rest
+  pip_q install uv==0.13.9 || return 1
+  while read -r dir; do links+=(--find-links "$dir"); done < <(
+    "$VENV/bin/pip" config list 2>/dev/null | sed -n "s/^.*find-links='\(.*\)'$/\1/p" \
+      | tr ' ' '\n' | sort -u)
+  rest=$(mktemp)
+  grep -v '^megatron-core==' requirements/cpu.lock > "$rest"
+  "$VENV/bin/uv" pip install -q --python "$VENV/bin/python" --no-deps --no-cache \
+    --compile-bytecode "${links[@]}" -r "$rest" -r requirements/bench.lock
+  local rc=$?; rm -f "$rest"; [ "$rc" = 0 ] || return 1
+  pip_q install --no-deps --ignore-requires-python "$(grep '^megatron-core==' requirements/cpu.lock)"
+}
 step "installing pinned dependencies (requirements/cpu.lock; first run takes a few minutes)"
-# megatron-core 0.19.2 declares Python >= 3.12; its cp311-compatible wheel works (DESIGN §3).
-"$VENV/bin/pip" install --disable-pip-version-check -q --no-deps --ignore-requires-python \
-  -r requirements/cpu.lock -r requirements/bench.lock \
-  2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+if ! install_lock_uv; then
+  step "uv failed (above): installing the lock with pip"
+  pip_q install --no-deps --ignore-requires-python -r requirements/cpu.lock -r requirements/bench.lock
+fi
 # CUDA builds that break `import transformers` next to CPU torch (DESIGN §3).
 "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 step "installing r3flow (editable)"
-"$VENV/bin/pip" install --disable-pip-version-check -q --no-deps --no-build-isolation -e . \
-  2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+pip_q install --no-deps --no-build-isolation -e .
 step "building the C cores (routing codec, weight-push pack)"
 "$VENV/bin/python" -m services.common._build
 step "checking imports"
