@@ -18,12 +18,14 @@ Writes bench-results/push_stream.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -95,6 +97,28 @@ def raw_broadcast(pg, nbytes: int, bucket: int, ring: list[torch.Tensor]) -> flo
     return time.perf_counter() - t0
 
 
+def raw_p2p(nbytes: int, bucket: int) -> float:
+    """Seconds for rank 1 to send `nbytes` to rank 0 point-to-point in `bucket` pieces, all
+    posted at once (what the export's chunks cross at best), best of two."""
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    ring = [torch.empty(bucket, dtype=torch.uint8, device=dev) for _ in range(2)]
+    best = float("inf")
+    for _ in range(2):
+        dist.barrier()
+        _sync()
+        t0 = time.perf_counter()
+        op = dist.isend if dist.get_rank() == 1 else dist.irecv
+        peer = 1 - dist.get_rank()
+        works = [op(ring[k % 2][: min(bucket, nbytes - i)], peer)
+                 for k, i in enumerate(range(0, nbytes, bucket))]
+        for w in works:
+            w.wait()
+        _sync()
+        dist.barrier()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 # ---- trainer ranks -------------------------------------------------------------------------
 def build_megatron(args: argparse.Namespace, layout: str):
     """Megatron GPTModel at the config's size, parameters allocated and filled on the device."""
@@ -141,7 +165,10 @@ def trainer_rank(args: argparse.Namespace, layout: str, work: Path) -> dict:
 
     # the layout (one all_gather_object) is worked out once, as the trainer keeps it
     hf_stream = HFStream(module, arch, tcfg.gated_linear_unit, sender=0, chunk_bytes=bucket,
-                         wire=torch.bfloat16)
+                         wire=torch.bfloat16, depth=args.depth)
+    provided = sum(c.nbytes for cs in hf_stream.chunks.values() for c in cs if c.src == 1)
+    out["raw_p2p_s"] = raw_p2p(provided, bucket)  # rank 1 -> rank 0, the chunks' bytes
+    out["p2p_bytes"] = provided
 
     def stream():
         return hf_stream.packed() if args.mode == "packed" else iter(hf_stream)
@@ -177,10 +204,14 @@ def trainer_rank(args: argparse.Namespace, layout: str, work: Path) -> dict:
         base, _ = _mem()
         torch.cuda.reset_peak_memory_stats() if cuda else None
         t0 = time.perf_counter()
-        report = sender.push(plan, recording(stream(), sums if push == 1 else None))
+        hf_stream.host_wait_s = 0.0
+        with profiled(args.profile and push == 2, Path(args.out).with_suffix(f".{layout}.prof")):
+            report = sender.push(plan, recording(stream(), sums if push == 1 else None))
+        out["host_wait_s"] = hf_stream.host_wait_s
         out[f"push{push}_s"] = time.perf_counter() - t0
         out[f"push{push}_extra"] = _mem()[1] - base
-        out[f"push{push}_phases"] = report.phases
+        out[f"push{push}_phases"] = report.phases | {
+            f"host_{k}": v for k, v in report.host_s.items()}
         out |= {"num_bytes": report.num_bytes, "num_tensors": report.num_tensors,
                 "num_buckets": report.num_buckets}
         if push == 1:
@@ -190,6 +221,23 @@ def trainer_rank(args: argparse.Namespace, layout: str, work: Path) -> dict:
         out[f"raw{push}_s"] = raw_broadcast(raw_pg, report.num_bytes, bucket, ring)
     sender.close()
     return out
+
+
+@contextlib.contextmanager
+def profiled(on: bool, path: Path) -> Iterator[None]:
+    """torch.profiler around the block (CPU + CUDA); its op tables written to `path`."""
+    if not on:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        yield
+        _sync()
+    ka = prof.key_averages()
+    path.write_text(ka.table(sort_by="self_cpu_time_total", row_limit=30) + "\n"
+                    + ka.table(sort_by="self_device_time_total", row_limit=20))
 
 
 def recording(stream, sums: dict[str, torch.Tensor] | None):
@@ -226,7 +274,8 @@ def receiver(args: argparse.Namespace, index: int, work: Path) -> dict:
     rx = WeightReceiver(f"rx{index}", 0, dev)
     _, raw_pg = _raw_group(index + 1, args.raw_port, server=False)
     ring = [torch.empty(args.bucket_mb << 20, dtype=torch.uint8, device=dev) for _ in range(2)]
-    out: dict = {"index": index, "slots": DEFAULT_SLOTS}
+    slots = args.slots or DEFAULT_SLOTS
+    out: dict = {"index": index, "slots": slots}
     targets: dict[str, torch.Tensor] = {}
     dst: list[torch.Tensor] = []
     src: list[torch.Tensor] = []
@@ -238,7 +287,9 @@ def receiver(args: argparse.Namespace, index: int, work: Path) -> dict:
         names = []
         with torch.no_grad():
             bucket = None
-            for name, t in stream_weights(rx, plan):
+            t_loop, own = time.perf_counter(), 0.0
+            for name, t in stream_weights(rx, plan, slots):
+                t_own = time.perf_counter()
                 if name not in targets:  # looked up once: the names repeat every push
                     targets[name] = _target(params, name)
                 if t.untyped_storage().data_ptr() != bucket and dst:
@@ -248,6 +299,9 @@ def receiver(args: argparse.Namespace, index: int, work: Path) -> dict:
                 dst.append(targets[name])
                 src.append(t)
                 names.append(name)
+                own += time.perf_counter() - t_own
+            out[f"push{push}_loop_s"] = time.perf_counter() - t_loop
+            out[f"push{push}_loader_s"] = own  # the loader's own Python per tensor
             if dst:
                 torch._foreach_copy_(dst, src)
                 dst, src = [], []
@@ -299,6 +353,10 @@ def summarize(layout: str, r: dict, bucket: int) -> dict:
             "buckets": t0["num_buckets"], "push_s": push_s, "push1_s": t0["push1_s"],
             "phases": t0["push2_phases"],
             "raw_s": raw_s, "ratio": raw_s / push_s, "gb_s": t0["num_bytes"] / push_s / 1e9,
+            "p2p_bytes": t0["p2p_bytes"], "raw_p2p_s": t0["raw_p2p_s"],
+            "rx_loop_s": [r[k]["push2_loop_s"] for k in ("r0", "r1")],
+            "rx_loader_s": [r[k]["push2_loader_s"] for k in ("r0", "r1")],
+            "sender_host_wait_s": t0["host_wait_s"],
             "model_bytes_per_trainer_rank": [t0["model_bytes"], t1["model_bytes"]],
             "peak_extra_gib": {k: v / GIB for k, v in peaks.items()},
             "over_budget_gib": {k: (peaks[k] - budgets[k]) / GIB for k in budgets},
@@ -312,6 +370,10 @@ def main() -> None:
     p.add_argument("--layout", action="append", choices=sorted(LAYOUTS))
     p.add_argument("--layers", type=int, default=48)
     p.add_argument("--bucket-mb", type=int, default=256)
+    p.add_argument("--depth", type=int, default=2, help="export chunks in flight per rank")
+    p.add_argument("--slots", type=int, default=0, help="receiver ring slots (0: default)")
+    p.add_argument("--profile", action="store_true",
+                   help="torch.profiler around the sender's timed push (tables beside --out)")
     p.add_argument("--mode", choices=("packed", "tensors"), default="packed",
                    help="the sender takes whole chunks (the trainer's push) or tensor by tensor")
     p.add_argument("--smoke", action="store_true", help="CPU, gloo, tiny widths, 2 layers")
@@ -343,7 +405,8 @@ def main() -> None:
                                           "mode": args.mode,
                                           "bucket_mb": args.bucket_mb, "rows": rows}, indent=1))
     print(f"device {device}, {args.layers} layers, {args.bucket_mb} MiB buckets, "
-          f"sender takes {args.mode}")
+          f"sender takes {args.mode}, depth {args.depth}, receiver slots "
+          f"{args.slots or 'default'}")
     print(f"{'layout':7} {'GB':>7} {'push s':>7} {'raw s':>7} {'ratio':>6} {'GB/s':>6}  "
           "peak extra GiB (t0 t1 r0 r1) / over budget  checked bad")
     for r in rows:
@@ -352,7 +415,10 @@ def main() -> None:
               f"{r['ratio']:6.3f} {r['gb_s']:6.1f}  "
               + " ".join(f"{pk[k]:.2f}" for k in ("t0", "t1", "r0", "r1")) + " / "
               + " ".join(f"{ob[k]:+.2f}" for k in ("t0", "t1", "r0", "r1"))
-              + f"  {r['checked']} {len(r['bad'])}")
+              + f"  {r['checked']} {len(r['bad'])}  p2p {r['p2p_bytes'] / 1e9:.1f} GB in "
+              f"{r['raw_p2p_s']:.3f} s; rx loop {r['rx_loop_s'][0]:.3f} s, loader "
+              f"{r['rx_loader_s'][0]:.3f} s; sender host waits {r['sender_host_wait_s']:.3f} s; "
+              + ", ".join(f"{k} {v:.3f}" for k, v in r["phases"].items()))
 
 
 if __name__ == "__main__":

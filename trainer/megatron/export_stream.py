@@ -20,6 +20,7 @@ and exchanged with one all_gather_object; both ends cut the same chunks from it.
 from __future__ import annotations
 
 import re
+import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -89,6 +90,7 @@ class HFStream:
         self.device = next(iter(model_weights(module).values())).device
         self.experts = _ExpertViews(arch)
         self.peak_inflight = 0  # most chunk bytes this rank allocated at once (tests, benches)
+        self.host_wait_s = 0.0  # seconds the host waited for chunks in flight (benches)
         self._inflight: deque[tuple[Any, torch.Tensor]] = deque()
         self._recv_stream: torch.cuda.Stream | None = None
 
@@ -211,6 +213,7 @@ class HFStream:
         """Wait for the oldest chunks until `keep` are in flight. On CUDA the host waits too:
         a freed chunk is reused only once the stream is past it, so running ahead would
         allocate without bound."""
+        t0 = time.perf_counter()
         while len(self._inflight) > keep:
             handle, buf = self._inflight.popleft()
             if isinstance(handle, torch.cuda.Event):  # a receive: that receive only
@@ -220,6 +223,7 @@ class HFStream:
                 handle.wait()
             if buf.is_cuda:
                 torch.cuda.current_stream(buf.device).synchronize()
+        self.host_wait_s += time.perf_counter() - t0
 
 
 def _units(module: Any) -> dict[int, list[_Param]]:

@@ -91,6 +91,9 @@ class PushReport:
     phases: dict[str, float] = field(default_factory=dict)
     """Seconds from `push()` to: joined, end_header (every checksum published), drained
     (every broadcast done on the sender), acked, committed."""
+    host_s: dict[str, float] = field(default_factory=dict)
+    """Host seconds spent drawing the input (produce) and packing and posting the buckets,
+    retiring the oldest ones included (send)."""
 
     @property
     def gb_s(self) -> float:
@@ -113,6 +116,7 @@ class Push:
         self.published = 0  # the header key receivers may wait on next (written or not)
         self.t0 = time.perf_counter()
         self.phases: dict[str, float] = {}
+        self.host_s: dict[str, float] = {}
         self.last_work: dist.Work | None = None
         # (broadcast, pool slot, bucket, event after its checksum on the side stream)
         self.inflight: deque[tuple[dist.Work, int | None, torch.Tensor,
@@ -143,7 +147,7 @@ class Push:
         self.s._group = CachedGroup(group_signature(self.plan), self.version, self.pg)
         report = PushReport(self.version, tuple(str(m) for m in self.members), tensors,
                             nbuckets, nbytes, time.perf_counter() - t0, self.new_group,
-                            self.phases)
+                            self.phases, self.host_s)
         log.info("weight push v%d: %d tensors, %.1f MB in %.2f s (%.2f GB/s) to %d ranks",
                  self.version, tensors, nbytes / 1e6, report.seconds, report.gb_s,
                  len(self.members))
@@ -194,9 +198,15 @@ class Push:
         the last bucket the moment it lands."""
         sums: list[torch.Tensor] = []
         tensors = nbytes = 0
+        produce = send = 0.0  # host seconds: drawing the input; packing + posting
+        t = time.perf_counter()
         for laid, sources in buckets:
+            t1 = time.perf_counter()
             sums.append(self._send(laid, sources))
             tensors, nbytes = tensors + len(laid.entries), nbytes + laid.nbytes
+            t2 = time.perf_counter()
+            produce, send, t = produce + t1 - t, send + t2 - t1, t2
+        self.host_s = {"produce": produce, "send": send}
         end = hd.encode_end(len(sums), tensors, nbytes, self._host_sums(sums))
         self.store.set(Keys.header(len(sums)), end)
         self.published = len(sums) + 1  # an abort now wakes receivers through `commit`
