@@ -15,10 +15,15 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+# What the pods run: this checkout and the Python environment (a venv, its base install), kept
+# visible whatever volume a pod mounts over them (a clone under /tmp, an emptyDir at /tmp)
+_PATHS = {Path(p).resolve() for p in (Path(__file__).parents[2], sys.prefix, sys.base_prefix)}
+CODE = sorted(p for p in _PATHS if not any(q in p.parents for q in _PATHS))
 PREFIX = "r3c"
 BRIDGE = f"{PREFIX}-br"
 SUBNET = "198.18.7"  # a /24 of the 198.18.0.0/15 benchmark range, never routed anywhere
@@ -131,13 +136,19 @@ table inet r3np {{
         """Run argv in the pod: its netns, hostname, mounts (mountPath -> host dir), env."""
         binds = []
         # A mount over an ancestor of the sources (an emptyDir at /tmp) would hide them: last.
-        hides = lambda t: any(str(src).startswith(t.rstrip("/") + "/")  # noqa: E731
-                              for src in mounts.values())
+        hides = lambda t: any(_under(src, t) for src in mounts.values())  # noqa: E731
         for target, src in sorted(mounts.items(), key=lambda kv: hides(kv[0])):
             if not Path(target).exists():  # a mountpoint the host lacks: made, removed at close
                 Path(target).mkdir(parents=True)
                 self.mountpoints.append(Path(target))
-            binds.append(f"mount --bind {sh_quote(str(src))} {sh_quote(target)}")
+            # ... and over the code the pod runs (a checkout under /tmp): the code is bound into
+            # the volume at its own path first, and the volume mounted with it (rbind)
+            code = [c for c in CODE if _under(c, target)]
+            for c in code:
+                inner = sh_quote(str(Path(src) / c.relative_to(target)))
+                binds += [f"mkdir -p {inner}", f"mount --bind {sh_quote(str(c))} {inner}"]
+            flag = "--rbind" if code else "--bind"
+            binds.append(f"mount {flag} {sh_quote(str(src))} {sh_quote(target)}")
         script = "; ".join([f"hostname {pod.name}", *binds,
                             f"cd {sh_quote(workdir)}", 'exec "$@"'])
         log = (pod.root / f"{log_name}.log").open("ab")
@@ -228,3 +239,8 @@ def clean_leftovers() -> None:
         run("ip", "netns", "del", name, check=False)
         shutil.rmtree(Path("/etc/netns") / name, ignore_errors=True)
     run("nft", "delete", "table", "inet", HOST_TABLE, check=False)
+
+
+def _under(path: Path | str, target: str) -> bool:
+    """`path` lies strictly below the directory `target`."""
+    return str(path).startswith(target.rstrip("/") + "/")
