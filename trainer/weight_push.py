@@ -80,17 +80,27 @@ class RankSender:
         self.sender.close()
 
 
-def digesting(cfg: WeightSyncConfig, weights: Iterable[tuple[str, torch.Tensor]],
-              into: dict[str, str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """`weights` passed through, the digest of each tensor as it goes on the wire (floating
-    ones cast to the wire dtype) recorded in `into`."""
-    from services.common.weight_sync.buckets import dtype_on_wire, wire_dtype
+def digesting(cfg: WeightSyncConfig, weights: Iterable[Any], into: dict[str, str]
+              ) -> Iterator[Any]:
+    """`weights` ((name, tensor) pairs or packed buckets) passed through, the digest of each
+    tensor as it goes on the wire (floating ones cast to the wire dtype) recorded in `into`."""
+    from services.common.weight_sync.buckets import (
+        PackedBucket,
+        bucket_views,
+        dtype_on_wire,
+        wire_dtype,
+    )
     from services.rollout.worker_ext import tensor_digest
 
     wire = wire_dtype(cfg.wire_dtype)
-    for name, t in weights:
-        into[name] = tensor_digest(t.to(dtype_on_wire(t.dtype, wire)))
-        yield name, t
+    for item in weights:
+        if isinstance(item, PackedBucket):  # already in the wire dtypes
+            views = bucket_views(item.buffer, list(item.entries))
+            into |= {e.name: tensor_digest(v) for e, v in zip(item.entries, views, strict=True)}
+        else:
+            name, t = item
+            into[name] = tensor_digest(t.to(dtype_on_wire(t.dtype, wire)))
+        yield item
 
 
 def write_export_digests(cfg: WeightSyncConfig, version: int, digests: Mapping[str, str]) -> Path:
