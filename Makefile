@@ -37,7 +37,7 @@ test-unit: setup
 test-integration: setup
 	$(PY) -m pytest tests/integration -q
 
-# The rendered chart + k8s/tiny-moe-smoke.yaml run as processes in network namespaces (root;
+# The rendered chart + the RayJobs of k8s/ run as processes in network namespaces (root;
 # docs/cluster-test.md). setup.sh installs nftables/iproute2 and fetches helm.
 test-cluster: setup
 	bash tests/cluster/setup.sh

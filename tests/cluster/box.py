@@ -93,6 +93,7 @@ table inet {HOST_TABLE} {{
         return self
 
     def add_pod(self, name: str) -> NsPod:
+        assert self._next < 255, "the box's /24 is used up"
         ns, ip = f"{PREFIX}-{self._next}", f"{SUBNET}.{self._next}"
         self._next += 1
         pod = self.pods[name] = NsPod(name, ns, ip, self.work / "pods" / name)
@@ -123,6 +124,8 @@ table inet {HOST_TABLE} {{
         if rules is None:
             return
         body = "\n    ".join(rules)
+        # replaced as a whole when pods come and go (a CNI updates its sets the same way)
+        run("ip", "netns", "exec", pod.ns, "nft", "delete", "table", "inet", "r3np", check=False)
         run("ip", "netns", "exec", pod.ns, "nft", "-f", "-", input=f"""
 table inet r3np {{
   chain podin {{ type filter hook input priority 0; policy accept;
@@ -179,26 +182,44 @@ table inet r3np {{
                               capture_output=True, timeout=timeout, env=env)
 
     # ---------------------------------------------------------------- cleanup
-    def close(self) -> None:
-        for pod in self.pods.values():
-            for p in pod.procs:
-                if p.poll() is None:
-                    try:
-                        os.killpg(p.pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-            for _ in range(3):  # anything left in the namespace (Ray daemons re-parented)
-                if not self.kill_pod(pod):
-                    break
+    def stop_pod(self, pod: NsPod, grace_s: float = 0.0) -> None:
+        """Every process of the pod gone: SIGTERM and `grace_s` to exit (kubelet's
+        termination grace period) when given, then SIGKILL by pid (process groups started
+        here, then whatever is left in the namespace: Ray daemons re-parent)."""
+        if grace_s:
+            self.kill_pod(pod, signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            while self.pids_in(pod) and time.monotonic() < deadline:
                 time.sleep(0.2)
-            for p in pod.procs:
+        for p in pod.procs:
+            if p.poll() is None:
                 try:
-                    p.wait(timeout=5)
-                except subprocess.TimeoutExpired:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
                     pass
-            run("ip", "netns", "del", pod.ns, check=False)
-            run("ip", "link", "del", _veth(pod.ns), check=False)  # if a holder kept the ns
-            shutil.rmtree(Path("/etc/netns") / pod.ns, ignore_errors=True)
+        for _ in range(3):
+            if not self.kill_pod(pod):
+                break
+            time.sleep(0.2)
+        for p in pod.procs:
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def remove_pod(self, name: str, grace_s: float = 0.0) -> NsPod:
+        """The pod deleted: its processes stopped, its namespace, veth and hosts file removed
+        (its address is never given to another pod)."""
+        pod = self.pods.pop(name)
+        self.stop_pod(pod, grace_s)
+        run("ip", "netns", "del", pod.ns, check=False)
+        run("ip", "link", "del", _veth(pod.ns), check=False)  # if a holder kept the ns
+        shutil.rmtree(Path("/etc/netns") / pod.ns, ignore_errors=True)
+        return pod
+
+    def close(self) -> None:
+        for name in list(self.pods):
+            self.remove_pod(name)
         run("ip", "link", "del", BRIDGE, check=False)
         run("nft", "delete", "table", "inet", HOST_TABLE, check=False)
         for m in reversed(self.mountpoints):

@@ -1,0 +1,30 @@
+"""The Megatron RayJob of k8s/tiny-moe-smoke.yaml in the box (retry.py: rank 1's pod SIGKILLed
+mid-step, the job FAILED naming it, KubeRay's retry on a new RayCluster at new addresses resumes
+from the last checkpoint), plus Ray token auth: a job submission without the cluster's token is
+refused by the head's dashboard (the test's own submissions carry it, from the Secret)."""
+
+from __future__ import annotations
+
+import json
+
+import kube
+import pytest
+from cluster import REPO, Cluster
+from rayjob import apply
+from retry import kill_and_retry
+
+pytestmark = pytest.mark.timeout(900)
+SPEC = REPO / "k8s" / "tiny-moe-smoke.yaml"
+
+
+def test_megatron_kill_and_retry(cluster: Cluster):
+    run = apply(cluster, kube.load_docs(SPEC.read_text()))
+    out = kill_and_retry(run, between=lambda: auth_refused(run))
+    print(json.dumps(out))
+    print(f"scenario megatron ({SPEC.name}): {out['seconds']} s", flush=True)
+
+
+def auth_refused(run) -> None:
+    """Ray token auth (the RayJob's authOptions): a submission without the token is refused."""
+    code = run.submit_status(None)
+    assert code in (401, 403), f"dashboard accepted a job without the token: HTTP {code}"

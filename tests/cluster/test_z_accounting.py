@@ -1,0 +1,70 @@
+"""The store's books over every RayJob of the session (runs last): after the rollout pods stop
+(SIGTERM, as kubelet stops a pod), services.local.accounting over the secured store (mTLS +
+token) balances, with `trained` equal to the ids in the jobs' ledgers, and the stale share
+(dropped stale / produced, starts, kills and retries included) is at most 20%: the rollout pods
+stay within the store's backlog budget (`max_groups_ahead`) while trainers start, are down and
+restart (issue 28)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import kube
+import pytest
+from cluster import GROUP_SIZE, REPO, Cluster
+
+pytestmark = pytest.mark.timeout(300)
+MAX_STALE_SHARE = 0.2
+CODE = """
+import json, sys
+from services.common.auth import ClientAuth, ClientAuthConfig
+from services.local.accounting import Accounting
+vol = sys.argv[1]
+auth = ClientAuth.from_config(ClientAuthConfig(
+    token_file=f"{vol}/tokens/token", ca_file=f"{vol}/tls/ca.crt",
+    cert_file=f"{vol}/client-tls/tls.crt", key_file=f"{vol}/client-tls/tls.key"))
+acc = Accounting.collect("r3flow-store:50051", [], group_size=int(sys.argv[2]),
+                         max_in_flight=16, auth=auth)
+print(json.dumps(acc.as_dict()))
+"""
+
+
+def test_accounting(cluster: Cluster):
+    c = cluster
+    if not c.trained_ids:
+        pytest.skip("no RayJob ran in this session")
+    acc = accounting(c)
+    trained = sum(len(ids) for ids in c.trained_ids.values())
+    stale_share = acc["dropped"].get("stale", 0) / max(1, acc["produced"])
+    print(json.dumps({"accounting": acc, "ledgers": {k: len(v) for k, v in
+                                                     c.trained_ids.items()}}))
+    print(f"stale share: {acc['dropped'].get('stale', 0)} dropped stale / {acc['produced']} "
+          f"produced = {stale_share:.1%}")
+    assert acc["balanced"] and acc["trained"] == trained, (acc, trained)
+    assert stale_share <= MAX_STALE_SHARE, acc
+
+
+def accounting(c: Cluster) -> dict:
+    """Accounting.collect from a trainer pod (the store admits the trainer role), after the
+    rollout pods stopped."""
+    for r in c.by_name("r3flow-rollout"):
+        for p in c.ns(r).procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in c.ns(r).procs:
+            p.wait(timeout=120)
+    pod = trainer_pod(c)
+    vol = c.ns(pod).root / "vol"
+    r = c.python(pod, CODE, str(vol), str(GROUP_SIZE), timeout=120,
+                 env={**c.env(pod), "PYTHONPATH": str(REPO)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def trainer_pod(c: Cluster) -> kube.Pod:
+    """A pod with the trainer's labels, secrets and address (the last RayJob's head)."""
+    heads = [p for p in c.pods if p.kind == "ray-head"]
+    assert heads, "no trainer pod left to ask the store from"
+    return heads[-1]
