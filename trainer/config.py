@@ -220,7 +220,8 @@ class TrainerConfig(StrictConfig):
             if self.model.expert_parallel != 1:
                 raise ValueError("model.expert_parallel: the hf backend shards experts with "
                                  "FSDP2 like every other weight; EP must be 1")
-            self.hf.check_world(self.run.world_size)
+            if self.run.launcher == "ray":  # local: the engine checks the process group's
+                self.hf.check_world(self.run.world_size)
         elif self.run.launcher == "ray":
             from trainer.megatron.parallel import check_layout
 

@@ -269,3 +269,63 @@ def test_two_cpu_ranks_fsdp2_gloo_take_a_step(model_dir, plain, megatron, tmp_pa
     assert m["grad_norm"] == pytest.approx(r0["grad_norm"], rel=1e-5)
     two, after = torch.load(tmp_path / "after.pt"), one.export_hf_state_dict()
     assert max(float((after[k] - two[k]).abs().max()) for k in two) < 1e-5
+
+
+# ---------------------------------------------------------------- sequence parallelism (Ulysses)
+def _sp_rank(rank, world, port, model_dir, shares, out_dir):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    from trainer.backend import make_trainer
+
+    tr = make_trainer(_cfg(model_dir, backend="hf", hf={"sequence_parallel": 2}))
+    b = tr.backend
+    mbs = b.microbatches(shares[rank])  # the group's union: both ranks the same rows
+    with torch.no_grad(), b.no_grad_pass(mbs, ReplayMode.R3, reference=False):
+        logits = [b.logits(mb, ReplayMode.R3).cpu() for mb in mbs]
+    m = tr.train_step(shares[rank], "r3")
+    after = tr.export_hf_state_dict()
+    res = {"grad_norm": m["grad_norm"], "agreement": m["routing_agreement"],
+           "dp": b.data_parallel_size, "tokens": [int(mb.tokens_BS.shape[1]) for mb in mbs]}
+    torch.save({"logits": logits, "after": after}, os.path.join(out_dir, f"sp{rank}.pt"))
+    with open(os.path.join(out_dir, f"sp{rank}.json"), "w") as f:
+        json.dump(res, f)
+
+
+def test_sequence_parallel_two_ranks_equal_one_rank(model_dir, plain, megatron, tmp_path):
+    """hf.sequence_parallel 2: two gloo ranks run the union of their shares, each on half of
+    every packed row (Ulysses attention); logits before the step, the r3 step's grad norm and
+    the weights after it equal one rank's on all the samples (fp32)."""
+    import torch.multiprocessing as mp
+
+    from trainer.backend import make_trainer
+
+    shares = [make_samples(plain, n=4, seed=7), make_samples(plain, n=4, seed=8)]
+    for s in shares[1]:
+        s.group_id = "h" + s.group_id[1:]
+    mp.spawn(_sp_rank, args=(2, free_port(), str(model_dir), shares, str(tmp_path)),
+             nprocs=2, join=True)
+    r0, r1 = (json.loads((tmp_path / f"sp{r}.json").read_text()) for r in (0, 1))
+    assert r0["dp"] == 1 and r0["tokens"] == r1["tokens"]
+    assert r0["grad_norm"] == pytest.approx(r1["grad_norm"], rel=1e-6) and r0["grad_norm"] > 0
+    assert r0["agreement"] == 1.0 and r1["agreement"] == 1.0
+    one = make_trainer(_cfg(model_dir, backend="hf"))
+    b = one.backend
+    mbs = b.microbatches(shares[0] + shares[1])
+    assert [int(mb.tokens_BS.shape[1]) for mb in mbs] == r0["tokens"]
+    with torch.no_grad(), b.no_grad_pass(mbs, ReplayMode.R3, reference=False):
+        want = [b.logits(mb, ReplayMode.R3) for mb in mbs]
+    sp0, sp1 = (torch.load(tmp_path / f"sp{r}.pt") for r in (0, 1))
+    diff = 0.0
+    for got0, got1, w in zip(sp0["logits"], sp1["logits"], want, strict=True):
+        assert torch.equal(got0, got1)
+        diff = max(diff, float((got0 - w).abs().max()))
+    assert diff < 1e-5
+    m = one.train_step(shares[0] + shares[1], "r3")
+    assert m["grad_norm"] == pytest.approx(r0["grad_norm"], rel=1e-5)
+    after = one.export_hf_state_dict()
+    moved = max(float((after[k] - sp0["after"][k]).abs().max()) for k in after)
+    print(f"sequence parallel 2 vs 1 rank: max |d logit| {diff:.1e}, grad norm "
+          f"{r0['grad_norm']:.6f} vs {m['grad_norm']:.6f}, max |d weight| {moved:.1e}")
+    assert moved < 1e-5 and sp1["after"] == {}
+

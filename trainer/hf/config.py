@@ -42,6 +42,11 @@ class HFBackendConfig(StrictConfig):
         "sdpa", description="transformers attention implementation")
     gradient_checkpointing: bool = Field(False, description="recompute decoder layers in "
                                          "backward (the routers replay the same ids again)")
+    sequence_parallel: int = Field(
+        1, ge=1, description="Ulysses sequence parallelism: groups of this many consecutive "
+        "ranks train the same samples, each on 1/P of every packed row (attention all-to-alls "
+        "heads for tokens; trainer.hf.ulysses); needs hf.packing and sdpa attention, must "
+        "divide run.world_size and the model's attention and key/value heads")
     reference_replay: bool = Field(True, description="the KL reference model replays the same "
                                    "routing as the policy (a warning is logged when off)")
 
@@ -52,6 +57,14 @@ class HFBackendConfig(StrictConfig):
         if self.shard_group_size and world_size % self.shard_group_size:
             raise ValueError(f"hf.shard_group_size: {self.shard_group_size} does not divide "
                              f"run.world_size {world_size}")
+        if world_size % self.sequence_parallel:
+            raise ValueError(f"hf.sequence_parallel: {self.sequence_parallel} does not divide "
+                             f"run.world_size {world_size}")
+        if self.sequence_parallel > 1 and not self.packing:
+            raise ValueError("hf.sequence_parallel: needs hf.packing: true (each rank takes a "
+                             "contiguous slice of one packed row)")
+        if self.sequence_parallel > 1 and self.attn_implementation != "sdpa":
+            raise ValueError("hf.sequence_parallel: needs hf.attn_implementation: sdpa")
         if self.shard_group_size and self.sharding != "hybrid":
             raise ValueError("hf.shard_group_size: only hybrid sharding has shard groups (set "
                              "hf.sharding: hybrid or leave it 0)")

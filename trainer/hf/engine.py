@@ -11,6 +11,7 @@ Legend: B batch rows, S sequence, V vocabulary, T router tokens, K top-k.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -45,6 +46,16 @@ from trainer.hf.routers import (
     decoder_layers,
     find_routers,
 )
+from trainer.hf.ulysses import (
+    ATTN_NAME,
+    UlyssesAttention,
+    check_heads,
+    gather_rows,
+    gather_sequence,
+    group_samples,
+    register,
+    sp_groups,
+)
 from trainer.protocol import LossFn
 from trainer.replay import ReplayMode, drive
 
@@ -67,17 +78,21 @@ class HFBackend:
         self.hf.check_world(self.world_size)
         self.sharded = self._use_fsdp()
         self.mesh = device_mesh(self.hf.mesh_shape(self.world_size)) if self.sharded else None
-        # FSDP2 averages gradients over the ranks; unsharded is one rank
-        self.data_parallel_size = self.world_size if self.sharded else 1
+        self._sequence_parallel()
+        # FSDP2 averages gradients over the ranks (a sequence-parallel group's P ranks hold the
+        # same samples: `update` scales their loss by P); unsharded is one rank
+        self.data_parallel_size = self.world_size // self.sp if self.sharded else 1
         self.model = self._build(trainable=True)
+        check_heads(self.model.config, self.sp)
         check_packing(self.model, self.hf.packing)
         self.routers = find_routers(self.model)
         self.arch = RoutingArch.of(self.routers)
         self.moe_layers, self.num_experts, self.top_k = (
             self.arch.moe_layers, self.arch.num_experts, self.arch.top_k)
-        self.agreement = HFAgreementMonitor(self.moe_layers, self.top_k, self.num_experts)
+        self.agreement = HFAgreementMonitor(self.moe_layers, self.top_k, self.num_experts,
+                                            sp=(self.sp_rank, self.sp))
         self.agreement.enabled = False
-        self.replay = HFModelReplay(self.routers, self.agreement)
+        self.replay = HFModelReplay(self.routers, self.agreement, sp=(self.sp_rank, self.sp))
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
@@ -87,7 +102,8 @@ class HFBackend:
         if cfg.loss.uses_reference:
             self.reference = self._build(trainable=False)
             if self.hf.reference_replay:
-                self.ref_replay = HFModelReplay(find_routers(self.reference))
+                self.ref_replay = HFModelReplay(find_routers(self.reference),
+                                                sp=(self.sp_rank, self.sp))
             elif cfg.replay.mode != ReplayMode.OFF:
                 log.warning("loss.kl_coef=%s with replay.mode=%s but hf.reference_replay is off: "
                             "the reference routes naturally, so kl_ref mixes routing and policy "
@@ -95,6 +111,17 @@ class HFBackend:
         self.device = next(self.model.parameters()).device
         self.padded = 0  # filler micro-batches of the last `microbatches` call
         self.current: MicroBatch | None = None  # in a forward/backward now (fault blame)
+
+    def _sequence_parallel(self) -> None:
+        """hf.sequence_parallel: this rank's group, its rank in it, and the Ulysses attention
+        the model is built with (trainer.hf.ulysses); P = 1 leaves the model as configured."""
+        self.sp, self.sp_rank, self.sp_group = self.hf.sequence_parallel, 0, None
+        self.attn_implementation: str = self.hf.attn_implementation
+        if self.sp > 1:
+            self.sp_group, self.sp_rank = sp_groups(self.sp)
+            self.ulysses = UlyssesAttention(self.sp_group, self.sp)
+            register(self.ulysses)
+            self.attn_implementation = ATTN_NAME
 
     def _use_fsdp(self) -> bool:
         if self.hf.fsdp == "off":
@@ -108,8 +135,8 @@ class HFBackend:
 
     def _build(self, trainable: bool) -> Any:  # an HF PreTrainedModel (FSDP2-wrapped or not)
         meta = self.sharded and self.hf.meta_init
-        model = build_meta(self.cfg.model_dir, self.hf.attn_implementation) if meta else \
-            load_model(self.cfg.model_dir, self.hf.attn_implementation)
+        model = build_meta(self.cfg.model_dir, self.attn_implementation) if meta else \
+            load_model(self.cfg.model_dir, self.attn_implementation)
         if trainable and self.hf.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         if not trainable:
@@ -154,11 +181,19 @@ class HFBackend:
             mb._hf_r3_rows = rows  # type: ignore[attr-defined]
         return rows
 
-    @staticmethod
-    def _logits(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
+    def _logits(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
+        """[B, S, V] logits of `mb`; under sequence parallelism this rank runs its slice of the
+        row and the slices' logits are gathered (every rank of the group holds them all)."""
         # no attention mask: causal, and block-diagonal for packed rows (restarting positions)
-        return model(input_ids=mb.tokens_BS, position_ids=mb.position_ids_BS,
-                     use_cache=False).logits
+        if self.sp == 1:
+            return model(input_ids=mb.tokens_BS, position_ids=mb.position_ids_BS,
+                         use_cache=False).logits
+        self.ulysses.begin(mb.position_ids_BS)
+        n = mb.tokens_BS.shape[1] // self.sp
+        mine = slice(self.sp_rank * n, (self.sp_rank + 1) * n)
+        local = model(input_ids=mb.tokens_BS[:, mine], position_ids=mb.position_ids_BS[:, mine],
+                      use_cache=False).logits
+        return gather_sequence(local, self.sp_group, self.sp, self.sp_rank)
 
     # ------------------------------------------------------------------ no-grad passes
     @contextmanager
@@ -181,13 +216,14 @@ class HFBackend:
         record = mode == ReplayMode.R2 and not reference
         if ctl is not None:
             drive(ctl, rows, record)
-        self.agreement.valid_T = mb.valid_rows_BS.reshape(-1)
+        self.agreement.valid_T = self.agreement.mine(mb.valid_rows_BS.reshape(-1))
         self.current = mb
         out = self._logits(model, mb)
         if not reference:
             self.agreement.collect(mb)
         if ctl is not None and record and rows is None:
-            mb.replay_rows = ctl.recorded()
+            mb.replay_rows = ctl.recorded() if self.sp == 1 else [
+                gather_rows(r, self.sp_group, self.sp) for r in ctl.recorded()]
         if ctl is not None:
             ctl.end_step()
         return out
@@ -196,11 +232,14 @@ class HFBackend:
         """Packed (hf.packing) or padded micro-batches, on this rank's device."""
         d = self.cfg.data
         cut = pack_microbatches if self.hf.packing else split_microbatches
-        mbs = cut(samples, d.micro_batch_size, d.pad_multiple)
+        pad = math.lcm(d.pad_multiple, self.sp)  # every rank of a group takes 1/P of a row
+        if self.sp > 1:  # the group's ranks train the same rows
+            samples = group_samples(list(samples), self.sp_group, self.sp, self.sp_rank)
+        mbs = cut(samples, d.micro_batch_size, pad)
         if self.sharded:  # every forward gathers parameters: as many on every rank
             n = max_over_ranks(len(mbs))
             self.padded = n - len(mbs)
-            mbs += [filler_microbatch(d.pad_multiple, len(self.moe_layers), self.top_k)
+            mbs += [filler_microbatch(pad, len(self.moe_layers), self.top_k)
                     for _ in range(self.padded)]
         return [mb.to(self.device) for mb in mbs]
 
@@ -219,7 +258,7 @@ class HFBackend:
                 drive(self.replay, self._rows(mb, mode), record=False)
                 loss = loss_fn(mb, self._logits(self.model, mb))
                 finite &= torch.isfinite(loss.detach()).all()
-                loss.backward()
+                (loss * self.sp if self.sp > 1 else loss).backward()
                 self.replay.end_step()
         finally:
             self.replay.end_step()

@@ -162,10 +162,15 @@ class HFAgreementMonitor(AgreementStats):
     and are read back only when asked for: a host sync per layer per micro-batch stalls the GPU
     queue (with it and the per-pass route check, r3/off was 1.06-1.13 on an H200)."""
 
-    def __init__(self, hf_layers: tuple[int, ...], top_k: int, num_experts: int) -> None:
-        self.num_experts = num_experts
+    def __init__(self, hf_layers: tuple[int, ...], top_k: int, num_experts: int,
+                 sp: tuple[int, int] = (0, 1)) -> None:
+        self.num_experts, self.sp = num_experts, sp  # (rank, size) of sequence parallelism
         self.valid_T: torch.Tensor | None = None
         super().__init__(hf_layers, top_k)
+
+    def mine(self, x_T: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a whole row's router tokens (all of them without SP)."""
+        return shard_sequence_parallel(x_T, *self.sp)
 
     def reset(self) -> None:
         super().reset()
@@ -209,10 +214,15 @@ class HFAgreementMonitor(AgreementStats):
                 self.agree[m] += agree
                 self.total[m] += valid * self.top_k
         self._pending = [[] for _ in self.hf_layers]
-        for mb, hits_LT in self._by_mb:  # router order t = b*S + s
+        rank, size = self.sp
+        for mb, hits_Lt in self._by_mb:  # router order t = b*S + s (B = 1 under SP)
             b, s = mb.tokens_BS.shape
-            self.file_units(mb, hits_LT.view(-1, b, s),
-                            torch.ones(s, dtype=torch.bool, device=hits_LT.device))
+            mine_S = torch.zeros(s, dtype=torch.bool, device=hits_Lt.device)
+            mine_S[rank * s // size:(rank + 1) * s // size] = True
+            hits_LBS = torch.zeros(hits_Lt.shape[0], b, s, dtype=hits_Lt.dtype,
+                                   device=hits_Lt.device)
+            hits_LBS[:, :, mine_S] = hits_Lt.view(-1, b, s // size)
+            self.file_units(mb, hits_LBS, mine_S)
         self._by_mb = []
 
 
@@ -226,18 +236,21 @@ class HFModelReplay:
     """
 
     def __init__(self, routers: Sequence[RouterHandle],
-                 monitor: HFAgreementMonitor | None = None) -> None:
-        self.routers, self.monitor = list(routers), monitor
+                 monitor: HFAgreementMonitor | None = None, sp: tuple[int, int] = (0, 1)) -> None:
+        self.routers, self.monitor, self.sp = list(routers), monitor, sp
         self.action = ReplayAction.NATURAL
         self._ids: list[torch.Tensor | None] = [None] * len(self.routers)
         self._recorded: list[torch.Tensor | None] = [None] * len(self.routers)
         self._handles = [r.module.register_forward_hook(self._hook(m))
                          for m, r in enumerate(self.routers)]
 
-    def replay_forward(self, rows_per_layer: Sequence[torch.Tensor], sp_rank: int = 0,
-                       sp_size: int = 1) -> None:
+    def replay_forward(self, rows_per_layer: Sequence[torch.Tensor], sp_rank: int | None = None,
+                       sp_size: int | None = None) -> None:
         """Replay these ids ([T, K] per MoE layer, router order) in the next forwards; under
-        sequence parallelism the rows are the whole sequence and this rank keeps its slice."""
+        sequence parallelism (`sp` of the constructor unless given) the rows are the whole
+        sequence and this rank keeps its slice."""
+        sp_rank = self.sp[0] if sp_rank is None else sp_rank
+        sp_size = self.sp[1] if sp_size is None else sp_size
         if len(rows_per_layer) != len(self.routers):
             raise ValueError(f"routing: {len(rows_per_layer)} layers for "
                              f"{len(self.routers)} MoE layers")
