@@ -79,7 +79,7 @@ def _trainer_config(args: argparse.Namespace, model_dir: str):
     from trainer.config import TrainerConfig
 
     hf = {"sharding": args.sharding, "shard_group_size": args.shard_group,
-          "gradient_checkpointing": args.recompute}
+          "gradient_checkpointing": args.recompute, "sequence_parallel": args.sequence_parallel}
     return TrainerConfig.model_validate({
         "backend": "hf", "model_dir": model_dir, "hf": hf,
         "model": {"dtype": "bf16"}, "optim": {"lr": 1e-7},
@@ -133,6 +133,7 @@ def summarise(args: argparse.Namespace, cfg: dict, ranks: list[dict]) -> dict:
     out: dict = {"smoke": args.smoke, "gpus": args.gpus, "layers": args.layers, "seq_len": args.seq_len,
                  "samples_per_rank": args.samples, "sharding": args.sharding,
                  "shard_group": args.shard_group, "recompute": args.recompute,
+                 "sequence_parallel": args.sequence_parallel,
                  "check_agreement": args.check_agreement,
                  "peak_gib_per_rank": [round(r["peak_bytes"] / 2**30, 2) for r in ranks]}
     for mode in MODES:
@@ -154,6 +155,7 @@ def main() -> None:
     p.add_argument("--sharding", choices=("full", "hybrid"), default="full")
     p.add_argument("--shard-group", type=int, default=0)
     p.add_argument("--recompute", action="store_true", help="hf.gradient_checkpointing")
+    p.add_argument("--sequence-parallel", type=int, default=1, help="hf.sequence_parallel")
     p.add_argument("--check-agreement", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--peak-tflops", type=float, default=989.0)
     p.add_argument("--small", action="store_true", help="CPU check: tiny widths")

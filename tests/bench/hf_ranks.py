@@ -9,6 +9,7 @@ routing. Reported per world size: response logprobs of all 8 samples before and 
 Differences are against world size 1. CPU (gloo) or, when CUDA is there, one GPU per rank (NCCL).
 
   python tests/bench/hf_ranks.py --worlds 1 2 [--width 4] [--sharding hybrid --shard-group 1]
+  [--sequence-parallel 2]
       [--no-meta-init] [--out bench-results/hf_ranks.json]
 """
 
@@ -135,6 +136,8 @@ def main() -> None:
     ap.add_argument("--sharding", default="full")
     ap.add_argument("--shard-group", type=int, default=0)
     ap.add_argument("--no-meta-init", action="store_true")
+    ap.add_argument("--sequence-parallel", type=int, default=1,
+                    help="hf.sequence_parallel of the worlds > 1 (must divide them)")
     ap.add_argument("--out", default="bench-results/hf_ranks.json")
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="hf_ranks_"))
@@ -144,7 +147,8 @@ def main() -> None:
     samples = _samples(model)
     for w in a.worlds:
         hf = {"sharding": a.sharding, "shard_group_size": a.shard_group if w > 1 else 0,
-              "meta_init": not a.no_meta_init, "fsdp": "auto"}
+              "meta_init": not a.no_meta_init, "fsdp": "auto",
+              "sequence_parallel": a.sequence_parallel if w > 1 else 1}
         cfg = TrainerConfig.model_validate({
             "backend": "hf", "model_dir": str(model), "hf": hf, "optim": {"lr": 1e-4},
             "data": {"micro_batch_size": 2}, "replay": {"agreement_floor": 0.9},
