@@ -232,12 +232,18 @@ def profiled(on: bool, path: Path) -> Iterator[None]:
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=acts) as prof:
+    with profile(activities=acts, with_stack=True) as prof:
         yield
         _sync()
     ka = prof.key_averages()
+    # where the host blocks: the Python stacks of every synchronising CUDA runtime call
+    syncs = [e for e in prof.key_averages(group_by_stack_n=12)
+             if "Synchronize" in e.key or e.key in ("cudaMemcpy", "cudaHostAlloc")]
+    stacks = "\n\n".join(f"{e.key} x{e.count} {e.cpu_time_total:.0f} us\n  "
+                         + "\n  ".join(e.stack) for e in syncs)
     path.write_text(ka.table(sort_by="self_cpu_time_total", row_limit=30) + "\n"
-                    + ka.table(sort_by="self_device_time_total", row_limit=20))
+                    + ka.table(sort_by="self_device_time_total", row_limit=20)
+                    + "\n\nsynchronising calls by stack:\n" + stacks)
 
 
 def recording(stream, sums: dict[str, torch.Tensor] | None):
