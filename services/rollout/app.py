@@ -162,11 +162,13 @@ def _summary_writer(path: str | None, worker_id: str, engine_pids: dict[str, lis
 
 async def _capture_ok(worker: Any, rec: Any) -> bool:
     """The start check of the engine's routing capture (services/rollout/capture_check.py),
-    before this worker registers: False (logged, one line naming the setting) when it fails."""
+    before this worker registers: False (logged, one line naming the setting) when it fails.
+    Once it passed, its prompt is the one the check after each weight load generates."""
     cfg = worker.cfg
     try:
-        await check_capture(worker.engine, cfg.sampling, rec.token_ids(worker.tokenizer.encode),
-                            cfg.engine.seed, cfg.partial_rollout_policy)
+        probe_ids = rec.token_ids(worker.tokenizer.encode)
+        await check_capture(worker.engine, cfg.sampling, probe_ids, cfg.engine.seed,
+                            cfg.partial_rollout_policy)
     except RoutingCaptureError as e:
         log.critical("rollout %s refuses to serve: %s", cfg.worker_id, e)
         return False
@@ -174,6 +176,7 @@ async def _capture_ok(worker: Any, rec: Any) -> bool:
         log.warning("routing capture start check skipped: %s", e)
         return True
     log.info("routing capture start check passed")
+    worker.capture_check.probe_ids = probe_ids  # the same check after each weight load
     return True
 
 

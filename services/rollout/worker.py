@@ -22,6 +22,7 @@ from typing import Any
 
 from services.common.pb.r3flow.v1 import trajectory_pb2
 from services.rollout.agent import AgentLoop, EnvironmentFactory, RolloutResult
+from services.rollout.capture_check import AfterLoadCheck
 from services.rollout.config import RolloutConfig
 from services.rollout.dataset import PromptRecord, iterate_prompts
 from services.rollout.engine import EngineDead, RolloutEngine
@@ -127,6 +128,10 @@ class RolloutWorker:
             log.warning("engine.capture_routing is off: groups are not sent to the store "
                         "(it requires routing for every segment)")
         self.trainer_version: int | None = None
+        # The routing capture check after each weight load (services/rollout/capture_check.py)
+        self.capture_check = AfterLoadCheck(engine, cfg.sampling, cfg.engine.seed,
+                                            cfg.partial_rollout_policy, self._refuse)
+        self.refusal: str | None = None
         self._nonce = uuid.uuid4().hex[:8]
         self._requests = asyncio.Semaphore(cfg.concurrency)
         self._stop = asyncio.Event()
@@ -137,6 +142,13 @@ class RolloutWorker:
 
     def request_stop(self) -> None:
         """Take no new prompt; `run` lets in-flight groups finish within its grace period."""
+        self._stop.set()
+
+    def _refuse(self, line: str) -> None:
+        """The capture check after a weight load failed: no new prompt; `run` ends fatal."""
+        if self.refusal is None:
+            self.refusal = line
+            log.critical("rollout %s refuses to serve: %s", self.cfg.worker_id, line)
         self._stop.set()
 
     # ---- the main loop ---------------------------------------------------------------------
@@ -170,6 +182,7 @@ class RolloutWorker:
             task.add_done_callback(tasks.discard)
             task.add_done_callback(lambda _: slots.release())
         summary.stopped_early = self._stop.is_set()
+        summary.fatal = summary.fatal or self.refusal
         watchdog.cancel()
         grace = min(stop_grace_s, FATAL_GRACE_S) if summary.fatal else stop_grace_s
         await self._finish_in_flight(set(tasks), summary, grace)
@@ -336,12 +349,14 @@ class RolloutWorker:
     async def update_weights_from_file(self, path: str, version: int | None = None) -> int:
         """Pause (in-flight requests are aborted, later resumed), load, resume, report."""
         count = await self.engine.load_safetensors_file(path, version=version)
+        self.capture_check.after_load(self.engine.policy_version)
         await self.report_version()
         return count
 
     async def update_weights_from_tensors(self, named: dict[str, Any],
                                           version: int | None = None) -> int:
         count = await self.engine.load_named_tensors(named, version=version)
+        self.capture_check.after_load(self.engine.policy_version)
         await self.report_version()
         return count
 
@@ -359,6 +374,7 @@ class RolloutWorker:
         count = await self.engine.update_weights(
             "receive_weights", plan.SerializeToString(), self.cfg.worker_id, bool(digests),
             version=plan.version, torn_on_failure=True)  # loaded as it arrives
+        self.capture_check.after_load(plan.version)
         if digests:
             got = (await self.engine.llm.collective_rpc("last_load_digests"))[0]
             write_json_atomic(digests, {"version": plan.version, "worker_id": self.cfg.worker_id,

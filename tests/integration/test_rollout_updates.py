@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import logging
 import threading
 import time
 
@@ -227,8 +228,9 @@ def test_greedy_after_update_equals_hf(harness, models):  # noqa: F811
 
 
 def test_weight_sync_push_from_trainer_sender(harness, models, store_process, tiny_moe_dir,  # noqa: F811
-                                              tmp_path):
-    """A trainer-side WeightSender push lands in the engine's workers via the extension."""
+                                              tmp_path, caplog):
+    """A trainer-side WeightSender push lands in the engine's workers via the extension, and
+    the routing capture check after the load passes on the new weights."""
     from services.common.weight_sync import WeightSender, WeightSyncConfig
 
     base, _, _ = models
@@ -238,6 +240,8 @@ def test_weight_sync_push_from_trainer_sender(harness, models, store_process, ti
                          "answer": "y"}]), worker_id="push-target")
     client = StoreClient(store_process.address)
     worker = RolloutWorker(cfg, h.engine, StoreSink(client), build_tokenizer())
+    worker.capture_check.probe_ids = PROMPT  # as serve sets it once the start check passed
+    caplog.set_level(logging.INFO, "services.rollout.capture_check")
     h.run(worker.report_version())
     sender = WeightSender(WeightSyncConfig(backend="gloo", wire_dtype="float32"))
     target = [w for w in client.list_workers() if w.worker_id == "push-target"]
@@ -251,6 +255,9 @@ def test_weight_sync_push_from_trainer_sender(harness, models, store_process, ti
     sender.close()
     assert reports and loaded == 80  # 2 MoE layers x 8 experts x 3 + the rest, per-expert names
     assert h.engine.policy_version == plan.version
+    h.run(worker.capture_check.wait())
+    assert worker.refusal is None
+    assert f"routing capture check after loading v{plan.version} passed" in caplog.text
     assert {w.worker_id: w.policy_version for w in client.list_workers()}["push-target"] == \
         plan.version
     out = h.run(h.engine.generate("greedy-pushed", PROMPT,
