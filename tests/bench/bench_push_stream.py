@@ -237,10 +237,18 @@ def profiled(on: bool, path: Path) -> Iterator[None]:
         _sync()
     ka = prof.key_averages()
     # where the host blocks: the Python stacks of every synchronising CUDA runtime call
-    syncs = [e for e in prof.key_averages(group_by_stack_n=12)
-             if "Synchronize" in e.key or e.key in ("cudaMemcpy", "cudaHostAlloc")]
-    stacks = "\n\n".join(f"{e.key} x{e.count} {e.cpu_time_total:.0f} us\n  "
-                         + "\n  ".join(e.stack) for e in syncs)
+    where: dict[tuple[str, ...], list[float]] = {}
+    for e in prof.events():
+        if "Synchronize" in e.name or e.name in ("cudaMemcpy", "cudaHostAlloc"):
+            op, names = e.cpu_parent, [e.name]
+            while op is not None and not op.stack:
+                names.append(op.name)
+                op = op.cpu_parent
+            key = (" < ".join(names + ([op.name] if op else [])),
+                   *(op.stack[:12] if op else ()))
+            where.setdefault(key, []).append(e.cpu_time_total)
+    stacks = "\n\n".join(f"x{len(t)} {sum(t):.0f} us {k[0]}\n  " + "\n  ".join(k[1:])
+                         for k, t in sorted(where.items(), key=lambda kv: -sum(kv[1])))
     path.write_text(ka.table(sort_by="self_cpu_time_total", row_limit=30) + "\n"
                     + ka.table(sort_by="self_device_time_total", row_limit=20)
                     + "\n\nsynchronising calls by stack:\n" + stacks)
