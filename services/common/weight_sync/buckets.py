@@ -320,7 +320,7 @@ def _segment_sums(bucket_u8: torch.Tensor,
     differenced at the extents' ends. Wrapping int64 arithmetic keeps it exact."""
     rows = bucket_u8.view(torch.int64).view(-1, ALIGN // 8).sum(1)
     prefix = rows.new_empty(rows.numel() + 1)
-    prefix[0] = 0
+    prefix[:1].zero_()  # a fill kernel: `prefix[0] = 0` copies a host scalar and syncs the stream
     torch.cumsum(rows, 0, out=prefix[1:])
     bounds = entries_or_bounds
     if not isinstance(bounds, torch.Tensor):
