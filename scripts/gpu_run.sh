@@ -5,8 +5,9 @@
 # push | weights | cpu | fastpath | fastpath-tests; the default runs all but bench, hf, push, cpu
 # and the fastpath ones).
 # fastpath: issue 30's kernels probe and the plain vs fast path bench (LAYOUTS="--ep=4 ...";
-# FASTPATH_PATHS="fast fast_no_pg fast_pg_step plain" adds the fast path without
-# --overlap-param-gather and with the gathers started at the step's end);
+# FASTPATH_PATHS="fast fast_no_pg fast_pg_step fast_unplanned plain" adds the fast path without
+# --overlap-param-gather, with the gathers started at the step's end, and without the planned
+# dispatch; `none`: only the wheels' install and the build);
 # fastpath-tests: tests/gpu with the fast path's model switches (R3FLOW_GPU_MODEL).
 # hf: the HF/FSDP2 backend at Qwen3-30B-A3B widths (issue 31; needs transformers and its
 # dependencies as cp312 wheels in .gpu/hf-wheels, e.g. `pip download --no-deps` of the versions
@@ -54,11 +55,12 @@ for section in $SECTIONS; do
       echo "== fast-path kernels"
       python3 tests/bench/probe_fastpath.py 2>&1 | grep -v -i "warn" | tee "$OUT/probe_fastpath.txt"
       # (the overlapped parameter gather measured slower on 4 x H200: fast_pg adds it)
-      FAST="--experts grouped --attention sdpa --overlap-grad-reduce --fused-adam --chunked-logprobs --check-agreement"
+      FAST="--experts grouped --attention sdpa --overlap-grad-reduce --fused-adam --chunked-logprobs --check-agreement --planned-dispatch"
       for layout in ${LAYOUTS:-"--ep=4" "--ep=4 --tp=2"}; do
         for path in ${FASTPATH_PATHS:-fast plain}; do  # fast_pg: fast + param gather overlap
           case $path in fast) flags=$FAST;; fast_pg) flags="$FAST --overlap-param-gather";;
             fast_pg_step) flags="$FAST --overlap-param-gather --param-gather-dispatch step";;
+            fast_unplanned) flags=${FAST/ --planned-dispatch/};;  # per-layer split-size syncs
             *) flags="";; esac
           echo "== bench $layout $path"
           python3 tests/bench/bench_megatron_parallel.py --gpus "$(nvidia-smi -L | wc -l)" \
@@ -67,8 +69,8 @@ for section in $SECTIONS; do
         done
       done | tee "$OUT/bench_fastpath.txt";;
     fastpath-tests)
-      echo "== pytest -m gpu with the fast path (grouped experts, sdpa)"
-      export R3FLOW_GPU_MODEL='{"experts": "grouped", "attention": "sdpa"}'
+      echo "== pytest -m gpu with the fast path (grouped experts, sdpa, planned dispatch)"
+      export R3FLOW_GPU_MODEL='{"experts": "grouped", "attention": "sdpa", "planned_dispatch": true}'
       python3 -m pytest tests/gpu -m gpu -q -rs -p no:cacheprovider -o addopts="" --timeout=900 \
         2>&1 | tail -40 | tee "$OUT/pytest_gpu_fastpath.txt";;
     hf)
@@ -110,6 +112,7 @@ for section in $SECTIONS; do
           done
         done
       done;;
+    none) ;;
     *) echo "gpu_run.sh: unknown section $section (trainer | parallel | bench | hf | weights | cpu | fastpath | fastpath-tests)"; exit 2;;
   esac
 done

@@ -10,7 +10,7 @@ hits all alike. MFU counts the model FLOPs of the update (6 x active params x to
 attention) and of the old-policy forward (2 x ... + attention), against the card's dense bf16
 peak (`--peak-tflops`, H100/H200 SXM: 989); "MFU dec" leaves the lm head out (decoder only).
 The fast path's switches (issue 30): --experts grouped --attention sdpa [--overlap-grad-reduce
---overlap-param-gather --fused-adam --chunked-logprobs]; --check-agreement turns the routing agreement check on (its cost; floor 0:
+--overlap-param-gather --fused-adam --chunked-logprobs --planned-dispatch]; --check-agreement turns the routing agreement check on (its cost; floor 0:
 random rollout ids agree with a random-init router at chance, so no group is quarantined).
 Writes bench-results/megatron_parallel.json.
 Run: python tests/bench/bench_megatron_parallel.py --gpus 4 [--layers 8 --ep 4 ...]
@@ -87,6 +87,8 @@ def _rank(args: argparse.Namespace, model_dir: str, out: str) -> None:
              "sequence_parallel": args.tp > 1, "pipeline_parallel": args.pp,
              "recompute_moe": args.recompute_moe, "router_dtype": "native",
              "experts": args.experts, "attention": args.attention}
+    if args.planned_dispatch:  # older checkouts lack the field
+        model["planned_dispatch"] = True
     cfg = TrainerConfig(model_dir=model_dir, model=model, data={"micro_batch_size": 1,
                         "pad_multiple": 128}, replay={"check_agreement": args.check_agreement,
                                                   "agreement_floor": 0.0},
@@ -211,6 +213,9 @@ def main() -> None:
     p.add_argument("--param-gather-dispatch", choices=("forward", "step"), default="forward",
                    help="optim.param_gather_dispatch (with --overlap-param-gather)")
     p.add_argument("--fused-adam", action="store_true", help="optim.fused_adam")
+    p.add_argument("--planned-dispatch", action="store_true",
+                   help="model.planned_dispatch (replay-aware MoE dispatch: no per-layer host "
+                   "sync for the all-to-all split sizes under r3/r2)")
     p.add_argument("--chunked-logprobs", action="store_true", help="loss.chunked_logprobs")
     p.add_argument("--check-agreement", action=argparse.BooleanOptionalAction, default=False,
                    help="replay.check_agreement (the routing agreement check of r3/r2 passes)")

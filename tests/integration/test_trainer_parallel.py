@@ -48,6 +48,12 @@ LAYOUTS: dict[str, tuple[int, dict, dict]] = {
     "ep2_recompute_moe": (2, {"expert_parallel": 2, "recompute_granularity": "selective",
                               "recompute_modules": ["moe"]}, {}),
 }
+# replay-aware dispatch (trainer.megatron.planned_dispatch): split sizes from the plan in every
+# forward and every whole-layer recompute, none from megatron's per-layer sync (manual: the
+# layouts above already fill this test's time; test_planned_dispatch runs in make test)
+PLANNED = {"ep2_planned_recompute_full": (2, {
+    "expert_parallel": 2, "planned_dispatch": True, "recompute_granularity": "full",
+    "recompute_method": "uniform", "recompute_num_layers": 1}, {})}
 CP_SKIP = ("megatron-core 0.19's local attention (DotProductAttention) asserts "
            "context_parallel_size == 1; CP needs TransformerEngine's TEDotProductAttention, "
            "which is not installed")
@@ -140,6 +146,18 @@ def test_layout_matches_one_rank(name, reference, layouts):
             assert r["grad_norm_off"] > 0  # an off step under recompute runs too
     if ranks[0]["dp"] == 1:  # one replica: agreement merged over its TP/PP ranks = 1 rank's
         assert [r["agreement"] for r in ranks] == [pytest.approx(reference["agreement"])] * 2
+
+
+@pytest.mark.manual
+def test_planned_dispatch_layout_matches_one_rank(reference, model_dir, tmp_path):
+    (name,) = PLANNED
+    ranks = run_layouts(tmp_path, model_dir, PLANNED)[name]
+    res = compare(reference, ranks, TOL)
+    print(name, res, [r["dispatch"] for r in ranks])
+    assert res["ok"], res
+    # every r3 forward and recompute took its split sizes from the plan
+    assert all(r["dispatch"][0] > 0 and r["dispatch"][1] == 0 for r in ranks), ranks
+    assert all(r["recomputes"] == r["forwards"] for r in ranks)
 
 
 def test_reference_step_moves_the_logprobs(reference):
@@ -253,6 +271,13 @@ def _export_exact(tr, model_dir: str) -> bool:
     return set(ref) == set(got) and all(torch.equal(ref[k], got[k].float().cpu()) for k in ref)
 
 
+def _dispatch_counts(backend) -> tuple[int, int]:
+    """(planned, fallback) MoE dispatches so far (model.planned_dispatch; (0, 0) without)."""
+    from trainer.megatron.planned_dispatch import dispatch_counts, planned_layers
+
+    return dispatch_counts(planned_layers(backend.policy.module))
+
+
 def _layout(model_dir: str, spec: dict) -> dict:
     """One layout on this rank: r3 replay check, logprobs, one step, logprobs again."""
     import torch
@@ -279,7 +304,8 @@ def _layout(model_dir: str, spec: dict) -> dict:
     lp_after = tr.sample_logprobs(local, "r3")
     mon = b.agreement
     counts = {"forwards": list(getattr(mon, "forwards", [])),
-              "recomputes": list(getattr(mon, "recomputes", []))}
+              "recomputes": list(getattr(mon, "recomputes", [])),
+              "dispatch": _dispatch_counts(b)}
     # natural routing under recompute queues no ids: its recompute must route naturally too
     off = tr.train_step(local, "off")["grad_norm"] if cfg.model.recomputes_router else None
     return {

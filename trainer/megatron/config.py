@@ -55,11 +55,19 @@ class ModelConfig(StrictConfig):
         "reference) or sdpa (trainer.megatron.fused_attention: fused causal "
         "F.scaled_dot_product_attention, GQA without K/V repeat; families with sinks, sliding "
         "windows or MLA keep DotProductAttention)")
+    planned_dispatch: bool = Field(
+        False, description="replay-aware MoE dispatch (trainer.megatron.planned_dispatch): "
+        "under r3/r2 the all-to-all split sizes of every MoE layer of a pass are computed from "
+        "the replayed ids before it (one gather and one host copy per pass instead of a host "
+        "sync per layer); needs dispatcher alltoall")
 
     @model_validator(mode="after")
     def _recompute_once(self) -> ModelConfig:
         if self.recompute_moe and self.recompute_granularity != "none":
             raise ValueError("model.recompute_moe: set either it or recompute_granularity")
+        if self.planned_dispatch and self.dispatcher != "alltoall":
+            raise ValueError(f"model.planned_dispatch: needs dispatcher alltoall, not "
+                             f"{self.dispatcher}")
         return self
 
     @property

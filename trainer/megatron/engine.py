@@ -14,6 +14,9 @@ agreement floor is checked again before the optimizer step. Two vote points (tra
 keep the ranks together: before the grad reduction (a peer's fault in its forward/backward)
 and before the optimizer step (a non-finite loss or gradient on any rank skips the step on
 every rank).
+With model.planned_dispatch each r3/r2 pass first plans its MoE all-to-all split sizes from the
+replayed ids (trainer.megatron.planned_dispatch: one gather, one host copy per pass); the ids
+are computed once per micro-batch per pass (the plan knows them by identity).
 Legend: B batch rows, S sequence, V vocabulary, T router rows (S*B), K top-k.
 """
 
@@ -45,6 +48,7 @@ from trainer.megatron.parallel import (
     model_parallel_group,
 )
 from trainer.megatron.param_gather import dispatch_at_step, finish_param_gather, start_param_gather
+from trainer.megatron.planned_dispatch import StepPlan, planned_layers
 from trainer.megatron.replay import AgreementMonitor, ModelReplay
 from trainer.protocol import LossFn
 from trainer.replay import ReplayMode, drive
@@ -130,6 +134,8 @@ class MegatronBackend:
         self.device = torch.device("cuda", torch.cuda.current_device()) \
             if torch.cuda.is_available() else torch.device("cpu")
         self.padded = 0  # filler micro-batches of the last `microbatches` call
+        # model.planned_dispatch: each pass's replay ids, computed once (the plan keys them)
+        self._row_cache: dict[int, list[torch.Tensor] | None] = {}
         self._streams: dict[tuple[int, int, str | None], HFStream] = {}  # per iter_hf_weights key
 
     def microbatches(self, samples: Sequence[Sample]) -> list[MicroBatch]:
@@ -155,7 +161,10 @@ class MegatronBackend:
         return local_positions(int(mb.tokens_BS.shape[1]), self.cfg.model.sequence_parallel)
 
     def _rows(self, mb: MicroBatch, mode: ReplayMode) -> list[torch.Tensor] | None:
-        """This rank's replay ids of `mb`: its stage's MoE layers, its sequence shard."""
+        """This rank's replay ids of `mb`: its stage's MoE layers, its sequence shard (the
+        tensors the pass's dispatch plan counted, when there is one)."""
+        if id(mb) in self._row_cache:
+            return self._row_cache[id(mb)]
         if mode == ReplayMode.R3:
             if mb.routing_BSLK is None:
                 raise ValueError("replay.mode: r3 needs rollout routing on every sample")
@@ -192,6 +201,36 @@ class MegatronBackend:
                        group=ps.get_pipeline_model_parallel_group())
         return logits
 
+    # ------------------------------------------------------------------ dispatch plan
+    def _plan(self, model: BuiltModel, mbs: Sequence[MicroBatch],
+              mode: ReplayMode) -> StepPlan | None:
+        """model.planned_dispatch under r3/r2: the all-to-all split sizes of every MoE layer of
+        the pass from the replayed ids (trainer.megatron.planned_dispatch; one gather over the
+        tp_ep group, one host copy). Every rank of the group plans the same passes."""
+        layers = planned_layers(model.module)
+        if not layers or mode == ReplayMode.OFF:
+            return None
+        rows = []
+        for mb in mbs:
+            ids = self._rows(mb, mode)
+            rows.append(None if ids is None else [t.long() for t in ids])
+        if all(r is None for r in rows):  # r2's recording pass
+            return None
+        self._row_cache.update({id(mb): r for mb, r in zip(mbs, rows, strict=True)})
+        plan = StepPlan(rows, mbs, len(self.stage_columns), self.num_experts,
+                        layers[0].token_dispatcher.tp_ep_group, self.device)
+        for layer in layers:
+            layer.plan = plan
+        return plan
+
+    def _unplan(self, model: BuiltModel, plan: StepPlan | None) -> None:
+        """Drop the pass's plan; file its device-side checks with the agreement (no sync)."""
+        for layer in planned_layers(model.module):
+            layer.plan = None
+        self._row_cache.clear()
+        if plan is not None:
+            self.agreement.add_plan_checks(plan.checks())
+
     # ------------------------------------------------------------------ no-grad passes
     @contextmanager
     def no_grad_pass(self, mbs: Sequence[MicroBatch], mode: ReplayMode,
@@ -199,9 +238,12 @@ class MegatronBackend:
         model = self.reference if reference else self.policy
         assert model is not None
         model.module.eval()
+        plan = None
         try:
+            plan = self._plan(model, mbs, mode)
             yield
         finally:
+            self._unplan(model, plan)
             model.module.train()
 
     def logits(self, mb: MicroBatch, mode: ReplayMode, reference: bool = False) -> torch.Tensor:
@@ -267,13 +309,17 @@ class MegatronBackend:
         self.agreement.reset()
         self.agreement.enabled = check
         self._finite = torch.ones((), dtype=torch.bool, device=self.device)
+        plan = None
         try:
+            plan = self._plan(self.policy, mbs, mode)
             get_forward_backward_func()(
                 forward_step_func=partial(self._forward_step, mode, loss_fn, len(mbs)),
                 data_iterator=iter(mbs), model=[self.ddp], num_microbatches=len(mbs),
                 seq_length=int(mbs[0].tokens_BS.shape[1]),
                 micro_batch_size=int(mbs[0].tokens_BS.shape[0]), forward_only=False)
             self.current = None
+            self._unplan(self.policy, plan)
+            plan = None
             # Every rank finished its forward/backward: raising here strands no collective.
             self.agreement.check_recomputed()
             if check:
@@ -284,6 +330,7 @@ class MegatronBackend:
             if ok:
                 start_param_gather(self.ddp)  # param_gather_dispatch: step (else a no-op)
         finally:
+            self._unplan(self.policy, plan)
             self.replay.end_step()
             self.agreement.enabled = False
         if not ok:

@@ -16,6 +16,9 @@ each segment's rows). A misaligned layer map, a row offset in any one segment, o
 layer or bad ids bring a cell near chance (K/E); below `floor` `RoutingAgreementError` names the
 worst trajectory/segment and layer and lists the groups to quarantine. A desync is filed with
 the micro-batch it happened in (ReplayDesyncError names those groups when only some did).
+The used-equals-replayed checks (and the dispatch plan's, trainer.megatron.planned_dispatch) stay
+on the device until the verdict (`sync` / `check_recomputed`): one host copy per pass, not one
+sync per layer per forward.
 Legend: T router tokens (local, sequence-major), E experts, K top-k.
 """
 
@@ -109,6 +112,11 @@ class AgreementMonitor(AgreementStats):
         unit, so a fault in a few rows of one segment is not diluted by the rest of the batch.
     """
 
+    # device checks not read yet (_resolve): (forward index | None, MoE layer, kind, count, T)
+    _checks: list[tuple[int | None, int, str, torch.Tensor, int]]
+    _plan_checks: list[tuple[Any, int, bool, torch.Tensor]]
+    _forwards: list[Any]
+
     def __init__(self, routers: list, hf_layers: tuple[int, ...], top_k: int,
                  recompute: bool = False, group: Any = None) -> None:
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
@@ -119,20 +127,51 @@ class AgreementMonitor(AgreementStats):
         self._handles = [r.register_forward_hook(self._hook(m)) for m, r in enumerate(routers)]
 
     def _used(self, m: int, used_TE: torch.Tensor, ids_TK: torch.Tensor, forward: bool) -> None:
-        what = "a forward" if forward else "a backward recompute"
+        """Count, on the device, the tokens whose experts differ from the replayed ids (read
+        with every other check at `_resolve`: no host sync per layer)."""
         want_TE = torch.zeros_like(used_TE)
         want_TE.scatter_(1, ids_TK.to(used_TE.device).long(), True)
-        if torch.equal(used_TE, want_TE):
-            return
-        if forward:
-            self._fwd_desync = True
-        else:
+        bad = (used_TE != want_TE).any(-1).sum()
+        # a forward's check belongs to the micro-batch collect() files next; a recompute's to none
+        self._checks.append((len(self._forwards) if forward else None, m, "used", bad,
+                             used_TE.shape[0]))
+
+    def add_plan_checks(self, checks: list[tuple[Any, int, bool, torch.Tensor]]) -> None:
+        """File the dispatch plan's device checks (trainer.megatron.planned_dispatch:
+        micro-batch, MoE layer, forward?, experts whose routed count differs from the plan)."""
+        self._plan_checks.extend(checks)
+
+    def _resolve(self) -> None:
+        """Read every pending device check in one copy; count each micro-batch's forward for
+        the desync verdict and keep the first mismatch's message."""
+        forwards, checks, plan = self._forwards, self._checks, self._plan_checks
+        self._forwards, self._checks, self._plan_checks = [], [], []
+        flags = [c[3] for c in checks] + [c[3] for c in plan]
+        counts = torch.stack([f.reshape(()) for f in flags]).tolist() if flags else []
+        bad_fwd: set[int] = set()
+        for (f, m, _, _, n), bad in zip(checks, counts[:len(checks)], strict=True):
+            if bad:
+                self._desynced(m, f is not None, f"the router used experts other than the "
+                               f"replayed ids for {bad} of {n} tokens")
+                if f is not None:
+                    bad_fwd.add(f)
+        bad_mbs: set[int] = set()
+        for (mb, m, forward, _), bad in zip(plan, counts[len(checks):], strict=True):
+            if bad:
+                self._desynced(m, forward, f"the routed tokens per expert differ from the "
+                               f"dispatch plan's at {bad} experts")
+                if forward:
+                    bad_mbs.add(id(mb))
+        for f, mb in enumerate(forwards):
+            self.note_forward(mb, f in bad_fwd or id(mb) in bad_mbs)
+
+    def _desynced(self, m: int, forward: bool, what: str) -> None:
+        if not forward:
             self.unattributed = True  # a recompute's mismatch belongs to no one micro-batch
         if self.desync is None:
-            bad = int((used_TE != want_TE).any(-1).sum())
-            self.desync = (f"MoE layer {m} (HF layer {self.hf_layers[m]}): the router used "
-                           f"experts other than the replayed ids for {bad} of {used_TE.shape[0]} "
-                           f"tokens in {what} (replay bypassed or out of step)")
+            self.desync = (f"MoE layer {m} (HF layer {self._local_layers[m]}): {what} in "
+                           f"{'a forward' if forward else 'a backward recompute'} (replay "
+                           "bypassed or out of step)")
 
     def _recomputed(self, m: int, used_TE: torch.Tensor) -> None:
         """A backward recompute must use the ids of the oldest forward not yet recomputed."""
@@ -178,13 +217,15 @@ class AgreementMonitor(AgreementStats):
         # ids of each training forward, oldest first, until its backward recompute replays them
         self._fifo: list[list[torch.Tensor]] = [[] for _ in range(n)]
         self.forwards, self.recomputes = [0] * n, [0] * n
-        self._fwd_desync = False  # the current forward used other experts than replayed
+        self._checks, self._plan_checks = [], []
+        self._forwards = []  # micro-batch of each forward collect() filed
 
     def sync(self) -> None:
         """Merge the counters of the model-parallel group (TP ranks route other tokens, PP
         stages other layers of the same samples), so every rank of it judges, reports and
         quarantines the same: per HF layer and per unit sums, the first desync. Collective over
         the group; once per pass (reset() re-arms it)."""
+        self._resolve()
         if self._group is None or self._synced:
             return
         import torch.distributed as dist
@@ -221,6 +262,7 @@ class AgreementMonitor(AgreementStats):
     def check_recomputed(self) -> None:
         """After an update with recompute: every recomputed layer replayed each forward's ids
         exactly once, in order (a layer the recompute skips keeps all of its forwards)."""
+        self._resolve()
         for m in range(len(self._local_layers)):
             if self.recomputes[m] and self.recomputes[m] != self.forwards[m]:
                 self.unattributed = True
@@ -236,8 +278,7 @@ class AgreementMonitor(AgreementStats):
         hits' device and come to the host in two small copies (per-layer and per-cell sums):
         per-layer or per-unit indexing of host tensors cost ~0.4 s per 4K-token micro-batch on
         the bench's host."""
-        self.note_forward(mb, self._fwd_desync)
-        self._fwd_desync = False
+        self._forwards.append(mb)  # counted for the desync verdict at _resolve
         hits, self._hits = self._hits, [None] * len(self.hf_layers)
         if not hits or any(h is None for h in hits):
             return

@@ -1,0 +1,137 @@
+"""Replay-aware dispatch (model.planned_dispatch, issue 30) on two EP=2 ranks over gloo (real
+megatron-core, CPU): the same r2 and r3 steps (MoE recompute on) with and without the plan,
+bit for bit; no MoE layer falls back to megatron's per-layer split-size sync under r3; replay
+ids changed after the plan was made raise the desync error on every rank (no hang).
+
+The test runs this file as a script once per rank; each rank writes its results as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from services.common.net import free_port
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _run_ranks(tmp_path, model) -> list[dict]:
+    port, root = free_port(), Path(__file__).resolve().parents[2]
+    procs = []
+    for rank in range(2):
+        env = os.environ | {"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                            "MASTER_PORT": str(port), "PYTHONPATH": str(root),
+                            "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen([sys.executable, __file__, str(model),
+                                       str(tmp_path / f"rank{rank}.json")], env=env, cwd=root))
+    try:
+        codes = [p.wait(timeout=200) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert codes == [0, 0]
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_planned_dispatch_steps_equal_unplanned_and_a_stale_plan_raises(tmp_path):
+    from services.rollout.tiny_moe import TinyMoeConfig, build_tiny_moe
+
+    model = build_tiny_moe(tmp_path / "tiny", TinyMoeConfig(num_layers=3, first_k_dense=1))
+    res = _run_ranks(tmp_path, model)
+    for r in res:
+        for key in ("loss_r2", "grad_norm_r2", "loss_r3", "grad_norm_r3"):
+            assert r["planned"][key] == r["plain"][key], key  # bit for bit
+        assert r["weights_equal"]
+        assert r["agreement_r3"] == 1.0
+        # r3: the old-policy pass, the update and its MoE recompute all planned
+        assert r["r3_dispatch"]["fallbacks"] == 0
+        assert r["r3_dispatch"]["planned"] > 0
+        assert r["plain_planned"] == 0  # the plain model has no planned layers
+    assert res[0]["planned"]["grad_norm_r3"] == res[1]["planned"]["grad_norm_r3"]
+    # ids changed after planning on rank 0 only: the error there, the fault on rank 1
+    assert res[0]["desync"][0] == "ReplayDesyncError"
+    assert "dispatch plan" in res[0]["desync"][1]
+    assert res[1]["desync"][0] == "RankFailed"
+    assert "dispatch plan" in res[1]["desync"][1]
+
+
+# ---------------------------------------------------------------- worker (one per rank)
+def _trainer(model_dir: str, planned: bool):
+    from trainer.backend import make_trainer
+    from trainer.config import TrainerConfig
+
+    return make_trainer(TrainerConfig(
+        model_dir=model_dir, data={"micro_batch_size": 2}, optim={"lr": 1e-4},
+        model={"expert_parallel": 2, "experts": "grouped", "recompute_moe": True,
+               "planned_dispatch": planned}, replay={"check_agreement": True}))
+
+
+def _counts(tr) -> dict:
+    from trainer.megatron.planned_dispatch import dispatch_counts, planned_layers
+
+    planned, fallbacks = dispatch_counts(planned_layers(tr.backend.policy.module))
+    return {"planned": planned, "fallbacks": fallbacks}
+
+
+def _shift_replayed_ids(tr) -> None:
+    """A router forward pre-hook that changes the replayed ids in place after the plan counted
+    them (each id + 1 mod E: still K distinct valid ids per token, other experts)."""
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    def hook(router, _inputs):
+        replay = router.router_replay
+        if replay.router_replay_action == RouterReplayAction.REPLAY_FORWARD:
+            ids = replay.target_topk_idx
+            ids.copy_((ids + 1) % router.config.num_moe_experts)
+    for r in tr.backend.policy.routers:
+        r.register_forward_pre_hook(hook)
+
+
+def _worker(model_dir: str, out_path: str) -> None:
+    import faulthandler
+
+    import torch
+    from test_trainer_ep import _attach_recorded_routing, _samples
+
+    faulthandler.dump_traceback_later(150, exit=True)  # a stranded collective fails, not hangs
+    rank = int(os.environ["RANK"])
+    trainers = {"plain": _trainer(model_dir, False), "planned": _trainer(model_dir, True)}
+    samples = {name: _samples(rank) for name in trainers}
+    out: dict = {name: {} for name in trainers}
+    for name, tr in trainers.items():
+        m = tr.train_step(samples[name], "r2")
+        out[name] |= {"loss_r2": m["loss"], "grad_norm_r2": m["grad_norm"]}
+    _attach_recorded_routing(trainers["plain"], samples["plain"])
+    for a, b in zip(samples["plain"], samples["planned"], strict=True):
+        b.routing_TLK = a.routing_TLK.copy()
+    before = _counts(trainers["planned"])
+    for name, tr in trainers.items():
+        m = tr.train_step(samples[name], "r3")
+        out[name] |= {"loss_r3": m["loss"], "grad_norm_r3": m["grad_norm"]}
+        out["agreement_r3"] = m["routing_agreement"]
+    after = _counts(trainers["planned"])
+    out["r3_dispatch"] = {k: after[k] - before[k] for k in after}
+    out["plain_planned"] = sum(_counts(trainers["plain"]).values())
+    ex = {name: tr.export_hf_state_dict() for name, tr in trainers.items()}
+    out["weights_equal"] = all(torch.equal(ex["plain"][k], ex["planned"][k]) for k in ex["plain"])
+    if rank == 0:
+        _shift_replayed_ids(trainers["planned"])
+    try:
+        trainers["planned"].train_step(samples["planned"], "r3")
+        out["desync"] = ["none", ""]
+    except Exception as e:  # noqa: BLE001 - the test asserts the type
+        out["desync"] = [type(e).__name__, str(e)]
+    Path(out_path).write_text(json.dumps(out))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1], sys.argv[2])
