@@ -152,7 +152,7 @@ def test_config_validation_names_the_field():
     with pytest.raises(ValueError, match="device"):
         WeightSyncConfig(backend="nccl", device="cpu")
     assert WeightSyncConfig().resolved_bucket_bytes() == 64 << 20
-    assert WeightSyncConfig(backend="nccl", device="cuda").resolved_bucket_bytes() == 256 << 20
+    assert WeightSyncConfig(backend="nccl", device="cuda").resolved_bucket_bytes() == 1 << 30
 
 
 def test_ranks_follow_plan_order_and_worker_world_size():
