@@ -34,7 +34,7 @@ STORE_SERVICE = "r3flow.v1.TrajectoryStore"
 _WATCH = {"WatchPolicyVersion", "WatchWeightSync", "GetStats"}
 # The methods each role may call; any other TrajectoryStore method is PERMISSION_DENIED.
 ROLE_METHODS: dict[str, frozenset[str]] = {
-    "rollout": frozenset({"Append", "RegisterWorker", "UnregisterWorker", *_WATCH}),
+    "rollout": frozenset({"Append", "AppendBatch", "RegisterWorker", "UnregisterWorker", *_WATCH}),
     "trainer": frozenset({"Pull", "Ack", "PublishPolicyVersion", "PublishWeightSync",
                           "ListWorkers", *_WATCH}),
 }

@@ -6,10 +6,21 @@ worker slows down instead of dropping a group (appends are idempotent, resending
 
 A group goes in one Append stream (its trajectories one after another): against one stream per
 trajectory on 4 threads this halves the store's CPU per group (13.5 -> 6.9 ms for 4 x 176
-tokens, 3 layers) and the worker's (7.7 -> 3.6 ms). A group above GROUP_STREAM_MAX_BYTES
-(long sequences, many layers) goes one stream per trajectory, concurrently, so no stream nears
-the store's `max_stream_bytes` (256 MiB by default). A stream refused part way (backpressure
-on a later trajectory's begin) is sent again whole: what it had committed counts as duplicates.
+tokens, 3 layers) and the worker's (7.7 -> 3.6 ms). Groups that finish while a stream is in
+flight wait and go together in the next stream (up to GROUP_STREAM_MAX_BYTES), in the order
+they finished: groups finishing at the same engine step (equal lengths) cost one round trip and
+one store validation instead of one each. A group above GROUP_STREAM_MAX_BYTES (long sequences,
+many layers) goes alone, one stream per trajectory, concurrently, so no stream nears the store's
+`max_stream_bytes` (256 MiB by default). One stream at a time: the store refuses begins while
+its backlog is over the limit and releases only complete groups, so several half-sent groups
+could hold the backlog up forever; with one stream, sent in order and again whole after a
+refusal, the others in the backlog are complete and drain.
+
+Each group is answered on its own: a stream refused part way (backpressure on a later
+trajectory's begin) is sent again whole (what it had committed counts as duplicates, appends
+being idempotent per (trajectory_id, sequence_number)); a stream of several groups that the
+store rejects as invalid (nothing of it is written: the store validates a whole stream before
+it commits any of it) is sent again one group per stream, so only the bad group fails.
 """
 
 from __future__ import annotations
@@ -19,6 +30,7 @@ import logging
 import socket
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 from services.common.pb.r3flow.v1 import trajectory_pb2
@@ -60,30 +72,107 @@ class MemorySink:
         return None
 
 
+@dataclass
+class _Pending:
+    """A group waiting for its stream; `done` answers it (None, or the group's error)."""
+
+    trajs: list[trajectory_pb2.Trajectory]
+    size: int
+    done: asyncio.Future[None]
+
+
 class StoreSink:
-    """Appends each trajectory of a group to the store, waiting out backpressure."""
+    """Appends finished groups to the store, several to a stream, waiting out backpressure."""
 
     def __init__(self, client, backpressure_sleep_s: float = 1.0) -> None:  # noqa: ANN001
         self.client = client
         self.backpressure_sleep_s = backpressure_sleep_s
         self.backpressure_waits = 0
-        # One group at a time: the store refuses begins while its backlog is over the limit
-        # and releases only complete groups, so several half-sent groups could hold the
-        # backlog up forever; with one, the others in the backlog are complete and drain.
-        self._one_group = asyncio.Lock()
+        self.streams_sent = 0  # Append streams that carried groups (a retry not counted)
+        self._one_stream = asyncio.Lock()  # see the module docstring
+        self._queue: list[_Pending] = []
+        self._drainer: asyncio.Task[None] | None = None
         self._no_budget_until = 0.0  # a store without a budget in groups is asked again later
 
     async def send_group(self, trajs: list[trajectory_pb2.Trajectory]) -> None:
-        """Append every trajectory of the group: one stream, or one each when it is large."""
-        async with self._one_group:
-            if sum(t.ByteSize() for t in trajs) <= GROUP_STREAM_MAX_BYTES:
-                await self._send(trajs)
-                return
-            results = await asyncio.gather(*[self._send([t]) for t in trajs],
-                                           return_exceptions=True)
+        """Append every trajectory of the group; returns once the store has all of them,
+        raises this group's error (StoreRejected: refused as invalid)."""
+        size = sum(t.ByteSize() for t in trajs)
+        if size > GROUP_STREAM_MAX_BYTES:
+            async with self._one_stream:
+                await self._send_each(trajs)
+            return
+        pending = _Pending(trajs, size, asyncio.get_running_loop().create_future())
+        self._queue.append(pending)
+        if self._drainer is None or self._drainer.done():
+            self._drainer = asyncio.create_task(self._drain())
+        await pending.done  # a cancelled group is dropped from the queue if not sent yet
+
+    async def _send_each(self, trajs: list[trajectory_pb2.Trajectory]) -> None:
+        """A large group: one stream per trajectory, concurrently."""
+        results = await asyncio.gather(*[self._send([t]) for t in trajs],
+                                       return_exceptions=True)
+        self.streams_sent += len(trajs)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             raise errors[0]
+
+    async def _drain(self) -> None:
+        """Send the queued groups, one stream at a time, until none is left."""
+        try:
+            while True:
+                async with self._one_stream:
+                    batch = self._take()
+                    if not batch:
+                        return
+                    await self._send_batch(batch)
+        finally:  # cancelled (the loop is closing): no group is left waiting
+            for p in self._queue:
+                p.done.cancel()
+            self._queue.clear()
+
+    def _take(self) -> list[_Pending]:
+        """The oldest queued groups (not cancelled) up to GROUP_STREAM_MAX_BYTES, at least one."""
+        batch: list[_Pending] = []
+        total = 0
+        while self._queue:
+            p = self._queue[0]
+            if not p.done.done():
+                if batch and total + p.size > GROUP_STREAM_MAX_BYTES:
+                    break
+                batch.append(p)
+                total += p.size
+            self._queue.pop(0)
+        return batch
+
+    async def _send_batch(self, batch: list[_Pending]) -> None:
+        """One stream for the batch; refused as a whole (invalid, too large), one per group."""
+        try:
+            self.streams_sent += 1
+            await self._send([t for p in batch for t in p.trajs])
+        except Exception as e:  # noqa: BLE001 (answered to the groups it concerns)
+            if len(batch) == 1 or not _refused_per_group(e):
+                _answer(batch, e)
+                return
+            await self._send_one_by_one(batch)
+        else:
+            _answer(batch, None)
+        finally:
+            for p in batch:  # cancelled mid-stream: nobody is left waiting
+                if not p.done.done():
+                    p.done.cancel()
+
+    async def _send_one_by_one(self, batch: list[_Pending]) -> None:
+        """Each group of a refused stream alone: only the groups at fault fail (what the
+        store took of the others comes back as duplicates)."""
+        for p in batch:
+            try:
+                self.streams_sent += 1
+                await self._send(p.trajs)
+            except Exception as err:  # noqa: BLE001 (answered to its group)
+                _answer([p], err)
+            else:
+                _answer([p], None)
 
     async def _send(self, trajs: list[trajectory_pb2.Trajectory]) -> None:
         """One Append stream of `trajs`, sent again whole after each backpressure refusal."""
@@ -135,6 +224,27 @@ async def wait_for_room(sink: TrajectorySink, unsent: Callable[[], int], poll_s:
         if room is None or room > unsent():
             return
         await asyncio.sleep(poll_s)
+
+
+def _answer(batch: list[_Pending], error: BaseException | None) -> None:
+    for p in batch:
+        if p.done.done():  # its group task was cancelled meanwhile
+            continue
+        if error is None:
+            p.done.set_result(None)
+        else:
+            p.done.set_exception(error)
+
+
+def _refused_per_group(err: BaseException) -> bool:
+    """An error that one group of a stream can cause and another not: invalid content, or a
+    size limit (no retry hint); not a store that is down (the client has retried already)."""
+    import grpc
+
+    if isinstance(err, StoreRejected):
+        return True
+    return isinstance(err, grpc.RpcError) and \
+        err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and not _is_backpressure(err)
 
 
 def _is_backpressure(err) -> bool:  # noqa: ANN001

@@ -40,6 +40,10 @@ class StoreNotReady(UserError, TimeoutError):
     """The store did not turn SERVING in time: at start, most often a wrong address."""
 
 _MAX_MESSAGE = 1 << 30
+# Trajectories up to this many bytes go as one AppendBatch message, larger ones as an Append
+# stream (per-message costs weigh nothing next to their payload there); well under the store's
+# transport cap (4 x max_message_bytes + 1 MiB) for any max_message_bytes >= 1 MiB.
+BATCH_MESSAGE_MAX_BYTES = 4 << 20
 
 
 def trajectory_requests(traj: trajectory_pb2.Trajectory) -> list[store_pb2.AppendRequest]:
@@ -80,6 +84,7 @@ class StoreClient:
         self.max_backoff_s = max_backoff_s
         self.max_backpressure_wait_s = max_backpressure_wait_s
         self.retries = 0  # transient failures retried so far (for tests and worker metrics)
+        self._append_batch = True  # False once the store answered UNIMPLEMENTED
         auth = auth or ClientAuth()  # no TLS, no token: local mode
         self._metadata = auth.metadata
         self._channel = auth.channel(address, options=[
@@ -132,8 +137,28 @@ class StoreClient:
 
     def append_trajectories(self, trajs: Sequence[trajectory_pb2.Trajectory]
                             ) -> store_pb2.AppendResponse:
-        """Append several complete trajectories (e.g. a finished GRPO group) in one stream."""
-        return self.append([req for t in trajs for req in trajectory_requests(t)])
+        """Append several complete trajectories (finished GRPO groups) as one Append stream:
+        in one AppendBatch message when they are small (up to BATCH_MESSAGE_MAX_BYTES)."""
+        reqs = [req for t in trajs for req in trajectory_requests(t)]
+        if self._append_batch and sum(t.ByteSize() for t in trajs) <= BATCH_MESSAGE_MAX_BYTES:
+            batch = store_pb2.AppendBatchRequest(requests=reqs)
+            try:
+                return self._with_retry(lambda: self._stub.AppendBatch(
+                    batch, timeout=self.timeout_s, metadata=self._metadata), "append batch")
+            except grpc.RpcError as err:
+                if not self._stream_instead(err):
+                    raise
+        return self.append(reqs)
+
+    def _stream_instead(self, err: grpc.RpcError) -> bool:
+        """An AppendBatch refusal that an Append stream of the same requests may not get: a
+        store without the method (older), or a message over its transport cap (a size
+        refusal without retry hint: the stream meets the store's own size checks instead)."""
+        if err.code() == grpc.StatusCode.UNIMPLEMENTED:
+            log.warning("store at %s has no AppendBatch: appending as streams", self.address)
+            self._append_batch = False
+            return True
+        return err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and _retry_after_ms(err) is None
 
     def append(self, requests: Sequence[store_pb2.AppendRequest]) -> store_pb2.AppendResponse:
         """Stream `requests` (re-sent whole on transient failure; the store dedups)."""

@@ -102,6 +102,13 @@ class TrajectoryStoreServicer(store_pb2_grpc.TrajectoryStoreServicer):
         return store_pb2.AppendResponse(accepted=res.accepted, duplicates=res.duplicates,
                                         policy_version=res.policy_version)
 
+    @_unary
+    def AppendBatch(self, request, context):  # noqa: N802
+        # One message: it arrived whole (no truncated stream to guard against).
+        res = self.core.append(request.requests)
+        return store_pb2.AppendResponse(accepted=res.accepted, duplicates=res.duplicates,
+                                        policy_version=res.policy_version)
+
     @_streaming
     def Pull(self, request, context):  # noqa: N802
         # Serialized PulledGroup bytes: registered with an identity serializer (add_servicer).

@@ -267,7 +267,8 @@ def unary_case(rng: np.random.Generator) -> Case:
     if k == 0:
         return Case("unparseable", str(rng.choice(["Pull", "Ack", "PublishPolicyVersion",
                                                    "RegisterWorker", "PublishWeightSync",
-                                                   "Append"])), _unparseable(rng))
+                                                   "Append", "AppendBatch"])),
+                    _unparseable(rng))
     if k == 1:
         req = store_pb2.PullRequest(consumer="" if rng.random() < 0.5 else "c", max_groups=0
                                     if rng.random() < 0.5 else int(rng.integers(0, 1 << 31)),

@@ -115,13 +115,17 @@ def crash_group(index: int, size: int = 4) -> list[trajectory_pb2.Trajectory]:
     return small_group(f"crash-{index}", size, seed=index)
 
 
-def run_appender(address: str, client_index: int, groups: int) -> dict[str, int]:
-    """Append member `client_index` of every crash group, retrying through store restarts."""
+def run_appender(address: str, client_index: int, groups: int, batch: int = 1
+                 ) -> dict[str, int]:
+    """Append member `client_index` of every crash group, retrying through store restarts:
+    one Append stream each, or (`batch` > 1) those of `batch` groups in one AppendBatch."""
     accepted = duplicates = 0
     # Patient: a restart on a loaded 2-core machine can take tens of seconds.
     with StoreClient(address, timeout_s=20, max_retries=60, max_backoff_s=1.0) as client:
-        for g in range(groups):
-            res = client.append_trajectory(crash_group(g)[client_index])
+        for g in range(0, groups, batch):
+            trajs = [crash_group(k)[client_index] for k in range(g, min(groups, g + batch))]
+            res = client.append_trajectories(trajs) if batch > 1 else \
+                client.append_trajectory(trajs[0])
             accepted += res.accepted
             duplicates += res.duplicates
         return {"accepted": accepted, "duplicates": duplicates, "retries": client.retries}
@@ -144,9 +148,10 @@ def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.02)
 
 
 if __name__ == "__main__":
-    # Child-process entry points: `append ADDRESS CLIENT_INDEX GROUPS` | `hold ADDRESS CONSUMER LEASE`
+    # Child-process entry points: `append ADDRESS CLIENT_INDEX GROUPS BATCH` |
+    # `hold ADDRESS CONSUMER LEASE`
     mode, address, *rest = sys.argv[1:]
     if mode == "append":
-        print(json.dumps(run_appender(address, int(rest[0]), int(rest[1]))), flush=True)
+        print(json.dumps(run_appender(address, *map(int, rest))), flush=True)
     else:
         run_holder(address, rest[0], int(rest[1]))

@@ -1,5 +1,7 @@
 """1,000 trajectories from 4 client processes while the store is SIGKILLed and restarted twice:
-the trainer side then pulls exactly those 1,000, byte-identical, none twice."""
+the trainer side then pulls exactly those 1,000, byte-identical, none twice. Clients 0-1 send
+one Append stream per trajectory, clients 2-3 one AppendBatch per 5 groups' members (as a
+rollout worker sends groups that finished together), so a kill can land mid-batch too."""
 
 from __future__ import annotations
 
@@ -16,13 +18,15 @@ from services.store.client import StoreClient
 from services.store.redis_server import EmbeddedRedis
 
 CLIENTS, GROUPS = 4, 250  # group g holds member i from client i: 4 x 250 = 1,000 trajectories
+BATCH = {0: 1, 1: 1, 2: 5, 3: 5}  # client -> groups per append call
 
 
 def _start_clients(address: str) -> list[subprocess.Popen[str]]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
     script = str(REPO / "tests/integration/store_fixtures.py")
-    return [subprocess.Popen([sys.executable, script, "append", address, str(i), str(GROUPS)],
+    return [subprocess.Popen([sys.executable, script, "append", address, str(i), str(GROUPS),
+                              str(BATCH[i])],
                              cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
             for i in range(CLIENTS)]
 
@@ -75,6 +79,9 @@ def test_store_sigkilled_twice_loses_and_duplicates_nothing(
     assert all(got[k] == expected[k] for k in expected), "pulled bytes differ from appended"
     assert len(deliveries) == len(set(deliveries)) == GROUPS
     assert sum(o["retries"] for o in outputs) > 0, "the kills never hit a client"
+    # Batching clients make 5x fewer calls but still run at the first kill (250 of 1,000).
+    assert sum(o["retries"] for i, o in enumerate(outputs) if BATCH[i] > 1) > 0, \
+        "the kills never hit a batching client"
     assert sum(o["accepted"] + o["duplicates"] for o in outputs) == 4 * 1000
     assert (stats.trajectories_appended, stats.groups_acked) == (1000, GROUPS)
     assert stats.backlog_tokens == 0 and stats.redeliveries == 0

@@ -128,3 +128,21 @@ def test_pulled_trajectories_name_their_prompt_source(store_redis: EmbeddedRedis
                 ("rollout-1", "p42", 3)}
     finally:
         proc.stop()
+
+
+def test_append_batch_is_an_append_stream_in_one_message(store_process: StoreProcess) -> None:
+    """Groups in one AppendBatch: validated whole (one bad trajectory writes nothing, the error
+    names it), then stored; sent again, every message is a duplicate."""
+    good = small_group("batch-a", 2) + small_group("batch-b", 2)
+    bad = small_group("batch-c", 2)
+    bad[1].segments[1].logprobs.append(-1.0)  # one logprob more than tokens
+    with StoreClient(store_process.address) as client:
+        with pytest.raises(grpc.RpcError) as err:
+            client.append_trajectories(good + bad)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "batch-c/1" in err.value.details()
+        res = client.append_trajectories(good)
+        assert (res.accepted, res.duplicates) == (16, 0)  # 4 x (begin, 2 segments, finish)
+        again = client.append_trajectories(good)
+        assert (again.accepted, again.duplicates) == (0, 16)
+        assert client._append_batch  # the store has the method: no stream was needed

@@ -1,8 +1,10 @@
 """The store sink waits out backpressure (never drops a group) and fails on real refusals; a
 group goes in one Append stream, a group above GROUP_STREAM_MAX_BYTES one stream per
-trajectory."""
+trajectory; groups finishing while a stream is in flight share the next one, each answered on
+its own (a refused stream of several groups is sent again one group per stream)."""
 
 import asyncio
+import threading
 
 import grpc
 import pytest
@@ -42,8 +44,75 @@ class FlakyClient:
         self.appended += self.streams[-1]
 
 
-def group(n: int) -> list[trajectory_pb2.Trajectory]:
-    return [trajectory_pb2.Trajectory(trajectory_id=f"t{i}") for i in range(n)]
+def group(n: int, name: str = "t") -> list[trajectory_pb2.Trajectory]:
+    return [trajectory_pb2.Trajectory(trajectory_id=f"{name}{i}") for i in range(n)]
+
+
+class RefusingClient:
+    """Refuses as invalid every stream holding a trajectory named `bad*`; can hold streams."""
+
+    def __init__(self) -> None:
+        self.streams: list[list[str]] = []
+        self.release = threading.Event()
+        self.release.set()
+
+    def append_trajectories(self, trajs: list[trajectory_pb2.Trajectory]) -> None:
+        self.release.wait(10)
+        ids = [t.trajectory_id for t in trajs]
+        self.streams.append(ids)
+        if any(i.startswith("bad") for i in ids):
+            raise FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT)
+
+
+async def send_all(sink: StoreSink, *groups: list[trajectory_pb2.Trajectory]) -> list:
+    return await asyncio.gather(*[sink.send_group(g) for g in groups], return_exceptions=True)
+
+
+def test_groups_finishing_together_share_one_stream():
+    client = RefusingClient()
+    sink = StoreSink(client)
+    assert asyncio.run(send_all(sink, group(2, "a"), group(2, "b"), group(1, "c"))) == \
+        [None] * 3
+    assert client.streams == [["a0", "a1", "b0", "b1", "c0"]] and sink.streams_sent == 1
+
+
+def test_a_stream_refused_as_invalid_is_resent_one_group_each():
+    """Only the bad group fails, naming its own trajectories; the others are stored."""
+    client = RefusingClient()
+    results = asyncio.run(send_all(StoreSink(client), group(2, "a"), group(2, "bad"),
+                                   group(1, "c")))
+    assert results[0] is None and results[2] is None
+    assert isinstance(results[1], StoreRejected)
+    assert str(results[1]).startswith("store rejected bad0, bad1: ")
+    assert client.streams == [["a0", "a1", "bad0", "bad1", "c0"], ["a0", "a1"],
+                              ["bad0", "bad1"], ["c0"]]
+
+
+def test_groups_queue_behind_the_stream_in_flight_in_order():
+    client = RefusingClient()
+    client.release.clear()
+    sink = StoreSink(client)
+
+    async def main() -> list:
+        first = asyncio.ensure_future(sink.send_group(group(1, "a")))
+        await asyncio.sleep(0.05)  # "a" is in flight, held by the client
+        rest = [asyncio.ensure_future(sink.send_group(group(1, n))) for n in "bcd"]
+        await asyncio.sleep(0.01)
+        rest[1].cancel()  # "c" is abandoned while queued: never sent
+        client.release.set()
+        return await asyncio.gather(first, *rest, return_exceptions=True)
+
+    results = asyncio.run(main())
+    assert results[0] is None and results[1] is None and results[3] is None
+    assert isinstance(results[2], asyncio.CancelledError)
+    assert client.streams == [["a0"], ["b0", "d0"]]
+
+
+def test_a_store_error_answers_every_group_of_its_stream():
+    down = FakeRpcError(grpc.StatusCode.UNAVAILABLE)
+    client = FlakyClient(1, down)
+    results = asyncio.run(send_all(StoreSink(client), group(1, "a"), group(1, "b")))
+    assert results == [down, down] and client.appended == []
 
 
 def test_backpressure_slows_down_and_sends_everything():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import grpc
+import pytest
 
 from services.store.client import StoreClient, trajectory_requests
 from services.store.synthetic import small_group
@@ -56,4 +57,53 @@ def test_append_retries_transient_failures_then_succeeds() -> None:
 
     assert client._with_retry(flaky, "test") == "ok"
     assert client.retries == 2
+    client.close()
+
+
+class BatchStub:
+    """AppendBatch answers with `batch_error` (None: accepts); Append records the stream."""
+
+    def __init__(self, batch_error: grpc.RpcError | None) -> None:
+        self.batch_error, self.calls = batch_error, []
+
+    def AppendBatch(self, batch, **_):  # noqa: ANN001, ANN003, ANN201, N802
+        self.calls.append(("batch", len(batch.requests)))
+        if self.batch_error is not None:
+            raise self.batch_error
+        return "batch"
+
+    def Append(self, it, **_):  # noqa: ANN001, ANN003, ANN201, N802
+        self.calls.append(("stream", len(list(it))))
+        return "stream"
+
+
+def test_small_trajectories_go_as_one_message_larger_as_a_stream(monkeypatch) -> None:  # noqa: ANN001
+    import services.store.client as client_module
+
+    group = small_group("g", 2)  # 2 x (begin, 2 segments, finish)
+    client = StoreClient("127.0.0.1:1")
+    client._stub = BatchStub(None)
+    assert client.append_trajectories(group) == "batch"
+    monkeypatch.setattr(client_module, "BATCH_MESSAGE_MAX_BYTES", 1)
+    assert client.append_trajectories(group) == "stream"
+    assert client._stub.calls == [("batch", 8), ("stream", 8)]
+    client.close()
+
+
+def test_a_store_without_append_batch_or_over_its_cap_gets_a_stream() -> None:
+    group = small_group("g", 1)
+    for error, again in ((FakeRpcError(grpc.StatusCode.UNIMPLEMENTED), "stream"),
+                         (FakeRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED), "batch")):
+        client = StoreClient("127.0.0.1:1")
+        client._stub = BatchStub(error)
+        assert client.append_trajectories(group) == "stream"
+        assert client._stub.calls == [("batch", 4), ("stream", 4)]
+        client._stub.calls.clear()
+        client.append_trajectories(group)  # an older store is not asked again
+        assert client._stub.calls[0][0] == again
+        client.close()
+    client = StoreClient("127.0.0.1:1")
+    client._stub = BatchStub(FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT))
+    with pytest.raises(grpc.RpcError):  # a refusal of the content: no second try
+        client.append_trajectories(group)
     client.close()

@@ -56,6 +56,12 @@ class AppendRequest(_message.Message):
     finish: TrajectoryFinish
     def __init__(self, trajectory_id: _Optional[str] = ..., sequence_number: _Optional[int] = ..., begin: _Optional[_Union[TrajectoryBegin, _Mapping]] = ..., segment: _Optional[_Union[_trajectory_pb2.Segment, _Mapping]] = ..., finish: _Optional[_Union[TrajectoryFinish, _Mapping]] = ...) -> None: ...
 
+class AppendBatchRequest(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[AppendRequest]
+    def __init__(self, requests: _Optional[_Iterable[_Union[AppendRequest, _Mapping]]] = ...) -> None: ...
+
 class AppendResponse(_message.Message):
     __slots__ = ("accepted", "duplicates", "policy_version")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]

@@ -39,6 +39,11 @@ class TrajectoryStoreStub:
                 request_serializer=r3flow_dot_v1_dot_store__pb2.AppendRequest.SerializeToString,
                 response_deserializer=r3flow_dot_v1_dot_store__pb2.AppendResponse.FromString,
                 _registered_method=True)
+        self.AppendBatch = channel.unary_unary(
+                '/r3flow.v1.TrajectoryStore/AppendBatch',
+                request_serializer=r3flow_dot_v1_dot_store__pb2.AppendBatchRequest.SerializeToString,
+                response_deserializer=r3flow_dot_v1_dot_store__pb2.AppendResponse.FromString,
+                _registered_method=True)
         self.Pull = channel.unary_stream(
                 '/r3flow.v1.TrajectoryStore/Pull',
                 request_serializer=r3flow_dot_v1_dot_store__pb2.PullRequest.SerializeToString,
@@ -95,6 +100,12 @@ class TrajectoryStoreServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Append(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AppendBatch(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -166,6 +177,11 @@ def add_TrajectoryStoreServicer_to_server(servicer, server):
             'Append': grpc.stream_unary_rpc_method_handler(
                     servicer.Append,
                     request_deserializer=r3flow_dot_v1_dot_store__pb2.AppendRequest.FromString,
+                    response_serializer=r3flow_dot_v1_dot_store__pb2.AppendResponse.SerializeToString,
+            ),
+            'AppendBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.AppendBatch,
+                    request_deserializer=r3flow_dot_v1_dot_store__pb2.AppendBatchRequest.FromString,
                     response_serializer=r3flow_dot_v1_dot_store__pb2.AppendResponse.SerializeToString,
             ),
             'Pull': grpc.unary_stream_rpc_method_handler(
@@ -245,6 +261,33 @@ class TrajectoryStore:
             target,
             '/r3flow.v1.TrajectoryStore/Append',
             r3flow_dot_v1_dot_store__pb2.AppendRequest.SerializeToString,
+            r3flow_dot_v1_dot_store__pb2.AppendResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AppendBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/r3flow.v1.TrajectoryStore/AppendBatch',
+            r3flow_dot_v1_dot_store__pb2.AppendBatchRequest.SerializeToString,
             r3flow_dot_v1_dot_store__pb2.AppendResponse.FromString,
             options,
             channel_credentials,
