@@ -54,6 +54,10 @@ LAYOUTS: dict[str, tuple[int, dict, dict]] = {
 PLANNED = {"ep2_planned_recompute_full": (2, {
     "expert_parallel": 2, "planned_dispatch": True, "recompute_granularity": "full",
     "recompute_method": "uniform", "recompute_num_layers": 1}, {})}
+PLANNED_4 = {"tp2_sp_ep2_planned_recompute_moe": (4, {
+    "tensor_parallel": 2, "sequence_parallel": True, "expert_parallel": 2,
+    "planned_dispatch": True, "recompute_granularity": "selective", "recompute_modules": ["moe"]},
+    {})}
 CP_SKIP = ("megatron-core 0.19's local attention (DotProductAttention) asserts "
            "context_parallel_size == 1; CP needs TransformerEngine's TEDotProductAttention, "
            "which is not installed")
@@ -149,9 +153,11 @@ def test_layout_matches_one_rank(name, reference, layouts):
 
 
 @pytest.mark.manual
-def test_planned_dispatch_layout_matches_one_rank(reference, model_dir, tmp_path):
-    (name,) = PLANNED
-    ranks = run_layouts(tmp_path, model_dir, PLANNED)[name]
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("layouts_", [PLANNED, PLANNED_4], ids=["ep2", "tp2_sp_ep2"])
+def test_planned_dispatch_layout_matches_one_rank(layouts_, reference, model_dir, tmp_path):
+    (name,) = layouts_
+    ranks = run_layouts(tmp_path, model_dir, layouts_, timeout=600)[name]
     res = compare(reference, ranks, TOL)
     print(name, res, [r["dispatch"] for r in ranks])
     assert res["ok"], res
