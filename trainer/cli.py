@@ -56,6 +56,13 @@ def _ranks(cfg):
     return LocalRanks(cfg)
 
 
+def _stop_on_sigterm(stop: threading.Event) -> None:
+    """SIGTERM sets `stop`: the loop ends after its step, checkpoints and exits 0. Ray's
+    driver (ray.init) installs a handler of its own that aborts the process (exit -6,
+    no checkpoint), so this is installed again once the ranks are up."""
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+
+
 def run(args: argparse.Namespace) -> int:
     """`r3flow train ARGS`; returns the exit code."""
     return train(load(args))
@@ -72,7 +79,7 @@ def train(cfg) -> int:
     from trainer.weight_push import StoreWeightPush
 
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    _stop_on_sigterm(stop)
     registry = CollectorRegistry()
     metrics = create_metrics(registry, "trainer")
     server = MetricsServer(registry, cfg.run.metrics_host, cfg.run.metrics_port).start()
@@ -82,6 +89,7 @@ def train(cfg) -> int:
         with StoreClient(cfg.data.store, auth=auth) as client:
             client.wait_ready(cfg.run.store_ready_timeout_s)
             ranks = _ranks(cfg)
+            _stop_on_sigterm(stop)  # again: ray.init installs its own handler
             push = (StoreWeightPush(client,
                                     metrics.get("r3flow_trainer_weight_push_failures_total"))
                     if cfg.run.push_weights_every else None)

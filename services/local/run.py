@@ -34,6 +34,7 @@ from services.local.config import (
     warm_start_config,
 )
 from services.local.procs import ChildDied, Supervisor, tail
+from services.rollout.shutdown import SHUTDOWN_S
 
 if TYPE_CHECKING:
     from services.local.prom import LocalPrometheus
@@ -46,7 +47,10 @@ CHILD_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
              "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false",
              "VLLM_LOGGING_LEVEL": "WARNING", "PYTHONUNBUFFERED": "1"}
 
-ROLLOUT_STOP_GRACE_S = 20.0  # in-flight groups a stopping worker may still finish and send
+# In-flight groups a stopping worker may still finish and send: a group of the tiny model takes
+# about a second; at the end of a run the trainer is gone and no group can be sent, so every
+# second of it is waited out (20 s did, in every local run).
+ROLLOUT_STOP_GRACE_S = 5.0
 
 
 def new_run_dir(runs_dir: str) -> Path:
@@ -270,7 +274,7 @@ class LocalRun:
         """SIGTERM every worker: it finishes or abandons its groups and writes its summary."""
         for child in self.sup.children:
             if child.name.startswith("rollout"):
-                self.sup.stop(child, timeout_s=ROLLOUT_STOP_GRACE_S + 30)
+                self.sup.stop(child, timeout_s=ROLLOUT_STOP_GRACE_S + SHUTDOWN_S + 5)
 
     def finish(self, rows: list[dict]) -> dict:
         """Stop the workers, account for every trajectory, write summary + report."""
@@ -316,6 +320,7 @@ class LocalRun:
     def close(self) -> None:
         if self.prom is not None:
             self.prom.stop()
+        self.stop_rollouts()  # within their own stop bound (stop_all gives each child 15 s)
         self.sup.stop_all()
         if self.redis is not None:
             self.redis.stop()

@@ -28,7 +28,10 @@ from services.rollout.shutdown import SHUTDOWN_S, StopDeadline
 log = logging.getLogger(__name__)
 
 EXIT_FATAL = 3  # the engine died (or another error no later group can avoid)
-ENGINE_SHUTDOWN_S = 5.0  # then vLLM kills what is left of its processes
+# Then vLLM kills what is left of its processes. Its EngineCore waits 5 s (vLLM's default) for
+# its worker processes to leave after the death pipe closes, and on vLLM-CPU they never do in
+# time: each stop spent the whole 5 s then; the engine keeps no state worth a longer wait.
+ENGINE_SHUTDOWN_S = 2.0
 UNREGISTER_S = 5.0  # withdrawing the registration at exit (the store may be gone)
 
 

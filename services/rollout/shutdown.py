@@ -30,7 +30,7 @@ EXECUTOR_DRAIN_S = 3.0  # executor threads (abandoned appends) allowed to finish
 EXIT_STOP_OVERRAN = 4
 
 
-def _hard_exit(code: int) -> None:
+def hard_exit(code: int) -> None:
     """Flush what the process wrote and leave now (threads are not joined)."""
     logging.shutdown()
     sys.stdout.flush()
@@ -55,7 +55,7 @@ class StopDeadline:
         if not threading.Event().wait(self.bound_s):
             log.critical("rollout stop overran its bound of %.0fs after SIGTERM (stop grace + "
                          "SHUTDOWN_S): exiting now", self.bound_s)
-            _hard_exit(EXIT_STOP_OVERRAN)
+            hard_exit(EXIT_STOP_OVERRAN)
 
 
 def run_bounded(main: Coroutine[Any, Any, int], drain_s: float = EXECUTOR_DRAIN_S) -> int:
@@ -75,7 +75,7 @@ def run_bounded(main: Coroutine[Any, Any, int], drain_s: float = EXECUTOR_DRAIN_
     if busy:
         log.warning("%d executor thread(s) still busy %.0fs after the worker stopped (store "
                     "calls of abandoned groups): exiting without them", busy, drain_s)
-        _hard_exit(code)
+        hard_exit(code)
     return code
 
 
