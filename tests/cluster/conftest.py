@@ -12,8 +12,6 @@ import box as bx
 import pytest
 from cluster import HELM, Cluster
 
-pytestmark = pytest.mark.timeout(900)
-
 
 def _netns_or_skip() -> None:
     why = bx.can_create_netns()
