@@ -3,6 +3,9 @@
 Layout under `<run_dir>/checkpoints/`:
   step_000012/model_rank0.safetensors   this rank's parameters (megatron names, local experts)
   step_000012/optim_rank0.pt            megatron optimizer state_dict (Adam moments, step)
+  step_000012/optim_params_rank0.pt     with the distributed optimizer: this rank's shard of the
+                                        fp32 main weights and Adam moments (its state_dict has
+                                        neither)
   step_000012/dcp/                      instead of the two above, a ShardedState (hf backend):
                                         torch.distributed.checkpoint of model + optimizer
   step_000012/meta.json                 step, policy version, data position (rank 0 writes)
@@ -65,6 +68,41 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+def _sharded_optimizers(optimizer: Any) -> list[Any]:
+    """The megatron distributed optimizers inside `optimizer` (a ChainedOptimizer or one)."""
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [o for o in parts if hasattr(o, "get_parameter_state_dp_zero")]
+
+
+def _sharded_optimizer(optimizer: Any) -> bool:
+    """Megatron's distributed optimizer: its parameter state is saved apart from state_dict."""
+    return bool(_sharded_optimizers(optimizer))
+
+
+def _shard_states(optimizer: Any) -> list[dict[str, Any]]:
+    """Per distributed optimizer, this rank's shard: the inner torch optimizer's state (Adam
+    moments, step) and its parameters, the fp32 main weights of this rank's slice."""
+    return [{"inner": o.optimizer.state_dict(),
+             "main": [p.detach().clone() for g in o.optimizer.param_groups for p in g["params"]]}
+            for o in _sharded_optimizers(optimizer)]
+
+
+def _load_shard_states(optimizer: Any, states: list[dict[str, Any]]) -> None:
+    """Inverse of `_shard_states` on the same world (the per-rank files' contract)."""
+    parts = _sharded_optimizers(optimizer)
+    if len(states) != len(parts):
+        raise ValueError(f"checkpoint: {len(states)} optimizer shards saved, {len(parts)} here")
+    for o, st in zip(parts, states, strict=True):
+        mains = [p for g in o.optimizer.param_groups for p in g["params"]]
+        if [tuple(p.shape) for p in mains] != [tuple(t.shape) for t in st["main"]]:
+            raise ValueError("checkpoint: the distributed optimizer's shards differ from the "
+                             "saved ones (another world size or layout)")
+        o.optimizer.load_state_dict(st["inner"])
+        with torch.no_grad():
+            for p, t in zip(mains, st["main"], strict=True):
+                p.copy_(t)
+
+
 def _barrier() -> None:
     import torch.distributed as dist
 
@@ -122,6 +160,8 @@ class CheckpointManager:
                       for k, v in model_weights(module).items()}
             save_file(params, str(path / f"model_rank{rank}.safetensors"))
             torch.save(optimizer.state_dict(), path / f"optim_rank{rank}.pt")
+            if _sharded_optimizer(optimizer):
+                torch.save(_shard_states(optimizer), path / f"optim_params_rank{rank}.pt")
         _barrier()
         if rank == 0:
             (path / "meta.json").write_text(json.dumps(asdict(pos)))
@@ -179,5 +219,16 @@ class CheckpointManager:
             copy_into(module, load_file(str(path / f"model_rank{rank}.safetensors")))
             state = torch.load(path / f"optim_rank{rank}.pt", weights_only=False)
             optimizer.load_state_dict(state)
+            if _sharded_optimizer(optimizer):
+                # the distributed optimizer's state_dict holds no parameter state: its fp32
+                # main weights and Adam moments (left as uninitialised placeholders by
+                # load_state_dict) come from the parameter-state file of the same world
+                params = path / f"optim_params_rank{rank}.pt"
+                if not params.is_file():
+                    raise FileNotFoundError(
+                        f"checkpoint {path}: {params.name} missing (written before the "
+                        "distributed optimizer's parameter state was saved); resuming from it "
+                        "would train on uninitialised optimizer state")
+                _load_shard_states(optimizer, torch.load(params, weights_only=False))
         self.resumed_from = path
         return DataPosition(**json.loads((path / "meta.json").read_text()))

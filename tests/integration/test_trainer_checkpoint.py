@@ -9,14 +9,16 @@ from trainer_fixtures import toy_samples
 pytestmark = pytest.mark.timeout(240)
 
 
-def test_resume_continues_exactly(tmp_path):
+@pytest.mark.parametrize("optim", [{}, {"use_distributed_optimizer": True}],
+                         ids=["adam", "distributed_optimizer"])
+def test_resume_continues_exactly(tmp_path, optim):
     from services.rollout.tiny_moe import TinyMoeConfig, build_tiny_moe
     from trainer.backend import make_trainer
     from trainer.checkpoint import CheckpointManager, DataPosition
     from trainer.config import TrainerConfig
 
     model = build_tiny_moe(tmp_path / "tiny", TinyMoeConfig(num_layers=2))
-    cfg = TrainerConfig(model_dir=str(model), replay={"mode": "r2"}, optim={"lr": 1e-3},
+    cfg = TrainerConfig(model_dir=str(model), replay={"mode": "r2"}, optim={"lr": 1e-3} | optim,
                         data={"micro_batch_size": 2})
     ckpt = CheckpointManager(tmp_path / "run")
     first = make_trainer(cfg)
