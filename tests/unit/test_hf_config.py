@@ -52,6 +52,9 @@ def test_sequence_parallel_heads_must_split():
     from trainer.hf.ulysses import check_heads
 
     check_heads(SimpleNamespace(num_attention_heads=32, num_key_value_heads=4), 4)
+    # without SP every family runs as before (GPT-OSS: sliding windows)
+    check_heads(SimpleNamespace(num_attention_heads=4, num_key_value_heads=2,
+                                sliding_window=128), 1)
     with pytest.raises(ValueError, match="hf.sequence_parallel: 4 must divide"):
         check_heads(SimpleNamespace(num_attention_heads=32, num_key_value_heads=2), 4)
     with pytest.raises(ValueError, match="sliding-window"):

@@ -43,7 +43,10 @@ def sp_groups(size: int) -> tuple[Any, int]:
 
 
 def check_heads(config: Any, size: int) -> None:
-    """ValueError naming hf.sequence_parallel when the heads do not split over `size` ranks."""
+    """ValueError naming hf.sequence_parallel when the heads do not split over `size` ranks
+    (or the family's attention is not full causal); nothing to check without SP."""
+    if size == 1:
+        return
     heads = config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
     if heads % size or kv % size:
