@@ -9,6 +9,7 @@ from services.common.pb.r3flow.v1 import store_pb2
 from services.common.weight_sync import WeightSyncConfig, members_of, rank_in
 from services.common.weight_sync import buckets as bk
 from services.common.weight_sync import headers as hd
+from services.common.weight_sync import sums as hs
 
 CPU = torch.device("cpu")
 
@@ -37,10 +38,10 @@ def _send_receive(named, bucket_bytes=4096, wire=torch.bfloat16, direct_min=1 <<
     for spec in specs:
         buf = torch.full((max(bucket_bytes, spec.nbytes),), 0xAB, dtype=torch.uint8)
         sent = bk.fill(buf, spec)
-        entries = bk.with_checksums(spec.entries, bk.checksums(sent, spec.entries))
+        entries = hs.with_checksums(spec.entries, hs.checksums(sent, spec.entries))
         head = hd.decode_header(hd.encode_header(spec.index, spec.nbytes, entries))
         received = sent.clone()
-        assert bk.verify(received, head["tensors"]) == []
+        assert hs.verify(received, head["tensors"]) == []
         views = bk.bucket_views(received, head["tensors"])
         assert all(torch.equal(v, bk.tensor_view(received, e))
                    for v, e in zip(views, head["tensors"], strict=True))
@@ -100,22 +101,22 @@ def test_checksum_catches_a_flipped_byte_in_the_right_tensor():
     named = [("a", torch.randn(10, 10)), ("b", torch.randn(7)), ("c", torch.arange(5))]
     spec = next(bk.iter_buckets(named, 1 << 20, torch.bfloat16, CPU, 1 << 30))
     sent = bk.fill(torch.zeros(1 << 20, dtype=torch.uint8), spec)
-    entries = bk.with_checksums(spec.entries, bk.checksums(sent, spec.entries))
+    entries = hs.with_checksums(spec.entries, hs.checksums(sent, spec.entries))
     corrupt = sent.clone()
     corrupt[entries[1].offset + 3] ^= 0x10
-    assert bk.verify(corrupt, entries) == ["b"]
-    assert bk.verify(sent, entries) == []
+    assert hs.verify(corrupt, entries) == ["b"]
+    assert hs.verify(sent, entries) == []
     # the end-of-push form: per-bucket checksum tensors against the sender's lists
-    want = bk.split_sums([bk.checksum_tensor(sent, spec.entries)])
-    got = bk.split_sums([bk.checksum_tensor(corrupt, spec.entries)])
-    assert bk.mismatches([spec.entries], got, want) == ["b"]
-    assert bk.mismatches([spec.entries], want, want) == []
+    want = hs.split_sums([bk.checksum_tensor(sent, spec.entries)])
+    got = hs.split_sums([bk.checksum_tensor(corrupt, spec.entries)])
+    assert hs.mismatches([spec.entries], got, want) == ["b"]
+    assert hs.mismatches([spec.entries], want, want) == []
 
 
 def test_checksum_is_wrapping_int64_word_sum():
     t = torch.tensor([2**62, 2**62, 2**62, 1], dtype=torch.int64)
     entry = bk.TensorEntry("t", torch.int64, (4,), 0, 32)
-    [s] = bk.checksums(t.view(torch.uint8), [entry])
+    [s] = hs.checksums(t.view(torch.uint8), [entry])
     assert s == (3 * 2**62 + 1) % 2**64 - 2**64  # wrapped into a signed int64
 
 
@@ -125,7 +126,7 @@ def test_gpu_segment_sums_equal_per_tensor_sums():
                                 1 << 30))
     sent = bk.fill(torch.randint(0, 255, (1 << 20,), dtype=torch.uint8), spec)
     assert len(spec.entries) > 5
-    assert bk._segment_sums(sent, spec.entries).tolist() == bk.checksums(sent, spec.entries)
+    assert bk._segment_sums(sent, spec.entries).tolist() == hs.checksums(sent, spec.entries)
 
 
 def test_header_roundtrip_and_end_marker():

@@ -21,6 +21,7 @@ from services.common.weight_sync import (
 from services.common.weight_sync import buckets as bk
 from services.common.weight_sync import push as push_mod
 from services.common.weight_sync import receiver as receiver_mod
+from services.common.weight_sync import sums as hs
 
 
 def _weights(seed: int, experts: int = 6) -> list[tuple[str, torch.Tensor]]:
@@ -155,15 +156,15 @@ def test_stream_ordered_host_logic_over_gloo(sender, monkeypatch, streamed):
 
 
 def test_checksum_helpers():
-    assert bk.split_by([1, 2, 3, 4, 5], [2, 0, 3]) == [[1, 2], [], [3, 4, 5]]
+    assert hs.split_by([1, 2, 3, 4, 5], [2, 0, 3]) == [[1, 2], [], [3, 4, 5]]
     sums = [torch.tensor([1, -2], dtype=torch.int64), torch.tensor([3], dtype=torch.int64)]
-    assert bk.split_sums(sums) == [[1, -2], [3]]
-    assert bk.split_sums([]) == []
+    assert hs.split_sums(sums) == [[1, -2], [3]]
+    assert hs.split_sums([]) == []
     e = [[bk.TensorEntry("x", torch.uint8, (8,), 0, 8), bk.TensorEntry("y", torch.uint8, (8,),
                                                                      64, 8)]]
-    assert bk.mismatches(e, [[1, 2]], [[1, 2]]) == []
-    assert bk.mismatches(e, [[1, 5]], [[1, 2]]) == ["y"]
-    assert bk.mismatches(e, [], [[1, 2]]) == ["<1 buckets announced, 0 received>"]
+    assert hs.mismatches(e, [[1, 2]], [[1, 2]]) == []
+    assert hs.mismatches(e, [[1, 5]], [[1, 2]]) == ["y"]
+    assert hs.mismatches(e, [], [[1, 2]]) == ["<1 buckets announced, 0 received>"]
 
 
 def test_in_place_buckets_between_packed_ones_with_one_pool_slot():

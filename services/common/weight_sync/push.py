@@ -19,6 +19,7 @@ import torch.distributed as dist
 from services.common.pb.r3flow.v1 import store_pb2
 from services.common.weight_sync import buckets as bk
 from services.common.weight_sync import headers as hd
+from services.common.weight_sync import sums as hs
 from services.common.weight_sync.group import (
     CachedGroup,
     Keys,
@@ -262,7 +263,7 @@ class Push:
                 poll_until(done, self.monitor.check, self._deadline(), "the checksums",
                            max_sleep_s=1e-3)
 
-        return bk.host_sums(sums, self.s._side, wait)
+        return hs.host_sums(sums, self.s._side, wait)
 
     def _listed(self, named) -> list[tuple[LaidBucket, list[torch.Tensor]]] | None:
         """Every bucket of a list / dict / dict.items(), reusing the last push's layout as

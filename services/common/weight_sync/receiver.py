@@ -19,6 +19,7 @@ import torch.distributed as dist
 from services.common.pb.r3flow.v1 import store_pb2
 from services.common.weight_sync import buckets as bk
 from services.common.weight_sync import headers as hd
+from services.common.weight_sync import sums as hs
 from services.common.weight_sync.group import (
     Heartbeat,
     Keys,
@@ -303,7 +304,7 @@ class _Receive:
             raise WeightSyncError(f"weight sync v{self.version}: got {self.ntensors} tensors "
                                   f"/ {nbytes} B, the sender announced {self.end}",
                                   version=self.version)
-        self.bad = bk.mismatches(self.entries, bk.split_sums(self.sums), self.end["sums"])
+        self.bad = hs.mismatches(self.entries, hs.split_sums(self.sums), self.end["sums"])
         return nbytes
 
     def _stage_listed(self, listed: list[_Layout]) -> list[_Staged]:

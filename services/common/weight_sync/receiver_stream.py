@@ -19,6 +19,7 @@ import torch
 from services.common.pb.r3flow.v1 import store_pb2
 from services.common.weight_sync import buckets as bk
 from services.common.weight_sync import headers as hd
+from services.common.weight_sync import sums as hs
 from services.common.weight_sync.group import (
     Keys,
     WeightSyncError,
@@ -118,7 +119,7 @@ class _StreamReceive(_Receive):
             raise WeightSyncError(f"weight sync v{self.version}: got {self.ntensors} tensors "
                                   f"/ {self.nbytes} B, the sender announced {self.end}",
                                   version=self.version)
-        self.bad = bk.mismatches(self.entries, bk.split_sums(self.sums), self.end["sums"])
+        self.bad = hs.mismatches(self.entries, hs.split_sums(self.sums), self.end["sums"])
 
 
 def stream_weights(rx: WeightReceiver, plan: store_pb2.WeightSyncPlan,
