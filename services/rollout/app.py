@@ -69,7 +69,7 @@ class Registration:
         self._thread.start()
 
     def _run(self) -> None:
-        from services.rollout.worker import RepeatedLog
+        from services.rollout.report import RepeatedLog
 
         failures = RepeatedLog(log)
         while not self._stop.wait(max(1.0, self.ttl_s / 3)):

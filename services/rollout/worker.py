@@ -9,15 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import importlib
-import json
 import logging
-import os
-import re
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 from services.common.pb.r3flow.v1 import trajectory_pb2
@@ -26,6 +22,7 @@ from services.rollout.capture_check import AfterLoadCheck
 from services.rollout.config import RolloutConfig
 from services.rollout.dataset import PromptRecord, iterate_prompts
 from services.rollout.engine import EngineDead, RolloutEngine
+from services.rollout.report import RepeatedLog, WorkerSummary, write_json_atomic
 from services.rollout.segments import RoutingCheckError, check_routing
 from services.rollout.sink import TrajectorySink, wait_for_room
 from services.rollout.trajectory_proto import RoutingLayout, TrajectoryMeta, trajectory_to_proto
@@ -39,31 +36,6 @@ FATAL_GRACE_S = 5.0  # after a fatal error, groups still sending to the store ma
 ROOM_POLL_S = 0.5  # how often a worker held by the store's backlog budget asks again
 
 
-class RepeatedLog:
-    """Logs an error message the first time, then only a count of its repeats (a message is
-    the same when it differs only in numbers: group ids, prompt ids, epochs), at repeat
-    1, 10, 100, ... and in `flush`."""
-
-    def __init__(self, logger: logging.Logger) -> None:
-        self.log = logger
-        self.counts: dict[str, int] = {}
-
-    def error(self, msg: str) -> None:
-        key = re.sub(r"\d+", "N", msg)
-        n = self.counts.get(key, 0) + 1
-        self.counts[key] = n
-        if n == 1:
-            self.log.error("%s", msg)
-        elif n in (2, 11, 101, 1001, 10001) or n % 100000 == 1:
-            self.log.error("%s (seen %d times)", msg, n)
-
-    def flush(self) -> None:
-        for key, n in self.counts.items():
-            if n > 1:
-                self.log.error("%d errors like: %s", n, key)
-        self.counts.clear()
-
-
 @dataclass
 class GroupResult:
     """A finished group: the raw per-sample bookkeeping, and the wire trajectories (empty when
@@ -72,30 +44,6 @@ class GroupResult:
     trajectories: list[trajectory_pb2.Trajectory]
     results: list[RolloutResult]
     generated_tokens: int
-
-
-@dataclass
-class WorkerSummary:
-    """Counts of one `run`; tokens are generated tokens (environment tokens excluded); `errors`
-    holds the first MAX_KEPT_ERRORS failure messages. Every started group ends as exactly one
-    of ok (sent), failed (counted by reason in metrics) or abandoned (cut by a stop request)."""
-
-    groups_started: int = 0
-    groups_ok: int = 0
-    groups_failed: int = 0
-    groups_abandoned: int = 0
-    trajectories_sent: int = 0
-    trajectories_failed: int = 0
-    trajectories_abandoned: int = 0
-    generated_tokens: int = 0
-    seconds: float = 0.0
-    stopped_early: bool = False
-    errors: list[str] = field(default_factory=list)
-    fatal: str | None = None  # why the worker stopped on its own (its engine died, ...)
-
-    @property
-    def groups_in_flight(self) -> int:
-        return self.groups_started - self.groups_ok - self.groups_failed - self.groups_abandoned
 
 
 def load_environment_factory(path: str | None) -> EnvironmentFactory | None:
@@ -401,12 +349,3 @@ class RolloutWorker:
         if self.sink is not None:
             await wait_for_room(self.sink, lambda: summary.groups_in_flight,
                                 ROOM_POLL_S)
-
-
-def write_json_atomic(path: str, data: Any) -> None:
-    """`data` as JSON at `path` (a reader never sees half a file)."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(target.name + ".tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, target)

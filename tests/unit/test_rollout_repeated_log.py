@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from services.rollout.worker import RepeatedLog
+from services.rollout.report import RepeatedLog
 
 
 def test_repeats_are_counted_not_logged(caplog: pytest.LogCaptureFixture) -> None:
