@@ -10,35 +10,17 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-
-from services.common.net import free_port
+from trainer_fixtures import run_script_ranks
 
 pytestmark = pytest.mark.timeout(240)
 
 
 def _run_ranks(tmp_path, model, mode: str) -> list[dict]:
-    port, root = free_port(), Path(__file__).resolve().parents[2]
-    procs = []
-    for rank in range(2):
-        env = os.environ | {"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                            "MASTER_PORT": str(port), "PYTHONPATH": str(root),
-                            "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, __file__, str(model),
-                                       str(tmp_path / f"rank{rank}.json"), mode],
-                                      env=env, cwd=root))
-    try:
-        codes = [p.wait(timeout=200) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert codes == [0, 0]
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    return run_script_ranks(__file__, tmp_path, [str(model), mode])
 
 
 def test_two_ranks_ep2_step_with_identical_grad_norms(tmp_path):
