@@ -4,10 +4,12 @@
 # or some sections only: `bash scripts/gpu_run.sh parallel` (trainer | parallel | bench | hf |
 # push | weights | cpu | fastpath | fastpath-tests; the default runs all but bench, hf, push, cpu
 # and the fastpath ones).
-# fastpath: issue 30's kernels probe and the plain vs fast path bench (LAYOUTS="--ep=4 ...";
-# FASTPATH_PATHS="fast fast_no_pg fast_pg_step fast_unplanned plain" adds the fast path without
-# --overlap-param-gather, with the gathers started at the step's end, and without the planned
-# dispatch; `none`: only the wheels' install and the build);
+# fastpath: issue 30's kernels probe and the plain vs fast path bench (LAYOUTS="--ep=4;--ep=4 --tp=2",
+# layouts separated by ';';
+# FASTPATH_PATHS="fast fast_pg fast_pg_step fast_unplanned fast_prof fast_mb2 fast_norecompute
+# plain" adds the fast path with --overlap-param-gather, with the gathers started at the step's
+# end, without the planned dispatch, profiled, with micro-batch 2, without MoE recompute;
+# PROBE=0 skips the kernel probe; `none`: only the wheels' install and the build);
 # fastpath-tests: tests/gpu with the fast path's model switches (R3FLOW_GPU_MODEL).
 # hf: the HF/FSDP2 backend at Qwen3-30B-A3B widths (issue 31; needs transformers and its
 # dependencies as cp312 wheels in .gpu/hf-wheels, e.g. `pip download --no-deps` of the versions
@@ -52,20 +54,26 @@ for section in $SECTIONS; do
     fastpath)
       # issue 30: the kernels, then the plain path (the issue's baseline: agreement check off)
       # and the fast path (agreement check on) in the same call; LAYOUTS picks the layouts
-      echo "== fast-path kernels"
-      python3 tests/bench/probe_fastpath.py 2>&1 | grep -v -i "warn" | tee "$OUT/probe_fastpath.txt"
+      if [ "${PROBE:-1}" = 1 ]; then
+        echo "== fast-path kernels"
+        python3 tests/bench/probe_fastpath.py 2>&1 | grep -v -i "warn" | tee "$OUT/probe_fastpath.txt"
+      fi
       # (the overlapped parameter gather measured slower on 4 x H200: fast_pg adds it)
       FAST="--experts grouped --attention sdpa --overlap-grad-reduce --fused-adam --chunked-logprobs --check-agreement --planned-dispatch"
-      for layout in ${LAYOUTS:-"--ep=4" "--ep=4 --tp=2"}; do
+      IFS=';' read -ra layouts <<<"${LAYOUTS:---ep=4;--ep=4 --tp=2}"
+      for layout in "${layouts[@]}"; do
         for path in ${FASTPATH_PATHS:-fast plain}; do  # fast_pg: fast + param gather overlap
           case $path in fast) flags=$FAST;; fast_pg) flags="$FAST --overlap-param-gather";;
             fast_pg_step) flags="$FAST --overlap-param-gather --param-gather-dispatch step";;
             fast_unplanned) flags=${FAST/ --planned-dispatch/};;  # per-layer split-size syncs
+            fast_prof) flags="$FAST --profile";;  # + one off and one r3 step profiled
+            fast_mb2) flags="$FAST --micro-batch 2";;  # both samples in one micro-batch
+            fast_norecompute) flags="$FAST --no-recompute-moe";;
             *) flags="";; esac
           echo "== bench $layout $path"
           python3 tests/bench/bench_megatron_parallel.py --gpus "$(nvidia-smi -L | wc -l)" \
             --layers 8 $layout $flags --out "bench-results/fastpath_${layout//[ =-]/}_$path.json" \
-            2>&1 | grep -v -i "warn\|deprecated\|mimomodel\|return func" | tail -7
+            2>&1 | grep -v -i "warn\|deprecated\|mimomodel\|return func" | tail -${TAIL:-7}
         done
       done | tee "$OUT/bench_fastpath.txt";;
     fastpath-tests)
@@ -116,5 +124,5 @@ for section in $SECTIONS; do
     *) echo "gpu_run.sh: unknown section $section (trainer | parallel | bench | hf | weights | cpu | fastpath | fastpath-tests)"; exit 2;;
   esac
 done
-cp bench-results/*.json "$OUT/" 2>/dev/null
+cp bench-results/*.json bench-results/*.txt "$OUT/" 2>/dev/null
 ls -la "$OUT"

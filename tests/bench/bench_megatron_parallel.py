@@ -3,7 +3,7 @@
 
 Model: Qwen3-30B-A3B's widths (hidden 2048, 128 experts top-8, expert FFN 768, 32 heads / 4 KV
 heads, head dim 128, vocab 151,936) with `--layers` layers, random init (no weights), bf16.
-Each rank trains `--samples` sequences of `--seq-len` tokens per step (micro-batch 1); rollout
+Each rank trains `--samples` sequences of `--seq-len` tokens per step (`--micro-batch` 1); rollout
 routing is random distinct ids (r3 replays them; r2 records then replays the policy's own).
 Modes run round-robin (off, r3, r2, then the next round) after a warm-up step each, so drift
 hits all alike. MFU counts the model FLOPs of the update (6 x active params x tokens +
@@ -89,7 +89,7 @@ def _rank(args: argparse.Namespace, model_dir: str, out: str) -> None:
              "experts": args.experts, "attention": args.attention}
     if args.planned_dispatch:  # older checkouts lack the field
         model["planned_dispatch"] = True
-    cfg = TrainerConfig(model_dir=model_dir, model=model, data={"micro_batch_size": 1,
+    cfg = TrainerConfig(model_dir=model_dir, model=model, data={"micro_batch_size": args.micro_batch,
                         "pad_multiple": 128}, replay={"check_agreement": args.check_agreement,
                                                   "agreement_floor": 0.0},
                         optim={"lr": 1e-7, "use_distributed_optimizer": args.distributed_optimizer}
@@ -137,8 +137,37 @@ def _profile(tr, samples: list, out: str) -> None:
             text = "\n".join(f"== {mode} by {key}\n" + avg.table(sort_by=key, row_limit=14,
                                                                    max_name_column_width=60)
                              for key in ("self_cpu_time_total", "self_device_time_total"))
+            text += "\n" + _busy_line(prof, mode)
             Path(out).with_suffix(f".profile_{mode}.txt").write_text(text)
             print(text)
+
+
+def _union_ms(spans: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) spans in microseconds, as milliseconds."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total / 1e3
+
+
+def _busy_line(prof, mode: str) -> str:
+    """Where the step's wall time went on rank 0's GPU: busy with any kernel, with NCCL kernels
+    only, with compute kernels only (unions of kernel intervals), against the profiled wall."""
+    from torch.autograd import DeviceType
+
+    events = list(prof.events())
+    gpu = [(e.time_range.start, e.time_range.end, "nccl" in e.name.lower())
+           for e in events if e.device_type == DeviceType.CUDA]
+    if not gpu:
+        return f"== {mode}: no device events"
+    wall = (max(e.time_range.end for e in events) - min(e.time_range.start for e in events)) / 1e3
+    busy = _union_ms([(a, b) for a, b, _ in gpu])
+    nccl = _union_ms([(a, b) for a, b, n in gpu if n])
+    comp = _union_ms([(a, b) for a, b, n in gpu if not n])
+    return (f"== {mode}: wall {wall:.1f} ms, GPU busy {busy:.1f} ms (compute {comp:.1f}, NCCL "
+            f"{nccl:.1f}, both at once {comp + nccl - busy:.1f}), idle {wall - busy:.1f} ms")
 
 
 def _optim_switches(args: argparse.Namespace) -> dict:
@@ -192,6 +221,7 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--samples", type=int, default=2, help="sequences per rank per step")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--micro-batch", type=int, default=1, help="data.micro_batch_size")
 
 
 def main() -> None:
@@ -257,7 +287,8 @@ def main() -> None:
     Path(args.out).write_text(json.dumps(res, indent=2))
     print(f"experts {args.experts}, attention {args.attention}, tp {args.tp} ep {args.ep}, "
           f"check_agreement {args.check_agreement}, optim {_optim_switches(args) or 'plain'}, "
-          f"chunked_logprobs {args.chunked_logprobs}")
+          f"chunked_logprobs {args.chunked_logprobs}, micro-batch {args.micro_batch}, "
+          f"recompute_moe {args.recompute_moe}, planned_dispatch {args.planned_dispatch}")
     print(f"{'mode':5s} {'step s':>8s} {'tok/s/GPU':>10s} {'MFU':>6s} {'MFU dec':>7s}")
     for m in MODES:
         print(f"{m:5s} {med[m]:8.3f} {res['tokens_per_s_per_gpu'][m]:10.0f} {res['mfu'][m]:6.3f} "
