@@ -68,6 +68,8 @@ for section in $SECTIONS; do
             fast_unplanned) flags=${FAST/ --planned-dispatch/};;  # per-layer split-size syncs
             fast_prof) flags="$FAST --profile";;  # + one off and one r3 step profiled
             fast_mb2) flags="$FAST --micro-batch 2";;  # both samples in one micro-batch
+            fast_mb2_prof) flags="$FAST --micro-batch 2 --profile";;
+            fast_mb4) flags="$FAST --micro-batch 4";;
             fast_norecompute) flags="$FAST --no-recompute-moe";;
             *) flags="";; esac
           echo "== bench $layout $path"

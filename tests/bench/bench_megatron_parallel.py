@@ -134,7 +134,7 @@ def _profile(tr, samples: list, out: str) -> None:
             torch.cuda.synchronize()
         if torch.distributed.get_rank() == 0:
             avg = prof.key_averages()
-            text = "\n".join(f"== {mode} by {key}\n" + avg.table(sort_by=key, row_limit=14,
+            text = "\n".join(f"== {mode} by {key}\n" + avg.table(sort_by=key, row_limit=25,
                                                                    max_name_column_width=60)
                              for key in ("self_cpu_time_total", "self_device_time_total"))
             text += "\n" + _busy_line(prof, mode)
