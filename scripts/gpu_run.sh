@@ -6,9 +6,10 @@
 # and the fastpath ones).
 # fastpath: issue 30's kernels probe and the plain vs fast path bench (LAYOUTS="--ep=4;--ep=4 --tp=2",
 # layouts separated by ';';
-# FASTPATH_PATHS="fast fast_pg fast_pg_step fast_unplanned fast_prof fast_mb2 fast_norecompute
-# plain" adds the fast path with --overlap-param-gather, with the gathers started at the step's
-# end, without the planned dispatch, profiled, with micro-batch 2, without MoE recompute;
+# FASTPATH_PATHS="fast fast_pg fast_pg_step fast_unplanned fast_prof fast_mb1 fast_mb4
+# fast_norecompute plain" adds the fast path with --overlap-param-gather, with the gathers started
+# at the step's end, without the planned dispatch, profiled, with micro-batch 1 or 4 (2 in fast),
+# without MoE recompute;
 # PROBE=0 skips the kernel probe; `none`: only the wheels' install and the build);
 # fastpath-tests: tests/gpu with the fast path's model switches (R3FLOW_GPU_MODEL).
 # hf: the HF/FSDP2 backend at Qwen3-30B-A3B widths (issue 31; needs transformers and its
@@ -59,17 +60,17 @@ for section in $SECTIONS; do
         python3 tests/bench/probe_fastpath.py 2>&1 | grep -v -i "warn" | tee "$OUT/probe_fastpath.txt"
       fi
       # (the overlapped parameter gather measured slower on 4 x H200: fast_pg adds it)
-      FAST="--experts grouped --attention sdpa --overlap-grad-reduce --fused-adam --chunked-logprobs --check-agreement --planned-dispatch"
+      # the reference flags; both of a rank's samples in one micro-batch (fast_mb1: one each)
+      FAST="--experts grouped --attention sdpa --overlap-grad-reduce --fused-adam --chunked-logprobs --check-agreement --planned-dispatch --micro-batch 2"
       IFS=';' read -ra layouts <<<"${LAYOUTS:---ep=4;--ep=4 --tp=2}"
       for layout in "${layouts[@]}"; do
         for path in ${FASTPATH_PATHS:-fast plain}; do  # fast_pg: fast + param gather overlap
           case $path in fast) flags=$FAST;; fast_pg) flags="$FAST --overlap-param-gather";;
             fast_pg_step) flags="$FAST --overlap-param-gather --param-gather-dispatch step";;
             fast_unplanned) flags=${FAST/ --planned-dispatch/};;  # per-layer split-size syncs
+            fast_mb1) flags=${FAST/ --micro-batch 2/};;
             fast_prof) flags="$FAST --profile";;  # + one off and one r3 step profiled
-            fast_mb2) flags="$FAST --micro-batch 2";;  # both samples in one micro-batch
-            fast_mb2_prof) flags="$FAST --micro-batch 2 --profile";;
-            fast_mb4) flags="$FAST --micro-batch 4";;
+            fast_mb4) flags="${FAST/ --micro-batch 2/} --micro-batch 4";;
             fast_norecompute) flags="$FAST --no-recompute-moe";;
             *) flags="";; esac
           echo "== bench $layout $path"

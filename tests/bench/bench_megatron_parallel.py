@@ -114,7 +114,9 @@ def _rank(args: argparse.Namespace, model_dir: str, out: str) -> None:
         samples = _samples(args.samples, args.seq_len, len(b.moe_layers), b.top_k,
                            b.num_experts, torch.distributed.get_rank())
     if args.profile:
-        _profile(tr, samples, out)
+        _profile(tr, samples, args.out)  # beside the bench's JSON (rank 0 writes)
+    if args.cprofile:
+        _cprofile(tr, samples)
     peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
     Path(out).write_text(json.dumps({"times": times, "peak_bytes": peak,
                                      "rank": torch.distributed.get_rank()}))
@@ -140,6 +142,24 @@ def _profile(tr, samples: list, out: str) -> None:
             text += "\n" + _busy_line(prof, mode)
             Path(out).with_suffix(f".profile_{mode}.txt").write_text(text)
             print(text)
+
+
+def _cprofile(tr, samples: list) -> None:
+    """One r3 step under cProfile; rank 0 prints the functions with the most own host time
+    (--cprofile: where the host's time per step goes, the GPU's launches included)."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch
+
+    with cProfile.Profile() as prof:
+        tr.train_step(samples, "r3")
+        torch.cuda.synchronize() if torch.cuda.is_available() else None
+    if torch.distributed.get_rank() == 0:
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+        print(text.getvalue())
 
 
 def _union_ms(spans: list[tuple[float, float]]) -> float:
@@ -250,6 +270,7 @@ def main() -> None:
     p.add_argument("--check-agreement", action=argparse.BooleanOptionalAction, default=False,
                    help="replay.check_agreement (the routing agreement check of r3/r2 passes)")
     p.add_argument("--profile", action="store_true", help="profile one off and one r3 step")
+    p.add_argument("--cprofile", action="store_true", help="cProfile one r3 step (host time)")
     p.add_argument("--peak-tflops", type=float, default=989.0)
     p.add_argument("--small", action="store_true", help="tiny widths (CPU smoke)")
     p.add_argument("--out", default=str(REPO / "bench-results" / "megatron_parallel.json"))
