@@ -223,7 +223,8 @@ def _plan(args: argparse.Namespace, cfg: dict) -> float:
 
     lay = Layout(world=args.gpus, tp=args.tp, pp=args.pp, ep=args.ep, seq_len=args.seq_len,
                  distributed_optimizer=args.distributed_optimizer,
-                 recompute="moe" if args.recompute_moe else "none", attention=args.attention)
+                 recompute="moe" if args.recompute_moe else "none", attention=args.attention,
+                 micro_batch=args.micro_batch, chunked_logprobs=args.chunked_logprobs)
     return plan(Arch.from_hf_config(cfg), lay, gpu_gib=80, overhead_gib=0).total
 
 

@@ -150,12 +150,14 @@ def test_named_run_fits_with_tp2_pp2_ep8_full_recompute(capsys):
     assert p.rows["logits + loss"] == 24 * 8192 * 151_936  # gathered over TP: full vocabulary
 
 
-def _bench_plan(tp: int, attention: str = "unfused") -> float:
+def _bench_plan(tp: int, attention: str = "unfused", micro_batch: int = 1,
+                chunked_logprobs: bool = False) -> float:
     """The planner's total (GiB, no overhead) as tests/bench/bench_megatron_parallel.py prints it:
     its own `_plan` (Layout of --gpus/--tp/--pp/--ep/--seq-len, distributed optimizer, MoE
     recompute) at its own `_hf_config` (Qwen3-30B-A3B widths, 8 layers), run's arguments."""
     args = argparse.Namespace(gpus=4, tp=tp, pp=1, ep=4, seq_len=4096, layers=8,
-                              distributed_optimizer=True, recompute_moe=True, attention=attention)
+                              distributed_optimizer=True, recompute_moe=True, attention=attention,
+                              micro_batch=micro_batch, chunked_logprobs=chunked_logprobs)
     return bench_mp._plan(args, bench_mp._hf_config(args.layers, small=False)) / GiB
 
 
@@ -179,3 +181,20 @@ def test_plan_matches_the_fast_path_measurement(tp, measured):
     SDPA keeps no attention scores; the planner must be within 10 % (it says 42.1 / 39.2)."""
     predicted = _bench_plan(tp, "sdpa")
     assert abs(predicted - measured) / measured <= 0.10, (predicted, measured)
+
+
+@pytest.mark.parametrize("tp,micro_batch,measured", [(1, 1, 34.30), (1, 2, 38.48),
+                                                     (2, 1, 31.38), (2, 2, 36.35)])
+def test_plan_matches_the_chunked_loss_measurement(tp, micro_batch, measured):
+    """BENCHMARKS.md "Call 5" (issue 30): the fast path with loss.chunked_logprobs on 4 x H200,
+    EP4 and TP2 x EP4 at micro-batch 1 and 2, the same peak on every rank. The chunked loss
+    keeps no fp32 [B, S, V] tensor; the planner must be within 10 %."""
+    predicted = _bench_plan(tp, "sdpa", micro_batch, chunked_logprobs=True)
+    assert abs(predicted - measured) / measured <= 0.10, (predicted, measured)
+
+
+def test_the_planned_loss_chunk_is_the_trainers():
+    from trainer.logprobs import CHUNK
+    from trainer.plan.memory import LOSS_CHUNK_ROWS
+
+    assert LOSS_CHUNK_ROWS == CHUNK

@@ -66,7 +66,8 @@ def layout_from_trainer(cfg: Any, seq_len: int) -> Layout:
         distributed_optimizer=cfg.optim.use_distributed_optimizer,
         grad_reduce_in_fp32=True, recompute=_recompute(m),
         reference=cfg.loss.uses_reference, micro_batch=cfg.data.micro_batch_size, seq_len=seq_len,
-        attention=m.attention, push_bucket_bytes=cfg.weight_sync.resolved_bucket_bytes()
+        attention=m.attention, chunked_logprobs=cfg.loss.chunked_logprobs,
+        push_bucket_bytes=cfg.weight_sync.resolved_bucket_bytes()
         if cfg.run.push_weights_every else 0,
         push_inflight=cfg.weight_sync.inflight_buckets)
     if cfg.backend != "hf":

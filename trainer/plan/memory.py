@@ -38,7 +38,11 @@ An estimate written down so that it can be checked by hand (tests/unit/test_plan
     gradients of that size before any is freed: 24 B per logit at the peak, at the start of
     the update's backward when every layer's activations are still held (any model dtype;
     measured on CPU with ru_maxrss over ppo_loss forward + backward: 6.05 x 4 B bf16, 6.05 x
-    4 B fp32; forward alone 4.5 x 4 B);
+    4 B fp32; forward alone 4.5 x 4 B). With loss.chunked_logprobs (Layout.chunked_logprobs,
+    trainer/logprobs.py) no fp32 [B, S, V] tensor: the bf16 logits it saves for backward and
+    their bf16 gradient (4 B per logit), plus one chunk's fp32 temporaries in the backward
+    (~6 x LOSS_CHUNK_ROWS x V x 4 B: logp, p, the gradient and their products; fitted to the
+    four H200 peaks of BENCHMARKS.md "Call 5", within 6 %);
   * routing buffers: RouterReplay's int64 top-k ids of each micro-batch in flight;
   * the weight push (push_bytes): the sender's buckets in flight and the chunks it gathers
     from the other ranks (streamed: no rank holds the whole model); the rollout side's
@@ -146,6 +150,7 @@ class Layout:
     micro_batch: int = 1
     seq_len: int = 4096
     attention: Literal["unfused", "sdpa"] = "unfused"  # model.attention (issue 30 fast path)
+    chunked_logprobs: bool = False  # loss.chunked_logprobs (issue 30 fast path)
     push_bucket_bytes: int = 0  # weight push bucket (0: no push); see push_bytes
     push_inflight: int = 2  # weight_sync.inflight_buckets
     fsdp: bool = False  # the hf backend: FSDP2 instead of megatron's layout
@@ -243,6 +248,9 @@ def fsdp_state_bytes(arch: Arch, lay: Layout) -> dict[str, float]:
             "reference model": 4 * shard if lay.reference else 0.0}
 
 
+LOSS_CHUNK_ROWS = 1024  # trainer.logprobs.CHUNK (tests/unit/test_plan.py keeps them equal)
+
+
 def activation_bytes(arch: Arch, lay: Layout) -> dict[str, float]:
     """Activations, attention scores, the loss's logits and routing buffers of the first (and,
     PP=1, last) stage."""
@@ -270,7 +278,9 @@ def activation_bytes(arch: Arch, lay: Layout) -> dict[str, float]:
     kept_layers = 1 if lay.recompute == "full" else per_stage * in_flight
     if lay.attention == "sdpa":
         kept, scores = 4 * scores / lay.seq_len, 0.0
-    loss_logits = 24 * lay.seq_len * lay.micro_batch / lay.cp * arch.vocab
+    logits = lay.seq_len * lay.micro_batch / lay.cp * arch.vocab
+    loss_logits = 4 * logits + 6 * 4 * LOSS_CHUNK_ROWS * arch.vocab if lay.chunked_logprobs \
+        else 24 * logits
     routing = 8 * tokens * moe_n * arch.top_k * in_flight
     return {"activations": acts, "attention scores": kept * kept_layers,
             "attention buffer": eb * scores, "logits + loss": loss_logits,
