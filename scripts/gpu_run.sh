@@ -11,7 +11,8 @@
 # at the step's end, without the planned dispatch, profiled, with micro-batch 1 or 4 (2 in fast),
 # without MoE recompute;
 # PROBE=0 skips the kernel probe; `none`: only the wheels' install and the build);
-# fastpath-tests: tests/gpu with the fast path's model switches (R3FLOW_GPU_MODEL).
+# fastpath-tests: tests/gpu with the fast path's model switches (R3FLOW_GPU_MODEL), one line per test
+# as it ends (the pytest files under $OUT grow as tests end: a run cut by a timeout keeps them).
 # hf: the HF/FSDP2 backend at Qwen3-30B-A3B widths (issue 31; needs transformers and its
 # dependencies as cp312 wheels in .gpu/hf-wheels, e.g. `pip download --no-deps` of the versions
 # in requirements/cpu.lock; HF_ROUNDS timed rounds, default 2).
@@ -40,11 +41,11 @@ for section in $SECTIONS; do
     trainer)
       echo "== pytest -m gpu (trainer: 1 GPU, 2 GPUs EP=2)"
       python3 -m pytest tests/gpu -m gpu -q -p no:cacheprovider -o addopts="" --timeout=900 \
-        --ignore=tests/gpu/test_trainer_parallel_gpu.py 2>&1 | tail -40 | tee "$OUT/pytest_gpu.txt";;
+        --ignore=tests/gpu/test_trainer_parallel_gpu.py 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -40;;
     parallel)
       echo "== pytest -m gpu: megatron parallel layouts with replay (issue 21; 4 GPUs, 2 at least)"
       python3 -m pytest tests/gpu/test_trainer_parallel_gpu.py -m gpu -q -rs -p no:cacheprovider \
-        -o addopts="" --timeout=900 2>&1 | tail -60 | tee "$OUT/pytest_parallel_gpu.txt";;
+        -o addopts="" --timeout=900 2>&1 | tee "$OUT/pytest_parallel_gpu.txt" | tail -60;;
     bench)
       echo "== megatron at Qwen3-30B-A3B widths, 8 layers, 4K tokens: EP4 and TP2(SP) x EP4"
       for layout in "--ep 4" "--ep 4 --tp 2"; do
@@ -82,8 +83,8 @@ for section in $SECTIONS; do
     fastpath-tests)
       echo "== pytest -m gpu with the fast path (grouped experts, sdpa, planned dispatch)"
       export R3FLOW_GPU_MODEL='{"experts": "grouped", "attention": "sdpa", "planned_dispatch": true}'
-      python3 -m pytest tests/gpu -m gpu -q -rs -p no:cacheprovider -o addopts="" --timeout=900 \
-        2>&1 | tail -40 | tee "$OUT/pytest_gpu_fastpath.txt";;
+      python3 -m pytest tests/gpu -m gpu -v -rs -p no:cacheprovider -o addopts="" --timeout=900 \
+        --durations=0 2>&1 | tee "$OUT/pytest_gpu_fastpath.txt" | tail -40;;
     hf)
       echo "== hf/FSDP2 at Qwen3-30B-A3B widths, 8 layers, 4K tokens, full sharding (issue 31)"
       OMP_NUM_THREADS=4 python3 tests/bench/bench_hf_parallel.py --gpus "$(nvidia-smi -L | wc -l)" \
