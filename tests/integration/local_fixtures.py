@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # room to spare (a fixed 160 steps took 98 s on a quiet CI box and 340 s on a busy one).
 SPIKE_AFTER_S = 80
 MAX_STEPS = 1000  # an upper bound the timed spike ends the run well before
-FACTOR = 20.0
+FACTOR = 40.0  # x the lr below: the spike lr (0.02) well above the steps before it
 FOR_S = 60  # the chart rule's `for`
 HOLD_S = 100  # trainer metrics_linger_s: the last step's ppo_kl, held past FOR_S
 ALERT = "R3flowPpoKlSpike"
@@ -46,10 +46,12 @@ def need_prometheus() -> None:
 def spike_run(runs: Path, cfg_dir: Path) -> Path:
     """The `r3flow local` run (config file + flags, as a user starts one); its run folder."""
     cfg = cfg_dir / "spike.json"
-    # the tests' small MoE (TinyMoeConfig defaults) at the lr it was tuned with, not the run's
-    # 64-expert model
+    # the tests' small MoE (TinyMoeConfig defaults), not the run's 64-expert model, at half the
+    # lr it was tuned with: at 1e-3 the policy's drift over ~65 quick steps raised the ppo_kl
+    # of the last low steps so far (p75 0.031) that the spike (0.136) was under 5x the
+    # Prometheus median once its own held samples joined it, and the alert did not fire
     cfg.write_text(json.dumps({
-        "grpo": {"groups_per_step": 8, "lr": 1e-3,
+        "grpo": {"groups_per_step": 8, "lr": 5e-4,
                  "test_lr_spike_after_s": SPIKE_AFTER_S, "test_lr_spike_factor": FACTOR},
         "model": {}, "metrics_linger_s": HOLD_S}))
     cmd = [sys.executable, "-m", "services.cli", "local", "--config", str(cfg),
