@@ -173,7 +173,9 @@ class Cluster:
         c = container or pod.container
         # the node's open-files hard limit (KubeRay raises the soft limit to 65536 where it may)
         nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        # PYTHONPATH: the checkout under test runs, whatever checkout the venv was installed from
         base = {"PATH": f"{VENV_BIN}:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8",
+                "PYTHONPATH": str(REPO),
                 "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1",
                 "RAY_START_ULIMIT_OPEN_FILES": str(min(65536, nofile))}
         resolved = kube.resolve_env(kube.Pod(pod.name, pod.labels, pod.spec, c, pod.kind,
@@ -216,14 +218,17 @@ class Cluster:
         return self.box.start(self.ns(pod), argv, env, self.mounts(pod, pod.container), "main")
 
     def start_ready(self, pod: kube.Pod, pattern: str, timeout: float, restarts: int = 2,
-                    init: bool = True) -> None:
+                    init: bool = True, abort=lambda: False) -> subprocess.Popen:
         """Start the pod and wait for `pattern` in its log; a main container that exits first is
         started again (kubelet's restartPolicy Always; init containers ran already), at most
-        `restarts` times: on a loaded 2-core machine a raylet may miss its GCS deadline."""
+        `restarts` times: on a loaded 2-core machine a raylet may miss its GCS deadline. Stops
+        with ContainerDied when `abort()` (what the pod needs has died)."""
         before = len(re.findall(pattern, self.log(pod)))
         deadline = time.monotonic() + timeout
         proc = self.start(pod, init)
         while len(re.findall(pattern, self.log(pod))) <= before:
+            if abort():
+                raise ContainerDied(f"{pod.name}: gave up, what it needs died")
             if proc.poll() is not None and restarts > 0:
                 restarts -= 1
                 self.box.kill_pod(self.ns(pod))  # what the container left (a raylet)
@@ -234,6 +239,7 @@ class Cluster:
                 raise TimeoutError(f"{pod.name}: no {pattern!r} in {timeout:.0f}s:\n"
                                    + self.log(pod)[-3000:])
             time.sleep(1)
+        return proc
 
     def log(self, pod: kube.Pod, name: str = "main") -> str:
         path = self.box.work / "pods" / pod.name / f"{name}.log"  # kept after the pod is gone
@@ -267,6 +273,10 @@ class Cluster:
         """The address `name` resolves to in pod `src` (its hosts file: the cluster DNS)."""
         r = self.box.exec(self.ns(src), ["getent", "hosts", name])
         return r.stdout.split()[0] if r.returncode == 0 and r.stdout.split() else ""
+
+
+class ContainerDied(RuntimeError):
+    """A container exited (or one it needs did) while the test waited for it."""
 
 
 def eventually(pred, timeout: float) -> bool:

@@ -19,6 +19,9 @@ from dataclasses import dataclass, field
 import yaml
 
 DASHBOARD_PORT, GCS_PORT, METRICS_PORT, AGENT_PORT = 8265, 6379, 8080, 52365
+# Every object lives in the release's namespace: `kubectl -n r3flow apply` / `helm install -n
+# r3flow` put those that name none there (the chart's own objects name none).
+NAMESPACE = "r3flow"
 
 
 @dataclass
@@ -132,7 +135,7 @@ def rayjob_pods(job: dict, cluster: str, objs: Objects | None = None) -> tuple[l
     head_svc = f"{cluster}-head-svc"
     common = {"RAY_CLUSTER_NAME": cluster, "RAY_PORT": str(GCS_PORT),
               "RAY_USAGE_STATS_KUBERAY_IN_USE": "1", "RAY_DASHBOARD_ENABLE_K8S_DISK_USAGE": "1",
-              "RAY_CLUSTER_NAMESPACE": job["metadata"].get("namespace", "default"),
+              "RAY_CLUSTER_NAMESPACE": job["metadata"].get("namespace", NAMESPACE),
               **auth_env(spec, objs)}
     pods = []
     h = spec["headGroupSpec"]
@@ -210,7 +213,7 @@ def resolve_env(pod: Pod, objs: Objects) -> dict[str, str]:
         elif "fieldRef" in src:
             path = src["fieldRef"]["fieldPath"]
             env[e["name"]] = {"metadata.name": pod.name, "status.podIP": pod.ip,
-                              "metadata.namespace": "r3flow"}.get(path, "")
+                              "metadata.namespace": NAMESPACE}.get(path, "")
     return {**env, **pod.extra_env}
 
 
@@ -255,7 +258,7 @@ def _selects(sel: dict | None, labels: dict) -> bool:
     return True
 
 
-NAMESPACE_LABELS = {"kubernetes.io/metadata.name": "r3flow"}  # every emulated pod's namespace
+NAMESPACE_LABELS = {"kubernetes.io/metadata.name": NAMESPACE}  # every emulated pod's namespace
 
 
 def _peer_ips(peer: dict, pods: list[Pod]) -> list[str] | None:

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import re
 import subprocess
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import kube
 import yaml
-from cluster import VENV_BIN, Cluster
+from cluster import VENV_BIN, Cluster, ContainerDied
 
 READY = r"Ray runtime started"
 TERMINATION_GRACE_S = 5.0  # the box's stand-in for the pods' terminationGracePeriodSeconds
@@ -43,6 +44,7 @@ class RayJobRun:
         self.attempts = 0
         self.pods: list[kube.Pod] = []  # the current attempt's RayCluster + submitter
         self.cluster_name = self.submission_id = ""
+        self.submitter_runs = 0  # of the current attempt's submitter pod
 
     # ------------------------------------------------------------------ the spec
     @property
@@ -83,14 +85,35 @@ class RayJobRun:
         self.attempts += 1
         self.cluster_name = f"{self.name}-r3c{self.attempts:02d}"
         self.submission_id = f"{self.cluster_name}-job"
+        self.submitter_runs = 0
         ray_pods, _ = kube.rayjob_pods(self.job, self.cluster_name, self.c.objs)
         self.pods = ray_pods + [kube.submitter_pod(self.job, self.cluster_name)]
         self.c.add_pods(self.pods)
         with ThreadPoolExecutor(len(ray_pods)) as ex:
             list(ex.map(self.c.run_init, ray_pods))
-        self.c.start_ready(self.head, READY, 300, init=False)
+        for tries in range(2):
+            try:
+                return self.start_ray()
+            except (ContainerDied, TimeoutError) as e:
+                if tries:
+                    raise
+                # kubelet restarts the head's container (its GCS is new) and the workers'
+                print(f"{self.cluster_name}: {e}: every Ray container restarted", flush=True)
+                for p in ray_pods:
+                    self.c.box.stop_pod(self.c.ns(p))
+        raise AssertionError("unreachable")
+
+    def start_ray(self) -> list[kube.Pod]:
+        """KubeRay's `ray start` on the head, then on every worker at once; the head must still
+        run when they joined (a head that dies on a loaded machine after starting, e.g. its
+        Ray client server timing out, takes the cluster with it)."""
+        head = self.c.start_ready(self.head, READY, 300, init=False)
+        died = lambda: head.poll() is not None  # noqa: E731
         with ThreadPoolExecutor(len(self.workers)) as ex:
-            list(ex.map(lambda w: self.c.start_ready(w, READY, 300, init=False), self.workers))
+            list(ex.map(lambda w: self.c.start_ready(w, READY, 300, init=False, abort=died),
+                        self.workers))
+        if died():
+            raise ContainerDied(f"{self.head.name}: exited ({head.returncode}) after starting")
         return self.pods
 
     def delete(self) -> None:
@@ -116,15 +139,39 @@ class RayJobRun:
 
     # ------------------------------------------------------------------ the job
     def submit(self) -> subprocess.Popen:
-        """The submitter pod's command (job.go, K8sJobMode)."""
+        """The submitter pod's command (job.go, K8sJobMode); each run logs to a file of its own
+        (`ray job logs --follow` prints the job's log from its start)."""
         pod = self.submitter
         env = {**self.ray_auth(), "PATH": f"{VENV_BIN}:/usr/bin:/bin",
                "HOME": str(self.c.ns(pod).root), "PYTHONUNBUFFERED": "1"}
         argv = kube.submitter_argv(self.job, self.head_svc, self.submission_id)
-        return self.c.box.start(self.c.ns(pod), argv, env, {}, "submitter")
+        self.submitter_runs += 1
+        return self.c.box.start(self.c.ns(pod), argv, env, {}, self.log_name)
+
+    @property
+    def log_name(self) -> str:
+        return f"submitter-{self.submitter_runs}"
 
     def log(self) -> str:
-        return self.c.log(self.submitter, "submitter")
+        """The job's log as the latest submitter run followed it."""
+        return self.c.log(self.submitter, self.log_name)
+
+    def follow(self, sub: subprocess.Popen, timeout: float, retries: int = 2) -> str:
+        """Wait for the submitter; KubeRay reads the outcome from the dashboard (`ray job
+        status`), not from the submitter's exit. A submitter that exits while the job still
+        runs (its `ray job logs --follow` cut off on a loaded machine) is run again, as the
+        submitter Job's backoffLimit would: it finds the submission and follows it again.
+        Returns the job's final status."""
+        deadline = time.monotonic() + timeout
+        while True:
+            rc = finish(sub, max(1.0, deadline - time.monotonic()), self.log)
+            status = self.job_status()
+            if status not in ("RUNNING", "PENDING") or retries == 0:
+                return status
+            retries -= 1
+            print(f"{self.submitter.name}: exited {rc} with the job {status}: run again",
+                  flush=True)
+            sub = self.submit()
 
     def ray_auth(self) -> dict[str, str]:
         """The submitter's RAY_AUTH_* env (its template reads the cluster's token Secret)."""

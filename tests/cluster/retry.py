@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import kube
 from cluster import GROUP_SIZE, Cluster, eventually
-from rayjob import RayJobRun, finish
+from rayjob import RayJobRun
 
 from trainer.loop.ledger import read_trained_ids, read_trained_prompts
 
@@ -63,18 +63,23 @@ def killed_attempt(run: RayJobRun) -> dict:
     run.attempt()
     c.rollouts_ready()
     sub = run.submit()
-    placed = placement(c.wait_log(run.submitter, PLACED, 400, "submitter"), run.workers)
+    placed = placement(c.wait_log(run.submitter, PLACED, 400, run.log_name), run.workers)
     assert eventually(lambda: len(train_log(run)) >= 1, 400), run.log()[-4000:]
+    # ... and once both rollout pods loaded step 1's weights: the kill lands in step 2 (its pull
+    # or its training), not in a push (a push cut off mid-way is another failure: see
+    # docs/cluster-test.md)
+    version = int(train_log(run)[0]["policy_version"])
+    for r in c.by_name("r3flow-rollout"):
+        c.wait_log(r, rf"policy version {version}\b", 300)
     victim = next(w for w in run.workers if w.ip == placed.nodes[1])
     assert c.box.kill_pod(c.ns(victim)), "no process in the victim pod"
     t_kill = time.monotonic()
-    finish(sub, 300, run.log)
+    status = run.follow(sub, 300)
     failed_log = run.log()
+    assert status == "FAILED", (status, failed_log[-4000:])
     assert re.search(rf"RankDiedError: trainer rank 1 \(node {re.escape(victim.ip)}\) died",
                      failed_log), failed_log[-4000:]
     assert re.search(rf"Job '{run.submission_id}' failed", failed_log), failed_log[-4000:]
-    status = run.job_status()
-    assert status == "FAILED", status
     return {"nodes": placed.nodes, "killed": victim.name, "status": status,
             "failed_in_s": round(time.monotonic() - t_kill, 1),
             "up_to_failed_s": round(time.monotonic() - t0, 1)}
@@ -101,12 +106,9 @@ def retried_attempt(run: RayJobRun) -> dict:
     assert not set(new) & set(old), (old, new)
     fq = f"{run.head_svc}.r3flow.svc.cluster.local"
     assert c.resolve(run.submitter, fq) == run.head.ip, (fq, run.head.ip)
-    sub = run.submit()
-    rc = finish(sub, 600, run.log)
+    status = run.follow(run.submit(), 600)
     log = run.log()
-    assert rc == 0, log[-4000:]
-    status = run.job_status()
-    assert status == "SUCCEEDED", status
+    assert status == "SUCCEEDED", (status, log[-4000:])
     resumed = re.search(r"resumed at step (\d+)", log)
     assert resumed and int(resumed[1]) == resume_step, (resume_step, log[-4000:])
     placed = placement(log, run.workers)
@@ -115,14 +117,14 @@ def retried_attempt(run: RayJobRun) -> dict:
             "retry_s": round(time.monotonic() - t0, 1)}
 
 
-def check_ledger(run: RayJobRun) -> list[str]:
+def check_ledger(run: RayJobRun, resumed: bool = True) -> list[str]:
     """Nothing trained twice, nothing lost: steps 1..N without a gap (run.steps counts the
     steps of each submission: N = resume point + run.steps), each trajectory id once."""
     path = run.run_dir() / "trained_ids.jsonl"
     ledger = read_trained_ids(path)
     steps = run.train_config()["run"]["steps"]
     assert sorted(ledger) == list(range(1, len(ledger) + 1)), ledger
-    assert len(ledger) >= 1 + steps, ledger
+    assert len(ledger) >= int(resumed) + steps, ledger
     ids = [i for step in ledger.values() for i in step]
     assert len(ids) == len(set(ids)) and len(ids) >= len(ledger), ledger
     return ids
@@ -170,10 +172,14 @@ def kill_and_retry(run: RayJobRun, between=None) -> dict:
     cluster); its trained ids recorded for the accounting."""
     t0 = time.monotonic()
     shutdown_finished(run.c)
-    first = killed_attempt(run)
-    if between:
-        between()
-    second = retried_attempt(run)
+    try:
+        first = killed_attempt(run)
+        if between:
+            between()
+        second = retried_attempt(run)
+    except BaseException:
+        run.delete()  # a failed scenario leaves nothing running for the next one (logs stay)
+        raise
     ids = check_ledger(run)
     run.c.trained_ids[run.name] = ids
     run.c.finished.append(run)

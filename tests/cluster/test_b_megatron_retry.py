@@ -1,30 +1,33 @@
-"""The Megatron RayJob of k8s/tiny-moe-smoke.yaml in the box (retry.py: rank 1's pod SIGKILLed
-mid-step, the job FAILED naming it, KubeRay's retry on a new RayCluster at new addresses resumes
-from the last checkpoint), plus Ray token auth: a job submission without the cluster's token is
-refused by the head's dashboard (the test's own submissions carry it, from the Secret)."""
+"""The named Megatron run, k8s/qwen3-30b-a3b-grpo-r3.yaml, in the box with the tiny override of
+named_spec.py (only the fields that size it; labels, submitterPodTemplate, auth, Secrets and
+volumes as written): rank 1's pod SIGKILLed mid-step, the job FAILED naming it, KubeRay's retry
+on a new RayCluster at new addresses resumes from the last checkpoint (retry.py); plus Ray token
+auth: a job submission without the cluster's token is refused by the head's dashboard (the
+test's own submissions carry it, from the Secret)."""
 
 from __future__ import annotations
 
 import json
 
 import kube
+import named_spec
 import pytest
 from cluster import REPO, Cluster
-from rayjob import apply
+from rayjob import RayJobRun, apply
 from retry import kill_and_retry
 
 pytestmark = pytest.mark.timeout(1800)  # a safety net: a loaded 2-core box is slow
-SPEC = REPO / "k8s" / "tiny-moe-smoke.yaml"
+SPEC = REPO / "k8s" / named_spec.SPEC
 
 
 def test_megatron_kill_and_retry(cluster: Cluster):
-    run = apply(cluster, kube.load_docs(SPEC.read_text()))
+    run = apply(cluster, named_spec.tiny(kube.load_docs(SPEC.read_text())))
     out = kill_and_retry(run, between=lambda: auth_refused(run))
     print(json.dumps(out))
-    print(f"scenario megatron ({SPEC.name}): {out['seconds']} s", flush=True)
+    print(f"scenario megatron ({SPEC.name}, tiny override): {out['seconds']} s", flush=True)
 
 
-def auth_refused(run) -> None:
+def auth_refused(run: RayJobRun) -> None:
     """Ray token auth (the RayJob's authOptions): a submission without the token is refused."""
     code = run.submit_status(None)
     assert code in (401, 403), f"dashboard accepted a job without the token: HTTP {code}"

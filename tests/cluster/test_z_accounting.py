@@ -13,7 +13,7 @@ import signal
 
 import kube
 import pytest
-from cluster import GROUP_SIZE, REPO, Cluster
+from cluster import GROUP_SIZE, Cluster
 
 pytestmark = pytest.mark.timeout(300)
 MAX_STALE_SHARE = 0.2
@@ -58,7 +58,7 @@ def accounting(c: Cluster) -> dict:
     pod = trainer_pod(c)
     vol = c.ns(pod).root / "vol"
     r = c.python(pod, CODE, str(vol), str(GROUP_SIZE), timeout=120,
-                 env={**c.env(pod), "PYTHONPATH": str(REPO)})
+                 env=c.env(pod))
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 
