@@ -84,6 +84,26 @@ def checkpoint(level: int) -> None:
         raise PeerFault(f"a trainer rank voted {Level(got).name}: update not applied")
 
 
+VOTED = "r3flow_voted_fault"  # attribute of an error whose fault `vote_on` already voted
+
+
+def vote_on(fn: Callable[[], T], in_flight: MicroBatch | None = None) -> T:
+    """fn's result, after a vote point every rank reaches: a rank whose `fn` raised votes its
+    fault there and re-raises the error (marked VOTED: `run_pass` does not vote it again); its
+    peers hear it (PeerFault) instead of going on into a collective the failed rank never
+    joins (a backend's per-pass work before its first collective: the replay ids' checks
+    before the dispatch plan's gather)."""
+    try:
+        out = fn()
+    except Exception as err:
+        fault = blame(err, in_flight)
+        vote(fault.level)
+        setattr(err, VOTED, fault)
+        raise
+    checkpoint(Level.OK)
+    return out
+
+
 def gather(fault: Fault) -> Fault:
     """Every rank's fault, merged: the union of the groups, the first fatal message."""
     if _world() == 1:
@@ -128,8 +148,10 @@ def run_pass(fn: Callable[[], T], in_flight: Callable[[], MicroBatch | None],
     except PeerFault:
         return None, _settle(Fault(dict(blamed or {})), None)
     except Exception as err:  # every exception: a rank that leaves silently strands its peers
-        fault = blame(err, in_flight())
-        vote(fault.level)
+        fault = getattr(err, VOTED, None)
+        if fault is None:  # not voted yet (vote_on votes where it raised)
+            fault = blame(err, in_flight())
+            vote(fault.level)
         return None, _settle(fault, err)
     if vote(Level.OK):
         return None, _settle(Fault(), None)

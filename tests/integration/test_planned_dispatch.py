@@ -1,13 +1,16 @@
 """Replay-aware dispatch (model.planned_dispatch, issue 30) on two EP=2 ranks over gloo (real
 megatron-core, CPU): the same r2 and r3 steps (MoE recompute on) with and without the plan,
 bit for bit; no MoE layer falls back to megatron's per-layer split-size sync under r3; replay
-ids changed after the plan was made raise the desync error on every rank (no hang).
+ids changed after the plan was made raise the desync error on every rank (no hang); invalid
+replay ids on one rank raise there and RankFailed on its peer, with and without the plan (no
+hang).
 
 The test runs this file as a script once per rank; each rank writes its results as JSON.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import sys
@@ -43,6 +46,13 @@ def test_planned_dispatch_steps_equal_unplanned_and_a_stale_plan_raises(tmp_path
     assert "dispatch plan" in res[0]["desync"][1]
     assert res[1]["desync"][0] == "RankFailed"
     assert "dispatch plan" in res[1]["desync"][1]
+    # invalid replay ids on rank 0 only: checked on every rank before the pass's first
+    # collective (the plan's gather, or the first all-to-all): the error there, RankFailed on
+    # rank 1 naming it, no hang; with and without the plan
+    for name in ("plain", "planned"):
+        assert res[0]["invalid"][name][0] == "InvalidRoutingError", res[0]["invalid"]
+        assert res[1]["invalid"][name][0] == "RankFailed", res[1]["invalid"]
+        assert "invalid ids" in res[1]["invalid"][name][1]
 
 
 # ---------------------------------------------------------------- worker (one per rank)
@@ -75,6 +85,19 @@ def _shift_replayed_ids(tr) -> None:
             ids.copy_((ids + 1) % router.config.num_moe_experts)
     for r in tr.backend.policy.routers:
         r.register_forward_pre_hook(hook)
+
+
+def _invalid_routing_step(tr, samples: list, rank: int) -> list[str]:
+    """An r3 step whose rollout routing holds an out-of-range expert id on rank 0 only: the
+    error's type and message on this rank."""
+    bad = copy.deepcopy(samples)
+    if rank == 0:
+        bad[0].routing_TLK[0, 0, 0] = tr.backend.num_experts
+    try:
+        tr.train_step(bad, "r3")
+        return ["none", ""]
+    except Exception as e:  # noqa: BLE001 - the test asserts the type
+        return [type(e).__name__, str(e)]
 
 
 def _worker(model_dir: str, out_path: str) -> None:
@@ -111,6 +134,8 @@ def _worker(model_dir: str, out_path: str) -> None:
         out["desync"] = ["none", ""]
     except Exception as e:  # noqa: BLE001 - the test asserts the type
         out["desync"] = [type(e).__name__, str(e)]
+    out["invalid"] = {name: _invalid_routing_step(tr, samples["plain"], rank)
+                      for name, tr in trainers.items()}
     Path(out_path).write_text(json.dumps(out))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()

@@ -35,7 +35,7 @@ from trainer.alignment import check_routes, local_routing, to_router_rows
 from trainer.batch import MicroBatch, Sample, filler_microbatch, split_microbatches
 from trainer.collectives import max_over_ranks
 from trainer.config import TrainerConfig
-from trainer.guard import Level, checkpoint
+from trainer.guard import Level, checkpoint, vote_on
 from trainer.megatron.cpu_shims import cuda_tensor_type_names
 from trainer.megatron.export_stream import HFStream
 from trainer.megatron.hf_mapping import gather_experts, load_arch, megatron_to_hf
@@ -204,19 +204,21 @@ class MegatronBackend:
     # ------------------------------------------------------------------ dispatch plan
     def _plan(self, model: BuiltModel, mbs: Sequence[MicroBatch],
               mode: ReplayMode) -> StepPlan | None:
-        """model.planned_dispatch under r3/r2: the all-to-all split sizes of every MoE layer of
-        the pass from the replayed ids (trainer.megatron.planned_dispatch; one gather over the
-        tp_ep group, one host copy). Every rank of the group plans the same passes."""
+        """The pass's replay ids, checked on every rank before any collective of the pass
+        (guard.vote_on: a rank whose routing is invalid votes there; its peers hear it instead
+        of waiting in the plan's gather or the first all-to-all) and kept for the pass; with
+        model.planned_dispatch under r3/r2, the all-to-all split sizes of every MoE layer of
+        the pass from them (trainer.megatron.planned_dispatch; one gather over the tp_ep group,
+        one host copy). Every rank of the group plans the same passes."""
+        if mode == ReplayMode.OFF:
+            return None
+        rows = vote_on(lambda: [self._rows(mb, mode) for mb in mbs])
         layers = planned_layers(model.module)
-        if not layers or mode == ReplayMode.OFF:
-            return None
-        rows = []
-        for mb in mbs:
-            ids = self._rows(mb, mode)
-            rows.append(None if ids is None else [t.long() for t in ids])
-        if all(r is None for r in rows):  # r2's recording pass
-            return None
+        if layers:
+            rows = [None if r is None else [t.long() for t in r] for r in rows]
         self._row_cache.update({id(mb): r for mb, r in zip(mbs, rows, strict=True)})
+        if not layers or all(r is None for r in rows):  # r2's recording pass: nothing to plan
+            return None
         plan = StepPlan(rows, mbs, len(self.stage_columns), self.num_experts,
                         layers[0].token_dispatcher.tp_ep_group, self.device)
         for layer in layers:
