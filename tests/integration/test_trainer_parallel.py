@@ -58,6 +58,13 @@ PLANNED_4 = {"tp2_sp_ep2_planned_recompute_moe": (4, {
     "tensor_parallel": 2, "sequence_parallel": True, "expert_parallel": 2,
     "planned_dispatch": True, "recompute_granularity": "selective", "recompute_modules": ["moe"]},
     {})}
+# the named 30B spec's combination (k8s/qwen3-30b-a3b-grpo-r3.yaml: PP2, EP, distributed
+# optimizer, full recompute) on the fast path's modules (grouped experts, fused attention, the
+# plan), TP left out (PLANNED_4 has it): four ranks, PP2 x DP2, EP2 across the DP ranks
+FAST_PP2_4 = {"pp2_ep2_fast_planned_recompute_full": (4, {
+    "pipeline_parallel": 2, "expert_parallel": 2, "experts": "grouped", "attention": "sdpa",
+    "planned_dispatch": True, "recompute_granularity": "full", "recompute_method": "uniform",
+    "recompute_num_layers": 1}, {"use_distributed_optimizer": True})}
 CP_SKIP = ("megatron-core 0.19's local attention (DotProductAttention) asserts "
            "context_parallel_size == 1; CP needs TransformerEngine's TEDotProductAttention, "
            "which is not installed")
@@ -154,7 +161,8 @@ def test_layout_matches_one_rank(name, reference, layouts):
 
 @pytest.mark.manual
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("layouts_", [PLANNED, PLANNED_4], ids=["ep2", "tp2_sp_ep2"])
+@pytest.mark.parametrize("layouts_", [PLANNED, PLANNED_4, FAST_PP2_4],
+                         ids=["ep2", "tp2_sp_ep2", "pp2_ep2_fast"])
 def test_planned_dispatch_layout_matches_one_rank(layouts_, reference, model_dir, tmp_path):
     (name,) = layouts_
     ranks = run_layouts(tmp_path, model_dir, layouts_, timeout=600)[name]
