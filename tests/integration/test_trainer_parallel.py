@@ -59,12 +59,13 @@ PLANNED_4 = {"tp2_sp_ep2_planned_recompute_moe": (4, {
     "planned_dispatch": True, "recompute_granularity": "selective", "recompute_modules": ["moe"]},
     {})}
 # the named 30B spec's combination (k8s/qwen3-30b-a3b-grpo-r3.yaml: PP2, EP, distributed
-# optimizer, full recompute) on the fast path's modules (grouped experts, fused attention, the
-# plan), TP left out (PLANNED_4 has it): four ranks, PP2 x DP2, EP2 across the DP ranks
-FAST_PP2_4 = {"pp2_ep2_fast_planned_recompute_full": (4, {
+# optimizer, MoE recompute) on the fast path's modules (grouped experts, fused attention, the
+# plan, overlapped grad reduce, fused AdamW), TP left out (PLANNED_4 has it): four ranks,
+# PP2 x DP2, EP2 across the DP ranks
+FAST_PP2_4 = {"pp2_ep2_fast_planned_recompute_moe": (4, {
     "pipeline_parallel": 2, "expert_parallel": 2, "experts": "grouped", "attention": "sdpa",
-    "planned_dispatch": True, "recompute_granularity": "full", "recompute_method": "uniform",
-    "recompute_num_layers": 1}, {"use_distributed_optimizer": True})}
+    "planned_dispatch": True, "recompute_granularity": "selective", "recompute_modules": ["moe"]},
+    {"use_distributed_optimizer": True, "overlap_grad_reduce": True, "fused_adam": True})}
 CP_SKIP = ("megatron-core 0.19's local attention (DotProductAttention) asserts "
            "context_parallel_size == 1; CP needs TransformerEngine's TEDotProductAttention, "
            "which is not installed")
