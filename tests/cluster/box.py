@@ -182,15 +182,21 @@ table inet r3np {{
                               capture_output=True, timeout=timeout, env=env)
 
     # ---------------------------------------------------------------- cleanup
-    def stop_pod(self, pod: NsPod, grace_s: float = 0.0) -> None:
-        """Every process of the pod gone: SIGTERM and `grace_s` to exit (kubelet's
-        termination grace period) when given, then SIGKILL by pid (process groups started
-        here, then whatever is left in the namespace: Ray daemons re-parent)."""
-        if grace_s:
+    def terminate(self, pods: list[NsPod], grace_s: float) -> None:
+        """SIGTERM to every process of the pods at once, then up to `grace_s` for them to exit
+        (kubelet's termination grace period; the pods of a deleted RayCluster go together)."""
+        for pod in pods:
             self.kill_pod(pod, signal.SIGTERM)
-            deadline = time.monotonic() + grace_s
-            while self.pids_in(pod) and time.monotonic() < deadline:
-                time.sleep(0.2)
+        deadline = time.monotonic() + grace_s
+        while any(self.pids_in(p) for p in pods) and time.monotonic() < deadline:
+            time.sleep(0.2)
+
+    def stop_pod(self, pod: NsPod, grace_s: float = 0.0) -> None:
+        """Every process of the pod gone: SIGTERM and `grace_s` to exit when given (see
+        terminate), then SIGKILL by pid (process groups started here, then whatever is left in
+        the namespace: Ray daemons re-parent)."""
+        if grace_s:
+            self.terminate([pod], grace_s)
         for p in pod.procs:
             if p.poll() is None:
                 try:

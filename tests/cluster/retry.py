@@ -100,7 +100,9 @@ def retried_attempt(run: RayJobRun) -> dict:
     gone = [n for n in old if n in c.box.pods]
     assert not gone, f"pods of the failed attempt still exist: {gone}"
     resume_step = latest_checkpoint(run)  # read with every trainer process gone
+    t_deleted = time.monotonic()
     run.attempt()
+    t_up = time.monotonic()
     new = {p.name: p.ip for p in run.pods}
     assert not set(new.values()) & set(old.values()), (old, new)
     assert not set(new) & set(old), (old, new)
@@ -114,6 +116,7 @@ def retried_attempt(run: RayJobRun) -> dict:
     placed = placement(log, run.workers)
     return {"old_ips": old, "new_ips": new, "status": status, "resumed_at": resume_step,
             "nodes": placed.nodes, "master": placed.master,
+            "deleted_s": round(t_deleted - t0, 1), "ray_up_s": round(t_up - t_deleted, 1),
             "retry_s": round(time.monotonic() - t0, 1)}
 
 
@@ -189,6 +192,12 @@ def kill_and_retry(run: RayJobRun, between=None) -> dict:
            "trained_ids": len(ids), "prompts_by_pod": check_prompts(run.c, run, ids)}
     out["seconds"] = round(time.monotonic() - t0, 1)
     return out
+
+
+def auth_refused(run: RayJobRun) -> None:
+    """Ray token auth (the RayJob's authOptions): a submission without the token is refused."""
+    code = run.submit_status(None)
+    assert code in (401, 403), f"dashboard accepted a job without the token: HTTP {code}"
 
 
 def shutdown_finished(c: Cluster) -> None:

@@ -13,8 +13,8 @@ import kube
 import named_spec
 import pytest
 from cluster import REPO, Cluster
-from rayjob import RayJobRun, apply
-from retry import kill_and_retry
+from rayjob import apply
+from retry import auth_refused, kill_and_retry
 
 pytestmark = pytest.mark.timeout(1800)  # a safety net: a loaded 2-core box is slow
 SPEC = REPO / "k8s" / named_spec.SPEC
@@ -25,9 +25,3 @@ def test_megatron_kill_and_retry(cluster: Cluster):
     out = kill_and_retry(run, between=lambda: auth_refused(run))
     print(json.dumps(out))
     print(f"scenario megatron ({SPEC.name}, tiny override): {out['seconds']} s", flush=True)
-
-
-def auth_refused(run: RayJobRun) -> None:
-    """Ray token auth (the RayJob's authOptions): a submission without the token is refused."""
-    code = run.submit_status(None)
-    assert code in (401, 403), f"dashboard accepted a job without the token: HTTP {code}"

@@ -1,9 +1,10 @@
 """The chart's own trainer RayJob (issue 32 (a)): `helm template` with tests/cluster/values.yaml
-and chart-trainer-values.yaml (trainer.enabled, 2 CPU worker pods, the tiny MoE's layout, 2
+and chart-trainer-values.yaml (trainer.enabled, 2 CPU worker pods, the tiny MoE's layout, 3
 steps) on the same release; its RayJob and trainer ConfigMap applied (the release's other objects,
 its Secrets included, are the ones running). The job runs to completion: one rank per worker
 pod, rendezvous at rank 0's pod address, the ledger gapless with each id once, rank 0's pushes
-reach both rollout pods and the digests of the last one equal its export."""
+reach both rollout pods and the digests of the last one equal its export; a job submission
+without the Ray token is refused (the chart's authOptions)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import time
 import pytest
 from cluster import REPO, Cluster, helm_template
 from rayjob import RayJobRun, apply
-from retry import check_ledger, check_pushes, placement, shutdown_finished
+from retry import auth_refused, check_ledger, check_pushes, placement, shutdown_finished
 
 pytestmark = pytest.mark.timeout(1800)  # a safety net: a loaded 2-core box is slow
 VALUES = [REPO / "tests" / "cluster" / f for f in ("values.yaml", "chart-trainer-values.yaml")]
@@ -37,13 +38,17 @@ def test_chart_rayjob(cluster: Cluster):
 
 
 def run_to_completion(c: Cluster, run: RayJobRun) -> dict:
+    t0 = time.monotonic()
     run.attempt()
     c.rollouts_ready()
+    t_up = time.monotonic()
     status = run.follow(run.submit(), 600)
     assert status == "SUCCEEDED", (status, run.log()[-4000:])
     placed = placement(run.log(), run.workers)
+    auth_refused(run)  # the chart's authOptions: a submission without the token is refused
     ids = check_ledger(run, resumed=False)
     c.trained_ids[run.name] = ids
     c.finished.append(run)
     return {"job": run.name, "nodes": placed.nodes, "status": status, "trained_ids": len(ids),
+            "ray_up_s": round(t_up - t0, 1), "job_s": round(time.monotonic() - t_up, 1),
             **check_pushes(c, run, placed.master)}
