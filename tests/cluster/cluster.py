@@ -91,6 +91,7 @@ class Cluster:
         # claim name -> directory; the named 30B spec's weights claim holds the tiny model here
         self.pvcs = {MODELS_CLAIM: models, "qwen3-30b-a3b-weights": models}
         self.trained_ids: dict[str, list[str]] = {}  # RayJob -> trajectory ids its ledger holds
+        self.job_starts = 0  # RayJob attempts started: each starts a trainer at some version
         self.finished: list = []  # RayJobRuns that succeeded, their RayCluster not yet deleted
         self._rollouts_ready = False
 

@@ -83,6 +83,7 @@ class RayJobRun:
         KubeRay's commands: init containers of every pod at once, the head, then the workers."""
         assert not self.pods, "the previous attempt's RayCluster still exists"
         self.attempts += 1
+        self.c.job_starts += 1
         self.cluster_name = f"{self.name}-r3c{self.attempts:02d}"
         self.submission_id = f"{self.cluster_name}-job"
         self.submitter_runs = 0

@@ -1,9 +1,10 @@
 """The store's books over every RayJob of the session (runs last): after the rollout pods stop
 (SIGTERM, as kubelet stops a pod), services.local.accounting over the secured store (mTLS +
-token) balances, with `trained` equal to the ids in the jobs' ledgers, and the stale share
-(dropped stale / produced, starts, kills and retries included) is at most 20%: the rollout pods
-stay within the store's backlog budget (`max_groups_ahead`) while trainers start, are down and
-restart (issue 28)."""
+token) balances, with `trained` equal to the ids in the jobs' ledgers, and the groups dropped
+as stale are at most one per rollout pod per trainer start (RayJob attempt: each starts at a
+policy version the groups sampled before it may be too old for): the rollout pods stay within
+the store's backlog budget (`max_groups_ahead` 1) while trainers start, are down and restart
+(issue 28). A flat share of produced (20% before) read 17-18% in green runs with five starts."""
 
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ import pytest
 from cluster import GROUP_SIZE, Cluster
 
 pytestmark = pytest.mark.timeout(300)
-MAX_STALE_SHARE = 0.2
 CODE = """
 import json, sys
 from services.common.auth import ClientAuth, ClientAuthConfig
@@ -37,13 +37,15 @@ def test_accounting(cluster: Cluster):
         pytest.skip("no RayJob ran in this session")
     acc = accounting(c)
     trained = sum(len(ids) for ids in c.trained_ids.values())
-    stale_share = acc["dropped"].get("stale", 0) / max(1, acc["produced"])
+    stale = acc["dropped"].get("stale", 0)
+    pods = len(c.by_name("r3flow-rollout"))
     print(json.dumps({"accounting": acc, "ledgers": {k: len(v) for k, v in
                                                      c.trained_ids.items()}}))
-    print(f"stale share: {acc['dropped'].get('stale', 0)} dropped stale / {acc['produced']} "
-          f"produced = {stale_share:.1%}")
+    print(f"stale: {stale} dropped stale of {acc['produced']} produced "
+          f"({stale / max(1, acc['produced']):.1%}); {c.job_starts} trainer starts x {pods} "
+          f"rollout pods")
     assert acc["balanced"] and acc["trained"] == trained, (acc, trained)
-    assert stale_share <= MAX_STALE_SHARE, acc
+    assert stale <= c.job_starts * pods * GROUP_SIZE, (acc, c.job_starts, pods)
 
 
 def accounting(c: Cluster) -> dict:
