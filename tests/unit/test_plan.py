@@ -132,22 +132,25 @@ def test_spec_gpus_must_match_world_size(tmp_path, capsys):
     assert "32 GPUs but run.world_size is 16" in capsys.readouterr().err
 
 
-def test_named_run_fits_with_tp2_pp2_ep8_full_recompute(capsys):
-    """k8s/qwen3-30b-a3b-grpo-r3.yaml (issue 21): TP2 (SP) x PP2 x DP8, EP8 x EDP2, distributed
-    optimizer, full recompute: the figures its header states."""
+def test_named_run_fits_with_tp2_pp2_ep8_on_the_fast_path(capsys):
+    """k8s/qwen3-30b-a3b-grpo-r3.yaml (issues 21, 30): TP2 (SP) x PP2 x DP8, EP8 x EDP2,
+    distributed optimizer, the fast path (SDPA, chunked log-softmax) with MoE recompute: the
+    figures its header states."""
     spec = str(_spec_docs("qwen3-30b-a3b-grpo-r3.yaml"))
     assert cli.main(["plan", "--manifest", spec, "--check-expected"]) == 0
     out = capsys.readouterr().out
-    assert "74.17 GiB of 80.00 GiB: fits (+5.83 GiB)" in out and "fits (as expected)" in out
-    lay = Layout(world=32, tp=2, pp=2, ep=8, recompute="full", reference=True, seq_len=8192,
-                 distributed_optimizer=True)
+    assert "52.00 GiB of 80.00 GiB: fits (+28.00 GiB)" in out and "fits (as expected)" in out
+    lay = Layout(world=32, tp=2, pp=2, ep=8, recompute="moe", reference=True, seq_len=8192,
+                 distributed_optimizer=True, attention="sdpa", chunked_logprobs=True)
     p = plan(QWEN, lay, gpu_gib=80)
     # experts: 24 of 48 layers over EP8 (expert TP 1); dense split over TP2 except norms/routers
     assert p.expert_params == 3_623_878_656 / 2 and lay.dp == 8 and lay.expert_dp == 2
     assert p.rows["optimizer"] == pytest.approx(12 * (p.dense_params / 8 + p.expert_params / 2))
-    # full recompute: one layer's scores (16 heads per TP rank) live in backward
-    assert p.rows["attention scores"] == 6 * 16 * 8192**2
-    assert p.rows["logits + loss"] == 24 * 8192 * 151_936  # gathered over TP: full vocabulary
+    # SDPA keeps no scores: its fp32 logsumexp per query row and head (16 heads per TP rank),
+    # in the stage's 24 layers, for PP = 2 micro-batches in flight (1F1B)
+    assert p.rows["attention scores"] == 4 * 16 * 8192 * 24 * 2
+    # chunked: bf16 logits + their gradient, and one 1,024-row chunk's fp32 temporaries
+    assert p.rows["logits + loss"] == 4 * 8192 * 151_936 + 6 * 4 * 1024 * 151_936
 
 
 def _bench_plan(tp: int, attention: str = "unfused", micro_batch: int = 1,
