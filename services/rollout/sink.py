@@ -249,6 +249,6 @@ def _refused_per_group(err: BaseException) -> bool:
 
 def _is_backpressure(err) -> bool:  # noqa: ANN001
     """Backpressure refusals carry a retry hint; size-limit refusals do not (never retry)."""
-    from services.store.client import RETRY_AFTER_KEY
+    from services.store.wire_metadata import RETRY_AFTER_KEY
 
     return any(k == RETRY_AFTER_KEY for k, _ in (err.trailing_metadata() or ()))

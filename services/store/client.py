@@ -27,13 +27,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.common.auth import ClientAuth
 from services.common.errors import UserError
 from services.common.pb.r3flow.v1 import store_pb2, store_pb2_grpc, trajectory_pb2
+from services.store.wire_metadata import APPEND_MESSAGES_KEY, RETRY_AFTER_KEY
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
               grpc.StatusCode.ABORTED}
-RETRY_AFTER_KEY = "retry-after-ms"
 
 
 class StoreNotReady(UserError, TimeoutError):
@@ -163,9 +163,11 @@ class StoreClient:
     def append(self, requests: Sequence[store_pb2.AppendRequest]) -> store_pb2.AppendResponse:
         """Stream `requests` (re-sent whole on transient failure; the store dedups)."""
         reqs = list(requests)
+        # The count lets the store tell a stream cut short from a whole one (wire_metadata).
+        metadata = (*self._metadata, (APPEND_MESSAGES_KEY, str(len(reqs))))
         return self._with_retry(
-            lambda: self._stub.Append(iter(reqs), timeout=self.timeout_s,
-                                      metadata=self._metadata), "append")
+            lambda: self._stub.Append(iter(reqs), timeout=self.timeout_s, metadata=metadata),
+            "append")
 
     # ---- trainer side ---------------------------------------------------------------------
     def pull(self, consumer: str, max_groups: int = 1, lease_seconds: int = 0,

@@ -16,6 +16,11 @@ class SizeLimitError(Exception):
     """A message over a configured size: RESOURCE_EXHAUSTED without a retry hint (never retry)."""
 
 
+class StreamCutShort(Exception):
+    """An Append stream that ended before its client closed it (CANCELLED; nothing of it is
+    committed)."""
+
+
 def is_redis_oom(exc: BaseException) -> bool:
     """Redis refused a write at its maxmemory (a plain command's OutOfMemoryError, or the same
     error raised from inside a Lua script, which redis-py reports as a ResponseError)."""

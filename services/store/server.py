@@ -32,12 +32,12 @@ from services.common.pb.r3flow.v1 import store_pb2, store_pb2_grpc
 from services.store.config import StoreConfig
 from services.store.control import ControlPlane
 from services.store.core import StatsSnapshot, TrajectoryStoreCore
-from services.store.errors import CapacityError, SizeLimitError, is_redis_oom
+from services.store.errors import CapacityError, SizeLimitError, StreamCutShort, is_redis_oom
+from services.store.wire_metadata import APPEND_MESSAGES_KEY, RETRY_AFTER_KEY
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = store_pb2.DESCRIPTOR.services_by_name["TrajectoryStore"].full_name
-RETRY_AFTER_KEY = "retry-after-ms"
 _REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
 WATCH_POLL_S = 0.5  # watchers re-read Redis this often (versions published by other replicas)
 
@@ -50,11 +50,28 @@ def _abort(context: grpc.ServicerContext, exc: Exception) -> None:
     if isinstance(exc, CapacityError):
         context.set_trailing_metadata(((RETRY_AFTER_KEY, str(exc.retry_after_ms)),))
         context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+    if isinstance(exc, StreamCutShort):
+        context.abort(grpc.StatusCode.CANCELLED, str(exc))
     if isinstance(exc, _REDIS_DOWN):
         context.abort(grpc.StatusCode.UNAVAILABLE, f"redis unavailable: {exc}")
     if context.is_active():
         log.error("internal error in %s", context.peer(), exc_info=exc)
     context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+
+
+def _declared_messages(context: grpc.ServicerContext) -> int | None:
+    """The message count an Append stream's client declared; None when it declared none (a
+    client older than the key: its stream is checked only as well as gRPC reports a cut)."""
+    value = dict(context.invocation_metadata() or ()).get(APPEND_MESSAGES_KEY)
+    if value is None:
+        return None
+    try:
+        count = int(value)
+    except ValueError:
+        count = -1
+    if count < 0:
+        raise ValueError(f"{APPEND_MESSAGES_KEY}: not a message count: {value!r}")
+    return count
 
 
 def _unary(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -88,15 +105,20 @@ class TrajectoryStoreServicer(store_pb2_grpc.TrajectoryStoreServicer):
 
     @_unary
     def Append(self, request_iterator, context):  # noqa: N802 (gRPC method names)
+        declared = _declared_messages(context)
         requests = list(request_iterator)
 
         def check_whole() -> None:
             # The stream broke off (an oversized message, a cancelled client): gRPC may end the
             # iterator quietly and report the cancellation a moment later, so this is checked
-            # again right before the commit; a truncated stream must not be committed.
+            # again right before the commit; a truncated stream must not be committed. The
+            # count the client declared (APPEND_MESSAGES_KEY) tells it for certain.
+            if declared is not None and len(requests) != declared:
+                raise StreamCutShort(f"stream: {len(requests)} messages arrived of the "
+                                     f"{declared} its client declared ({APPEND_MESSAGES_KEY}); "
+                                     "nothing committed")
             if not context.is_active():
-                context.abort(grpc.StatusCode.CANCELLED,
-                              "stream: ended before the client closed it")
+                raise StreamCutShort("stream: ended before the client closed it")
         check_whole()
         res = self.core.append(requests, before_commit=check_whole)
         return store_pb2.AppendResponse(accepted=res.accepted, duplicates=res.duplicates,

@@ -12,7 +12,7 @@ import pytest
 from services.common.pb.r3flow.v1 import trajectory_pb2
 from services.rollout import sink as sink_module
 from services.rollout.sink import MemorySink, StoreRejected, StoreSink, wait_for_room
-from services.store.client import RETRY_AFTER_KEY
+from services.store.wire_metadata import RETRY_AFTER_KEY
 
 
 class FakeRpcError(grpc.RpcError):

@@ -100,7 +100,9 @@ class TrajectoryStoreServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Append(self, request_iterator, context):
-        """Missing associated documentation comment in .proto file."""
+        """Metadata `r3flow-append-messages: N` (the messages the client sends): the store commits
+        the stream only when N arrived (docs/store.md).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
