@@ -60,6 +60,13 @@ def _patch_torch_cuda() -> None:
     torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
     # Optimizer, grad clipping, DDP buffers and schedules pass device="cuda" to tensor factories
     # and call Tensor.cuda() (megatron.core.optimizer.*, megatron.core.distributed.*).
+    # torch's device context (`with torch.device(...)`, under which transformers builds a model
+    # before loading it) tells factories by identity, from a set it builds on first use: build
+    # it now, from torch's own functions. Built after the wrapping, it held the wrappers, the
+    # context no longer saw `torch.tensor` as a factory, and every HF model loaded later in the
+    # process kept an uninitialised RoPE `inv_freq` (garbage: its logits and routing wrong).
+    with torch.device("meta"):
+        torch.empty(0)
     for name in _FACTORIES:
         fn = getattr(torch, name)
         if not getattr(fn, "_r3flow_cpu_shim", False):
