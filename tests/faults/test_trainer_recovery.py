@@ -11,7 +11,7 @@ import pytest
 from services.common.pb.r3flow.v1 import store_pb2, trajectory_pb2
 from trainer.config import TrainerConfig
 from trainer.loop.ledger import read_trained_ids
-from trainer.loop.loop import TrainLoop
+from trainer.loop.loop import RESYNC_INTERVAL_S, TrainLoop
 
 pytestmark = [pytest.mark.faults]
 
@@ -72,6 +72,11 @@ def test_idle_trainer_repushes_to_a_worker_behind_it_as_the_next_version(tmp_pat
     loop = _loop(tmp_path, store, Ranks(), pushes)
     loop.run(1)
     assert pushes == [1]  # the step's own push; the worker missed it (still at v0)
+    polls = iter([False, True])
+    assert loop.pull_batch(stop=lambda: next(polls)) == []
+    # right after a push the worker may not have reported it yet: no push again so soon
+    assert pushes == [1] and loop.pos.policy_version == 1
+    loop._last_resync -= RESYNC_INTERVAL_S  # ... but once the interval has passed
     polls = iter([False, True])
     assert loop.pull_batch(stop=lambda: next(polls)) == []
     assert pushes == [1, 2] and loop.pos.policy_version == 2

@@ -227,6 +227,10 @@ class TrainLoop:
         t0 = time.perf_counter()
         self.push_fn(self.ranks, self.pos.policy_version)  # rank 0 exports, sends
         self.metrics.weight_push(time.perf_counter() - t0)
+        # Workers report the version they loaded a moment after the push returns: a resync
+        # check right after it saw them still behind and pushed the same weights again (and a
+        # worker stopping meanwhile never joined that push, which then waited out timeout_s).
+        self._last_resync = time.monotonic()
 
     def checkpoint(self, force: bool = False) -> None:
         """Save every rank's shard, then ack what it covers (the version was published at
