@@ -191,16 +191,16 @@ def test_fuzzed_requests_are_refused_and_leave_nothing(fuzz_store: StoreProcess)
     assert fz.rss_mb[10_000] - fz.rss_mb[6_000] < max(32.0, 0.2 * fz.rss_mb[2_000]), fz.rss_mb
 
 
-def _append_over_transport_cap(store: StoreProcess, bases: list, metadata: tuple) -> set:
-    """Append streams whose second message is over gRPC's receive cap; the Redis keys they
-    left behind."""
+def _append_over_transport_cap(store: StoreProcess, bases: list, declare_count: bool) -> set:
+    """Append streams whose second message is over gRPC's receive cap (their message count
+    declared as StoreClient declares it, or not); the Redis keys they left behind."""
     keys_before, _ = _keys(store.redis_url)
     rng = np.random.default_rng(7)
     opts = [("grpc.max_send_message_length", 1 << 30)]
     with grpc.insecure_channel(store.address, options=opts) as ch:
         for base in bases:
             case = oversize_append(rng, [base], size=TRANSPORT_CAP + 1024)
-            meta = tuple((k, str(len(case.payload)) if v is None else v) for k, v in metadata)
+            meta = ((APPEND_MESSAGES_KEY, str(len(case.payload))),) if declare_count else ()
             with pytest.raises(grpc.RpcError) as err:
                 ch.stream_unary(SERVICE + "Append")(iter(case.payload), timeout=30,
                                                     metadata=meta)
@@ -212,8 +212,7 @@ def _append_over_transport_cap(store: StoreProcess, bases: list, metadata: tuple
 def test_message_over_transport_cap_commits_nothing(fuzz_store: StoreProcess) -> None:
     """With the message count declared, as StoreClient declares it (wire_metadata): the store
     sees the stream was cut short and commits none of it, whenever gRPC reports the cut."""
-    leaked = _append_over_transport_cap(fuzz_store, base_streams(40)[32:36],
-                                        ((APPEND_MESSAGES_KEY, None),))
+    leaked = _append_over_transport_cap(fuzz_store, base_streams(40)[32:36], declare_count=True)
     assert leaked == set(), sorted(leaked)
 
 
@@ -243,5 +242,5 @@ def test_declared_count_that_is_not_a_number_is_refused_naming_the_key(
                    "cancellation arrives a moment later, so the messages before it may be "
                    "committed (the client sees RESOURCE_EXHAUSTED)", strict=False)
 def test_message_over_transport_cap_without_a_declared_count(fuzz_store: StoreProcess) -> None:
-    leaked = _append_over_transport_cap(fuzz_store, base_streams(40)[37:40], ())
+    leaked = _append_over_transport_cap(fuzz_store, base_streams(40)[37:40], declare_count=False)
     assert leaked == set(), sorted(leaked)
