@@ -37,3 +37,86 @@ def test_replay_guarantees_covers_every_partial_rollout_policy():
     ann = RolloutConfig.model_fields["partial_rollout_policy"].annotation
     for policy in (*get_args(ann), "final"):
         assert f"| `{policy}`" in text, policy
+
+
+# Markdown links: `[text](target)` (images too); a target is a path relative to the page,
+# optionally with `#anchor`, or an external URL (not checked: no network here).
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+HEADING = re.compile(r"^#{1,6} +(.+?) *#*$", re.M)
+
+
+def _slug(heading: str) -> str:
+    """GitHub's heading anchor: lower case, punctuation dropped (word characters, spaces and
+    hyphens stay), each space a hyphen."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _anchors(page: Path) -> set[str]:
+    seen: dict[str, int] = {}
+    out = set()
+    for heading in HEADING.findall(page.read_text()):
+        slug = _slug(heading)
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")  # GitHub numbers repeated headings
+    return out
+
+
+def _pages() -> list[Path]:
+    return sorted({*ROOT.glob("*.md"), *(ROOT / "docs").rglob("*.md"),
+                   *(ROOT / "trainer").rglob("*.md"), *(ROOT / "services").rglob("*.md"),
+                   *(ROOT / "helm").rglob("*.md")})
+
+
+def _broken_links(page: Path) -> list[str]:
+    bad = []
+    for target in LINK.findall(page.read_text()):
+        if re.match(r"[a-z]+:", target):  # http:, https:, mailto:
+            continue
+        path, _, anchor = target.partition("#")
+        dest = (page.parent / path).resolve() if path else page
+        if not dest.exists():
+            bad.append(f"{target}: no such file")
+        elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+            bad.append(f"{target}: no heading with that anchor in {path or page.name}")
+    return bad
+
+
+def test_slug_matches_githubs_anchors():
+    assert _slug("Calls 5-7 (2026-11-27 15:49-16:17, commits `a2d586d`): EP4") == (
+        "calls-5-7-2026-11-27-1549-1617-commits-a2d586d-ep4")
+    assert _slug("Round 5: raw/push 0.89 / 0.88") == "round-5-rawpush-089--088"
+
+
+def test_every_relative_link_in_the_docs_resolves():
+    bad = {str(p.relative_to(ROOT)): b for p in _pages() if (b := _broken_links(p))}
+    assert not bad, bad
+
+
+def test_broken_link_and_anchor_are_found(tmp_path):
+    (tmp_path / "a.md").write_text("# Top\n## Two words\n")
+    page = tmp_path / "b.md"
+    page.write_text("[ok](a.md#two-words) [ok](#here) [x](a.md#three) [y](gone.md) [z](https://x.y)\n"
+                    "# Here\n")
+    assert _broken_links(page) == ["a.md#three: no heading with that anchor in a.md",
+                                   "gone.md: no such file"]
+
+
+def test_benchmarks_page_is_short_and_every_figure_links_to_its_notebook():
+    """BENCHMARKS.md is the five-minute page (issue 45): at most 250 lines, each table row a
+    headline figure linked to its section in docs/benchmarks/, every notebook linked."""
+    text = (ROOT / "BENCHMARKS.md").read_text()
+    lines = text.splitlines()
+    assert len(lines) <= 250, len(lines)
+    rows = [line for i, line in enumerate(lines) if line.startswith("|")
+            and not re.match(r"\|[-| ]+\|$", line)
+            and not (i + 1 < len(lines) and re.match(r"\|[-| ]+\|$", lines[i + 1]))]
+    assert len(rows) >= 13
+    unlinked = [r for r in rows if not re.search(r"\]\(docs/benchmarks/[\w.-]+\.md#[\w-]+\)", r)]
+    assert not unlinked, unlinked
+    for row in rows:  # the date and commit columns are filled
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", row)[1:-1]]
+        assert cells[-1] and cells[-2], row
+    notebooks = {p.name for p in (ROOT / "docs/benchmarks").glob("*.md")}
+    linked = set(re.findall(r"\(docs/benchmarks/([\w.-]+\.md)#", text))
+    assert notebooks == linked, notebooks ^ linked
