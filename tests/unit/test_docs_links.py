@@ -120,3 +120,12 @@ def test_benchmarks_page_is_short_and_every_figure_links_to_its_notebook():
     notebooks = {p.name for p in (ROOT / "docs/benchmarks").glob("*.md")}
     linked = set(re.findall(r"\(docs/benchmarks/([\w.-]+\.md)#", text))
     assert notebooks == linked, notebooks ^ linked
+
+
+def test_docs_index_lists_every_page():
+    """docs/README.md indexes the docs: a page added to docs/ gets its line there."""
+    index = ROOT / "docs/README.md"
+    linked = {(index.parent / t.partition("#")[0]).resolve() for t in LINK.findall(index.read_text())}
+    pages = {p.resolve() for p in (ROOT / "docs").rglob("*.md")} - {index.resolve()}
+    missing = sorted(str(p.relative_to(ROOT)) for p in pages - linked)
+    assert not missing, f"add a line for each to docs/README.md: {missing}"
