@@ -168,7 +168,7 @@ def _load_check(built, sharded: str) -> dict:
 
 
 def _layout(model_dir: str, sharded: str, layout: str) -> dict:
-    from services.rollout.worker_ext import tensor_digest
+    from services.common.weight_sync.digest import tensor_digest
     from trainer.backend import make_trainer
     from trainer.config import TrainerConfig
 
@@ -202,7 +202,7 @@ def _packed_checks(backend, want: list) -> dict:
     storage (its unit must be mapped afresh)."""
     import torch
 
-    from services.rollout.worker_ext import tensor_digest
+    from services.common.weight_sync.digest import tensor_digest
     from trainer.megatron.parallel import model_weights
 
     def digests() -> list:

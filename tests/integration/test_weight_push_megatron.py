@@ -202,7 +202,7 @@ def _trainer(model_dir: str, work: Path) -> None:
 
     from services.common.pb.r3flow.v1 import store_pb2
     from services.common.weight_sync import WeightSyncConfig
-    from services.rollout.worker_ext import tensor_digest
+    from services.common.weight_sync.digest import tensor_digest
     from trainer.backend import make_trainer
     from trainer.config import TrainerConfig
     from trainer.weight_push import RankSender
