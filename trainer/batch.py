@@ -237,3 +237,9 @@ def update_schedule(mbs: Sequence[MicroBatch], epochs: int = 1,
     as many micro-batches as the others when its micro-batch count is the same."""
     n = max(1, min(mini_batches, len(mbs)))
     return [list(mbs[i::n]) for _ in range(epochs) for i in range(n)]
+
+
+def response_logprobs(mb: MicroBatch, lp_BS: torch.Tensor) -> list[np.ndarray]:
+    """Per sample of `mb`: logprobs of its response tokens (packed or padded layout)."""
+    return [lp_BS[b, o + s.prompt_len - 1:o + s.tokens.size - 1].float().cpu().numpy()
+            for s, b, o in sample_spans(mb)]

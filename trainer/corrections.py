@@ -18,8 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from trainer.batch import MicroBatch, Sample
-from trainer.hf.packing import response_logprobs
+from trainer.batch import MicroBatch, Sample, response_logprobs
 from trainer.loss import group_advantages
 from trainer.loss_config import LossConfig, RolloutCorrectionConfig
 from trainer.objectives import (

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from trainer.alignment import LayerMap
-from trainer.batch import MicroBatch, Sample, update_schedule
+from trainer.batch import MicroBatch, Sample, response_logprobs, update_schedule
 from trainer.corrections import (
     apply_rollout_correction,
     diff_by_staleness,
@@ -41,7 +41,6 @@ from trainer.corrections import (
     staleness_metrics,
 )
 from trainer.guard import Fault, gather, nonfinite_groups, run_pass
-from trainer.hf.packing import response_logprobs
 from trainer.loss import logprob_diff, ppo_loss, sft_loss, token_logprobs
 from trainer.objectives import UpdateNorm, aggregate, sequence_index, update_norm
 from trainer.protocol import TrainBackend

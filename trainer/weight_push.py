@@ -90,7 +90,7 @@ def digesting(cfg: WeightSyncConfig, weights: Iterable[Any], into: dict[str, str
         dtype_on_wire,
         wire_dtype,
     )
-    from services.rollout.worker_ext import tensor_digest
+    from services.common.weight_sync.digest import tensor_digest
 
     wire = wire_dtype(cfg.wire_dtype)
     for item in weights:

@@ -13,7 +13,6 @@ per-expert checkpoint names, so fused tensors are split here first.
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import itertools
 import re
@@ -21,6 +20,8 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+
+from services.common.weight_sync.digest import tensor_digest
 
 _FUSED = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
 
@@ -43,13 +44,6 @@ def unfuse_hf_experts(named: Iterable[tuple[str, torch.Tensor]]
                 gate, up = tensor[e].chunk(2, dim=0)
                 yield f"{prefix}.{e}.gate_proj.weight", gate
                 yield f"{prefix}.{e}.up_proj.weight", up
-
-
-def tensor_digest(tensor: torch.Tensor) -> str:
-    """'dtype:shape:sha256 of the bytes' of one tensor (comparable across processes)."""
-    t = tensor.detach().contiguous().cpu().reshape(-1)
-    sha = hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest()
-    return f"{str(t.dtype).removeprefix('torch.')}:{list(tensor.shape)}:{sha}"
 
 
 class R3WorkerExtension:

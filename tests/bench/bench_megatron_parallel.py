@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,7 +30,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-from services.common.net import free_port  # noqa: E402
+from tests.support.ranks import RanksFailed, run_ranks  # noqa: E402
 
 MODES = ("off", "r3", "r2")
 
@@ -203,19 +201,13 @@ def _launch(args: argparse.Namespace, model_dir: str, tmp: Path, script: str = _
             ) -> list[dict]:
     """One process of `script --rank-of MODEL_DIR OUT <this command's arguments>` per GPU;
     each writes its figures as JSON to OUT."""
-    port = free_port()
-    procs = []
-    for r in range(args.gpus):
-        env = os.environ | {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(args.gpus),
-                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                            "PYTHONPATH": os.pathsep.join([str(REPO),
-                                                           os.environ.get("PYTHONPATH", "")])}
-        procs.append(subprocess.Popen([sys.executable, script, "--rank-of", model_dir,
-                                       str(tmp / f"r{r}.json"), *sys.argv[1:]], env=env))
-    codes = [p.wait() for p in procs]
-    if codes != [0] * args.gpus:
-        raise SystemExit(f"rank exit codes {codes}")
-    return [json.loads((tmp / f"r{r}.json").read_text()) for r in range(args.gpus)]
+    outs = [tmp / f"r{r}.json" for r in range(args.gpus)]
+    try:
+        run_ranks(lambda r: [str(Path(script).resolve()), "--rank-of", model_dir, str(outs[r]),
+                             *sys.argv[1:]], args.gpus, gpu=True, timeout=None, threads=None)
+    except RanksFailed as e:
+        raise SystemExit(str(e)) from None
+    return [json.loads(p.read_text()) for p in outs]
 
 
 def _plan(args: argparse.Namespace, cfg: dict) -> float:

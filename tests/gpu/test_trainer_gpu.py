@@ -11,15 +11,13 @@ import importlib.util
 import json
 import os
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from services.common.net import free_port
+from tests.support.ranks import run_script_ranks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                                  reason="needs a CUDA GPU")]
@@ -123,18 +121,9 @@ def test_gpu_bf16_step_time_r3_vs_off(model_dir, hf):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_gpu_two_ranks_ep2(tmp_path, model_dir):
     worker = REPO / "tests/integration/test_trainer_ep.py"
-    port = free_port()
     mode = ["grouped"] if FAST.get("experts") == "grouped" else []
-    procs = [subprocess.Popen([sys.executable, str(worker), str(model_dir),
-                               str(tmp_path / f"r{r}.json"), *mode], cwd=REPO,
-                              env=os.environ | {"RANK": str(r), "LOCAL_RANK": str(r),
-                                                "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                                                "MASTER_PORT": str(port),
-                                                "PYTHONPATH": os.pathsep.join(
-                                                    [str(REPO), os.environ.get("PYTHONPATH", "")])})
-             for r in range(2)]
-    assert [p.wait(timeout=600) for p in procs] == [0, 0]
-    res = [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(2)]
+    res = run_script_ranks(worker, tmp_path, [str(model_dir), *mode], gpu=True, timeout=600,
+                           threads=None, name="r{rank}.json")
     assert all(r["export_exact"] and r["agreement_r3"] == 1.0 for r in res)
     assert res[0]["grad_norm_r3"] == pytest.approx(res[1]["grad_norm_r3"], rel=1e-5)
     _record("ep2_grad_norms", [r["grad_norm_r3"] for r in res])

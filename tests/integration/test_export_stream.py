@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from services.common.net import free_port
 from services.common.weight_sync import buckets as bk
+from tests.support.ranks import run_script_ranks
 
 pytestmark = pytest.mark.timeout(300)
 ROOT = Path(__file__).resolve().parents[2]
@@ -72,24 +71,10 @@ def write_sharded(src: Path, dst: Path, shard_bytes: int) -> Path:
 def ranks(tmp_path_factory, model_dir):
     """Both layouts, one after the other, in one pair of rank processes: per layout, each
     rank's report."""
-    tmp, port, procs = tmp_path_factory.mktemp("ranks"), free_port(), []
+    tmp = tmp_path_factory.mktemp("ranks")
     sharded = write_sharded(Path(model_dir), tmp / "sharded", 1 << 20)
-    for rank in range(2):
-        env = os.environ | {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                            "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
-                            "PYTHONPATH": str(ROOT)}
-        procs.append(subprocess.Popen([sys.executable, __file__, str(model_dir), str(sharded),
-                                       str(tmp / f"r{rank}.json")], env=env, cwd=ROOT))
-    try:
-        codes = [p.wait(timeout=240) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert codes == [0, 0]
-    return [json.loads((tmp / f"r{r}.json").read_text()) for r in range(2)]
+    return run_script_ranks(__file__, tmp, [str(model_dir), str(sharded)], timeout=240,
+                            name="r{rank}.json")
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -168,7 +153,7 @@ def _load_check(built, sharded: str) -> dict:
 
 
 def _layout(model_dir: str, sharded: str, layout: str) -> dict:
-    from services.rollout.worker_ext import tensor_digest
+    from services.common.weight_sync.digest import tensor_digest
     from trainer.backend import make_trainer
     from trainer.config import TrainerConfig
 
@@ -202,7 +187,7 @@ def _packed_checks(backend, want: list) -> dict:
     storage (its unit must be mapped afresh)."""
     import torch
 
-    from services.rollout.worker_ext import tensor_digest
+    from services.common.weight_sync.digest import tensor_digest
     from trainer.megatron.parallel import model_weights
 
     def digests() -> list:
@@ -233,7 +218,7 @@ def _packed_checks(backend, want: list) -> dict:
     return {k: sorted(got) == sorted(ref) and len(got) == len(ref) for k, (got, ref) in runs.items()}
 
 
-def _rank(model_dir: str, sharded: str, out: str) -> None:
+def _rank(model_dir: str, out: str, sharded: str) -> None:
     import torch
     from megatron.core import parallel_state as ps
 

@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from trainer_fixtures import run_script_ranks
+
+from tests.support.ranks import run_script_ranks
 
 pytestmark = pytest.mark.timeout(240)
 

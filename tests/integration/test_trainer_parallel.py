@@ -17,8 +17,6 @@ reference in a 1-rank process of its own. tests/gpu/test_trainer_parallel_gpu.py
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from services.common.net import free_port
+from tests.support.ranks import run_script_ranks
 
 pytestmark = pytest.mark.timeout(300)
 ROOT = Path(__file__).resolve().parents[2]
@@ -77,29 +75,12 @@ def run_layouts(tmp_path: Path, model_dir, layouts: dict[str, tuple], dtype: str
     (process groups rebuilt per layout; a layout's model overrides may set its own dtype); per
     layout, each rank's results."""
     (world,) = {w for w, _, _ in layouts.values()}
-    port, out = free_port(), tmp_path / "ranks"
+    out = tmp_path / "ranks"
     out.mkdir(parents=True, exist_ok=True)
     spec = json.dumps({name: {"model": {"dtype": dtype} | m, "optim": o}
                        for name, (_, m, o) in layouts.items()})
-    procs = []
-    for rank in range(world):
-        env = os.environ | {"RANK": str(rank), "LOCAL_RANK": str(rank),
-                            "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-                            "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-                            "PYTHONPATH": os.pathsep.join([str(ROOT),
-                                                           os.environ.get("PYTHONPATH", "")])}
-        if not gpu:
-            env["CUDA_VISIBLE_DEVICES"] = ""
-        procs.append(subprocess.Popen([sys.executable, __file__, str(model_dir),
-                                       str(out / f"rank{rank}.json"), spec], env=env, cwd=ROOT))
-    try:
-        codes = [p.wait(timeout=timeout) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert codes == [0] * world, f"rank exit codes {codes}"
-    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+    ranks = run_script_ranks(__file__, out, [str(model_dir), spec], world, gpu=gpu,
+                             timeout=timeout)
     return {name: [r[name] for r in ranks] for name in layouts}
 
 

@@ -22,14 +22,12 @@ The test runs this file as a script once per rank.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from services.common.net import free_port
+from tests.support.ranks import run_script_ranks
 
 pytestmark = pytest.mark.timeout(240)  # ~30 s here, most of it two processes' imports
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,24 +43,7 @@ def run_pair(tmp_path: Path, dtype: str = "fp32", gpu: bool = False) -> list[dic
     from services.rollout.tiny_moe import TinyMoeConfig, build_tiny_moe
 
     model = build_tiny_moe(tmp_path / "tiny", TinyMoeConfig(num_layers=3, first_k_dense=1))
-    port, procs = free_port(), []
-    for rank in range(2):
-        env = os.environ | {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                            "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-        if not gpu:
-            env["CUDA_VISIBLE_DEVICES"] = ""
-        procs.append(subprocess.Popen([sys.executable, __file__, str(model),
-                                       str(tmp_path / f"rank{rank}.json"), dtype],
-                                      env=env, cwd=ROOT))
-    try:
-        codes = [p.wait(timeout=200) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert codes == [0, 0], f"rank exit codes {codes}"
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    return run_script_ranks(__file__, tmp_path, [str(model), dtype], gpu=gpu)
 
 
 def check_pair(ranks: list[dict]) -> None:

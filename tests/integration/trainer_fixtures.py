@@ -1,17 +1,11 @@
-"""Toy GRPO samples shared by the trainer tests and their rank worker scripts, and the launcher
-of those scripts (`run_script_ranks`).
+"""Toy GRPO samples shared by the trainer tests and their rank worker scripts (their launcher
+is tests.support.ranks).
 
 Importable both from pytest (this folder is on sys.path) and from the worker scripts that
 run as `python tests/integration/<test>.py` (the script's folder is sys.path[0]).
 """
 
 from __future__ import annotations
-
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 
@@ -86,27 +80,3 @@ def randomise_layer(sample, layer: int, seed: int = 0) -> None:
     sample.routing_TLK = ids
 
 
-def run_script_ranks(script: str, tmp_path: Path, args: list[str], world: int = 2,
-                     timeout: float = 200) -> list[dict]:
-    """`python script <args> <tmp_path>/rank<r>.json` once per rank of a gloo world on loopback
-    (RANK, WORLD_SIZE, MASTER_*; one OpenMP thread each); every rank must exit 0; the JSON each
-    wrote, in rank order."""
-    from services.common.net import free_port
-
-    port, root = free_port(), Path(__file__).resolve().parents[2]
-    procs = []
-    for rank in range(world):
-        env = os.environ | {"RANK": str(rank), "WORLD_SIZE": str(world),
-                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                            "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, script, *args[:1],
-                                       str(tmp_path / f"rank{rank}.json"), *args[1:]],
-                                      env=env, cwd=root))
-    try:
-        codes = [p.wait(timeout=timeout) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert codes == [0] * world
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]

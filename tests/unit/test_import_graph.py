@@ -131,3 +131,42 @@ def test_cycle_finder_sees_a_cycle_hidden_in_a_function(tmp_path: Path) -> None:
     graph = import_graph(tmp_path)
     assert graph["trainer.e"] == {"trainer.a"}
     assert cycles(graph) == [["trainer.a", "trainer.b"], ["trainer.c", "trainer.d"]]
+
+
+# The backend-neutral core of the trainer: the GRPO step, its loss and corrections, the batch, the
+# guard and the loop. It talks to a backend through trainer.protocol only; the modules that pick a
+# backend (trainer.backend, trainer.config, trainer.worker, the CLIs) sit above it.
+NEUTRAL_CORE = ("trainer.alignment", "trainer.batch", "trainer.collectives", "trainer.corrections",
+                "trainer.grpo", "trainer.guard", "trainer.intake", "trainer.logprobs",
+                "trainer.loss", "trainer.loss_config", "trainer.objectives", "trainer.protocol",
+                "trainer.replay", "trainer.weight_push", "trainer.loop")
+BACKENDS = ("trainer.hf", "trainer.megatron")
+
+
+def _under(module: str, prefixes: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def arrows_into(graph: dict[str, set[str]], sources: tuple[str, ...],
+                targets: tuple[str, ...]) -> list[str]:
+    """Every import from a module under `sources` to one under `targets`, as 'a -> b'."""
+    return [f"{a} -> {b}" for a in sorted(graph) if _under(a, sources)
+            for b in sorted(graph[a]) if _under(b, targets)]
+
+
+def test_neutral_core_imports_no_backend() -> None:
+    graph = import_graph()
+    assert all(any(_under(m, (c,)) for m in graph) for c in NEUTRAL_CORE), "a core module moved"
+    found = arrows_into(graph, NEUTRAL_CORE, BACKENDS)
+    assert not found, "the neutral trainer core imports a backend:\n  " + "\n  ".join(found)
+
+
+def test_arrow_rule_sees_an_arrow_into_a_backend(tmp_path: Path) -> None:
+    (tmp_path / "services").mkdir()
+    for pkg in ("trainer", "trainer/hf"):
+        (tmp_path / pkg).mkdir()
+        (tmp_path / pkg / "__init__.py").write_text("")
+    (tmp_path / "trainer/hf/packing.py").write_text("X = 1\n")
+    (tmp_path / "trainer/grpo.py").write_text("def f():\n    from trainer.hf.packing import X\n")
+    graph = import_graph(tmp_path)
+    assert arrows_into(graph, ("trainer.grpo",), BACKENDS) == ["trainer.grpo -> trainer.hf.packing"]

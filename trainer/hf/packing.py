@@ -81,14 +81,3 @@ def hf_router_rows(ids_BSLK: torch.Tensor) -> list[torch.Tensor]:
     b, s, num_layers, k = ids_BSLK.shape
     rows_TLK = ids_BSLK.reshape(b * s, num_layers, k).long()
     return [rows_TLK[:, m].contiguous() for m in range(num_layers)]
-
-
-def response_logprobs(mb: MicroBatch, lp_BS: torch.Tensor) -> list[np.ndarray]:
-    """Per sample of `mb`: logprobs of its response tokens (packed or padded layout)."""
-    out = []
-    packed = mb.tokens_BS.shape[0] == 1 and len(mb.samples) > 1
-    offsets = sample_offsets(mb.samples) if packed else [0] * len(mb.samples)
-    for b, (o, s) in enumerate(zip(offsets, mb.samples, strict=True)):
-        row = lp_BS[0 if packed else b]
-        out.append(row[o + s.prompt_len - 1:o + s.tokens.size - 1].float().cpu().numpy())
-    return out
