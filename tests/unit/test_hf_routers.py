@@ -1,8 +1,10 @@
-"""Replay hooks on HF routers (trainer.hf.routers), one tiny random model per router family.
+"""Replay hooks on HF routers (trainer.hf.routers) on a tiny random model of every MoE family
+(services.rollout.families), and the replay mechanisms (R2, packing, sequence parallelism,
+agreement, gradient checkpointing) on four of them.
 
-The reference for "forced routing" is computed here by hand, independently of the hooks: a
-forward hook on each MoE *block* replaces its output with sum_k w_k * expert_{id_k}(x) (+ shared
-experts), where w is derived from the block's router weight with that family's normalisation.
+The reference for "forced routing" is computed here, independently of the hooks: a forward hook
+on each MoE block replaces its output with the block's own experts run on the forced ids under
+gate weights derived by hand from that family's router (+ the shared expert, gated or not).
 Legend: B batch, S sequence, H hidden, T tokens, K top-k, E experts, L MoE layers.
 """
 
@@ -10,92 +12,92 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
+from services.rollout.families import FAMILIES, hf_config
+from services.rollout.tiny_moe import TinyMoeConfig
+from services.rollout.tiny_moe import hf_config as qwen3_config
 from trainer.hf.routers import HFAgreementMonitor, HFModelReplay, find_routers
 from trainer.replay import RoutingAgreementError
 
-E, K, V = 8, 2, 64
+E, K = 8, 2
+DENSE_FIRST = {"qwen2_moe", "deepseek_v3", "glm4_moe"}  # families with leading dense layers
+# the replay mechanisms below are family-independent: four routers (softmax renormalised or not,
+# a gated shared expert, grouped sigmoid with a selection bias) cover their code paths
+MECHANISM_FAMILIES = ["qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v3"]
 
 
-def _common(**kw):
-    return dict(vocab_size=V, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
-                num_attention_heads=4, num_experts_per_tok=K, max_position_embeddings=128,
-                tie_word_embeddings=False) | {"num_key_value_heads": 2} | kw
+def tiny(family: str) -> TinyMoeConfig:
+    return TinyMoeConfig(hidden_size=32, num_layers=3 if family in DENSE_FIRST else 2,
+                         first_k_dense=int(family in DENSE_FIRST), num_experts=E, top_k=K,
+                         moe_intermediate_size=32, intermediate_size=64, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=8, max_position_embeddings=128)
 
 
-def _configs():
-    from transformers import DeepseekV3Config, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
-
-    return {
-        "qwen3_moe": Qwen3MoeConfig(**_common(num_hidden_layers=2, num_experts=E, head_dim=8,
-                                              norm_topk_prob=True)),
-        "qwen2_moe": Qwen2MoeConfig(**_common(num_hidden_layers=2, num_experts=E,
-                                              shared_expert_intermediate_size=32,
-                                              norm_topk_prob=False)),
-        "olmoe": OlmoeConfig(**_common(num_hidden_layers=2, num_experts=E, norm_topk_prob=False)),
-        "deepseek_v3": DeepseekV3Config(**_common(
-            num_hidden_layers=3, first_k_dense_replace=1, num_key_value_heads=4, n_routed_experts=E, n_shared_experts=1,
-            n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
-            q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
-            v_head_dim=8)),
-    }
-
-
-FAMILIES = ["qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v3"]
-
-
-@pytest.fixture(scope="module", params=FAMILIES)
-def model(request):
+def build(family: str):
     from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(FAMILIES.index(request.param))
-    m = AutoModelForCausalLM.from_config(_configs()[request.param], dtype=torch.float32)
+    cfg = qwen3_config(tiny(family)) if family == "qwen3_moe" else hf_config(family, tiny(family))
+    torch.manual_seed(FAMILIES.index(family))
+    m = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
         for name, p in m.named_parameters():
             if "norm" not in name:
-                p.normal_(0.0, 0.5 if name.endswith("gate.weight") else 0.1)
+                p.normal_(0.0, 0.5 if "gate.weight" in name or "router." in name else 0.1)
         for r in find_routers(m):
             if hasattr(r.module, "e_score_correction_bias"):  # selection differs from scores
                 r.module.e_score_correction_bias.normal_(0.0, 0.3)
     return m.eval()
 
 
+@pytest.fixture(scope="module", params=FAMILIES)
+def model(request):
+    return build(request.param)
+
+
+@pytest.fixture(scope="module", params=MECHANISM_FAMILIES)
+def core_model(request):
+    return build(request.param)
+
+
 def moe_blocks(model):
     return [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts")]
 
 
-# ---------------------------------------------------------------- the hand-forced reference
-def hand_weights(block, x_TH, ids_TK):
-    gate = block.gate
-    logits_TE = x_TH.float() @ gate.weight.float().T
-    if hasattr(gate, "e_score_correction_bias"):  # DeepSeek-V3: unbiased sigmoid scores
+def router_of(block):
+    return block.gate if hasattr(block, "gate") else block.router
+
+
+def hand_weights(router, x_TH, ids_TK):
+    """Gate weights of the forced ids, written out per family from the upstream router code."""
+    logits_TE = x_TH.float() @ router.weight.float().T
+    name = type(router).__name__
+    if name.startswith(("DeepseekV3", "Glm4Moe")):  # unbiased sigmoid scores, renorm, scale
         w = logits_TE.sigmoid().gather(1, ids_TK)
-        w = w / (w.sum(-1, keepdim=True) + 1e-20) if gate.norm_topk_prob else w
-        return w * gate.routed_scaling_factor
+        w = w / (w.sum(-1, keepdim=True) + 1e-20) if router.norm_topk_prob else w
+        return w * router.routed_scaling_factor
+    if name.startswith("GptOss"):  # biased logits, softmax over the k chosen
+        return (logits_TE + router.bias).gather(1, ids_TK).softmax(-1)
     w = logits_TE.softmax(-1).gather(1, ids_TK)
-    return w / w.sum(-1, keepdim=True) if gate.norm_topk_prob else w
+    renorm = name.startswith("Mixtral") or router.norm_topk_prob
+    return w / w.sum(-1, keepdim=True) if renorm else w
 
 
 def hand_moe(block, x_BSH, ids_TK):
     x = x_BSH.reshape(-1, x_BSH.shape[-1])
-    w_TK, ex = hand_weights(block, x, ids_TK), block.experts
-    out = torch.zeros_like(x)
-    for k in range(ids_TK.shape[1]):
-        e = ids_TK[:, k]
-        g, u = torch.einsum("th,tfh->tf", x, ex.gate_up_proj[e]).chunk(2, -1)
-        y = torch.einsum("tf,thf->th", F.silu(g) * u, ex.down_proj[e])
-        out = out + w_TK[:, k:k + 1] * y
+    out = block.experts(x, ids_TK, hand_weights(router_of(block), x, ids_TK))
     if hasattr(block, "shared_expert"):  # Qwen2-MoE: sigmoid-gated shared expert
         out = out + torch.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x)
-    if hasattr(block, "shared_experts"):  # DeepSeek-V3
+    if hasattr(block, "shared_experts"):  # DeepSeek-V3, GLM-4.x: ungated
         out = out + block.shared_experts(x)
     return out.view_as(x_BSH)
 
 
 def forced_forward(model, tokens_BS, rows):
-    """Logits with every MoE block computed by hand under the ids `rows[m]` ([B*S, K])."""
-    handles = [b.register_forward_hook(lambda mod, inp, out, m=m: hand_moe(mod, inp[0], rows[m]))
+    def hook(mod, inp, out, m):
+        y = hand_moe(mod, inp[0], rows[m])
+        return (y, out[1]) if isinstance(out, tuple) else y  # GPT-OSS returns (y, scores)
+
+    handles = [b.register_forward_hook(lambda mod, inp, out, m=m: hook(mod, inp, out, m))
                for m, b in enumerate(moe_blocks(model))]
     try:
         return model(input_ids=tokens_BS, use_cache=False).logits
@@ -113,12 +115,6 @@ def replayed_forward(model, tokens_BS, rows, **kw):
         ctl.remove()
 
 
-def random_rows(n_layers, t, seed):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(t)])
-            for _ in range(n_layers)]
-
-
 def natural_rows(model, tokens_BS):
     ctl = HFModelReplay(find_routers(model))
     try:
@@ -130,11 +126,23 @@ def natural_rows(model, tokens_BS):
         ctl.remove()
 
 
+def random_rows(n_layers, t, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(t)])
+            for _ in range(n_layers)]
+
+
 def tokens(b=2, s=10, seed=0):
-    return torch.randint(0, V, (b, s), generator=torch.Generator().manual_seed(seed))
+    return torch.randint(4, 100, (b, s), generator=torch.Generator().manual_seed(seed))
 
 
-# ---------------------------------------------------------------- tests
+def test_every_family_has_its_routers_found(model):
+    routers = find_routers(model)
+    assert [r.hf_layer for r in routers] == \
+        [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")]
+    assert {(r.num_experts, r.top_k) for r in routers} == {(E, K)}
+
+
 def test_replay_equals_hand_forced_forward(model):
     x = tokens()
     rows = random_rows(len(moe_blocks(model)), x.numel(), seed=1)
@@ -156,7 +164,8 @@ def test_replaying_the_routers_own_choice_is_the_native_forward(model):
 def test_router_gradients_match_hand_forced(model):
     x = tokens(seed=3)
     rows = random_rows(len(moe_blocks(model)), x.numel(), seed=4)
-    probe = torch.randn(*x.shape, V, generator=torch.Generator().manual_seed(5))
+    probe = torch.randn(*x.shape, model.config.vocab_size,
+                        generator=torch.Generator().manual_seed(5))
     grads = []
     for fwd in (replayed_forward, forced_forward):
         model.zero_grad(set_to_none=True)
@@ -168,7 +177,19 @@ def test_router_gradients_match_hand_forced(model):
         torch.testing.assert_close(g_replay, g_hand, atol=1e-5, rtol=1e-4)
 
 
-def test_r2_reproduces_old_policy_routing_after_weight_change(model):
+def test_unknown_family_is_refused_by_name():
+    with pytest.raises(ValueError, match="family: 'deepseek_v2' is not one of"):
+        hf_config("deepseek_v2", TinyMoeConfig())
+
+
+@pytest.mark.parametrize("family", ["mixtral", "olmoe", "gpt_oss"])
+def test_all_moe_families_refuse_dense_layers(family):
+    with pytest.raises(ValueError, match=f"first_k_dense: {family} has no dense layers"):
+        hf_config(family, TinyMoeConfig(num_layers=2, first_k_dense=1))
+
+
+def test_r2_reproduces_old_policy_routing_after_weight_change(core_model):
+    model = core_model
     x = tokens(seed=6)
     old = natural_rows(model, x)
     routers = find_routers(model)
@@ -195,7 +216,8 @@ def test_r2_reproduces_old_policy_routing_after_weight_change(model):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def test_packed_rows_equal_separate_forwards(model):
+def test_packed_rows_equal_separate_forwards(core_model):
+    model = core_model
     a, b = tokens(1, 7, seed=7), tokens(1, 5, seed=8)
     ra, rb = (random_rows(len(moe_blocks(model)), t.numel(), seed=s) for t, s in ((a, 9), (b, 10)))
     packed = torch.cat([a, b], 1)
@@ -207,7 +229,8 @@ def test_packed_rows_equal_separate_forwards(model):
     torch.testing.assert_close(got, sep, atol=1e-5, rtol=1e-5)
 
 
-def test_sequence_parallel_slices_replay_rows(model):
+def test_sequence_parallel_slices_replay_rows(core_model):
+    model = core_model
     block, router = moe_blocks(model)[0], find_routers(model)[:1]
     h_BSH = torch.randn(1, 12, 32, generator=torch.Generator().manual_seed(11))
     rows = random_rows(1, 12, seed=12)
@@ -228,7 +251,8 @@ def test_sequence_parallel_slices_replay_rows(model):
     torch.testing.assert_close(torch.cat(parts, 1), full, atol=1e-6, rtol=1e-6)
 
 
-def test_agreement_one_for_own_routing_and_caught_when_shifted(model):
+def test_agreement_one_for_own_routing_and_caught_when_shifted(core_model):
+    model = core_model
     x = tokens(seed=13)
     routers = find_routers(model)
     mon = HFAgreementMonitor(tuple(r.hf_layer for r in routers), K, E)
@@ -267,10 +291,11 @@ def test_unknown_router_family_is_refused():
         find_routers(lm)
 
 
-def test_gradient_checkpointing_recompute_replays_the_same_ids(model):
+def test_gradient_checkpointing_recompute_replays_the_same_ids(core_model):
+    model = core_model
     x = tokens(seed=14)
     rows = random_rows(len(moe_blocks(model)), x.numel(), seed=15)
-    probe = torch.randn(*x.shape, V, generator=torch.Generator().manual_seed(16))
+    probe = torch.randn(*x.shape, model.config.vocab_size, generator=torch.Generator().manual_seed(16))
     grads = []
     model.train()
     try:
