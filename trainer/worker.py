@@ -2,8 +2,8 @@
 the per-rank halves of the loop's named steps.
 
 The driver (trainer.loop.loop.TrainLoop) pulls groups from the store and hands each rank its share
-as serialized `PulledGroup` bytes (the wire format, never pickled tensors). The rank decodes and
-aligns the routing (`align_routing`), trains (`train`), saves/resumes its checkpoint shard and
+as serialized `PulledGroup` bytes (the wire format, never pickled tensors). The rank decodes them,
+aligns their routing and quarantines bad groups (trainer.intake), trains (`train`), saves/resumes its checkpoint shard and
 exports HF weights (to the weight push; to `<run_dir>/hf/` for evaluation: `export_hf_dir`).
 The same class runs in-process (1 rank) or as a Ray actor (trainer.ray_launch).
 """
@@ -15,11 +15,10 @@ from collections.abc import Sequence
 from dataclasses import asdict
 
 from trainer.backend import make_trainer
-from trainer.batch import Sample
 from trainer.checkpoint import CheckpointManager, DataPosition
 from trainer.config import TrainerConfig
 from trainer.hf_export import HFExport
-from trainer.intake import group_samples, intake_groups
+from trainer.intake import intake_groups
 from trainer.weight_push import RankSender
 
 log = logging.getLogger(__name__)
@@ -40,15 +39,6 @@ class RankWorker:
         self.trainer = make_trainer(self.cfg)
         self.ckpt = CheckpointManager(self.cfg.run.run_dir, self.cfg.run.keep_checkpoints)
         self.hf_export = HFExport(self.cfg.run.run_dir, self.cfg.model_dir, self.cfg.run.hf_keep)
-
-    def align_routing(self, groups_bytes: Sequence[bytes]) -> list[Sample]:
-        """Decode groups; each trajectory's routing -> its layer map -> this model's MoE layers."""
-        from services.common.pb.r3flow.v1 import store_pb2
-
-        arch = self.trainer.backend
-        return [s for b in groups_bytes
-                for s in group_samples(store_pb2.PulledGroup.FromString(b), self.cfg.replay.mode,
-                                       self.trainer.layer_map, arch.num_experts, arch.top_k)]
 
     def train(self, groups_bytes: Sequence[bytes]) -> dict:
         """Aligned samples of this rank's share -> one GRPO/PPO step; `dropped` in the metrics

@@ -1,4 +1,5 @@
-"""Pulled groups -> samples on a rank (RankWorker.align_routing with a stand-in model)."""
+"""Pulled groups -> samples on a rank (trainer.intake, as RankWorker.train calls it, with a
+stand-in model)."""
 
 from __future__ import annotations
 
@@ -41,15 +42,21 @@ def trajectory(tid: str, engine_layers: tuple[int, ...], seed: int):
     return t, np.stack([by_layer[h] for h in MOE_LAYERS], axis=1)
 
 
-def group(*trajs) -> bytes:
-    return store_pb2.PulledGroup(delivery_id="1-0", group_id="g0",
-                                 trajectories=list(trajs)).SerializeToString()
+def group(*trajs) -> store_pb2.PulledGroup:
+    return store_pb2.PulledGroup(delivery_id="1-0", group_id="g0", trajectories=list(trajs))
+
+
+def align(w: RankWorker, g: store_pb2.PulledGroup) -> list:
+    """The group's samples: each trajectory's routing -> its layer map -> the MoE layers."""
+    from trainer.intake import group_samples
+
+    return group_samples(g, w.cfg.replay.mode, w.trainer.layer_map, 8, 2)
 
 
 def test_every_trajectory_is_mapped_with_its_own_layer_ids():
     a, truth_a = trajectory("t0", (0, 1, 2), seed=1)
     b, truth_b = trajectory("t1", (2, 1, 0), seed=2)  # another engine's column order
-    samples = rank().align_routing([group(a, b)])
+    samples = align(rank(), group(a, b))
     for s, truth in zip(samples, (truth_a, truth_b), strict=True):
         assert np.array_equal(np.sort(s.routing_TLK, -1), np.sort(truth, -1))
 
@@ -58,7 +65,7 @@ def test_a_trajectory_lacking_a_moe_layer_is_refused_even_when_not_first():
     a, _ = trajectory("t0", (0, 1, 2), seed=1)
     b, _ = trajectory("t1", (0, 1, 3), seed=2)  # HF layer 2 missing
     with pytest.raises(ValueError, match=r"lacks MoE layers \[2\]"):
-        rank().align_routing([group(a, b)])
+        align(rank(), group(a, b))
 
 
 def test_a_bad_group_is_quarantined_with_a_reason_and_the_rest_kept():

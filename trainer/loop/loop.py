@@ -1,5 +1,5 @@
 """The store-driven training loop, split into named steps:
-pull_batch -> (ranks) align_routing + train_step -> publish_version -> push_weights
+pull_batch -> (ranks) intake + train_step -> publish_version -> push_weights
 -> checkpoint (+ ack) -> export_hf (every run.hf_export_every steps: HF-format weights).
 
 Staleness: the policy version moves and is published to the store after every update (the
