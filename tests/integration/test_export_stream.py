@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from services.common.net import free_port
+from services.common.procenv import pythonpath
 from services.common.weight_sync import buckets as bk
 
 pytestmark = pytest.mark.timeout(300)
@@ -78,7 +79,7 @@ def ranks(tmp_path_factory, model_dir):
         env = os.environ | {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
                             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                             "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
-                            "PYTHONPATH": str(ROOT)}
+                            "PYTHONPATH": pythonpath(ROOT)}
         procs.append(subprocess.Popen([sys.executable, __file__, str(model_dir), str(sharded),
                                        str(tmp / f"r{rank}.json")], env=env, cwd=ROOT))
     try:

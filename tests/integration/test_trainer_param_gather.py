@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 
 from services.common.net import free_port
+from services.common.procenv import pythonpath
 
 pytestmark = pytest.mark.timeout(240)  # ~30 s here, most of it two processes' imports
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,7 +50,7 @@ def run_pair(tmp_path: Path, dtype: str = "fp32", gpu: bool = False) -> list[dic
     for rank in range(2):
         env = os.environ | {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
                             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                            "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+                            "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath(ROOT)}
         if not gpu:
             env["CUDA_VISIBLE_DEVICES"] = ""
         procs.append(subprocess.Popen([sys.executable, __file__, str(model),

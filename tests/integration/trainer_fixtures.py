@@ -92,13 +92,14 @@ def run_script_ranks(script: str, tmp_path: Path, args: list[str], world: int = 
     (RANK, WORLD_SIZE, MASTER_*; one OpenMP thread each); every rank must exit 0; the JSON each
     wrote, in rank order."""
     from services.common.net import free_port
+    from services.common.procenv import pythonpath
 
     port, root = free_port(), Path(__file__).resolve().parents[2]
     procs = []
     for rank in range(world):
         env = os.environ | {"RANK": str(rank), "WORLD_SIZE": str(world),
                             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                            "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+                            "PYTHONPATH": pythonpath(root), "OMP_NUM_THREADS": "1"}
         procs.append(subprocess.Popen([sys.executable, script, *args[:1],
                                        str(tmp_path / f"rank{rank}.json"), *args[1:]],
                                       env=env, cwd=root))
