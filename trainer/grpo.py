@@ -70,6 +70,11 @@ def diff_metrics(mbs: Sequence[MicroBatch], lps: Sequence[torch.Tensor], suffix:
             f"logprob_diff_max{suffix}": max(d[1] for d in diffs)}
 
 
+def _agreement_min(m: dict[str, Any]) -> float:
+    """Sort key of a pass's metrics by their worst agreement cell (none: after every cell)."""
+    return m.get("routing_agreement_min", 2.0)
+
+
 def _tokens(mbs: Sequence[MicroBatch]) -> float:
     return float(sum(mb.num_tokens for mb in mbs))
 
@@ -241,7 +246,8 @@ class GRPOStep:
         mode = ReplayMode(replay or self.cfg.replay.mode)
         dropped = nonfinite_logprob_groups(samples)  # refused: no pass sees them
         samples = [s for s in samples if s.group_id not in dropped]
-        skipped, rerun, worst = 0, 0, [{}]  # worst: the worst cell of each faulting pass
+        skipped, rerun = 0, 0
+        worst: list[dict[str, Any]] = [{}]  # the worst agreement cell of each faulting pass
         with self._test_lr_spike():
             while True:
                 mbs, metrics, fault = self._old_policy(samples, mode)
@@ -261,7 +267,8 @@ class GRPOStep:
                         rerun += 1
                         continue  # nothing applied: the step again without them
                 break
-        metrics |= min(worst + [metrics], key=lambda m: m.get("routing_agreement_min", 2.0))
+        worst_pass = min([*worst, metrics], key=_agreement_min)
+        metrics |= worst_pass
         metrics |= {"dropped": dropped, "updates_skipped": skipped, "updates_rerun": rerun}
         if not norms:
             return metrics | {"trajectories": 0, "policy_version": self.policy_version,
