@@ -14,7 +14,13 @@
      vote point before the optimizer step).
 The passes run through trainer.guard.run_pass: a fault one group's data caused (agreement,
 replay desync, OOM, non-finite loss) is decided on every rank together and its groups are
-quarantined; while no update of the step was applied the step is redone without them.
+quarantined; while no update of the step was applied the step is redone without them. A group
+with a non-finite rollout logprob is refused before the first pass. The step's metrics say what
+happened: `dropped` (group -> reason), `updates_skipped` / `updates_rerun` (attempts a fault
+abandoned / of those, the ones redone without the quarantined groups), and
+`routing_agreement_min` / `_worst` / `_worst_layer` are the worst cell of every pass the step
+ran (the faulting pass's, with the quarantined group, not only the re-run's); layers are the
+model's layer numbers (`routing_agreement_by_layer` too).
 Legend: B batch rows, S sequence.
 """
 
@@ -40,7 +46,7 @@ from trainer.corrections import (
     set_advantages,
     staleness_metrics,
 )
-from trainer.guard import Fault, gather, nonfinite_groups, run_pass
+from trainer.guard import Fault, gather, nonfinite_groups, nonfinite_logprob_groups, run_pass
 from trainer.loss import logprob_diff, ppo_loss, sft_loss, token_logprobs
 from trainer.objectives import UpdateNorm, aggregate, sequence_index, update_norm
 from trainer.protocol import TrainBackend
@@ -61,6 +67,11 @@ def diff_metrics(mbs: Sequence[MicroBatch], lps: Sequence[torch.Tensor], suffix:
         return {f"logprob_diff_mean{suffix}": None, f"logprob_diff_max{suffix}": None}
     return {f"logprob_diff_mean{suffix}": float(np.dot([d[0] for d in diffs], w) / max(w.sum(), 1)),
             f"logprob_diff_max{suffix}": max(d[1] for d in diffs)}
+
+
+def _agreement_min(m: dict[str, Any]) -> float:
+    """Sort key of a pass's metrics by their worst agreement cell (none: after every cell)."""
+    return m.get("routing_agreement_min", 2.0)
 
 
 def _tokens(mbs: Sequence[MicroBatch]) -> float:
@@ -112,7 +123,7 @@ class GRPOStep:
     def old_policy_pass(self, mbs: Sequence[MicroBatch], mode: ReplayMode) -> dict:
         """Old-policy logprobs (+ agreement in r3), reference logprobs; returns metrics."""
         agreement = self.backend.agreement
-        check = mode == ReplayMode.R3 and self.cfg.replay.check_agreement
+        check = self._checks_agreement(mode)
         agreement.reset()
         agreement.enabled = check
         try:
@@ -153,12 +164,21 @@ class GRPOStep:
 
     def _agreement_metrics(self) -> dict[str, Any]:
         a = self.backend.agreement
-        out: dict[str, Any] = {"routing_agreement": a.overall(),
-                               "routing_agreement_by_layer": a.per_layer()}
+        return {"routing_agreement": a.overall(),
+                "routing_agreement_by_layer": a.per_layer()} | self._worst_cell()
+
+    def _worst_cell(self) -> dict[str, Any]:
+        """routing_agreement_min / _worst / _worst_layer (model numbering) of the counters of
+        the last agreement-checked pass (empty when it filed no cell)."""
+        a = self.backend.agreement
         worst = a.worst()
-        if worst is not None:
-            out["routing_agreement_min"], out["routing_agreement_worst"] = worst[1], worst[0]
-        return out
+        if worst is None:
+            return {}
+        return {"routing_agreement_min": worst[1], "routing_agreement_worst": a.where(worst[0]),
+                "routing_agreement_worst_layer": worst[0][3]}
+
+    def _checks_agreement(self, mode: ReplayMode) -> bool:
+        return mode == ReplayMode.R3 and self.cfg.replay.check_agreement
 
     def _in_flight(self) -> MicroBatch | None:
         return self.backend.current
@@ -220,10 +240,13 @@ class GRPOStep:
 
     def train_step(self, samples: Sequence[Sample], replay: ReplayMode | str | None = None) -> dict:
         """One GRPO/PPO optimizer step on `samples`; returns its metrics (`dropped`: group id ->
-        reason of the groups quarantined in this step)."""
+        reason of the groups quarantined in this step; `updates_skipped`, `updates_rerun`)."""
         t0 = time.perf_counter()
         mode = ReplayMode(replay or self.cfg.replay.mode)
-        samples, dropped = list(samples), dict[str, str]()
+        dropped = nonfinite_logprob_groups(samples)  # refused: no pass sees them
+        samples = [s for s in samples if s.group_id not in dropped]
+        skipped, rerun = 0, 0
+        worst: list[dict[str, Any]] = [{}]  # the worst agreement cell of each faulting pass
         with self._test_lr_spike():
             while True:
                 mbs, metrics, fault = self._old_policy(samples, mode)
@@ -235,12 +258,17 @@ class GRPOStep:
                     if not set(fault.groups) - set(dropped):  # the same union on every rank
                         raise RuntimeError(f"a step fault repeats with no new group to "
                                            f"quarantine: {fault.groups}")
+                    skipped += 1
+                    worst.append(self._worst_cell() if self._checks_agreement(mode) else {})
                     dropped |= fault.groups
                     samples = [s for s in samples if s.group_id not in dropped]
                     if not norms:
+                        rerun += 1
                         continue  # nothing applied: the step again without them
                 break
-        metrics["dropped"] = dropped
+        worst_pass = min([*worst, metrics], key=_agreement_min)
+        metrics |= worst_pass
+        metrics |= {"dropped": dropped, "updates_skipped": skipped, "updates_rerun": rerun}
         if not norms:
             return metrics | {"trajectories": 0, "policy_version": self.policy_version,
                               "replay": mode.value, "skipped": True}

@@ -7,7 +7,10 @@ micro-batches names their groups; an out-of-memory error names the group of the 
 trajectory of the micro-batch in flight; anything else is fatal. A non-finite update is found
 by the backend itself, at its vote point before the optimizer step (`checkpoint`: a non-finite
 loss or gradient anywhere skips the step on every rank); the groups whose loss is non-finite
-are the ones `nonfinite_groups` names. Every rank then takes part in the same collectives, in
+are the ones `nonfinite_groups` names. A sample whose rollout logprobs are not all finite is
+refused before any pass (`nonfinite_logprob_groups`): the store refuses them at append, so one
+here came around it (a store of an older version, a test's sample), and with `old_logprobs:
+trainer` it would train fine but turn every |rollout - trainer| metric into NaN. Every rank then takes part in the same collectives, in
 the same order:
   1. `vote`: an all-reduce (MAX) of each rank's `Level`; a rank whose pass went through votes
      OK at the end of the pass or at a backend vote point (before the grad reduction, before
@@ -22,15 +25,16 @@ out: docs/replay_guarantees.md says which layouts that leaves.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import TypeVar
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from trainer.batch import MicroBatch, sample_spans
+from trainer.batch import MicroBatch, Sample, sample_spans
 from trainer.collectives import max_over_ranks
 from trainer.replay import ReplayDesyncError, RoutingAgreementError
 
@@ -179,4 +183,21 @@ def nonfinite_groups(mb: MicroBatch, span_loss: Callable[[int, slice], torch.Ten
             log.error("group %s (non_finite): %d non-finite loss term(s) on trajectory %s",
                       s.group_id, int((~finite).sum()), s.trajectory_id)
             bad[s.group_id] = "non_finite"
+    return bad
+
+
+NONFINITE_LOGPROBS = "non_finite_logprobs"  # quarantine reason: refused before the step
+
+
+def nonfinite_logprob_groups(samples: Sequence[Sample]) -> dict[str, str]:
+    """Groups with a sample whose rollout logprobs are not all finite (NaN or infinite), each
+    logged with the trajectory and the first response positions."""
+    bad: dict[str, str] = {}
+    for s in samples:
+        where = np.flatnonzero(~np.isfinite(s.rollout_logprobs))
+        if where.size:
+            log.error("group %s (%s): trajectory %s has %d non-finite rollout logprob(s), at "
+                      "response token(s) %s", s.group_id, NONFINITE_LOGPROBS, s.trajectory_id,
+                      where.size, where[:5].tolist())
+            bad[s.group_id] = NONFINITE_LOGPROBS
     return bad

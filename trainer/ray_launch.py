@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from services.common.net import free_port
+from services.common.procenv import pythonpath
 from trainer.config import TrainerConfig
 from trainer.ray_config import RayLaunchConfig
 
@@ -92,7 +93,7 @@ def init_local_ray(num_cpus: int, attempts: int = 3) -> None:
         try:
             ray.init(address="local", include_dashboard=False, num_cpus=num_cpus,
                      _node_ip_address=LOCAL_RAY_IP, log_to_driver=True,
-                     runtime_env={"env_vars": {"PYTHONPATH": str(REPO),
+                     runtime_env={"env_vars": {"PYTHONPATH": pythonpath(REPO),
                                                "RAY_AUTH_MODE": "disabled",
                                                "OMP_NUM_THREADS": "1"}})
             return

@@ -133,9 +133,10 @@ class AgreementStats:
                 cell[1] += int(rows_U[j]) * self.top_k
 
     def per_layer(self) -> dict[int, float]:
-        """MoE layer index -> agreement ratio (layers that saw no replayed tokens are left out)."""
+        """The model's layer number (HF layer, dense layers counted) -> agreement ratio, the
+        numbering the messages and the engines use (layers with no replayed token left out)."""
         self._flush()
-        return {m: a / t for m, (a, t) in enumerate(zip(self.agree, self.total, strict=True))
+        return {h: a / t for h, a, t in zip(self.hf_layers, self.agree, self.total, strict=True)
                 if t}
 
     def overall(self) -> float | None:
@@ -149,14 +150,15 @@ class AgreementStats:
         m = self.hf_layers.index(h) if h in self.hf_layers else -1
         return f"trajectory {tid} {unit} (group {g}) MoE layer {m} (HF layer {h})"
 
-    def worst(self) -> tuple[str, float] | None:
-        """(where, ratio) of the (unit, MoE layer) cell with the lowest agreement."""
+    def worst(self) -> tuple[UnitKey, float] | None:
+        """(cell, ratio) of the (unit, MoE layer) cell with the lowest agreement; `where(cell)`
+        reads it, cell[3] is its model layer number."""
         self._flush()
         scored = {k: a / t for k, (a, t) in self.units.items() if t}
         if not scored:
             return None
         key = min(scored, key=lambda k: scored[k])
-        return self.where(key), scored[key]
+        return key, scored[key]
 
     def check_used(self) -> None:
         """Raise ReplayDesyncError if any replaying forward used other experts than replayed;
@@ -187,12 +189,12 @@ class AgreementStats:
                     ((k, ka / kt) for k, (ka, kt) in self.units.items()
                      if k[:3] == (g, tid, unit) and 0 < kt < min_ids), key=lambda kv: kv[1])
                 bad[cell_key] = ratio
-        bad_layers = {m: r for m, r in layers.items() if r < floor}
+        bad_layers = {h: r for h, r in layers.items() if r < floor}
         if not bad and not bad_layers:
             return
-        m = min(layers, key=lambda layer: layers[layer], default=None)
-        where = "" if m is None else \
-            f"MoE layer {m} (HF layer {self.hf_layers[m]}) reads {layers[m]:.3f}"
+        h = min(layers, key=lambda layer: layers[layer], default=None)
+        where = "" if h is None else \
+            f"MoE layer {self.hf_layers.index(h)} (HF layer {h}) reads {layers[h]:.3f}"
         if bad:
             key = min(bad, key=lambda k: bad[k])
             head = (f"routing agreement {bad[key]:.3f} < floor {floor:.3f} at {self.where(key)}; "

@@ -181,13 +181,18 @@ TRAINING_PANELS = (
     Panel("routing agreement (all layers)", (_q(f'{AGREEMENT}{{layer="all"}}', "{{pod}}"),),
           "percentunit", CATALOG[AGREEMENT].help),
     Panel("routing agreement per layer", (_q(f'{AGREEMENT}{{layer!="all"}}', "layer {{layer}}"),),
-          "percentunit", "per MoE layer; one low layer points at a layer-map error"),
+          "percentunit", "per MoE layer, labelled with the model's layer number (dense layers "
+          "counted, as in the trainer's messages); one low layer points at a layer-map error"),
     Panel("groups quarantined (trainer)", (_q(
         # a zero series while nothing was quarantined: the panel reads 0, not "no data"
         "sum by (reason) (increase(r3flow_trainer_groups_quarantined_total[10m])) "
         'or label_replace(vector(0), "reason", "none", "", "")',
-        "{{reason}}"),), "short", "GRPO groups set aside instead of trained, by reason "
-          "(routing_agreement, replay_desync, oom, non_finite, intake checks; none: 0); "
+        "{{reason}}"),
+        _q("sum(increase(r3flow_trainer_updates_skipped_total[10m]))", "updates skipped"),
+        _q("sum(increase(r3flow_trainer_updates_rerun_total[10m]))", "updates re-run")),
+        "short", "GRPO groups set aside instead of trained, by reason (routing_agreement, "
+          "replay_desync, oom, non_finite, non_finite_logprobs, intake checks; none: 0), and "
+          "the update attempts those faults skipped / re-ran without them; "
           "docs/replay_guarantees.md"),
     Panel("clip ratio", (_q("r3flow_trainer_clip_ratio", "ppo clip"),
                          _q("r3flow_trainer_clip_ratio_dual", "dual clip")), "percentunit",

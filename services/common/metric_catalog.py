@@ -33,7 +33,8 @@ TRAINER = [
                "max |rollout logprob - trainer logprob| over trained tokens"),
     MetricSpec("r3flow_trainer_routing_agreement_ratio", "gauge",
                "fraction of replayed expert ids the trainer's own router also picks "
-               "(layer='all' or the MoE layer index)", ("layer",)),
+               "(layer='all' or the model's layer number, dense layers counted: the number "
+               "the trainer's messages and the engines use)", ("layer",)),
     MetricSpec("r3flow_trainer_clip_ratio", "gauge", "fraction of tokens whose PPO ratio was clipped"),
     MetricSpec("r3flow_trainer_grad_norm", "gauge", "global gradient norm before clipping"),
     MetricSpec("r3flow_trainer_entropy", "gauge", "mean token entropy of the policy"),
@@ -45,6 +46,12 @@ TRAINER = [
     MetricSpec("r3flow_trainer_groups_quarantined_total", "counter",
                "GRPO groups set aside (acked to the store as dropped), by reason",
                ("reason",)),
+    MetricSpec("r3flow_trainer_updates_skipped_total", "counter",
+               "step attempts a data fault abandoned before their update was applied (routing "
+               "agreement, replay desync, OOM, non-finite update): their groups quarantined"),
+    MetricSpec("r3flow_trainer_updates_rerun_total", "counter",
+               "of the skipped attempts, those redone without the quarantined groups (the step "
+               "still trained); the rest ended a step after an update of it was applied"),
     MetricSpec("r3flow_trainer_groups_stale_total", "counter",
                "GRPO groups dropped at intake: their oldest segment lags the trainer by more "
                "than data.max_policy_lag versions (acked to the store as dropped `stale`)"),

@@ -60,6 +60,7 @@ def make_dataset(path: Path, prompts: int) -> Path:
 
 def start_store(workdir: Path) -> tuple[subprocess.Popen, str]:
     from services.common.net import free_port
+    from services.common.procenv import pythonpath
     from services.store.client import StoreClient
 
     port = free_port()
@@ -67,7 +68,7 @@ def start_store(workdir: Path) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen([sys.executable, "-m", "services.store.cli", "--listen",
                              f"127.0.0.1:{port}", "--metrics-port", "0"],
                             cwd=workdir, stdout=log, stderr=log,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+                            env={**os.environ, "PYTHONPATH": pythonpath(ROOT)})
     with StoreClient(f"127.0.0.1:{port}") as client:
         client.wait_ready(60)
     return proc, f"127.0.0.1:{port}"

@@ -38,6 +38,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # run as a script: the repository's packages
 
 from services.common.net import free_port  # noqa: E402
+from services.common.procenv import pythonpath  # noqa: E402
 from services.store.redis_server import EmbeddedRedis  # noqa: E402
 from tests.bench.routing_data import skewed_routing  # noqa: E402
 
@@ -233,7 +234,7 @@ def bench_store(groups: int, data: Path, workdir: Path, routing_validation: str 
         cfg = workdir / "store.json"
         cfg.write_text(json.dumps({"max_backlog_tokens": 1 << 40, "max_policy_lag": None,
                                    "routing_validation": routing_validation}))
-        env = {**os.environ, "REDIS_URL": server.url, "PYTHONPATH": str(REPO)}
+        env = {**os.environ, "REDIS_URL": server.url, "PYTHONPATH": pythonpath(REPO)}
         proc = subprocess.Popen([sys.executable, "-m", "services.store.cli", "--config", str(cfg),
                                  "--listen", f"127.0.0.1:{port}", "--log-level", "WARNING"],
                                 cwd=REPO, env=env)

@@ -55,7 +55,9 @@ def vllm_greedy(model_dir: str, out: str, dtype: str = "float32") -> None:
 
 
 def run_vllm(model_dir: Path, out: Path, dtype: str = "float32") -> list[tuple[np.ndarray, ...]]:
-    env = os.environ | {"PYTHONPATH": str(REPO), "VLLM_CPU_OMP_THREADS_BIND": "auto",
+    from services.common.procenv import pythonpath
+
+    env = os.environ | {"PYTHONPATH": pythonpath(REPO), "VLLM_CPU_OMP_THREADS_BIND": "auto",
                         "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
     subprocess.run([sys.executable, __file__, str(model_dir), str(out), dtype], env=env,
                    cwd=REPO, check=True, timeout=600)  # vLLM start on a loaded 2-core box

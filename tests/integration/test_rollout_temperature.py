@@ -58,11 +58,12 @@ def generate(model_dir: str, out: str) -> None:
 @pytest.fixture(scope="module")
 def trajectories(tmp_path_factory):
     from services.common.pb.r3flow.v1 import trajectory_pb2
+    from services.common.procenv import pythonpath
     from services.rollout.tiny_moe import TinyMoeConfig, build_tiny_moe
 
     root = tmp_path_factory.mktemp("temp")
     model = build_tiny_moe(root / "tiny", TinyMoeConfig(num_layers=3, first_k_dense=1))
-    env = os.environ | {"PYTHONPATH": f"{REPO}:{REPO / 'tests/integration'}",
+    env = os.environ | {"PYTHONPATH": pythonpath(REPO, REPO / "tests/integration"),
                         "VLLM_CPU_OMP_THREADS_BIND": "auto", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
                         "VLLM_CPU_KVCACHE_SPACE": "1"}
     subprocess.run([sys.executable, __file__, str(model), str(root / "t.bin")], env=env,

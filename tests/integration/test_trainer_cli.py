@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 import torch
 
+from services.common.procenv import pythonpath
+
 pytestmark = pytest.mark.timeout(300)
 REPO = Path(__file__).resolve().parents[2]
 
@@ -63,7 +65,7 @@ def make_group(hf, group_id: str, size: int, seed: int):
 
 
 def _train(cfg_path: Path, steps: int) -> subprocess.CompletedProcess:
-    env = os.environ | {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = os.environ | {"PYTHONPATH": pythonpath(REPO), "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "-m", "services.cli", "train", "--config",
                            str(cfg_path), "--steps", str(steps)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=240)

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from services.common.net import free_port
-from tests.support.ranks import python_path
+from services.common.procenv import pythonpath
 
 # ~70 s on a quiet 2-core machine, ~270 s measured with a load average of 45
 pytestmark = pytest.mark.timeout(600)
@@ -42,7 +42,7 @@ def pushed(tmp_path_factory):
     work = tmp_path_factory.mktemp("push")
     model = build_tiny_moe(work / "tiny", TinyMoeConfig(num_layers=3, first_k_dense=1))
     (work / "workers").mkdir()
-    base = os.environ | {"PYTHONPATH": python_path(), "OMP_NUM_THREADS": "1"}
+    base = os.environ | {"PYTHONPATH": pythonpath(REPO), "OMP_NUM_THREADS": "1"}
     engine_env = base | {"VLLM_CPU_OMP_THREADS_BIND": "auto", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
                          "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     port = free_port()
@@ -203,7 +203,7 @@ def _trainer(model_dir: str, work: Path) -> None:
 
     from services.common.pb.r3flow.v1 import store_pb2
     from services.common.weight_sync import WeightSyncConfig
-    from services.common.weight_sync.digest import tensor_digest
+    from services.rollout.worker_ext import tensor_digest
     from trainer.backend import make_trainer
     from trainer.config import TrainerConfig
     from trainer.weight_push import RankSender

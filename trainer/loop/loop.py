@@ -23,6 +23,7 @@ import json
 import logging
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -169,6 +170,7 @@ class TrainLoop:
         self.quarantine([g for g in groups if g.group_id in dropped], dropped)
         groups = [g for g in groups if g.group_id not in dropped]
         metrics["groups_quarantined"] = len(dropped)
+        metrics["groups_quarantined_by_reason"] = dict(Counter(dropped.values()))
         metrics |= self.sampler.metrics(len(groups))
         self.pos.step += 1
         self.pos.policy_version = int(metrics["policy_version"])

@@ -23,16 +23,30 @@ DIFF_BY_STALENESS = {f"logprob_diff_mean{r}_{s}": (s, routing)
                      for r, routing in (("", "run"), ("_off", "off")) for s in ("fresh", "stale")}
 
 
+# what names a minimum is taken from the rank that holds it: key -> the minimum's key
+OF_THE_MIN = {"routing_agreement_worst": "routing_agreement_min",
+              "routing_agreement_worst_layer": "routing_agreement_min"}
+# counts every rank holds alike (the ranks decide faults together): kept as the one int
+SAME_ON_EVERY_RANK = ("updates_skipped", "updates_rerun")
+
+
 def reduce_metrics(per_rank: list[dict]) -> dict:
     """Mean over ranks (max for *_max, min for *_min); dict values (per-layer agreement)
-    averaged per key, `*_hist` counts summed.
+    averaged per key, `*_hist` counts summed; what names a minimum (the worst agreement cell and
+    its layer) comes from the rank with that minimum.
     A rank that trained only padding micro-batches has no value (None or no key) for what it
     did not measure (reward, agreement): such a metric is reduced over the ranks that have it."""
     out: dict = {}
     for k in dict.fromkeys(k for r in per_rank for k in r):
         vals = [r[k] for r in per_rank if r.get(k) is not None]
         v = vals[0] if vals else None
-        if isinstance(v, dict):
+        if k in OF_THE_MIN:
+            ranked = [r for r in per_rank if r.get(k) is not None
+                      and r.get(OF_THE_MIN[k]) is not None]
+            out[k] = min(ranked, key=lambda r: r[OF_THE_MIN[k]])[k] if ranked else v
+        elif k in SAME_ON_EVERY_RANK:
+            out[k] = int(max(vals)) if vals else None
+        elif isinstance(v, dict):
             agg = np.sum if k.endswith("_hist") else np.mean
             out[k] = {kk: float(agg([x[kk] for x in vals if kk in x]))
                       for kk in dict.fromkeys(kk for x in vals for kk in x)}
@@ -60,6 +74,8 @@ class TrainerMetrics:
     weight_push_failures: Any = None
     staleness: Any = None  # histogram of samples' versions behind
     diff_by_staleness: Any = None
+    updates_skipped: Any = None
+    updates_rerun: Any = None
 
     @classmethod
     def of(cls, registered: dict[str, Any] | None) -> TrainerMetrics:
@@ -74,10 +90,13 @@ class TrainerMetrics:
             weight_push_seconds=r.get(PREFIX + "weight_push_seconds"),
             weight_push_failures=r.get(PREFIX + "weight_push_failures_total"),
             staleness=r.get(PREFIX + "sample_staleness_versions"),
-            diff_by_staleness=r.get(PREFIX + "logprob_diff_mean_by_staleness"))
+            diff_by_staleness=r.get(PREFIX + "logprob_diff_mean_by_staleness"),
+            updates_skipped=r.get(PREFIX + "updates_skipped_total"),
+            updates_rerun=r.get(PREFIX + "updates_rerun_total"))
 
     def export_step(self, m: dict) -> None:
-        """Set the gauges, agreement per layer, step time and step count of one step."""
+        """Set the gauges, agreement per layer (`layer`: the model's layer number), step time,
+        step count and the updates a fault skipped / re-ran of one step."""
         for key, gauge in self.gauges.items():
             if m.get(key) is not None:
                 gauge.set(m[key])
@@ -86,6 +105,10 @@ class TrainerMetrics:
             self.routing_agreement.labels(layer="all").set(m["routing_agreement"])
             for layer, v in m.get("routing_agreement_by_layer", {}).items():
                 self.routing_agreement.labels(layer=str(layer)).set(v)
+        for counter, key in ((self.updates_skipped, "updates_skipped"),
+                             (self.updates_rerun, "updates_rerun")):
+            if counter is not None and m.get(key):
+                counter.inc(m[key])
         if self.step_seconds is not None:
             self.step_seconds.observe(m.get("step_seconds", 0.0))
         if self.steps is not None:
