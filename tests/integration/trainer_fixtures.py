@@ -45,17 +45,16 @@ TINY = dict(hidden_size=32, moe_intermediate_size=32, intermediate_size=64,
 
 def natural_samples(model_dir, rewards, seed=0, prompt_len=5, prefix="g", lengths=None):
     """Samples whose routing and logprobs are the HF model's own (an fp32 engine), two per
-    group (`prefix`<i // 2>), trajectory ids t<i>; `lengths`: response lengths (else 4-7)."""
+    group (`prefix`<i // 2>), trajectory ids t<i>; `lengths`: response lengths (else 4-7).
+    Routing is over the MoE layers only (transformers returns router logits of those)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from trainer.alignment import LayerMap
     from trainer.batch import Sample
 
     k = 2
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    layers = tuple(range(hf.config.num_hidden_layers))
-    lm = LayerMap.build(layers, layers)
+    moe = hf.config.num_hidden_layers - len(getattr(hf.config, "mlp_only_layers", None) or ())
     rng = np.random.default_rng(seed)
     out = []
     for i, reward in enumerate(rewards):
@@ -64,10 +63,11 @@ def natural_samples(model_dir, rewards, seed=0, prompt_len=5, prefix="g", length
         with torch.no_grad():
             o = hf(toks, output_router_logits=True, use_cache=False)
         ids_TLK = torch.stack([x.topk(k, -1).indices for x in o.router_logits], 1).numpy()
+        assert ids_TLK.shape[1] == moe, (ids_TLK.shape, moe)
         lp = torch.log_softmax(o.logits[0].float(), -1)[:-1].gather(-1, toks[0, 1:, None])[:, 0]
         out.append(Sample(toks[0].numpy(), prompt_len, lp[prompt_len - 1:].numpy(),
                           np.ones(r, bool), float(reward), f"{prefix}{i // 2}",
-                          routing_TLK=lm.select(ids_TLK[:-1]), trajectory_id=f"t{i}"))
+                          routing_TLK=ids_TLK[:-1], trajectory_id=f"t{i}"))
     return out
 
 
