@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Issue 41 on a held 4-GPU H200 machine with vLLM staged (scripts/gpu_vllm_install.sh): routing
+# capture under CUDA graphs through the service's RolloutEngine (tests/bench/bench_vllm_gpu.py).
+#   run(command="bash scripts/gpu_vllm_run.sh", kind="nvidia-h200-x4")   # no carry: /tmp holds vLLM
+# One engine per GPU, in parallel: Qwen3-30B-A3B widths (LAYERS deep, first layer dense) with CUDA
+# graphs + capture (GPU 0), graphs without capture (GPU 1), eager + capture (GPU 2); the tiny
+# model's three engines one after another on GPU 3. Then each capture against HF teacher-forced
+# top-k and graphs against eager. $OUT/vllm_gpu.log holds every line, $OUT/vllm_gpu.json the
+# figures (one key per step).
+set -uo pipefail
+OUT=${OUT:-bench-results/vllm-gpu}
+mkdir -p "$OUT"
+source scripts/gpu_vllm_install.sh env
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-WARNING}
+W=/tmp/r3flow-vllm-gpu B=tests/bench/bench_vllm_gpu.py LOG=$OUT/vllm_gpu.log
+LAYERS=${LAYERS:-4} BATCHES=${BATCHES:-64,256} LIMIT=${LIMIT:-400}
+rm -rf "$W" && mkdir -p "$W"
+say() { echo "== $(date -u +%T) $*" | tee -a "$LOG"; }
+# step TAG GPU ARGS...: one bench process on one GPU, its lines prefixed with TAG into the log
+step() {
+  local tag=$1 gpu=$2; shift 2
+  CUDA_VISIBLE_DEVICES=$gpu timeout "$LIMIT" python3 "$B" "$@" 2>&1 \
+    | grep --line-buffered -v -i "warn\|it/s\]\|^\s*$" | sed -u "s/^/[$tag] /" >>"$LOG"
+  echo "[$tag] exit ${PIPESTATUS[0]}" >>"$LOG"
+}
+say "$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | head -1) x $(nvidia-smi -L | wc -l)"
+bash scripts/gpu_vllm_install.sh versions 2>&1 | grep -v -i warn | tee -a "$LOG"
+python3 -m services.common._build >>"$LOG" 2>&1
+say "build models"
+step build30 0 build --kind 30b --layers "$LAYERS" --out "$W/m30" &
+step buildtiny 3 build --kind tiny --layers 4 --out "$W/tiny"
+wait
+say "engines"
+E30=(--model "$W/m30" --batches "$BATCHES")
+step m30_graphs 0 engine "${E30[@]}" --mode graphs --capture 1 --out "$W/m30_graphs.json" --npz "$W/m30_graphs.npz" &
+step m30_graphs_nocap 1 engine "${E30[@]}" --mode graphs --capture 0 --out "$W/m30_graphs_nocap.json" &
+step m30_eager 2 engine "${E30[@]}" --mode eager --capture 1 --out "$W/m30_eager.json" --npz "$W/m30_eager.npz" &
+(
+  ET=(--model "$W/tiny" --batches "$BATCHES")
+  step tiny_graphs 3 engine "${ET[@]}" --mode graphs --capture 1 --out "$W/tiny_graphs.json" --npz "$W/tiny_graphs.npz"
+  step tiny_eager 3 engine "${ET[@]}" --mode eager --capture 1 --out "$W/tiny_eager.json" --npz "$W/tiny_eager.npz"
+  step tiny_graphs_nocap 3 engine "${ET[@]}" --mode graphs --capture 0 --out "$W/tiny_graphs_nocap.json"
+) &
+wait
+say "HF teacher-forced top-k"
+step m30_compare 0 compare --model "$W/m30" --npz "$W/m30_graphs.npz" "$W/m30_eager.npz" --out "$W/m30_compare.json" &
+step tiny_compare 1 compare --model "$W/tiny" --npz "$W/tiny_graphs.npz" "$W/tiny_eager.npz" --out "$W/tiny_compare.json" &
+wait
+python3 - "$W" "$OUT/vllm_gpu.json" <<'PY' | tee -a "$LOG"
+import json, pathlib, sys
+res = {p.stem: json.loads(p.read_text()) for p in sorted(pathlib.Path(sys.argv[1]).glob("*.json"))}
+pathlib.Path(sys.argv[2]).write_text(json.dumps(res, indent=1))
+def best(name, batch):
+    tp = [t["tokens_per_s"] for t in res.get(name, {}).get("throughput", []) if t["batch"] == batch]
+    return max(tp) if tp else None
+for model in ("m30", "tiny"):
+    for batch in sorted({t["batch"] for r in res.values() for t in r.get("throughput", [])}):
+        g, n, e = (best(f"{model}_{m}", batch) for m in ("graphs", "graphs_nocap", "eager"))
+        if g and n and e:
+            print(f"{model} batch {batch}: graphs+capture {g:,.0f} tokens/s, graphs no capture "
+                  f"{n:,.0f} (capture/no-capture {g / n:.3f}), eager+capture {e:,.0f} "
+                  f"(graphs/eager {g / e:.2f})")
+PY
+say "done"
