@@ -2,10 +2,11 @@
 # Issue 41 on a held 4-GPU H200 machine with vLLM staged (scripts/gpu_vllm_install.sh): routing
 # capture under CUDA graphs through the service's RolloutEngine (tests/bench/bench_vllm_gpu.py).
 #   run(command="bash scripts/gpu_vllm_run.sh", kind="nvidia-h200-x4")   # no carry: /tmp holds vLLM
-# One engine per GPU, in parallel: Qwen3-30B-A3B widths (LAYERS deep, first layer dense) with CUDA
-# graphs + capture (GPU 0), graphs without capture (GPU 1), eager + capture (GPU 2); the tiny
-# model's three engines one after another on GPU 3. Then each capture against HF teacher-forced
-# top-k and graphs against eager. $OUT/vllm_gpu.log holds every line, $OUT/vllm_gpu.json the
+# Sections (default both): `engines`: one engine per GPU, in parallel: Qwen3-30B-A3B widths
+# (LAYERS deep, first layer dense) with CUDA graphs + capture, graphs without capture, eager +
+# capture, and the tiny model's three engines (4 GPUs: one lane each; 2 GPUs: graphs with and
+# without capture side by side, then eager and tiny); `compare`: each capture against HF
+# teacher-forced top-k and graphs against eager (files under /tmp from `engines`). $OUT/vllm_gpu.log holds every line, $OUT/vllm_gpu.json the
 # figures (one key per step).
 set -uo pipefail
 OUT=${OUT:-bench-results/vllm-gpu}
@@ -14,7 +15,6 @@ source scripts/gpu_vllm_install.sh env
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-WARNING}
 W=/tmp/r3flow-vllm-gpu B=tests/bench/bench_vllm_gpu.py LOG=$OUT/vllm_gpu.log
 LAYERS=${LAYERS:-4} BATCHES=${BATCHES:-64,256} LIMIT=${LIMIT:-400}
-rm -rf "$W" && mkdir -p "$W"
 say() { echo "== $(date -u +%T) $*" | tee -a "$LOG"; }
 # step TAG GPU ARGS...: one bench process on one GPU, its lines prefixed with TAG into the log
 step() {
@@ -26,30 +26,47 @@ step() {
 say "$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | head -1) x $(nvidia-smi -L | wc -l)"
 bash scripts/gpu_vllm_install.sh versions 2>&1 | grep -v -i warn | tee -a "$LOG"
 python3 -m services.common._build >>"$LOG" 2>&1
-say "build models"
-step build30 0 build --kind 30b --layers "$LAYERS" --out "$W/m30" &
-step buildtiny 3 build --kind tiny --layers 4 --out "$W/tiny"
-wait
-say "engines"
+merge() {  # every step's JSON so far into $OUT/vllm_gpu.json (a call cut short keeps them)
+  python3 -c 'import json,pathlib,sys; pathlib.Path(sys.argv[2]).write_text(json.dumps({p.stem: json.loads(p.read_text()) for p in sorted(pathlib.Path(sys.argv[1]).glob("*.json"))}, indent=1))' "$W" "$OUT/vllm_gpu.json"
+}
+NGPU=$(nvidia-smi -L | wc -l)
 E30=(--model "$W/m30" --batches "$BATCHES")
-step m30_graphs 0 engine "${E30[@]}" --mode graphs --capture 1 --out "$W/m30_graphs.json" --npz "$W/m30_graphs.npz" &
-step m30_graphs_nocap 1 engine "${E30[@]}" --mode graphs --capture 0 --out "$W/m30_graphs_nocap.json" &
-step m30_eager 2 engine "${E30[@]}" --mode eager --capture 1 --out "$W/m30_eager.json" --npz "$W/m30_eager.npz" &
-(
-  ET=(--model "$W/tiny" --batches "$BATCHES")
-  step tiny_graphs 3 engine "${ET[@]}" --mode graphs --capture 1 --out "$W/tiny_graphs.json" --npz "$W/tiny_graphs.npz"
-  step tiny_eager 3 engine "${ET[@]}" --mode eager --capture 1 --out "$W/tiny_eager.json" --npz "$W/tiny_eager.npz"
-  step tiny_graphs_nocap 3 engine "${ET[@]}" --mode graphs --capture 0 --out "$W/tiny_graphs_nocap.json"
-) &
-wait
-say "HF teacher-forced top-k"
-step m30_compare 0 compare --model "$W/m30" --npz "$W/m30_graphs.npz" "$W/m30_eager.npz" --out "$W/m30_compare.json" &
-step tiny_compare 1 compare --model "$W/tiny" --npz "$W/tiny_graphs.npz" "$W/tiny_eager.npz" --out "$W/tiny_compare.json" &
-wait
+ET=(--model "$W/tiny" --batches "$BATCHES")
+SECTIONS=${*:-engines compare}
+for section in $SECTIONS; do
+  case $section in
+    engines)
+      rm -rf "$W" && mkdir -p "$W"
+      say "build models"
+      step build30 0 build --kind 30b --layers "$LAYERS" --out "$W/m30" &
+      step buildtiny 1 build --kind tiny --layers 4 --out "$W/tiny"
+      wait
+      say "engines on $NGPU GPUs"
+      m30_graphs() { step m30_graphs "$1" engine "${E30[@]}" --mode graphs --capture 1 --out "$W/m30_graphs.json" --npz "$W/m30_graphs.npz"; merge; }
+      m30_nocap() { step m30_graphs_nocap "$1" engine "${E30[@]}" --mode graphs --capture 0 --out "$W/m30_graphs_nocap.json"; merge; }
+      m30_eager() { step m30_eager "$1" engine "${E30[@]}" --mode eager --capture 1 --out "$W/m30_eager.json" --npz "$W/m30_eager.npz"; merge; }
+      tiny_all() {
+        step tiny_graphs "$1" engine "${ET[@]}" --mode graphs --capture 1 --out "$W/tiny_graphs.json" --npz "$W/tiny_graphs.npz"; merge
+        step tiny_eager "$1" engine "${ET[@]}" --mode eager --capture 1 --out "$W/tiny_eager.json" --npz "$W/tiny_eager.npz"; merge
+        step tiny_graphs_nocap "$1" engine "${ET[@]}" --mode graphs --capture 0 --out "$W/tiny_graphs_nocap.json"; merge
+      }
+      if [ "$NGPU" -ge 4 ]; then
+        m30_graphs 0 & m30_nocap 1 & m30_eager 2 & tiny_all 3 & wait
+      else  # 2 GPUs: graphs with and without capture side by side first (the ratio), then the rest
+        (m30_graphs 0; m30_eager 0) & (m30_nocap 1; tiny_all 1) & wait
+      fi;;
+    compare)
+      say "HF teacher-forced top-k"
+      step m30_compare 0 compare --model "$W/m30" --npz "$W/m30_graphs.npz" "$W/m30_eager.npz" --out "$W/m30_compare.json" &
+      step tiny_compare 1 compare --model "$W/tiny" --npz "$W/tiny_graphs.npz" "$W/tiny_eager.npz" --out "$W/tiny_compare.json" &
+      wait;;
+    *) echo "gpu_vllm_run.sh: unknown section $section (engines | compare)"; exit 2;;
+  esac
+done
+merge
 python3 - "$W" "$OUT/vllm_gpu.json" <<'PY' | tee -a "$LOG"
 import json, pathlib, sys
 res = {p.stem: json.loads(p.read_text()) for p in sorted(pathlib.Path(sys.argv[1]).glob("*.json"))}
-pathlib.Path(sys.argv[2]).write_text(json.dumps(res, indent=1))
 def best(name, batch):
     tp = [t["tokens_per_s"] for t in res.get(name, {}).get("throughput", []) if t["batch"] == batch]
     return max(tp) if tp else None
