@@ -6,7 +6,8 @@
 # (LAYERS deep, first layer dense) with CUDA graphs + capture, graphs without capture, eager +
 # capture, and the tiny model's three engines (4 GPUs: one lane each; 2 GPUs: graphs with and
 # without capture side by side, then eager and tiny); `compare`: each capture against HF
-# teacher-forced top-k and graphs against eager (files under /tmp from `engines`). $OUT/vllm_gpu.log holds every line, $OUT/vllm_gpu.json the
+# teacher-forced top-k and graphs against eager (files under /tmp from `engines`); `pair`: two
+# engines on GPU 0 (PAIR="graphs:1 graphs:0" by default), rounds interleaved (bench_vllm_gpu.py pair). $OUT/vllm_gpu.log holds every line, $OUT/vllm_gpu.json the
 # figures (one key per step).
 set -uo pipefail
 OUT=${OUT:-bench-results/vllm-gpu}
@@ -60,7 +61,16 @@ for section in $SECTIONS; do
       step m30_compare 0 compare --model "$W/m30" --npz "$W/m30_graphs.npz" "$W/m30_eager.npz" --out "$W/m30_compare.json" &
       step tiny_compare 1 compare --model "$W/tiny" --npz "$W/tiny_graphs.npz" "$W/tiny_eager.npz" --out "$W/tiny_compare.json" &
       wait;;
-    *) echo "gpu_vllm_run.sh: unknown section $section (engines | compare)"; exit 2;;
+    pair)
+      # two engines on GPU 0, rounds interleaved (PAIR="A B", MODE:CAPTURE each): the capture
+      # overhead without another process or another GPU in the comparison
+      [ -f "$W/m30/config.json" ] || { mkdir -p "$W"; step build30 0 build --kind 30b --layers "$LAYERS" --out "$W/m30"; }
+      read -r pa pb <<<"${PAIR:-graphs:1 graphs:0}"
+      say "pair on GPU 0: $pa vs $pb"
+      step "pair_${pa/:/}_${pb/:/}" 0 pair --model "$W/m30" --a "$pa" --b "$pb" --batches "$BATCHES" \
+        --repeats "${REPEATS:-6}" --max-tokens "${MAX_TOKENS:-256}" --out "$W/pair_${pa/:/}_${pb/:/}.json"
+      merge;;
+    *) echo "gpu_vllm_run.sh: unknown section $section (engines | compare | pair)"; exit 2;;
   esac
 done
 merge

@@ -70,6 +70,77 @@ def prompts(n: int, vocab_lo: int, vocab_hi: int, seed: int = 0) -> list[list[in
             for _ in range(n)]
 
 
+def start_engine(a: argparse.Namespace, mode: str, capture: bool, gpu_mem: float) -> Any:
+    from prometheus_client import CollectorRegistry
+
+    from services.common.metrics import create_metrics
+    from services.rollout.config import EngineConfig
+    from services.rollout.engine import RolloutEngine
+
+    cfg = EngineConfig(model=a.model, dtype=a.dtype, max_model_len=a.max_model_len,
+                       max_num_seqs=a.max_num_seqs, enforce_eager=mode == "eager",
+                       capture_routing=capture, gpu_memory_utilization=gpu_mem,
+                       enable_prefix_caching=False)
+    return RolloutEngine.start(cfg, create_metrics(CollectorRegistry(), "rollout"))
+
+
+async def timed_round(engine: Any, tag: str, bp: list[list[int]], max_tokens: int) -> dict:
+    """One batch of len(bp) concurrent calls of max_tokens sampled tokens each; tokens/s."""
+    from services.rollout.engine import CallParams
+
+    t = time.perf_counter()
+    outs = await asyncio.gather(*(engine.generate(f"{tag}-{i}", p, CallParams(
+        max_tokens=max_tokens, seed=i, temperature=1.0, ignore_eos=True))
+        for i, p in enumerate(bp)))
+    dt = time.perf_counter() - t
+    toks = sum(len(o.token_ids) for o in outs)
+    return {"batch": len(bp), "tokens": toks, "seconds": round(dt, 3),
+            "tokens_per_s": round(toks / dt, 1)}
+
+
+async def pair_main(a: argparse.Namespace) -> dict[str, Any]:
+    """Two engines on one GPU (A and B, each MODE:CAPTURE), rounds interleaved A B B A ... so
+    drift and host noise fall on both alike; B/A of the summed tokens/s per batch."""
+    from services.rollout.tiny_moe import CHARS, SPECIAL_TOKENS
+
+    specs = {"A": a.a, "B": a.b}
+    engines = {}
+    res: dict[str, Any] = {"model": a.model, "A": a.a, "B": a.b, "rounds": []}
+    for name, spec in specs.items():
+        mode, cap = spec.split(":")
+        t0 = time.perf_counter()
+        engines[name] = start_engine(a, mode, cap == "1", a.gpu_mem)
+        res[f"start_s_{name}"] = round(time.perf_counter() - t0, 1)
+        print(f"[pair] {name} = {spec} started in {res[f'start_s_{name}']} s", flush=True)
+    lo, hi = len(SPECIAL_TOKENS), len(SPECIAL_TOKENS) + len(CHARS)
+    try:
+        for batch in a.batches:
+            bp = prompts(batch, lo, hi, seed=batch)
+            for name in engines:  # warm-up
+                await timed_round(engines[name], f"w{name}{batch}", bp, 8)
+            for rep in range(a.repeats):
+                for name in ("AB" if rep % 2 == 0 else "BA"):
+                    r = await timed_round(engines[name], f"t{name}{batch}-{rep}", bp,
+                                          a.max_tokens)
+                    r.update(engine=name, rep=rep)
+                    res["rounds"].append(r)
+                    print(f"[pair] {name} ({specs[name]}) batch {batch} rep {rep}: "
+                          f"{r['tokens_per_s']:,.0f} tokens/s", flush=True)
+            tot = {n: sum(r["tokens"] for r in res["rounds"] if r["engine"] == n and
+                          r["batch"] == batch) /
+                   sum(r["seconds"] for r in res["rounds"] if r["engine"] == n and
+                       r["batch"] == batch) for n in engines}
+            res[f"batch{batch}"] = {"A_tokens_per_s": round(tot["A"], 1),
+                                    "B_tokens_per_s": round(tot["B"], 1),
+                                    "A_over_B": round(tot["A"] / tot["B"], 3)}
+            print(f"[pair] batch {batch}: A {a.a} {tot['A']:,.0f} tokens/s, B {a.b} "
+                  f"{tot['B']:,.0f} tokens/s, A/B {tot['A'] / tot['B']:.3f}", flush=True)
+    finally:
+        for e in engines.values():
+            e.shutdown()
+    return res
+
+
 async def engine_main(a: argparse.Namespace) -> dict[str, Any]:
     from prometheus_client import CollectorRegistry
 
@@ -251,6 +322,19 @@ def main() -> int:
     e.add_argument("--max-model-len", type=int, default=512)
     e.add_argument("--max-num-seqs", type=int, default=256)
     e.add_argument("--gpu-mem", type=float, default=0.85)
+    pr = sub.add_parser("pair")
+    pr.add_argument("--model", required=True)
+    pr.add_argument("--a", required=True, help="MODE:CAPTURE, e.g. graphs:1")
+    pr.add_argument("--b", required=True, help="MODE:CAPTURE, e.g. graphs:0")
+    pr.add_argument("--dtype", default="bfloat16")
+    pr.add_argument("--out", required=True)
+    pr.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",") if x],
+                    default=[64, 256])
+    pr.add_argument("--max-tokens", type=int, default=256)
+    pr.add_argument("--repeats", type=int, default=6)
+    pr.add_argument("--max-model-len", type=int, default=512)
+    pr.add_argument("--max-num-seqs", type=int, default=256)
+    pr.add_argument("--gpu-mem", type=float, default=0.4)
     c = sub.add_parser("compare")
     c.add_argument("--model", required=True)
     c.add_argument("--npz", nargs="+", required=True)
@@ -261,8 +345,11 @@ def main() -> int:
     if a.cmd == "build":
         build(a.kind, a.out, a.layers, a.first_k_dense, a.device)
         return 0
-    res = asyncio.run(engine_main(a)) if a.cmd == "engine" else compare(a)
-    res["vllm"] = __import__("vllm").__version__ if a.cmd == "engine" else None
+    if a.cmd == "compare":
+        res = compare(a)
+    else:
+        res = asyncio.run(engine_main(a) if a.cmd == "engine" else pair_main(a))
+        res["vllm"] = __import__("vllm").__version__
     Path(a.out).write_text(json.dumps(res, indent=1))
     return 0
 
