@@ -7,7 +7,8 @@
 # capture, and the tiny model's three engines (4 GPUs: one lane each; 2 GPUs: graphs with and
 # without capture side by side, then eager and tiny); `compare`: each capture against HF
 # teacher-forced top-k and graphs against eager (files under /tmp from `engines`); `pair`: two
-# engines on GPU 0 (PAIR="graphs:1 graphs:0" by default), rounds interleaved (bench_vllm_gpu.py pair). $OUT/vllm_gpu.log holds every line, $OUT/vllm_gpu.json the
+# engines on GPU 0 (PAIR="graphs:1 graphs:0" by default), rounds interleaved (bench_vllm_gpu.py pair);
+# `load`: new weights into a running engine through the worker extension, greedy vs HF. $OUT/vllm_gpu.log holds every line, $OUT/vllm_gpu.json the
 # figures (one key per step).
 set -uo pipefail
 OUT=${OUT:-bench-results/vllm-gpu}
@@ -70,7 +71,14 @@ for section in $SECTIONS; do
       step "pair_${pa/:/}_${pb/:/}" 0 pair --model "$W/m30" --a "$pa" --b "$pb" --batches "$BATCHES" \
         --repeats "${REPEATS:-6}" --max-tokens "${MAX_TOKENS:-256}" --out "$W/pair_${pa/:/}_${pb/:/}.json"
       merge;;
-    *) echo "gpu_vllm_run.sh: unknown section $section (engines | compare | pair)"; exit 2;;
+    load)
+      # new weights into a running engine (worker extension, reload_weights), fp32, CUDA
+      # graphs: greedy tokens and routing against HF with the same weights
+      [ -f "$W/tiny/config.json" ] || { mkdir -p "$W"; step buildtiny 0 build --kind tiny --layers 4 --out "$W/tiny"; }
+      say "weight load into a running engine (tiny, float32, ${LOAD_MODE:-graphs})"
+      step "load_${LOAD_MODE:-graphs}" 0 load --model "$W/tiny" --mode "${LOAD_MODE:-graphs}" --out "$W/load_${LOAD_MODE:-graphs}.json"
+      merge;;
+    *) echo "gpu_vllm_run.sh: unknown section $section (engines | compare | pair | load)"; exit 2;;
   esac
 done
 merge

@@ -141,6 +141,62 @@ async def pair_main(a: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
+async def load_main(a: argparse.Namespace) -> dict[str, Any]:
+    """New weights into a running engine through the worker extension (safetensors bytes over
+    collective_rpc, vLLM's reload_weights), then greedy tokens and captured routing against HF
+    with the same weights, and the capture check after the load."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from services.rollout.capture_check import check_capture
+    from services.rollout.config import SamplingConfig
+    from services.rollout.engine import CallParams
+    from services.rollout.tiny_moe import CHARS, SPECIAL_TOKENS
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = getattr(torch, a.dtype)
+    engine = start_engine(a, a.mode, True, a.gpu_mem)
+    res: dict[str, Any] = {"model": a.model, "mode": a.mode, "dtype": a.dtype}
+    lo, hi = len(SPECIAL_TOKENS), len(SPECIAL_TOKENS) + len(CHARS)
+    ps = prompts(a.prompts, lo, hi, seed=7)
+    greedy = CallParams(max_tokens=a.check_tokens, temperature=0.0, ignore_eos=True)
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(a.model, dtype=dtype).to(device).eval()
+        gen = torch.Generator(device="cpu").manual_seed(1)
+        with torch.no_grad():  # a 'trained' policy: fresh random weights, norms kept
+            for name, p in hf.named_parameters():
+                if "norm" not in name:
+                    p.copy_((torch.randn(p.shape, generator=gen) * 0.08).to(p))
+        t0 = time.perf_counter()
+        n = await engine.load_named_tensors(dict(hf.state_dict()), version=1)
+        res["load_s"], res["tensors"] = round(time.perf_counter() - t0, 2), n
+        await check_capture(engine, SamplingConfig(n=1, max_tokens=8), ps[0], seed=0,
+                            when="check after loading weights v1")
+        res["check_after_load"] = "passed"
+        outs = await asyncio.gather(*(engine.generate(f"l{i}", p, greedy)
+                                      for i, p in enumerate(ps)))
+        same_tokens = rows = agree = 0
+        k = hf.config.num_experts_per_tok
+        moe = list(engine.info.moe_layers)
+        for p, o in zip(ps, outs, strict=True):
+            with torch.no_grad():
+                ref = hf.generate(torch.tensor([p], device=device), max_new_tokens=len(o.token_ids),
+                                  min_new_tokens=len(o.token_ids), do_sample=False)[0][len(p):]
+            same_tokens += int(ref.tolist() == list(o.token_ids))
+            ids, _ = hf_topk(hf, p + list(o.token_ids), k, device)
+            cap = np.sort(o.routing_TLK[:, moe], axis=-1)
+            eq = (cap == ids[: cap.shape[0]]).all(-1)
+            agree, rows = agree + int(eq.sum()), rows + eq.size
+        res.update(policy_version=engine.policy_version, greedy_equal_hf=f"{same_tokens}/{len(ps)}",
+                   routing_agree_hf=round(agree / rows, 4), rows=rows)
+        print(f"[load {a.mode} {a.dtype}] {n} tensors in {res['load_s']} s; check after load "
+              f"passed; greedy = HF {same_tokens}/{len(ps)}; routing = HF "
+              f"{agree / rows:.4f} of {rows} rows", flush=True)
+    finally:
+        engine.shutdown()
+    return res
+
+
 async def engine_main(a: argparse.Namespace) -> dict[str, Any]:
     from prometheus_client import CollectorRegistry
 
@@ -335,6 +391,16 @@ def main() -> int:
     pr.add_argument("--max-model-len", type=int, default=512)
     pr.add_argument("--max-num-seqs", type=int, default=256)
     pr.add_argument("--gpu-mem", type=float, default=0.4)
+    ld = sub.add_parser("load")
+    ld.add_argument("--model", required=True)
+    ld.add_argument("--mode", choices=["graphs", "eager"], default="graphs")
+    ld.add_argument("--dtype", default="float32")
+    ld.add_argument("--out", required=True)
+    ld.add_argument("--prompts", type=int, default=16)
+    ld.add_argument("--check-tokens", type=int, default=32)
+    ld.add_argument("--max-model-len", type=int, default=512)
+    ld.add_argument("--max-num-seqs", type=int, default=64)
+    ld.add_argument("--gpu-mem", type=float, default=0.5)
     c = sub.add_parser("compare")
     c.add_argument("--model", required=True)
     c.add_argument("--npz", nargs="+", required=True)
@@ -348,7 +414,8 @@ def main() -> int:
     if a.cmd == "compare":
         res = compare(a)
     else:
-        res = asyncio.run(engine_main(a) if a.cmd == "engine" else pair_main(a))
+        mains = {"engine": engine_main, "pair": pair_main, "load": load_main}
+        res = asyncio.run(mains[a.cmd](a))
         res["vllm"] = __import__("vllm").__version__
     Path(a.out).write_text(json.dumps(res, indent=1))
     return 0
