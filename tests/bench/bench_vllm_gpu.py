@@ -153,9 +153,11 @@ async def load_main(a: argparse.Namespace) -> dict[str, Any]:
     from services.rollout.engine import CallParams
     from services.rollout.tiny_moe import CHARS, SPECIAL_TOKENS
 
+    # the engine first: CUDA touched in this process before vLLM forks its engine core fails
+    # the start ("Cannot re-initialize CUDA in forked subprocess", seen on H200)
+    engine = start_engine(a, a.mode, True, a.gpu_mem)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = getattr(torch, a.dtype)
-    engine = start_engine(a, a.mode, True, a.gpu_mem)
     res: dict[str, Any] = {"model": a.model, "mode": a.mode, "dtype": a.dtype}
     lo, hi = len(SPECIAL_TOKENS), len(SPECIAL_TOKENS) + len(CHARS)
     ps = prompts(a.prompts, lo, hi, seed=7)
