@@ -10,7 +10,7 @@ export PYTHONUNBUFFERED := 1
 # it) every process the tests start compiles the project's modules again (~3 s a process here).
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: setup run test test-unit test-integration lint proto proto-check bench bench-codec \
+.PHONY: gpu-vllm-wheels setup run test test-unit test-integration lint proto proto-check bench bench-codec \
         bench-store bench-rollout bench-trainer bench-weights bench-hf bench-constriction bench-smoke \
         chart-check \
         test-faults test-cluster clean
@@ -96,3 +96,9 @@ gpu-wheels: setup
 	$(PIP) download -q --no-deps --only-binary=:all: --python-version 3.12 \
 	  --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
 	  -d .gpu/wheels megatron-core==0.19.2 $$(grep -E '^(pydantic|pydantic_core|pydantic-core|annotated-types|typing-inspection|protobuf)==' requirements/cpu.lock)
+
+# vLLM 0.24.0 for the lent H200s (issue 41): resolved against the device image, the wheels the
+# image lacks cut into <=52 MiB parts under .gpu/stage/N (scripts/gpu_vllm_install.sh puts them
+# together there; BENCHMARKS.md "vLLM on the H200s" lists the calls)
+gpu-vllm-wheels: setup
+	bash scripts/gpu_vllm_stage.sh

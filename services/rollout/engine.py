@@ -23,6 +23,7 @@ import numpy as np
 
 from services.rollout.config import EngineConfig
 from services.rollout.segments import CallOutput
+from services.rollout.vllm_compat import check_routed_prompt_start
 
 log = logging.getLogger(__name__)
 
@@ -217,10 +218,12 @@ class RolloutEngine:
             raise ValueError(f"request {request_id}: prompt_token_ids: id {bad[0]} outside the "
                              f"vocabulary [0, {self.info.vocab_size})")
 
-    def _sampling_params(self, p: CallParams) -> Any:
+    def _sampling_params(self, p: CallParams, request_id: str = "", prompt_len: int = 0) -> Any:
         from vllm import SamplingParams
 
         start = p.routed_prompt_start if self.cfg.capture_routing else 0
+        if start:
+            check_routed_prompt_start(start, prompt_len, request_id)
         return SamplingParams(n=1, max_tokens=p.max_tokens, temperature=p.temperature,
                               top_p=p.top_p, seed=p.seed, ignore_eos=p.ignore_eos, logprobs=0,
                               detokenize=False, routed_experts_prompt_start=start)
@@ -229,7 +232,7 @@ class RolloutEngine:
                        ) -> CallOutput:
         """Run one call to its end (stop, length, or abort by a weight update)."""
         self.validate_prompt(request_id, prompt_ids)
-        sp = self._sampling_params(params)
+        sp = self._sampling_params(params, request_id, len(prompt_ids))
         async with self._gate:
             version = self.policy_version
             try:

@@ -59,6 +59,7 @@ BENCHES: dict[str, tuple[str, list[str], list[str]]] = {
     "hf_parallel": ("bench_hf_parallel.py", [], [
         "off", "r3", "r3_over_off", "peak_gib_per_rank", "device"]),
     "push_stream": ("bench_push_stream.py", [], ["device", "layers", "mode", "rows"]),
+    "vllm_gpu": ("bench_vllm_gpu.py", [], ["vllm", "engine", "compare"]),
 }
 NEEDS_ROLLOUTS = {"trainer", "families"}
 
@@ -127,5 +128,8 @@ def test_bench_smoke_writes_its_keys(bench, smoke_runs):
     if bench == "push_stream":  # every tensor of the packed push checked on both receivers
         assert all(not r["bad"] and not r["missing"] and min(r["checked"]) == r["tensors"]
                    for r in row["rows"]), row["rows"]
+    if bench == "vllm_gpu":  # the engine's self-check and its capture against HF (fp32)
+        assert row["engine"]["self_check"] == "passed" and row["engine"]["all_zero_rows"] == 0
+        assert row["compare"]["eager_vs_hf"]["agree"] == 1.0, row["compare"]
     if isinstance(data, dict) and "smoke" in data:
         assert data["smoke"] is True

@@ -44,7 +44,8 @@ class FakeEngine:
         rows = len(prompt_ids) + n - 1 - params.routed_prompt_start
         ids = np.tile(np.arange(TOP_K, dtype=np.int32), (rows, LAYERS, 1))
         return CallOutput(token_ids=[5] * n, logprobs=[-1.0] * n,
-                          routing_TLK=ids if self.rows == "good" else np.zeros_like(ids),
+                          routing_TLK=None if self.rows == "none" else
+                          ids if self.rows == "good" else np.zeros_like(ids),
                           finish_reason="length", policy_version=0, request_id=request_id)
 
 
@@ -63,6 +64,17 @@ def test_all_zero_rows_refuse_to_serve_naming_enforce_eager(eager):
     line = str(err.value)
     assert "\n" not in line and "engine.enforce_eager" in line
     assert ("set engine.enforce_eager: true" in line) is not eager
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_no_routing_at_all_names_the_capture_flag_not_graphs(eager):
+    # an engine built without enable_return_routed_experts (measured on H200, vLLM 0.24.0,
+    # through RolloutEngine: tests/bench/bench_vllm_gpu.py); graphs are not the cause
+    with pytest.raises(RoutingCaptureError) as err:
+        _check(FakeEngine("none", enforce_eager=eager))
+    line = str(err.value)
+    assert "\n" not in line and "no routing captured" in line
+    assert "enable_return_routed_experts" in line and "set engine.enforce_eager" not in line
 
 
 def test_the_check_is_short():
