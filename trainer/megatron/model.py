@@ -219,6 +219,7 @@ def build_model(hf_dir: str | Path, cfg: ModelConfig, load_weights: bool = True)
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
     arch = load_arch(hf_dir)
+    cfg = cfg.fast_path(torch.cuda.is_available(), arch.family)  # `auto` left by a direct caller
     tcfg = transformer_config(arch, cfg)
     # The replay instance list is class-level: each model must own exactly its routers.
     RouterReplay.clear_global_router_replay_instances()

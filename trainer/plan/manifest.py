@@ -55,9 +55,13 @@ def quantity_bytes(q: str | int) -> float:
     return float(m.group(1)) * _UNITS[m.group(2) or ""]
 
 
-def layout_from_trainer(cfg: Any, seq_len: int) -> Layout:
+def layout_from_trainer(cfg: Any, seq_len: int, cuda: bool = True,
+                        family: str | None = None) -> Layout:
     """The Layout a TrainerConfig runs (model.* parallel sizes, optim.use_distributed_optimizer,
-    model.recompute_*; the hf backend: FSDP2 over hf.sharding's shard group)."""
+    model.recompute_*; the hf backend: FSDP2 over hf.sharding's shard group), its `auto`
+    fast-path switches decided as the trainer decides them on pods with (`cuda`) or without
+    GPUs (TrainerConfig.fast_path)."""
+    cfg = cfg.fast_path(cuda, family)
     m = cfg.model
     lay = Layout(
         world=cfg.run.world_size, ep=m.expert_parallel, etp=m.expert_tensor_parallel,
@@ -150,13 +154,15 @@ def plan_rayjob(docs: list[dict], doc: dict, overhead_gib: float | None = None) 
     reason = ann.get(PREFIX + "expect-reason", "")
     if expect == "does-not-fit" and not reason:
         raise UserError(f"{where}: {PREFIX}expect=does-not-fit needs {PREFIX}expect-reason")
-    arch = Arch.from_hf_config(load_model_config(ann[PREFIX + "model"]))
     workers = job.spec.rayClusterSpec.workerGroupSpecs
-    lay = layout_from_trainer(cfg, int(_number(ann, "seq-len", int, where)))
-    memory = _device_memory(workers, lay.world, ann, where)
     on_gpu = any(c.limit("nvidia.com/gpu") is not None
                  for g in workers for c in g.template.spec.containers)
+    model_cfg = load_model_config(ann[PREFIX + "model"])
+    lay = layout_from_trainer(cfg, int(_number(ann, "seq-len", int, where)), on_gpu,
+                              model_cfg.get("model_type"))
+    memory = _device_memory(workers, lay.world, ann, where)
     overhead = overhead_gib if overhead_gib is not None else (4.0 if on_gpu else 1.0)
+    arch = Arch.from_hf_config(model_cfg)
     return JobPlan(where, plan(arch, lay, memory, overhead_gib=overhead), expect, reason)
 
 
