@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Offline checks of the Kubernetes packaging (`make chart-check`, the last step of `make test`).
+# Checks of the Kubernetes packaging (`make chart-check`, the last step of `make test`).
 # No API server and no Docker engine run here, so everything is checked from rendered YAML:
-# helm lint/template (4 values files: the defaults, with the trainer on, production, minimal), core kinds (kubernetes-validate --strict), KubeRay CRs
+# helm lint/template (4 values files: the defaults, with the trainer on, production, minimal),
+# core kinds (kubernetes-validate --strict), KubeRay CRs
 # against the CRDs in ../shared/schemas (unknown fields are errors), promtool check + unit tests,
 # Grafana dashboards against the 11.6 schema, `r3flow plan` of every trainer (the chart's and
-# k8s/'s: refused unless it fits), checkov, then the pytest suite in tests/chart.
+# k8s/'s: refused unless it fits), checkov, the pytest suite in tests/chart, and each image's
+# requirement set through pip's resolver (scripts/resolve_images.py: needs the package registry).
 # The tools live in their own venv (.venv-tools; checkov's pins clash with the project's).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -120,12 +122,20 @@ main() {
   install_tools
   [ -d "$SCHEMAS" ] || die "schemas not found at $SCHEMAS"
   OUT=$(mktemp -d); trap 'rm -rf "$OUT"' EXIT
+  # Each image's requirement set through pip's resolver (the registry; minutes, mostly waiting
+  # on it): started first, beside the offline checks, and waited for at the end.
+  .venv/bin/python scripts/resolve_images.py > "$OUT/resolve.log" 2>&1 &
+  local resolve_pid=$!
   check_chart
   check_specs
   check_observability
   check_checkov
   log "pytest tests/chart"
   R3FLOW_HELM="$HELM" R3FLOW_SCHEMAS="$SCHEMAS" .venv/bin/python -m pytest tests/chart -q -p no:cacheprovider --timeout=600
+  log "image requirement sets (pip's resolver, linux x86_64; docker/versions.env)"
+  local rc=0; wait "$resolve_pid" || rc=$?
+  cat "$OUT/resolve.log"
+  [ "$rc" = 0 ] || die "an image's requirement set does not resolve or its versions differ"
   log "chart-check passed in $((SECONDS - t0)) s"
 }
 

@@ -173,3 +173,53 @@ def plan_manifest(path: str | Path, overhead_gib: float | None = None) -> list[J
         return [plan_rayjob(docs, d, overhead_gib) for d in docs if d["kind"] == "RayJob"]
     except UserError as e:  # the job names itself; add the file it is in
         raise UserError(f"{path}: {e}", e.hint) from e
+
+
+@dataclass
+class RolloutCheck:
+    """A rendered rollout StatefulSet against the engine layout the plan picks."""
+
+    where: str
+    plan: Any  # trainer.plan.rollout.RolloutPlan
+    tp: int  # the engine's tensor_parallel_size as rendered
+    gpus: int  # GPUs per pod
+
+    @property
+    def ok(self) -> bool:
+        return self.plan.fits and self.tp == self.plan.tp == self.gpus
+
+    def describe(self, label: str) -> str:
+        verdict = "as planned" if self.ok else (
+            f"NOT AS PLANNED: the pod's engine runs TP {self.tp} on {self.gpus} GPU(s); set "
+            f"rollout.gpus to {self.plan.tp}" if self.plan.fits else "NOT AS PLANNED")
+        return f"{self.plan.describe(label)}\n  rendered: TP {self.tp}: {verdict}"
+
+
+def plan_rollouts(path: str | Path) -> list[RolloutCheck]:
+    """Every annotated rollout StatefulSet of a manifest (its engine config from the ConfigMap
+    with rollout.yaml that its pods mount)."""
+    from trainer.plan.rollout import plan_rollout
+
+    docs = k8s.read_documents(path)
+    out = []
+    for d in docs:
+        ann = (d.get("metadata") or {}).get("annotations") or {}
+        if d["kind"] != "StatefulSet" or PREFIX + "model" not in ann:
+            continue
+        where = f"{path} StatefulSet/{d['metadata']['name']}"
+        pod = d["spec"]["template"]["spec"]
+        names = {v["configMap"]["name"] for v in pod.get("volumes", []) if "configMap" in v}
+        cfgs = [yaml.load(c["data"]["rollout.yaml"], Loader=YAML_LOADER)  # noqa: S506
+                for c in docs if c["kind"] == "ConfigMap" and c["metadata"]["name"] in names
+                and "rollout.yaml" in (c.get("data") or {})]
+        if not cfgs:
+            raise UserError(f"{where}: no ConfigMap with rollout.yaml among its volumes")
+        eng = cfgs[0]["engine"]
+        gpus = int(pod["containers"][0]["resources"]["limits"].get("nvidia.com/gpu", 0))
+        arch = Arch.from_hf_config(load_model_config(ann[PREFIX + "model"]))
+        plan_ = plan_rollout(arch, float(_number(ann, "gpu-memory-gib", float, where)),
+                             float(eng.get("gpu_memory_utilization", 0.85)),
+                             int(eng.get("max_model_len", 1024)),
+                             int(eng.get("max_num_seqs", 32)))
+        out.append(RolloutCheck(where, plan_, int(eng.get("tensor_parallel_size", 1)), gpus))
+    return out
