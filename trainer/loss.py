@@ -98,7 +98,7 @@ def ppo_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor, mask_BS: torch.T
     weight, + kl_coef * KL to the reference (kl_in loss), - entropy bonus, all under the
     sampling temperature."""
     lp, ent = logprob_entropy(logits_BSV, labels_BS, temperature_BS, cfg.entropy_coef != 0) \
-        if cfg.chunked_logprobs else (token_logprobs(logits_BSV, labels_BS, temperature_BS),
+        if cfg.chunked_for(logits_BSV) else (token_logprobs(logits_BSV, labels_BS, temperature_BS),
                                       token_entropy(logits_BSV, temperature_BS))
     log_ratio = lp - old_lp_BS
     if cfg.ratio_level == "sequence":

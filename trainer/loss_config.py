@@ -3,7 +3,7 @@ trainer.config imports no runtime module), and those of trainer.objectives' choi
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -84,10 +84,12 @@ class LossConfig(StrictConfig):
     kl_metric: bool = Field(False, description="build the reference model and report kl_ref "
                             "even when kl_coef is 0 (a measurement: no gradient)")
     entropy_coef: float = Field(0.0, description="entropy bonus weight (subtracted from loss)")
-    chunked_logprobs: bool = Field(
-        False, description="ppo_loss takes logprobs and entropy from trainer.logprobs' chunked "
+    chunked_logprobs: bool | Literal["auto"] = Field(
+        "auto", description="ppo_loss takes logprobs and entropy from trainer.logprobs' chunked "
         "log-softmax (no fp32 copy of the full-vocabulary logits; the entropy without a graph "
-        "when entropy_coef is 0) instead of torch.log_softmax (the reference; issue 30)")
+        "when entropy_coef is 0) instead of torch.log_softmax (the reference; issue 30); auto = "
+        "on for bf16 logits on a CUDA device (the trainer decides it at start: "
+        "TrainerConfig.fast_path), the reference otherwise")
     adv_eps: float = Field(1e-6, gt=0, description="std floor of group-normalised advantages")
     adv_std_normalize: bool = Field(True, description="divide by the group reward std (GRPO)")
     rollout_correction: RolloutCorrectionConfig = Field(
@@ -96,6 +98,12 @@ class LossConfig(StrictConfig):
     overlong: OverlongConfig = Field(
         default_factory=OverlongConfig,  # type: ignore[arg-type]
         description="DAPO overlong filtering and soft overlong punishment")
+
+    def chunked_for(self, logits: Any) -> bool:
+        """Whether ppo_loss runs the chunked log-softmax on `logits` (auto: bf16 on CUDA)."""
+        if self.chunked_logprobs == "auto":
+            return bool(logits.is_cuda and str(logits.dtype) == "torch.bfloat16")
+        return self.chunked_logprobs
 
     @property
     def uses_reference(self) -> bool:

@@ -16,8 +16,9 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "r3flow"
-SCHEMAS = ROOT.parent / "shared" / "schemas"
-VALUES_FILES = {"defaults": None, "production": CHART / "ci" / "production-values.yaml",
+SCHEMAS = Path(os.environ.get("R3FLOW_SCHEMAS", ROOT.parent / "shared" / "schemas"))
+VALUES_FILES = {"defaults": None, "trainer": CHART / "ci" / "trainer-values.yaml",
+                "production": CHART / "ci" / "production-values.yaml",
                 "minimal": CHART / "ci" / "minimal-values.yaml"}
 API_VERSIONS = ["--api-versions", "ray.io/v1", "--api-versions", "monitoring.coreos.com/v1"]
 

@@ -128,8 +128,8 @@ def test_gpu_pods_are_guaranteed_and_have_pdbs_and_grace(rendered, values):
                 assert spec.get("terminationGracePeriodSeconds", 30) >= 120, where
     pdbs = {p["metadata"]["name"] for p in find(docs, "PodDisruptionBudget")}
     assert "ci-r3flow-store" in pdbs
-    assert ("ci-r3flow-trainer" in pdbs) == bool(find(docs, "RayJob")), \
-        "the trainer PDB exists exactly when the chart's trainer does"
+    assert "ci-r3flow-trainer" in pdbs, \
+        "the trainer PDB exists whichever trainer runs (the chart's or a named run from k8s/)"
     if find(docs, "StatefulSet", "-rollout"):
         assert "ci-r3flow-rollout" in pdbs
 

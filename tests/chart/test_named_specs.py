@@ -156,3 +156,100 @@ def test_every_ray_cluster_requires_the_token_and_the_submitter_has_it(chart_job
         for role, (spec, _) in _pods(job).items():
             if role != "submitter":  # KubeRay sets them from authOptions; a value here wins
                 assert not _ray_auth_env(spec), f"{name} {role}: RAY_AUTH_* set by hand"
+
+
+def _gpu_workers(job: dict) -> list[dict]:
+    return [g for g in job["spec"]["rayClusterSpec"]["workerGroupSpecs"]
+            if any("nvidia.com/gpu" in (c.get("resources", {}).get("limits") or {})
+                   for c in g["template"]["spec"]["containers"])]
+
+
+def _env(container: dict) -> dict[str, str]:
+    return {e["name"]: e.get("value") for e in container.get("env", [])}
+
+
+def test_named_gpu_runs_request_the_charts_fast_network(chart_job, k8s_specs):
+    """NCCL over IB (NCCL_IB_DISABLE=0) needs the RDMA device plugin's resource and IPC_LOCK,
+    as the chart's workers get them from fastNetwork (production values); without them the
+    cross-node traffic and the weight push fall back to TCP."""
+    _, ref = chart_job
+    ref_c = _gpu_workers(ref)[0]["template"]["spec"]["containers"][0]
+    rdma = {k: v for k, v in ref_c["resources"]["limits"].items() if k.startswith("rdma/")}
+    assert rdma, "production values request no RDMA resource"
+    caps = ref_c["securityContext"]["capabilities"].get("add")
+    assert caps == ["IPC_LOCK"]
+    for name, job in _named_jobs(k8s_specs):
+        for g in _gpu_workers(job):
+            for c in g["template"]["spec"]["containers"]:
+                env = _env(c)
+                if env.get("NCCL_IB_DISABLE") != "0":
+                    continue
+                for kind in ("requests", "limits"):
+                    got = {k: v for k, v in c["resources"][kind].items() if k.startswith("rdma/")}
+                    assert got == rdma, f"{name} {g['groupName']}: {kind} {got}, chart {rdma}"
+                assert c["securityContext"]["capabilities"].get("add") == caps, \
+                    f"{name} {g['groupName']}: NCCL over IB without IPC_LOCK"
+                for k, v in _env(ref_c).items():
+                    if k.startswith("NCCL_IB"):
+                        assert env.get(k) == v, f"{name} {g['groupName']}: {k}"
+
+
+def test_named_runs_retry_and_stop_like_the_chart(chart_job, k8s_specs):
+    """backoffLimit > 0 (KubeRay's 0 ends a week-long job at the first lost rank) and a grace
+    period at least the chart's trainer.terminationGracePeriodSeconds on every Ray pod (the
+    trainer's SIGTERM path finishes its step and checkpoints; Kubernetes' default is 30 s)."""
+    _, ref = chart_job
+    assert ref["spec"]["backoffLimit"] > 0
+    grace = ref["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"][
+        "terminationGracePeriodSeconds"]
+    for name, job in [("chart", ref), *_named_jobs(k8s_specs)]:
+        if name.startswith("tiny-"):
+            continue  # CPU smoke runs of tests/cluster (seconds a step, killed on purpose)
+        assert job["spec"].get("backoffLimit", 0) > 0, f"{name}: backoffLimit"
+        for role, (spec, _) in _pods(job).items():
+            if role != "submitter":
+                got = spec.get("terminationGracePeriodSeconds", 30)
+                assert got >= grace, f"{name} {role}: terminationGracePeriodSeconds {got} < {grace}"
+
+
+def test_named_runs_get_the_charts_pdb(helm, k8s_specs):
+    """A release without its own trainer (the named runs' install) still makes the trainer PDB,
+    and it selects every named run's Ray pods (docs/operations.md promises it)."""
+    proc = run_helm(helm, "template", RELEASE, str(CHART), *API_VERSIONS,
+                    "-f", str(VALUES_FILES["production"]), "--set", "trainer.enabled=false")
+    assert proc.returncode == 0, proc.stderr
+    docs = [d for d in yaml.safe_load_all(proc.stdout) if d]
+    pdbs = [p for p in find(docs, "PodDisruptionBudget", "-trainer")]
+    assert len(pdbs) == 1 and pdbs[0]["spec"]["maxUnavailable"] == 0
+    for name, job in _named_jobs(k8s_specs):
+        if name.startswith("tiny-"):
+            continue
+        for role in NODE_TYPES:
+            labels = _pods(job)[role][1]
+            assert _selects(pdbs[0]["spec"]["selector"], labels), f"{name} {role}: no PDB"
+
+
+def test_named_runs_use_the_charts_image_and_staleness(chart_job, k8s_specs, helm):
+    """Images: the trainer image the chart renders with its default registry and version (one
+    registry, checked here); data.max_policy_lag: the release store's (production values)."""
+    proc = run_helm(helm, "template", RELEASE, str(CHART), *API_VERSIONS,
+                    "--set", "trainer.enabled=true")
+    assert proc.returncode == 0, proc.stderr
+    job = find([d for d in yaml.safe_load_all(proc.stdout) if d], "RayJob")[0]
+    image = job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0][
+        "image"]
+    docs, _ = chart_job
+    store = yaml.safe_load(find(docs, "ConfigMap", "-store")[0]["data"]["store.yaml"])
+    for name, specs in k8s_specs.items():
+        if name.startswith("tiny-"):
+            continue
+        for job in find(specs, "RayJob"):
+            for role, (spec, _) in _pods(job).items():
+                for c in spec["containers"]:
+                    assert c["image"] == image, f"{name} {role}: image {c['image']}, chart {image}"
+        for cm in find(specs, "ConfigMap"):
+            cfg = yaml.safe_load((cm.get("data") or {}).get("train.yaml") or "null")
+            if cfg:
+                assert cfg["data"].get("max_policy_lag") == store["max_policy_lag"], \
+                    f"{name}: data.max_policy_lag {cfg['data'].get('max_policy_lag')}, the " \
+                    f"store's {store['max_policy_lag']}"

@@ -63,7 +63,10 @@ def test_checkpoints_are_a_pvc_by_default_and_the_pdb_follows_the_trainer(helm, 
     pvc = find(docs, "PersistentVolumeClaim", "-checkpoints")
     assert [p["metadata"]["name"] for p in pvc] == ["r3flow-checkpoints"], \
         "named runs mount r3flow-checkpoints: the release makes it"
-    assert not find(docs, "PodDisruptionBudget", "-trainer")
+    # named runs carry the trainer's labels: the PDB exists without the chart's own trainer
+    assert find(docs, "PodDisruptionBudget", "-trainer")
+    assert not find(_render(helm, tmp_path, "trainer:\n  enabled: false\n  pdb:\n    enabled: "
+                            "false\n"), "PodDisruptionBudget", "-trainer")
     docs = _render(helm, tmp_path, "trainer:\n  enabled: true\n"
                    "plan:\n  expect: does-not-fit\n  expectReason: a render test\n")
     assert find(docs, "PodDisruptionBudget", "-trainer")

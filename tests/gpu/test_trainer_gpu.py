@@ -25,7 +25,10 @@ REPO = Path(__file__).resolve().parents[2]
 OUT = REPO / "bench-results" / "trainer_gpu.json"
 # model.* fields every trainer here takes (the fast path: R3FLOW_GPU_MODEL='{"experts":
 # "grouped", "attention": "sdpa"}'; scripts/gpu_run.sh fastpath-tests sets it)
-FAST = json.loads(os.environ.get("R3FLOW_GPU_MODEL", "{}"))
+# Unset: the reference path, explicitly (the model switches default to auto, which is the fast
+# path on CUDA bf16: issue 42)
+FAST = json.loads(os.environ.get("R3FLOW_GPU_MODEL", "null")) or {
+    "experts": "sequential", "attention": "unfused", "planned_dispatch": False}
 
 
 def _load(name: str, path: Path):

@@ -62,7 +62,10 @@ TABLE: dict[str, tuple[int, dict, dict]] = {
 DTYPES = ("fp32", "bf16")
 # model.* fields of every layout and reference (the fast path: R3FLOW_GPU_MODEL='{"experts":
 # "grouped", "attention": "sdpa"}'; scripts/gpu_run.sh fastpath-tests sets it)
-FAST = json.loads(os.environ.get("R3FLOW_GPU_MODEL", "{}"))
+# Unset: the reference path, explicitly (the model switches default to auto, which is the fast
+# path on CUDA bf16: issue 42)
+FAST = json.loads(os.environ.get("R3FLOW_GPU_MODEL", "null")) or {
+    "experts": "sequential", "attention": "unfused", "planned_dispatch": False}
 
 
 def _with_dtype(table: dict, world: int) -> dict:

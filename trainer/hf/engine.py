@@ -73,6 +73,8 @@ class HFBackend:
         if cfg.model.router_dtype == "fp32" and cfg.model.dtype == "bf16":
             log.warning("model.router_dtype=fp32 is ignored by the hf backend: HF routers run in "
                         "the model dtype (bf16), as vLLM's do")
+        cfg = cfg.fast_path(torch.cuda.is_available())  # `auto` switches: this rank's device
+        log.info("%s", cfg.describe_path())
         self.cfg, self.hf = cfg, hf or cfg.hf
         self.rank, self.world_size = init_process_group()
         self.hf.check_world(self.world_size)

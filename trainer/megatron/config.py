@@ -9,6 +9,10 @@ from pydantic import Field, model_validator
 
 from services.common.config import StrictConfig
 
+# Families whose routed experts the grouped module cannot run (trainer.megatron.grouped_experts:
+# expert biases): `experts: auto` keeps them sequential.
+NO_GROUPED = frozenset({"gpt_oss"})
+
 
 class ModelConfig(StrictConfig):
     """How the trainer builds its megatron-core model."""
@@ -46,29 +50,54 @@ class ModelConfig(StrictConfig):
         "dtype), auto = what the rollout engine does for this model family (ENGINE_ROUTER_DTYPE; "
         "qwen3_moe: native), resolved when the model is built and logged")
     seed: int = Field(1234, description="megatron RNG seed (init of unused params, dropout)")
-    experts: Literal["sequential", "grouped"] = Field(
-        "sequential", description="routed experts: sequential (megatron's SequentialMLP, a loop "
+    experts: Literal["auto", "sequential", "grouped"] = Field(
+        "auto", description="routed experts: sequential (megatron's SequentialMLP, a loop "
         "of linears per expert; the reference) or grouped (trainer.megatron.grouped_experts: "
-        "stacked weights, one torch._grouped_mm per projection on CUDA bf16)")
-    attention: Literal["unfused", "sdpa"] = Field(
-        "unfused", description="core attention: unfused (megatron's DotProductAttention; the "
+        "stacked weights, one torch._grouped_mm per projection on CUDA bf16); auto = grouped "
+        "on CUDA with dtype bf16 where it applies (expert_tensor_parallel 1, no expert biases: "
+        "not gpt_oss), else sequential (fast_path(); logged at start)")
+    attention: Literal["auto", "unfused", "sdpa"] = Field(
+        "auto", description="core attention: unfused (megatron's DotProductAttention; the "
         "reference) or sdpa (trainer.megatron.fused_attention: fused causal "
         "F.scaled_dot_product_attention, GQA without K/V repeat; families with sinks, sliding "
-        "windows or MLA keep DotProductAttention)")
-    planned_dispatch: bool = Field(
-        False, description="replay-aware MoE dispatch (trainer.megatron.planned_dispatch): "
+        "windows or MLA keep DotProductAttention); auto = sdpa on CUDA with dtype bf16 and "
+        "context_parallel 1, else unfused")
+    planned_dispatch: bool | Literal["auto"] = Field(
+        "auto", description="replay-aware MoE dispatch (trainer.megatron.planned_dispatch): "
         "under r3/r2 the all-to-all split sizes of every MoE layer of a pass are computed from "
         "the replayed ids before it (one gather and one host copy per pass instead of a host "
-        "sync per layer); needs dispatcher alltoall")
+        "sync per layer); needs dispatcher alltoall; auto = on on CUDA with dtype bf16 and "
+        "dispatcher alltoall, else off")
 
     @model_validator(mode="after")
     def _recompute_once(self) -> ModelConfig:
         if self.recompute_moe and self.recompute_granularity != "none":
             raise ValueError("model.recompute_moe: set either it or recompute_granularity")
-        if self.planned_dispatch and self.dispatcher != "alltoall":
+        if self.planned_dispatch is True and self.dispatcher != "alltoall":
             raise ValueError(f"model.planned_dispatch: needs dispatcher alltoall, not "
                              f"{self.dispatcher}")
         return self
+
+    def fast_path(self, cuda: bool, family: str | None = None) -> ModelConfig:
+        """`self` with every `auto` fast-path switch decided (idempotent): the fast path
+        (grouped experts, SDPA, planned dispatch) on a CUDA device with dtype bf16 where each
+        applies, the reference path (sequential, unfused, no plan) on CPU or in fp32. `family`
+        (HF model_type) leaves out what a family cannot run (gpt_oss: expert biases)."""
+        fast = cuda and self.dtype == "bf16"
+        update: dict[str, Any] = {}
+        if self.experts == "auto":
+            grouped = fast and self.expert_tensor_parallel == 1 and family not in NO_GROUPED
+            update["experts"] = "grouped" if grouped else "sequential"
+        if self.attention == "auto":
+            update["attention"] = "sdpa" if fast and self.context_parallel == 1 else "unfused"
+        if self.planned_dispatch == "auto":
+            update["planned_dispatch"] = fast and self.dispatcher == "alltoall"
+        return self.model_copy(update=update) if update else self
+
+    @property
+    def is_fast_path(self) -> bool:
+        """Every fast-path switch of the model on (after fast_path())."""
+        return (self.experts, self.attention, self.planned_dispatch) == ("grouped", "sdpa", True)
 
     @property
     def recompute(self) -> str:

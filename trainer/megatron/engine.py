@@ -107,8 +107,11 @@ class MegatronBackend:
         arch = load_arch(cfg.model_dir)
         self.data_parallel_size = check_layout(cfg.model, torch.distributed.get_world_size(), arch,
                                                cfg.data.pad_multiple)
-        # `auto` settings resolved against the checkpoint, so self.cfg says what runs.
+        # `auto` settings resolved against the checkpoint and this rank's device, so self.cfg
+        # says what runs (the fast path on CUDA bf16, the reference on CPU / fp32).
+        cfg = cfg.fast_path(torch.cuda.is_available(), arch.family)
         cfg = cfg.model_copy(update={"model": resolve_router_dtype(cfg.model, arch.family)})
+        log.info("%s", cfg.describe_path())
         log.info("resolved model config: %s; %s", cfg.model.model_dump_json(),
                  describe(cfg.model, torch.distributed.get_world_size()))
         self.cfg = cfg

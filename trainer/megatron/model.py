@@ -219,10 +219,11 @@ def build_model(hf_dir: str | Path, cfg: ModelConfig, load_weights: bool = True)
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
     arch = load_arch(hf_dir)
+    cfg = cfg.fast_path(torch.cuda.is_available(), arch.family)  # `auto` left by a direct caller
     tcfg = transformer_config(arch, cfg)
     # The replay instance list is class-level: each model must own exactly its routers.
     RouterReplay.clear_global_router_replay_instances()
-    spec = decoder_spec(tcfg, arch.fam, cfg.experts, cfg.attention, cfg.planned_dispatch)
+    spec = decoder_spec(tcfg, arch.fam, cfg.experts, cfg.attention, cfg.planned_dispatch is True)
     # parallel_output=False: the logits are gathered over TP (the loss is computed on [B, S, V])
     module = GPTModel(config=tcfg, transformer_layer_spec=spec, vocab_size=arch.vocab_size,
                       max_sequence_length=arch.max_positions,

@@ -55,8 +55,11 @@ def _config_plan(args: argparse.Namespace):
     from trainer.plan.models import load_model_config
 
     cfg = load_config(TrainerConfig, args.config)
-    arch = Arch.from_hf_config(load_model_config(args.model or cfg.model_dir))
-    lay = replace(layout_from_trainer(cfg, args.seq_len), **_overrides(args))
+    model_cfg = load_model_config(args.model or cfg.model_dir)
+    arch = Arch.from_hf_config(model_cfg)
+    # a GPU job (--gpu-memory-gib): `auto` switches decided as on CUDA
+    lay = replace(layout_from_trainer(cfg, args.seq_len, True, model_cfg.get("model_type")),
+                  **_overrides(args))
     overhead = 4.0 if args.overhead_gib is None else args.overhead_gib
     return plan(arch, lay, args.gpu_memory_gib, overhead_gib=overhead, vllm_share=args.vllm_share)
 
@@ -85,9 +88,14 @@ def load(args: argparse.Namespace) -> list[tuple[str, Any, Any]]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from trainer.plan.manifest import plan_rollouts
     from trainer.plan.memory import format_plan
 
     ok = True
+    for path in args.manifest:  # rollout engines sized for the model (trainer/plan/rollout.py)
+        for check in plan_rollouts(path):
+            print(check.describe(f"{check.where}:"))
+            ok &= check.ok
     for label, p, job in load(args):
         print(format_plan(p, label))
         if job is None:

@@ -55,9 +55,13 @@ def quantity_bytes(q: str | int) -> float:
     return float(m.group(1)) * _UNITS[m.group(2) or ""]
 
 
-def layout_from_trainer(cfg: Any, seq_len: int) -> Layout:
+def layout_from_trainer(cfg: Any, seq_len: int, cuda: bool = True,
+                        family: str | None = None) -> Layout:
     """The Layout a TrainerConfig runs (model.* parallel sizes, optim.use_distributed_optimizer,
-    model.recompute_*; the hf backend: FSDP2 over hf.sharding's shard group)."""
+    model.recompute_*; the hf backend: FSDP2 over hf.sharding's shard group), its `auto`
+    fast-path switches decided as the trainer decides them on pods with (`cuda`) or without
+    GPUs (TrainerConfig.fast_path)."""
+    cfg = cfg.fast_path(cuda, family)
     m = cfg.model
     lay = Layout(
         world=cfg.run.world_size, ep=m.expert_parallel, etp=m.expert_tensor_parallel,
@@ -150,13 +154,15 @@ def plan_rayjob(docs: list[dict], doc: dict, overhead_gib: float | None = None) 
     reason = ann.get(PREFIX + "expect-reason", "")
     if expect == "does-not-fit" and not reason:
         raise UserError(f"{where}: {PREFIX}expect=does-not-fit needs {PREFIX}expect-reason")
-    arch = Arch.from_hf_config(load_model_config(ann[PREFIX + "model"]))
     workers = job.spec.rayClusterSpec.workerGroupSpecs
-    lay = layout_from_trainer(cfg, int(_number(ann, "seq-len", int, where)))
-    memory = _device_memory(workers, lay.world, ann, where)
     on_gpu = any(c.limit("nvidia.com/gpu") is not None
                  for g in workers for c in g.template.spec.containers)
+    model_cfg = load_model_config(ann[PREFIX + "model"])
+    lay = layout_from_trainer(cfg, int(_number(ann, "seq-len", int, where)), on_gpu,
+                              model_cfg.get("model_type"))
+    memory = _device_memory(workers, lay.world, ann, where)
     overhead = overhead_gib if overhead_gib is not None else (4.0 if on_gpu else 1.0)
+    arch = Arch.from_hf_config(model_cfg)
     return JobPlan(where, plan(arch, lay, memory, overhead_gib=overhead), expect, reason)
 
 
@@ -167,3 +173,53 @@ def plan_manifest(path: str | Path, overhead_gib: float | None = None) -> list[J
         return [plan_rayjob(docs, d, overhead_gib) for d in docs if d["kind"] == "RayJob"]
     except UserError as e:  # the job names itself; add the file it is in
         raise UserError(f"{path}: {e}", e.hint) from e
+
+
+@dataclass
+class RolloutCheck:
+    """A rendered rollout StatefulSet against the engine layout the plan picks."""
+
+    where: str
+    plan: Any  # trainer.plan.rollout.RolloutPlan
+    tp: int  # the engine's tensor_parallel_size as rendered
+    gpus: int  # GPUs per pod
+
+    @property
+    def ok(self) -> bool:
+        return self.plan.fits and self.tp == self.plan.tp == self.gpus
+
+    def describe(self, label: str) -> str:
+        verdict = "as planned" if self.ok else (
+            f"NOT AS PLANNED: the pod's engine runs TP {self.tp} on {self.gpus} GPU(s); set "
+            f"rollout.gpus to {self.plan.tp}" if self.plan.fits else "NOT AS PLANNED")
+        return f"{self.plan.describe(label)}\n  rendered: TP {self.tp}: {verdict}"
+
+
+def plan_rollouts(path: str | Path) -> list[RolloutCheck]:
+    """Every annotated rollout StatefulSet of a manifest (its engine config from the ConfigMap
+    with rollout.yaml that its pods mount)."""
+    from trainer.plan.rollout import plan_rollout
+
+    docs = k8s.read_documents(path)
+    out = []
+    for d in docs:
+        ann = (d.get("metadata") or {}).get("annotations") or {}
+        if d["kind"] != "StatefulSet" or PREFIX + "model" not in ann:
+            continue
+        where = f"{path} StatefulSet/{d['metadata']['name']}"
+        pod = d["spec"]["template"]["spec"]
+        names = {v["configMap"]["name"] for v in pod.get("volumes", []) if "configMap" in v}
+        cfgs = [yaml.load(c["data"]["rollout.yaml"], Loader=YAML_LOADER)  # noqa: S506
+                for c in docs if c["kind"] == "ConfigMap" and c["metadata"]["name"] in names
+                and "rollout.yaml" in (c.get("data") or {})]
+        if not cfgs:
+            raise UserError(f"{where}: no ConfigMap with rollout.yaml among its volumes")
+        eng = cfgs[0]["engine"]
+        gpus = int(pod["containers"][0]["resources"]["limits"].get("nvidia.com/gpu", 0))
+        arch = Arch.from_hf_config(load_model_config(ann[PREFIX + "model"]))
+        plan_ = plan_rollout(arch, float(_number(ann, "gpu-memory-gib", float, where)),
+                             float(eng.get("gpu_memory_utilization", 0.85)),
+                             int(eng.get("max_model_len", 1024)),
+                             int(eng.get("max_num_seqs", 32)))
+        out.append(RolloutCheck(where, plan_, int(eng.get("tensor_parallel_size", 1)), gpus))
+    return out

@@ -312,3 +312,52 @@ key_file: /var/run/r3flow/client-tls/tls.key
 {{- define "r3flow.rayTokenSecretName" -}}
 {{- .Values.trainer.rayAuth.existingSecret | default (printf "%s-ray-token" (include "r3flow.fullname" .)) }}
 {{- end }}
+
+{{/* What the release's pods (and the named runs of k8s/, which mount the same names) need but
+     the chart does not make, each with the command that makes it: NOTES.txt prints it, and
+     tests/chart/test_quickstart.py checks that every Secret/PVC a rendered pod or a named spec
+     mounts is either rendered or listed here. */}}
+{{- define "r3flow.prerequisites" -}}
+{{- $ns := .Release.Namespace }}
+{{- $a := .Values.auth }}
+{{- if $a.tls.enabled }}
+# Secret {{ $a.tls.secretName }}: the store's TLS certificate (its names cover {{ include "r3flow.storeHost" . }}), key and CA
+kubectl -n {{ $ns }} create secret generic {{ $a.tls.secretName }} --type=kubernetes.io/tls --from-file=tls.crt=store.crt --from-file=tls.key=store.key --from-file=ca.crt=ca.crt
+{{- if $a.tls.mutual }}
+# Secret {{ $a.tls.clientSecretName }}: the client certificate rollout and trainer pods present (signed by the same CA)
+kubectl -n {{ $ns }} create secret generic {{ $a.tls.clientSecretName }} --type=kubernetes.io/tls --from-file=tls.crt=client.crt --from-file=tls.key=client.key --from-file=ca.crt=ca.crt
+{{- end }}
+{{- end }}
+{{- if and $a.tokens.enabled $a.tokens.existingSecret }}
+# Secret {{ $a.tokens.existingSecret }}: one store token per role
+kubectl -n {{ $ns }} create secret generic {{ $a.tokens.existingSecret }} --from-literal=rollout="$(openssl rand -hex 24)" --from-literal=trainer="$(openssl rand -hex 24)"
+{{- end }}
+{{- if and .Values.redis.enabled .Values.redis.auth.existingSecret }}
+# Secret {{ .Values.redis.auth.existingSecret }}: the Redis password
+kubectl -n {{ $ns }} create secret generic {{ .Values.redis.auth.existingSecret }} --from-literal={{ .Values.redis.auth.existingSecretKey }}="$(openssl rand -hex 24)"
+{{- end }}
+{{- if and (not .Values.redis.enabled) .Values.redis.external.existingSecret }}
+# Secret {{ .Values.redis.external.existingSecret }}: the external Redis URL
+kubectl -n {{ $ns }} create secret generic {{ .Values.redis.external.existingSecret }} --from-literal={{ .Values.redis.external.existingSecretKey }}=redis://:PASSWORD@HOST:6379/0
+{{- end }}
+{{- if and .Values.trainer.rayAuth.enabled .Values.trainer.rayAuth.existingSecret }}
+# Secret {{ .Values.trainer.rayAuth.existingSecret }}: the Ray cluster token
+kubectl -n {{ $ns }} create secret generic {{ .Values.trainer.rayAuth.existingSecret }} --from-literal=auth_token="$(openssl rand -hex 24)"
+{{- end }}
+{{- with .Values.model.download.envFromSecret }}
+# Secret {{ . }}: the model download's credentials (keys become its environment)
+kubectl -n {{ $ns }} create secret generic {{ . }} --from-literal=HF_TOKEN=...
+{{- end }}
+{{- range .Values.imagePullSecrets }}
+# Secret {{ .name }}: pulls the images
+kubectl -n {{ $ns }} create secret docker-registry {{ .name }} --docker-server=REGISTRY --docker-username=USER --docker-password=TOKEN
+{{- end }}
+{{- if .Values.model.existingClaim }}
+# PersistentVolumeClaim {{ .Values.model.existingClaim }}: holds the model at {{ .Values.model.path }} (and the prompts at /models/datasets), ReadOnlyMany or ReadWriteMany
+kubectl -n {{ $ns }} create -f - <<< '{"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "{{ .Values.model.existingClaim }}"}, "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "200Gi"}}}}'
+{{- end }}
+{{- if .Values.trainer.checkpoints.existingClaim }}
+# PersistentVolumeClaim {{ .Values.trainer.checkpoints.existingClaim }}: the trainer's checkpoints, ReadWriteMany
+kubectl -n {{ $ns }} create -f - <<< '{"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "{{ .Values.trainer.checkpoints.existingClaim }}"}, "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "{{ .Values.trainer.checkpoints.size }}"}}}}'
+{{- end }}
+{{- end }}

@@ -20,7 +20,7 @@ class WeightSyncConfig(StrictConfig):
     wire_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     """Dtype of floating tensors on the wire; integer/bool tensors are sent as-is."""
     bucket_bytes: int | None = Field(default=None, gt=0)
-    """Bucket size; default 256 MiB for nccl, 64 MiB for gloo."""
+    """Bucket size; default 1 GiB for nccl, 64 MiB for gloo (buckets.default_bucket_bytes)."""
     direct_min_bytes: int | None = Field(default=None, gt=0)
     """A tensor at least this big that needs no cast is broadcast in place (default bucket/2)."""
     inflight_buckets: int = Field(default=2, ge=1, le=8)

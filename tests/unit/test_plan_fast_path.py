@@ -1,0 +1,98 @@
+"""`auto` fast-path switches (issue 42): the trainer and `r3flow plan` decide them the same way
+(TrainerConfig.fast_path): grouped experts, SDPA, planned dispatch, fused Adam and the chunked
+log-softmax on CUDA with dtype bf16, the reference path on CPU or in fp32; explicit settings
+stay. The megatron trainer logs the path it runs once at start (on CPU: reference)."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainer.config import TrainerConfig
+
+FAST = ("grouped", "sdpa", True, True, True)
+REFERENCE = ("sequential", "unfused", False, False, False)
+
+
+def _switches(cfg: TrainerConfig) -> tuple:
+    m = cfg.model
+    return (m.experts, m.attention, m.planned_dispatch, cfg.optim.fused_adam,
+            cfg.loss.chunked_logprobs)
+
+
+def test_defaults_are_auto_and_resolve_by_device_and_dtype():
+    cfg = TrainerConfig()
+    assert _switches(cfg) == ("auto",) * 5
+    bf16 = TrainerConfig(model={"dtype": "bf16"})
+    assert _switches(bf16.fast_path(cuda=True)) == FAST
+    assert _switches(bf16.fast_path(cuda=False)) == REFERENCE
+    assert _switches(cfg.fast_path(cuda=True)) == REFERENCE  # fp32: the reference
+    assert "trainer path: fast " in bf16.fast_path(cuda=True).describe_path()
+    assert "trainer path: reference " in bf16.fast_path(cuda=False).describe_path()
+    # idempotent: a resolved config resolves to itself
+    once = bf16.fast_path(cuda=True)
+    assert _switches(once.fast_path(cuda=False)) == FAST
+
+
+def test_explicit_settings_are_kept_and_unsupported_layouts_fall_back():
+    ref = TrainerConfig(model={"dtype": "bf16", "experts": "sequential", "attention": "unfused",
+                               "planned_dispatch": False}, optim={"fused_adam": False},
+                        loss={"chunked_logprobs": False})
+    assert _switches(ref.fast_path(cuda=True)) == REFERENCE
+    assert "trainer path: reference " in ref.fast_path(cuda=True).describe_path()
+    cpu_fast = TrainerConfig(model={"experts": "grouped", "attention": "sdpa"})
+    assert _switches(cpu_fast.fast_path(cuda=False))[:2] == ("grouped", "sdpa")
+    odd = TrainerConfig(model={"dtype": "bf16", "expert_tensor_parallel": 2,
+                               "dispatcher": "allgather"})
+    m = odd.fast_path(cuda=True).model
+    assert (m.experts, m.planned_dispatch) == ("sequential", False)
+    assert "trainer path: mixed " in odd.fast_path(cuda=True).describe_path()
+    gpt_oss = TrainerConfig(model={"dtype": "bf16"}).fast_path(cuda=True, family="gpt_oss")
+    assert gpt_oss.model.experts == "sequential"
+
+
+def test_planned_dispatch_true_still_needs_alltoall():
+    with pytest.raises(ValueError, match="planned_dispatch: needs dispatcher alltoall"):
+        TrainerConfig(model={"planned_dispatch": True, "dispatcher": "allgather"})
+    TrainerConfig(model={"planned_dispatch": "auto", "dispatcher": "allgather"})
+
+
+def test_plan_decides_auto_as_the_pods_device(tmp_path):
+    from trainer.plan.manifest import layout_from_trainer
+
+    cfg = TrainerConfig(model={"dtype": "bf16"})
+    gpu, cpu = layout_from_trainer(cfg, 4096, True), layout_from_trainer(cfg, 4096, False)
+    assert (gpu.attention, gpu.chunked_logprobs) == ("sdpa", True)
+    assert (cpu.attention, cpu.chunked_logprobs) == ("unfused", False)
+
+
+_CHILD = """
+import logging, sys
+logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(name)s %(message)s")
+from services.rollout.tiny_moe import TinyMoeConfig, build_tiny_moe
+from trainer.backend import make_trainer
+from trainer.config import TrainerConfig
+d = build_tiny_moe(sys.argv[1], TinyMoeConfig(num_layers=2, first_k_dense=1))
+tr = make_trainer(TrainerConfig(model_dir=str(d), model={"dtype": "bf16"}))
+m = tr.cfg.model
+print("RESOLVED", m.experts, m.attention, m.planned_dispatch, tr.cfg.optim.fused_adam,
+      tr.cfg.loss.chunked_logprobs)
+"""
+
+
+def test_megatron_trainer_logs_the_reference_path_on_cpu(tmp_path):
+    """A bf16 trainer with no switches set, on CPU (a fresh interpreter: the trainer sets up
+    torch.distributed and megatron's CPU shims): one start line names the reference path."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    out = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path / "tiny")], env=env,
+                         cwd=Path(__file__).resolve().parents[2], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [ln for ln in out.stdout.splitlines() if "trainer path:" in ln]
+    assert len(lines) == 1, out.stdout[-3000:]
+    assert lines[0].startswith("trainer.megatron.engine trainer path: reference "), lines
+    assert "RESOLVED sequential unfused False False False" in out.stdout

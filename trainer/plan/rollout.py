@@ -1,0 +1,87 @@
+"""Rollout engines sized for the model (issue 42): the tensor-parallel size of one vLLM engine
+and how many engines share a node, from the model's size rather than the node's.
+
+A MoE model with few active parameters (Qwen3-30B-A3B: 3.3B of 30.5B) decodes fastest on the
+smallest engines that still hold the whole batch's KV cache: each engine runs its own batch
+(data parallel), and every extra TP rank adds an all-reduce per layer to every decode step. So
+the plan takes the smallest power-of-two TP whose engine holds, inside
+`gpu_memory_utilization` of its GPUs, the bf16 weights (split over TP) plus the KV cache of
+`max_num_seqs` sequences of `max_model_len` tokens (vLLM's worst case for the engine's batch);
+node_gpus / TP engines then share one node. The chart runs one engine per rollout pod
+(`rollout.gpus` = TP), so several pods share a node; chart-check refuses a rendered rollout whose
+TP is not the plan's (annotations r3flow.io/plan-model and r3flow.io/plan-gpu-memory-gib).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.common.errors import UserError
+from trainer.plan.memory import Arch, GiB
+
+ACTIVATION_GIB = 2.0  # vLLM's profiled activation peak + CUDA graphs' pool, per GPU (estimate)
+
+
+@dataclass(frozen=True)
+class RolloutPlan:
+    """One engine's layout and memory (bytes per GPU unless said)."""
+
+    tp: int
+    engines_per_node: int
+    weights_per_gpu: float
+    kv_per_engine: float  # bytes of KV cache the engine gets
+    kv_tokens: int  # tokens that fit in it
+    need_tokens: int  # max_num_seqs x max_model_len
+    active_params: int
+    total_params: int
+
+    @property
+    def fits(self) -> bool:
+        return self.kv_tokens >= self.need_tokens
+
+    def describe(self, label: str = "") -> str:
+        verdict = "holds the batch" if self.fits else "DOES NOT hold the batch"
+        return (f"{label}\n  rollout engine: TP {self.tp}, {self.engines_per_node} engine(s) per "
+                f"node ({self.active_params / 1e9:.1f}B active of {self.total_params / 1e9:.1f}B "
+                f"params)\n  weights {self.weights_per_gpu / GiB:.2f} GiB per GPU, KV cache "
+                f"{self.kv_per_engine / GiB:.2f} GiB per engine = {self.kv_tokens:,} tokens of "
+                f"{self.need_tokens:,} needed: {verdict}")
+
+
+def kv_bytes_per_token(arch: Arch, dtype_bytes: int = 2) -> int:
+    """K and V of every layer for one token (all KV heads; TP splits them)."""
+    return 2 * arch.num_layers * arch.kv_heads * arch.head_dim * dtype_bytes
+
+
+def active_params(arch: Arch) -> int:
+    """Parameters one token runs through (top_k of each MoE layer's experts)."""
+    routed = arch.moe_layers * (arch.experts - arch.top_k) * 3 * arch.hidden * arch.moe_ffn
+    return arch.total_params() - routed
+
+
+def engine_plan(arch: Arch, tp: int, gpu_gib: float, util: float, max_model_len: int,
+                max_num_seqs: int, node_gpus: int) -> RolloutPlan:
+    weights = arch.total_params() * 2 / tp  # bf16
+    usable = gpu_gib * GiB * util - ACTIVATION_GIB * GiB
+    kv = max(0.0, (usable - weights) * tp)
+    tokens = int(kv // kv_bytes_per_token(arch))
+    return RolloutPlan(tp, node_gpus // tp, weights, kv, tokens, max_num_seqs * max_model_len,
+                       active_params(arch), arch.total_params())
+
+
+def plan_rollout(arch: Arch, gpu_gib: float, util: float, max_model_len: int,
+                 max_num_seqs: int, node_gpus: int = 8) -> RolloutPlan:
+    """The smallest power-of-two TP (dividing the attention heads, at most node_gpus) whose
+    engine holds its weights and its batch's KV cache."""
+    if not 0 < util <= 1:
+        raise UserError(f"gpu_memory_utilization {util}: must be in (0, 1]")
+    tp, best = 1, None
+    while tp <= node_gpus:
+        if arch.heads % tp == 0:
+            best = engine_plan(arch, tp, gpu_gib, util, max_model_len, max_num_seqs, node_gpus)
+            if best.fits:
+                return best
+        tp *= 2
+    if best is None:
+        raise UserError(f"no power-of-two TP up to {node_gpus} divides {arch.heads} heads")
+    return best  # the largest: does not hold the batch (its verdict says so)
