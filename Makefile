@@ -13,7 +13,7 @@ unexport PYTHONDONTWRITEBYTECODE
 .PHONY: gpu-vllm-wheels setup run test test-unit test-integration lint proto proto-check bench bench-codec \
         bench-store bench-rollout bench-trainer bench-weights bench-hf bench-constriction bench-smoke \
         chart-check \
-        test-faults test-cluster clean
+        test-faults test-cluster test-flaky clean
 
 # The C cores (routing codec, weight-push pack) are built here, not on import: the loaders only
 # load, and name this target when a library is missing or older than its sources.
@@ -41,7 +41,7 @@ test-integration: setup
 # docs/cluster-test.md). setup.sh installs nftables/iproute2 and fetches helm.
 test-cluster: setup
 	bash tests/cluster/setup.sh
-	$(PY) -m pytest tests/cluster -q -s -p no:cacheprovider
+	$(PY) -m pytest tests/cluster -q -s -p no:cacheprovider --durations=20
 
 lint: setup
 	$(VENV)/bin/ruff check services trainer tests
@@ -83,6 +83,10 @@ bench-hf: setup
 
 chart-check: setup
 	bash scripts/chart_check.sh
+
+# Reruns named tests N times in a row (a flake fix shown): TESTS="path::test ..." N=10 make test-flaky
+test-flaky: setup
+	bash scripts/test_flaky.sh
 
 test-faults: setup
 	$(PY) -m pytest tests/faults -q -m faults -s

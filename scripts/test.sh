@@ -21,12 +21,23 @@ TOOLS_LOG=$(mktemp)
 nice -n 19 bash scripts/chart_check.sh --install > "$TOOLS_LOG" 2>&1 &
 TOOLS_PID=$!
 trap 'kill "$TOOLS_PID" "$MYPY_PID" 2>/dev/null || true' EXIT  # pytest failed: stop them too
-"$PY" -m pytest tests/unit tests/integration tests/faults -q -m "not gpu and not manual" --timeout=900 -p no:cacheprovider --durations=40
+# Two pytest-xdist workers, one per core, each test file (or the files sharing a session fixture)
+# whole on one worker, longest first (tests/conftest.py). PYTEST_WORKERS=0: one process, as before.
+WORKERS=${PYTEST_WORKERS:-2}
+XDIST=()
+[ "$WORKERS" = 0 ] || XDIST=(-n "$WORKERS" --dist loadfile --no-loadscope-reorder)
+stage=$SECONDS
+"$PY" -m pytest tests/unit tests/integration tests/faults -q -m "not gpu and not manual" --timeout=900 -p no:cacheprovider --durations=20 "${XDIST[@]}"
+echo "test.sh: pytest $((SECONDS - stage)) s"
+stage=$SECONDS
 wait "$MYPY_PID" || { echo "test.sh: mypy failed (its errors are above)" >&2; exit 1; }
+echo "test.sh: mypy finished $((SECONDS - stage)) s after pytest"
 cat "$MYPY_LOG"; rm -f "$MYPY_LOG"
 if ! wait "$TOOLS_PID"; then
   cat "$TOOLS_LOG"; echo "test.sh: the chart tools' install failed (above)" >&2; exit 1
 fi
 trap - EXIT
 cat "$TOOLS_LOG"; rm -f "$TOOLS_LOG"
+stage=$SECONDS
 bash scripts/chart_check.sh
+echo "test.sh: chart-check $((SECONDS - stage)) s"

@@ -13,6 +13,8 @@ rank 0's process, never pass through the Ray object store or the head pod.
 
 A push to zero registered workers is skipped (logged): rollout pods may come and go.
 A failed push is reported (the member named) and counted; the next push re-forms the group.
+A member whose worker leaves the store (unregisters: a rollout pod stopping) before it joined
+fails the push at once (`LeaverWatch`), instead of the push waiting out weight_sync.timeout_s.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -135,8 +138,10 @@ class StoreWeightPush:
         from services.common.pb.r3flow.v1 import store_pb2
 
         plan_bytes = ranks.plan_push(version, [w.SerializeToString() for w in workers])
-        self.client.publish_weight_sync(store_pb2.WeightSyncPlan.FromString(plan_bytes))
-        result = ranks.push_weights(plan_bytes)
+        plan = store_pb2.WeightSyncPlan.FromString(plan_bytes)
+        self.client.publish_weight_sync(plan)
+        with LeaverWatch(self.client, plan):
+            result = ranks.push_weights(plan_bytes)
         if not result["ok"]:
             # Every receiver discards an aborted push (two-phase commit), so the engines stay
             # consistent on the old version; the next push re-forms the group from whoever
@@ -151,3 +156,63 @@ class StoreWeightPush:
         log.info("pushed v%d from %s to %d worker(s): %.1f MB in %.2fs (%.2f GB/s)", version,
                  result["address"], len(workers), result["num_bytes"] / 1e6, result["seconds"],
                  result["gb_s"])
+
+
+class LeaverWatch:
+    """While a push runs (`with LeaverWatch(client, plan): push`): every LEFT_CHECK_S, the
+    members whose worker is no longer registered in the store and has not joined are reported
+    failed on their behalf in the push's rendezvous store (the error key a receiver writes), so
+    the sender ends the push at once, naming them. A rollout worker that stops unregisters; a
+    push planned just before that waited out weight_sync.timeout_s (120 s) for it, and the
+    trainer's SIGTERM waited behind the push (test_sigterm_stop: trainer stopped in 60 s+)."""
+
+    LEFT_CHECK_S = 1.0
+    REASON = "left the store (unregistered) before joining the push"
+
+    def __init__(self, client, plan) -> None:  # noqa: ANN001 (StoreClient, WeightSyncPlan)
+        from services.common.weight_sync.group import members_of
+
+        self.client, self.plan, self.members = client, plan, members_of(plan)
+        self.reported: list[str] = []
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="push-leavers", daemon=True)
+
+    def __enter__(self) -> LeaverWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()
+
+    def _watch(self) -> None:
+        while not self._done.wait(self.LEFT_CHECK_S):
+            try:
+                registered = {w.worker_id for w in self.client.list_workers()}
+            except Exception as e:  # noqa: BLE001 (the store restarting: the push decides)
+                log.debug("leaver check: list workers failed: %s", e)
+                continue
+            gone = [m for m in self.members if m.worker_id not in registered]
+            if gone:
+                try:
+                    self._report(gone)
+                except Exception as e:  # noqa: BLE001 (the push ended and its store with it)
+                    log.debug("leaver check: could not report %s: %s", gone, e)
+                return
+
+    def _report(self, gone: list) -> None:
+        from services.common.weight_sync.group import Keys, connect_store, push_store
+
+        if self._done.is_set():
+            return
+        root = connect_store(self.plan.master_addr, self.plan.master_port, 5.0, server=False)
+        store = push_store(root, self.plan.version)
+        for m in gone:
+            if store.check([Keys.join(m.rank)]):
+                continue  # joined: a member gone mid-push shows as a stale heartbeat
+            store.set(Keys.err(m.rank), self.REASON)
+            store.add(Keys.ERRORS, 1)
+            self.reported.append(str(m))
+        if self.reported:
+            log.warning("weight push v%d: %s %s", self.plan.version, ", ".join(self.reported),
+                        self.REASON)

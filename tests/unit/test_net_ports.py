@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import socket
 
+import pytest
+
 from services.common import net
 
 
-def test_port_is_below_the_ephemeral_range_and_binds() -> None:
+def test_port_is_below_the_ephemeral_range_and_binds(monkeypatch) -> None:
+    monkeypatch.delenv(net.RANGE_ENV, raising=False)  # a pytest-xdist worker's part
     low = net.ephemeral_low()
     for _ in range(20):
         port = net.free_port()
@@ -18,6 +21,7 @@ def test_port_is_below_the_ephemeral_range_and_binds() -> None:
 
 
 def test_a_taken_port_is_not_handed_out(monkeypatch) -> None:
+    monkeypatch.delenv(net.RANGE_ENV, raising=False)
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         taken = held.getsockname()[1]
@@ -34,9 +38,24 @@ def test_a_taken_port_is_not_handed_out(monkeypatch) -> None:
 
 
 def test_unreadable_range_falls_back_to_the_default(monkeypatch, tmp_path) -> None:
+    monkeypatch.delenv(net.RANGE_ENV, raising=False)
     monkeypatch.setattr(net, "PORT_RANGE_FILE", tmp_path / "missing")
     assert net.ephemeral_low() == 32768
     monkeypatch.setattr(net, "LOWEST_PORT", 40000)  # no room below: the kernel's pick
     port = net.free_port()
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
+
+
+def test_the_range_variable_narrows_the_picks_and_names_itself(monkeypatch) -> None:
+    low = net.ephemeral_low()
+    monkeypatch.setenv(net.RANGE_ENV, f"{low - 40}-{low - 31}")
+    monkeypatch.setattr(net, "_handed", set())
+    got = [net.free_port() for _ in range(5)]
+    assert all(low - 40 <= p <= low - 31 for p in got)
+    # no port twice while the range has others: two picks before either server binds differ
+    assert len(set(got)) == 5
+    for bad in ("20000", "x-y", "30000-20000", "80-90"):
+        monkeypatch.setenv(net.RANGE_ENV, bad)
+        with pytest.raises(ValueError, match=net.RANGE_ENV):
+            net.free_port()

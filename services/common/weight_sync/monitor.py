@@ -23,7 +23,11 @@ class MemberMonitor:
     def stale(self) -> list[Member]:
         """Members whose heartbeat has not moved for `heartbeat_timeout_s`."""
         now = time.monotonic()
-        values = self.store.multi_get([Keys.hb(m.rank) for m in self.members])
+        keys = [Keys.hb(m.rank) for m in self.members]
+        if self.store.check(keys):
+            values = self.store.multi_get(keys)
+        else:  # get waits for a key: a member not joined yet has none (no beat, since start)
+            values = [self.store.get(k) if self.store.check([k]) else b"" for k in keys]
         out = []
         for m, value in zip(self.members, values, strict=True):
             last, since = self._seen[m.rank]
