@@ -45,3 +45,18 @@ def test_fixed_or_not_following_the_rate_is_never_raised(follows):
     b.update([1000.0 + 10 * i for i in range(6)], elapsed=80)
     assert b.step_s == 1 and b.measured_s == 10
     assert b.total() == (30 if follows else 80 + 39 * 1)
+
+
+def test_measure_every_reaches_the_trainer_and_picks_step_1_then_every_nth(tmp_path):
+    """grpo.measure_every -> the trainer's replay.compare_off_every and loss.kl_metric_every;
+    the reference pass runs from versions 0, 4, 8 (steps 1, 5, 9), every step with kl_coef."""
+    from services.local.config import trainer_config
+    from trainer.config import TrainerConfig
+
+    conf = trainer_config(LocalConfig(), tmp_path, tmp_path / "model")
+    cfg = TrainerConfig.model_validate(conf)
+    assert cfg.replay.compare_off_every == cfg.loss.kl_metric_every == 4
+    assert cfg.data.micro_batch_size == 256
+    assert [v for v in range(10) if cfg.loss.reference_due(v)] == [0, 4, 8]
+    with_kl = cfg.loss.model_copy(update={"kl_coef": 0.1})
+    assert all(with_kl.reference_due(v) for v in range(10))
