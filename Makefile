@@ -12,6 +12,7 @@ unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: gpu-vllm-wheels setup run test test-unit test-integration lint proto proto-check bench bench-codec \
         bench-store bench-rollout bench-trainer bench-weights bench-hf bench-constriction bench-smoke \
+        bench-local \
         chart-check \
         test-faults test-cluster test-flaky clean
 
@@ -77,6 +78,11 @@ bench-trainer: setup
 
 bench-weights: setup
 	$(PY) tests/bench/bench_weights.py
+
+# The main job's first 12 GRPO steps, this tree against 569d739 (issue 46), alternating, same box
+# and session: steps/s ratio, trainer and rollout busy shares (bench-results/local.json).
+bench-local: setup
+	$(PY) tests/bench/bench_local.py
 
 bench-hf: setup
 	$(PY) tests/bench/bench_hf_replay.py

@@ -106,6 +106,10 @@ class ReplayConfig(StrictConfig):
     compare_off: bool = Field(
         False, description="also compute the batch's logprobs with natural routing and log "
         "logprob_diff_mean_off / _max_off (one extra forward pass per step)")
+    compare_off_every: int = Field(
+        1, ge=1, description="with compare_off: run that pass on the step to every N-th "
+        "policy version only (step 1 of a fresh run included; 1 = every step); the other "
+        "steps log no *_off keys")
 
     def floor(self, top_k: int, num_experts: int) -> float:
         """The absolute agreement floor of a (unit, MoE layer) cell for this model."""

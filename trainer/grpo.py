@@ -126,18 +126,27 @@ class GRPOStep:
         check = self._checks_agreement(mode)
         agreement.reset()
         agreement.enabled = check
+        t0 = time.perf_counter()
         try:
             old = self.compute_logprobs(mbs, mode)
         finally:
             agreement.enabled = False
+        t1 = time.perf_counter()
+        reference = self.cfg.loss.uses_reference and self.cfg.loss.reference_due(
+            self.policy_version)
         for mb, lp in zip(mbs, old, strict=True):
             mb.train_old_lp = lp
-            if self.cfg.loss.uses_reference:
+            if reference:
                 mb.ref_lp = self.compute_logprobs([mb], mode, reference=True)[0]
-        metrics: dict[str, Any] = self._diffs(mbs, old, "")
-        if self.cfg.replay.compare_off and mode != ReplayMode.OFF:
+        # seconds per pass (where a step's time goes; r3flow local's bench reads them)
+        metrics: dict[str, Any] = self._diffs(mbs, old, "") | {
+            "old_pass_seconds": t1 - t0, "ref_pass_seconds": time.perf_counter() - t1}
+        r = self.cfg.replay
+        if r.compare_off and mode != ReplayMode.OFF and self.policy_version % r.compare_off_every == 0:
             # Same batch, same weights, natural routing: what replay bought on this step.
+            t2 = time.perf_counter()
             metrics |= self._diffs(mbs, self.compute_logprobs(mbs, ReplayMode.OFF), "_off")
+            metrics["compare_off_seconds"] = time.perf_counter() - t2
         metrics |= self._off_policy(mbs)
         agreement.check_used()
         if check:
@@ -253,7 +262,9 @@ class GRPOStep:
                 acc: dict = {}
                 norms: list[float] = []
                 if fault is None and mbs:  # as many micro-batches on every rank
+                    t1 = time.perf_counter()
                     acc, norms, fault = self._updates(mbs, mode)
+                    metrics["update_seconds"] = time.perf_counter() - t1
                 if fault is not None:
                     if not set(fault.groups) - set(dropped):  # the same union on every rank
                         raise RuntimeError(f"a step fault repeats with no new group to "
@@ -303,6 +314,8 @@ class GRPOStep:
         keys = {"ppo_kl": "ppo_kl", "kl_ref": "kl_ref", "entropy": "entropy",
                 "clip_ratio": "clipped", "clip_ratio_dual": "clipped_dual"}
         means = {k: acc.get(v, 0.0) / seen if seen else None for k, v in keys.items()}
+        if self.cfg.loss.uses_reference and not any(mb.ref_lp is not None for mb in mbs):
+            means["kl_ref"] = None  # no reference pass this step (loss.kl_metric_every)
         return means | {
             "loss": acc.get("loss", 0.0) / len(norms) if total else None,
             "grad_norm": float(np.mean(norms)), "updates": len(norms),

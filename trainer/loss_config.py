@@ -83,6 +83,10 @@ class LossConfig(StrictConfig):
         "(verl use_kl_in_reward)")
     kl_metric: bool = Field(False, description="build the reference model and report kl_ref "
                             "even when kl_coef is 0 (a measurement: no gradient)")
+    kl_metric_every: int = Field(
+        1, ge=1, description="with kl_metric at kl_coef 0: the reference pass (kl_ref) on the "
+        "step to every N-th policy version only (step 1 of a fresh run included; 1 = every "
+        "step); the other steps log kl_ref None. kl_coef > 0 needs it every step")
     entropy_coef: float = Field(0.0, description="entropy bonus weight (subtracted from loss)")
     chunked_logprobs: bool | Literal["auto"] = Field(
         "auto", description="ppo_loss takes logprobs and entropy from trainer.logprobs' chunked "
@@ -104,6 +108,10 @@ class LossConfig(StrictConfig):
         if self.chunked_logprobs == "auto":
             return bool(logits.is_cuda and str(logits.dtype) == "torch.bfloat16")
         return self.chunked_logprobs
+
+    def reference_due(self, policy_version: int) -> bool:
+        """Whether the step from `policy_version` runs the reference pass."""
+        return self.kl_coef > 0 or (self.kl_metric and policy_version % self.kl_metric_every == 0)
 
     @property
     def uses_reference(self) -> bool:

@@ -83,8 +83,11 @@ def print_summary(s: dict) -> None:
     print(f"wall time         {s['wall_seconds']:.0f} s for {s['steps']} GRPO steps, replay={s['replay']}")
     print(f"reward            first 5 steps {_fmt(s['reward_first5'])} -> last 5 steps "
           f"{_fmt(s['reward_last5'])} (gain {_fmt(s['reward_gain'])})")
-    print(f"|logprob diff|    with replay {_fmt(s['logprob_diff_mean'])}, without replay (same "
-          f"batches) {_fmt(s['logprob_diff_mean_off'])}, ratio {_fmt(s['logprob_diff_ratio_vs_off'])}")
+    print(f"|logprob diff|    with replay {_fmt(s.get('logprob_diff_mean_compared'))}, without "
+          f"replay (same batches) {_fmt(s['logprob_diff_mean_off'])}, ratio "
+          f"{_fmt(s['logprob_diff_ratio_vs_off'])} over the {s.get('compared_steps', '?')} steps "
+          f"that measured both (step 1 and every {s.get('measure_every', 1)}th: "
+          f"grpo.measure_every); all {s['steps']} steps with replay {_fmt(s['logprob_diff_mean'])}")
     print(f"  at step 1       with replay {_fmt(s.get('logprob_diff_step1'))}, without "
           f"{_fmt(s.get('logprob_diff_step1_off'))}, ratio {_fmt(s.get('logprob_diff_step1_ratio'))}"
           f" (rollout and trainer on the same weights: the engine/trainer mismatch alone; later"
@@ -94,7 +97,8 @@ def print_summary(s: dict) -> None:
           f"{_fmt(s.get('logprob_diff_fresh_ratio'))}; stale {_fmt(s.get('logprob_diff_stale'))} vs "
           f"{_fmt(s.get('logprob_diff_stale_off'))}, ratio {_fmt(s.get('logprob_diff_stale_ratio'))}")
     print(f"off-policy        IS weight pi_old/mu mean {_fmt(s.get('is_weight_mean'))}, mismatch KL "
-          f"{_fmt(s.get('mismatch_kl'))}, kl_ref {_fmt(s.get('kl_ref'))}")
+          f"{_fmt(s.get('mismatch_kl'))}, kl_ref {_fmt(s.get('kl_ref'))} (on "
+          f"{s.get('kl_ref_steps', '?')} steps)")
     print(f"routing agreement {_fmt(s['routing_agreement'])}")
     dropped = ", ".join(f"{k} {v} ({v / max(t['produced'], 1):.1%})"
                         for k, v in t["dropped"].items()) or "none"
@@ -163,7 +167,7 @@ def run_arms(cfg, arms: list[str]) -> int:
 def run_one(cfg) -> tuple[int, dict]:
     """One local run; (exit code, its summary)."""
     from services.local.procs import ChildDied
-    from services.local.run import LocalRun
+    from services.local.run import OUT_OF_BUDGET_EXIT, LocalRun, OutOfBudget
 
     local = LocalRun(cfg)
     try:
@@ -176,6 +180,11 @@ def run_one(cfg) -> tuple[int, dict]:
         failed = local.abort(died)
         print_failure(failed)
         return 1, failed
+    except OutOfBudget as over:
+        failed = local.out_of_budget(over)
+        print(f"\nr3flow local: FAILED — {failed['out_of_budget']['message']}; summary.json "
+              f"and report.png of the {failed['steps']} steps done in {failed['run_dir']}")
+        return OUT_OF_BUDGET_EXIT, failed
     except KeyboardInterrupt:
         print("\ninterrupted: stopping every child process")
         return 130, {}

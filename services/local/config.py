@@ -22,7 +22,9 @@ if TYPE_CHECKING:
 class GrpoConfig(StrictConfig):
     """The RL phase."""
 
-    steps: int = Field(80, ge=1, description="GRPO optimizer steps")
+    # 40 (was 80): `make run` under 10 minutes on a slow 2-core day (issue 46;
+    # docs/benchmarks/local-run.md "make run on a slow box").
+    steps: int = Field(40, ge=1, description="GRPO optimizer steps")
     group_size: int = Field(8, ge=2, description="samples per prompt (a GRPO group)")
     # 32 groups: the per-step reward is a mean over 32 prompts, so the first-5/last-5 comparison
     # is not at the mercy of which prompts a step drew (16 groups: last-5 means swung by ~0.1).
@@ -66,6 +68,17 @@ class GrpoConfig(StrictConfig):
         120.0, gt=3, description="a push waits this long for a registered worker that is gone")
     dtype: Literal["fp32", "bf16"] = Field("bf16", description="trainer and engine dtype")
     compare_off: bool = Field(True, description="also measure |logprob diff| without replay")
+    # The no-replay comparison and the reference pass were two of a step's four passes over
+    # the batch (issue 46): measured on step 1 (the engine/trainer mismatch alone) and every
+    # N-th step after it, they still draw both curves and the report's ratios, which pair
+    # only the steps that measured both.
+    measure_every: int = Field(
+        4, ge=1, description="the no-replay comparison (|Δlogprob| off) and kl_ref on step 1 "
+        "and every N-th step (trainer replay.compare_off_every, loss.kl_metric_every; 1 = "
+        "every step)")
+    micro_batch_size: int = Field(
+        256, ge=1, description="trainer micro-batch (rows): a step's 256 short rows in one "
+        "forward instead of 16 (the same update: the loss is normalised over the whole step)")
     test_lr_spike_step: int = Field(
         0, ge=0, description="TEST ONLY: the step to this policy version runs at lr x "
         "test_lr_spike_factor, to inject a ppo_kl spike (tests/integration/"
@@ -114,7 +127,19 @@ class LocalConfig(StrictConfig):
     warm_start_lr: float = Field(3e-3, gt=0)
     grpo: GrpoConfig = Field(default_factory=GrpoConfig)
     trainer_launcher: Literal["local", "ray"] = Field("ray", description="ray: a Ray actor rank")
-    timeout_s: float = Field(1800.0, gt=0, description="give up on the whole run after this")
+    timeout_s: float | None = Field(
+        None, gt=0, description="the run's budget in seconds, fixed; unset: budget_boot_s + "
+        "an allowance per step (services.local.run.Budget), printed at start")
+    # On the 2-core box on a slow day (load 15-20, issue 46) a run took ~100-150 s to its
+    # first GRPO step (warm start, Ray, megatron, vLLM, the first batch) and 3-6 s a step:
+    # the allowances are 2-4x that, so what ends on the budget is a run that stopped stepping.
+    budget_boot_s: float = Field(480.0, gt=0, description="budget from the start to the "
+                                 "first GRPO step")
+    budget_step_s: float = Field(15.0, gt=0, description="budget for each GRPO step after "
+                                 "the first")
+    budget_follows_rate: bool = Field(
+        True, description="after 5 steps, raise budget_step_s to 2x the measured median step "
+        "when that is more (a slow box is not a failure; a stuck run still is)")
     # Prometheus scrapes every 2 s (services/local/prom.py): the last step's values must be
     # seen by it, even when the final steps take well under a second.
     metrics_linger_s: float = Field(
@@ -207,10 +232,12 @@ def trainer_config(cfg: LocalConfig, run_dir: Path, model_dir: Path,
                   "test_lr_spike_factor": g.test_lr_spike_factor,
                   "test_lr_spike_after_s": g.test_lr_spike_after_s},
         "loss": {"kl_coef": g.kl_coef, "entropy_coef": g.entropy_coef, "kl_metric": g.kl_metric,
+                 "kl_metric_every": g.measure_every,
                  "adv_std_normalize": g.adv_std_normalize,
                  "rollout_correction": CORRECTIONS[g.rollout_correction]},
-        "replay": {"mode": cfg.replay, "compare_off": g.compare_off},
-        "data": {"groups_per_step": g.groups_per_step, "micro_batch_size": 16,
+        "replay": {"mode": cfg.replay, "compare_off": g.compare_off,
+                   "compare_off_every": g.measure_every},
+        "data": {"groups_per_step": g.groups_per_step, "micro_batch_size": g.micro_batch_size,
                  "lease_seconds": g.lease_seconds, "wait_ms": 2000,
                  "old_logprobs": "trainer" if g.rollout_correction != "off" else g.old_logprobs,
                  "max_policy_lag": g.max_policy_lag},

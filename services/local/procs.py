@@ -98,19 +98,24 @@ class Supervisor:
             if rc is not None and (rc != 0 or c.persistent):
                 raise ChildDied(c.name, rc, c.log_path)
 
-    def stop(self, child: Child, timeout_s: float = 15.0) -> None:
+    def stop(self, child: Child, timeout_s: float = 15.0) -> tuple[float, bool]:
         """SIGTERM to the child itself, as Kubernetes does to a container's main process (it
         stops its own engine/Ray helpers); after `timeout_s`, or once it exited, SIGKILL to
-        whatever is left of its process group."""
+        whatever is left of its process group. Returns (seconds it took to exit after
+        SIGTERM, whether it had to be killed)."""
+        t0, killed = time.monotonic(), False
         if child.alive():
             os.kill(child.pid, signal.SIGTERM)
             try:
                 child.proc.wait(timeout=timeout_s)  # type: ignore[union-attr]
             except subprocess.TimeoutExpired:
                 log.warning("%s ignored SIGTERM for %.0fs; killing it", child.name, timeout_s)
+                killed = True
+        seconds = time.monotonic() - t0
         if child.proc is not None:
             _signal_group(child.pid, signal.SIGKILL)
             child.proc.wait(timeout=5)
+        return seconds, killed
 
     def stop_all(self) -> None:
         for child in reversed(self.children):

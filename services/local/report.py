@@ -60,6 +60,11 @@ def mean_of(rows: list[dict], key: str) -> float:
     return sum(vals) / len(vals) if vals else float("nan")
 
 
+def paired(rows: list[dict], *keys: str) -> list[dict]:
+    """The rows with a finite value for every one of `keys`."""
+    return [r for r in rows if all(r.get(k) is not None and math.isfinite(r[k]) for k in keys)]
+
+
 def plot_report(rows: list[dict], out_png: Path, title: str) -> Path:
     """Six panels of the run's curves, written to `out_png`."""
     import matplotlib
@@ -108,9 +113,15 @@ def summarize(rows: list[dict]) -> dict[str, float | None]:
                                     "reward_last5": mean_of(last, "reward_mean")}
     out["reward_gain"] = mean_of(last, "reward_mean") - mean_of(first, "reward_mean")
     out["logprob_diff_mean"] = mean_of(rows, "logprob_diff_mean")
-    out["logprob_diff_mean_off"] = mean_of(rows, "logprob_diff_mean_off")
-    on, off = mean_of(rows, "logprob_diff_mean"), mean_of(rows, "logprob_diff_mean_off")
+    # The no-replay comparison runs on step 1 and every grpo.measure_every-th step: the ratio
+    # pairs the steps that measured both (same batches), never all steps against a sample.
+    compared = paired(rows, "logprob_diff_mean", "logprob_diff_mean_off")
+    on, off = mean_of(compared, "logprob_diff_mean"), mean_of(compared, "logprob_diff_mean_off")
+    out["compared_steps"] = len(compared)
+    out["logprob_diff_mean_compared"] = on if compared else None
+    out["logprob_diff_mean_off"] = off
     out["logprob_diff_ratio_vs_off"] = on / off if off > 0 else None
+    out["kl_ref_steps"] = sum(1 for r in rows if r.get("kl_ref") is not None)
     out["routing_agreement"] = mean_of(rows, "routing_agreement")
     return out | step1_diffs(rows) | by_staleness(rows)
 
@@ -121,7 +132,8 @@ def by_staleness(rows: list[dict]) -> dict[str, float | None]:
     (policy drift added), each with the run's routing and natural routing on the same batches."""
     out: dict[str, float | None] = {}
     for cls in ("fresh", "stale"):
-        on, off = (mean_of(rows, f"logprob_diff_mean{s}_{cls}") for s in ("", "_off"))
+        keys = [f"logprob_diff_mean{s}_{cls}" for s in ("", "_off")]
+        on, off = (mean_of(paired(rows, *keys), k) for k in keys)
         out[f"logprob_diff_{cls}"] = on if math.isfinite(on) else None
         out[f"logprob_diff_{cls}_off"] = off if math.isfinite(off) else None
         out[f"logprob_diff_{cls}_ratio"] = on / off if off > 0 and math.isfinite(on) else None

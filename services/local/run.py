@@ -47,10 +47,103 @@ CHILD_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
              "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false",
              "VLLM_LOGGING_LEVEL": "WARNING", "PYTHONUNBUFFERED": "1"}
 
+# One OpenMP thread for the warm start, as the trainer's Ray rank has (trainer.ray_launch): with
+# torch's default of one per core, a 2-core box busy with other work made each SFT step wait on
+# a descheduled sibling thread: 25 s a step at load 20 against 1.5 s alone (issue 46).
+WARM_START_ENV = {"OMP_NUM_THREADS": "1"}
+
 # In-flight groups a stopping worker may still finish and send: a group of the tiny model takes
 # about a second; at the end of a run the trainer is gone and no group can be sent, so every
 # second of it is waited out (20 s did, in every local run).
 ROLLOUT_STOP_GRACE_S = 5.0
+TRAINER_STOP_GRACE_S = 15.0  # SIGTERM -> the trainer ends after its current step (pass)
+OUT_OF_BUDGET_EXIT = 124  # the exit code of a run past its budget (as timeout(1))
+
+
+# After this many steps the measured rate is checked: a per-step allowance that `RATE_MARGIN`
+# x the measured seconds a step would overrun is raised to that (a slow box is not a failure;
+# a run that stopped stepping still is).
+MEASURED_AFTER_STEPS = 5
+RATE_MARGIN = 2.0
+
+
+class OutOfBudget(RuntimeError):
+    """The run outlived its budget (Budget) before its last step."""
+
+    def __init__(self, budget: Budget, step: int) -> None:
+        self.budget, self.step, self.steps = budget, step, budget.steps
+        super().__init__(self.message(step))
+
+    def message(self, step: int) -> str:
+        """The one line: the budget, what it was made of, and the step the run reached."""
+        return (f"budget of {self.budget.deadline():.0f} s ({self.budget.describe()}) ran out "
+                f"at GRPO step {step} of {self.steps}")
+
+
+@dataclasses.dataclass
+class Budget:
+    """The run's time budget in seconds from its start: `fixed` (timeout_s), or `boot_s` to
+    the first GRPO step plus `step_s` for each step after it; `step_s` follows the measured
+    rate (raised to RATE_MARGIN x the median step) once MEASURED_AFTER_STEPS steps are in."""
+
+    steps: int
+    boot_s: float
+    step_s: float
+    follows_rate: bool
+    fixed: float | None = None
+    first_step_at: float | None = None  # seconds from the run's start
+    measured_s: float | None = None  # the median step, once measured
+
+    @classmethod
+    def of(cls, cfg: LocalConfig) -> Budget:
+        return cls(cfg.grpo.steps, cfg.budget_boot_s, cfg.budget_step_s,
+                   cfg.budget_follows_rate, cfg.timeout_s)
+
+    def total(self) -> float:
+        """Seconds from the run's start the whole run may take, as far as known now."""
+        if self.fixed is not None:
+            return self.fixed
+        start = self.boot_s if self.first_step_at is None else self.first_step_at
+        return start + (self.steps - 1) * self.step_s
+
+    def deadline(self) -> float:
+        """Seconds from the run's start by which the next thing must have happened: the first
+        step (within boot_s), then the last."""
+        if self.fixed is None and self.first_step_at is None:
+            return self.boot_s
+        return self.total()
+
+    def describe(self) -> str:
+        if self.fixed is not None:
+            return "timeout_s"
+        start = (f"{self.boot_s:.0f} s to the first step" if self.first_step_at is None
+                 else f"first step at {self.first_step_at:.0f} s")
+        return (f"{start} + {self.steps - 1} more x "
+                f"{self.step_s:.3g} s" + (f" (2x the measured {self.measured_s:.1f} s a step)"
+                                          if self.measured_s and self.follows_rate
+                                          and self.step_s == RATE_MARGIN * self.measured_s
+                                          else ""))
+
+    def over(self, elapsed: float) -> bool:
+        return elapsed > self.deadline()
+
+    def update(self, step_times: list[float], elapsed: float) -> str | None:
+        """With the steps logged so far (their wall times): start the step clock at the first,
+        and once MEASURED_AFTER_STEPS more are in, measure the rate; a line to print, or None."""
+        if step_times and self.first_step_at is None:
+            self.first_step_at = elapsed
+        if self.measured_s is not None or len(step_times) < MEASURED_AFTER_STEPS + 1:
+            return None
+        gaps = sorted(b - a for a, b in zip(step_times, step_times[1:], strict=False))
+        self.measured_s = gaps[len(gaps) // 2]  # median; step 1 (boot, empty store) left out
+        left = self.steps - len(step_times)
+        line = (f"budget: {self.measured_s:.1f} s a step measured over steps 2-"
+                f"{len(step_times)}: the {self.steps} steps end in ~"
+                f"{elapsed + left * self.measured_s:.0f} s")
+        if self.fixed is None and self.follows_rate and RATE_MARGIN * self.measured_s > self.step_s:
+            self.step_s = RATE_MARGIN * self.measured_s
+            line += f"; per-step allowance raised to {self.step_s:.1f} s"
+        return line + f" (budget {self.total():.0f} s)"
 
 
 def new_run_dir(runs_dir: str) -> Path:
@@ -83,6 +176,11 @@ class LocalRun:
         self.prom: LocalPrometheus | None = None
         self._last_scrape = 0.0
         self.started = time.monotonic()
+        self.budget = Budget.of(cfg)
+        self.stops: dict[str, dict] = {}  # child -> how its stop went (stop_child)
+        tqdm.write(f"budget: {self.budget.total():.0f} s for {cfg.grpo.steps} GRPO steps "
+                   f"({self.budget.describe()}); a run past it stops, reports the steps done "
+                   f"and exits {OUT_OF_BUDGET_EXIT}")
 
     # ------------------------------------------------------------------ steps
     def prepare(self) -> Path:
@@ -106,7 +204,8 @@ class LocalRun:
         bar = tqdm(total=self.cfg.warm_start_steps, desc="warm start (SFT)", unit="step")
         with log_path.open("w") as err:
             proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True,
-                                    env={**os.environ, **CHILD_ENV}, start_new_session=True)
+                                    env={**os.environ, **CHILD_ENV, **WARM_START_ENV},
+                                    start_new_session=True)
             for line in proc.stdout:  # type: ignore[union-attr]
                 if line.startswith("{"):
                     rec = json.loads(line)
@@ -228,20 +327,22 @@ class LocalRun:
         bar = tqdm(total=steps, desc=f"GRPO ({self.cfg.replay})", unit="step")
         tqdm.write(report.table_header())
         seen: list[dict] = []
-        deadline = self.started + self.cfg.timeout_s
-        while trainer.alive() and time.monotonic() < deadline:
+        while trainer.alive() and not self.budget.over(time.monotonic() - self.started):
             self.sup.check()
             rows = report.read_log(log_path)
             for rec in rows[len(seen):]:
                 tqdm.write(report.table_row(rec))
                 bar.update(1)
             seen = rows
+            line = self.budget.update([r["time"] for r in rows], time.monotonic() - self.started)
+            if line:
+                tqdm.write(line)
             if rows and time.monotonic() - self._last_scrape > 5:
                 self.snapshot_metrics()
             time.sleep(0.5)
         bar.close()
         if trainer.alive():
-            raise TimeoutError(f"run exceeded timeout_s={self.cfg.timeout_s:.0f}")
+            raise OutOfBudget(self.budget, len(report.read_log(log_path)))
         if trainer.proc.returncode != 0:
             raise ChildDied("trainer", trainer.proc.returncode, trainer.log_path, 30)
         rows = report.read_log(log_path)
@@ -274,7 +375,39 @@ class LocalRun:
         """SIGTERM every worker: it finishes or abandons its groups and writes its summary."""
         for child in self.sup.children:
             if child.name.startswith("rollout"):
-                self.sup.stop(child, timeout_s=ROLLOUT_STOP_GRACE_S + SHUTDOWN_S + 5)
+                self.stop_child(child, ROLLOUT_STOP_GRACE_S + SHUTDOWN_S + 5)
+
+    def stop_child(self, child, grace_s: float) -> None:  # noqa: ANN001 (a procs.Child)
+        """Stop a child within `grace_s` (then SIGKILL); how it went goes to `stops`."""
+        if not child.alive():
+            return
+        seconds, killed = self.sup.stop(child, timeout_s=grace_s)
+        self.stops[child.name] = {"seconds": round(seconds, 2), "grace_s": grace_s,
+                                  "killed": killed}
+
+    def out_of_budget(self, over: OutOfBudget) -> dict:
+        """The budget ran out: stop the workers, then the trainer (SIGTERM: it ends after its
+        current pass and checkpoints), within their grace; account for every trajectory and
+        write the summary and report of the steps done, with the failure named."""
+        self.snapshot_metrics()
+        # the trainer first: it ends after its current step (no push: the workers go next)
+        for child in self.sup.children:
+            if child.name == "trainer":
+                self.stop_child(child, TRAINER_STOP_GRACE_S)
+        self.stop_rollouts()
+        try:
+            trajectories = self._account().as_dict()
+        except Exception as e:  # noqa: BLE001 (a failure report must not fail)
+            trajectories = {"unavailable": f"{type(e).__name__}: {e}"}
+        rows = report.read_log(self.dir / "trainer" / "train_log.jsonl")
+        failure = {"budget_s": round(over.budget.deadline(), 1), "budget": over.budget.describe(),
+                   "step": len(rows), "steps": over.steps, "message": over.message(len(rows))}
+        summary = self._summary(rows, trajectories, out_of_budget=failure,
+                                prometheus=self.prometheus_report())
+        report.plot_report(rows, self.dir / "report.png", f"r3flow local — replay="
+                           f"{self.cfg.replay}, {len(rows)} of {over.steps} GRPO steps "
+                           f"(out of budget)")
+        return summary
 
     def finish(self, rows: list[dict]) -> dict:
         """Stop the workers, account for every trajectory, write summary + report."""
@@ -294,7 +427,7 @@ class LocalRun:
         self.stop_rollouts()
         for child in self.sup.children:
             if child.name == "trainer":
-                self.sup.stop(child)
+                self.stop_child(child, TRAINER_STOP_GRACE_S)
         try:
             trajectories = self._account().as_dict()
         except Exception as e:  # noqa: BLE001 (the store itself may be what died)
@@ -312,6 +445,8 @@ class LocalRun:
     def _summary(self, rows: list[dict], trajectories: dict, **extra: object) -> dict:
         summary = {"run_dir": str(self.dir), "replay": self.cfg.replay, "steps": len(rows),
                    "max_policy_lag": self.cfg.grpo.max_policy_lag,
+                   "measure_every": self.cfg.grpo.measure_every,
+                   "budget_s": round(self.budget.total(), 1), "stops": self.stops,
                    "wall_seconds": round(time.monotonic() - self.started, 1),
                    **report.summarize(rows), "trajectories": trajectories, **extra}
         write_json(self.dir / "summary.json", summary)

@@ -11,6 +11,9 @@ step, except that the routing agreement is checked on the ordinary steps, before
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from local_fixtures import ROOT, chart_panels, need_prometheus, step_rows
@@ -88,3 +91,61 @@ def test_dashboards_drawn_from_a_real_prometheus(local_run_dir: Path):
     rules = (run_dir / "prometheus" / "r3flow-alerts.yaml").read_text()
     assert rules == (ROOT / "helm/r3flow/rules/r3flow-alerts.yaml").read_text()
     assert isinstance(prom["alerts_fired"], list)
+
+
+def test_a_run_past_its_budget_ends_in_one_line(tmp_path: Path):
+    """A budget that runs out mid-GRPO (10 ms a step after the first): the run stops its
+    children within their grace (the trainer after its current step), writes the summary and
+    report of the steps it did, says so in one line naming the budget and the step reached, and
+    exits 124, without a traceback (issue 46)."""
+    cfg = tmp_path / "budget.json"
+    cfg.write_text(json.dumps({"model": {}, "warm_start_steps": 1, "metrics_linger_s": 0,
+                               "budget_step_s": 0.01, "budget_follows_rate": False,
+                               "grpo": {"groups_per_step": 4}}))
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "local", "--config", str(cfg),
+                           "--steps", "1000", "--runs-dir", str(tmp_path / "runs")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 124, out[-4000:]
+    assert "Traceback" not in out, out[-4000:]
+    (run_dir,) = (tmp_path / "runs").glob("local-*")
+    s = json.loads((run_dir / "summary.json").read_text())
+    steps = len(step_rows(run_dir))
+    assert s["steps"] == s["out_of_budget"]["step"] == steps >= 1, s
+    failed = [line for line in proc.stdout.splitlines() if "FAILED" in line]
+    assert failed == [f"r3flow local: FAILED — {s['out_of_budget']['message']}; summary.json "
+                      f"and report.png of the {steps} steps done in {run_dir}"], failed
+    assert f"ran out at GRPO step {steps} of 1000" in failed[0]
+    assert "budget of" in failed[0] and "999 more x 0.01 s" in failed[0]
+    assert s["trajectories"]["balanced"], s["trajectories"]
+    png = run_dir / "report.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # every child stopped by SIGTERM within its grace, none left running
+    assert {"trainer", "rollout-0"} <= set(s["stops"]), s["stops"]
+    for name, stop in s["stops"].items():
+        assert not stop["killed"] and stop["seconds"] <= stop["grace_s"], (name, stop)
+    engines = [pid for w in (run_dir / "rollout").glob("*.summary*.json")
+               for pids in json.loads(w.read_text())["engine_pids"].values() for pid in pids]
+    assert engines and not [pid for pid in engines if _alive(pid)], engines
+    assert not _processes_naming(run_dir), _processes_naming(run_dir)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _processes_naming(path: Path) -> list[str]:
+    """Command lines of the live processes that name `path` (the run's children do)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        try:
+            argv = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if str(path) in argv:
+            out.append(argv)
+    return out

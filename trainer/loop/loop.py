@@ -261,29 +261,38 @@ class TrainLoop:
         history: list[dict] = []
         spike = _TimedLrSpike(self.cfg.optim.test_lr_spike_after_s)
         while (steps == 0 or len(history) < steps) and not stop() and not spike.shown(self.pos):
+            t0 = time.perf_counter()
             groups = self.pull_batch(stop)
             if not groups:
                 break
             if spike.due(self.pos):
                 self.ranks.set_lr_spike_version(self.pos.policy_version + 1)
+            t1 = time.perf_counter()
             metrics = self.train_step(groups)
             self.publish_version()
-            self.push_weights()
+            t2 = time.perf_counter()
+            if not stop():  # stopping: the engines are going too (SIGTERM between passes)
+                self.push_weights()
+            t3 = time.perf_counter()
             self.checkpoint()
             self.export_hf()
+            # where the loop's time went besides the ranks' step (r3flow local's bench)
+            metrics |= {"batch_wait_seconds": t1 - t0, "weight_push_seconds": t3 - t2,
+                        "checkpoint_seconds": time.perf_counter() - t3}
             self.record(metrics)
             history.append(metrics)
         if history:
             self.checkpoint(force=True)
             self.export_hf(final=True)
-            self.await_engines(self.cfg.run.exit_engine_wait_s)
+            # a stopped trainer does not wait for engines that are being stopped as well
+            self.await_engines(0.0 if stop() else self.cfg.run.exit_engine_wait_s)
         return history
 
     def await_engines(self, timeout_s: float) -> None:
         """Before the trainer exits (and its push rendezvous store with it): wait, bounded, until
         every registered engine reports the last pushed version, so none is left polling a gone
         store for the commit of the final push."""
-        if self.push_fn is None or not self.cfg.run.push_weights_every:
+        if self.push_fn is None or not self.cfg.run.push_weights_every or timeout_s <= 0:
             return
         deadline, behind = time.monotonic() + timeout_s, ['?']
         while time.monotonic() < deadline:
