@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import Field, field_validator
 
 from services.common.config import StrictConfig
+from services.common.tiny_moe import TinyMoeConfig
 from services.local.tasks import TaskConfig
-from services.rollout.tiny_moe import TinyMoeConfig
 
 if TYPE_CHECKING:
     from services.local.family import FamilyPlan

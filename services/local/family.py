@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from services.common.config import ConfigError
-from services.rollout.tiny_moe import TinyMoeConfig
+from services.common.tiny_moe import TinyMoeConfig
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +42,8 @@ class FamilyPlan:
 
 def megatron_refusal(family: str, model: TinyMoeConfig) -> str | None:
     """Why the megatron backend cannot train the tiny `family` model, or None if it can."""
+    from services.common.tiny_moe import hf_config as qwen3_config
     from services.rollout.families import hf_config
-    from services.rollout.tiny_moe import hf_config as qwen3_config
     from trainer.megatron.hf_mapping import arch_from_hf_config
 
     cfg = (qwen3_config(model) if family == "qwen3_moe" else hf_config(family, model)).to_dict()

@@ -1,7 +1,7 @@
 """Small random-init HF models of every MoE family r3flow supports (nothing downloaded).
 
 `r3flow model tiny-moe --family NAME` builds one with transformers' own config and model classes
-and the local character tokenizer of `services.rollout.tiny_moe`. The sizes come from the same
+and the local character tokenizer of `services.common.tiny_moe`. The sizes come from the same
 `TinyMoeConfig`; each builder maps them onto its family's config fields and sets what makes the
 family's routing differ from Qwen3-MoE (shared experts, grouped sigmoid router with a selection
 bias, router bias, ...), so a test on the tiny model exercises that difference.
@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from services.rollout.tiny_moe import TinyMoeConfig, build_tiny_moe, build_tokenizer, vocab_size
+from services.common.tiny_moe import TinyMoeConfig, build_tiny_moe, build_tokenizer, vocab_size
 
 FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "glm4_moe", "gpt_oss")
 

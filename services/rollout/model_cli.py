@@ -51,8 +51,8 @@ def load(args: argparse.Namespace):
                             "URI (s3://, gs://, file://...)")
         return None
     from services.common.config import load_config
+    from services.common.tiny_moe import TinyMoeConfig
     from services.rollout.families import FAMILIES
-    from services.rollout.tiny_moe import TinyMoeConfig
 
     if args.family not in FAMILIES:
         raise UserError(f"--family: {args.family!r} is not one of {', '.join(FAMILIES)}")

@@ -27,8 +27,8 @@ NUM_PROMPTS, PROMPT_LEN, MAX_TOKENS = 8, 16, 32
 
 def measure(family: str, root: Path, backend: str = "auto", smoke: bool = False) -> dict:
     """Build the family's tiny model, sample it with vLLM-CPU, score the rollouts."""
+    from services.common.tiny_moe import TinyMoeConfig
     from services.rollout.families import build_family
-    from services.rollout.tiny_moe import TinyMoeConfig
     from tests.support.vllm_sampling import sample_in_child
 
     dense = family in ("qwen2_moe", "deepseek_v3", "glm4_moe")

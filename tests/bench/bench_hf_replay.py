@@ -93,7 +93,7 @@ def _timed_step(tr, samples: list, mode: str) -> tuple[float, float, dict]:
 
 
 def _build(tmp: Path, width: int) -> Path:
-    from services.rollout.tiny_moe import TinyMoeConfig, build_tiny_moe
+    from services.common.tiny_moe import TinyMoeConfig, build_tiny_moe
 
     cfg = TinyMoeConfig.model_validate({
         "num_layers": 3, "first_k_dense": 1, "hidden_size": 128 * width,

@@ -99,7 +99,7 @@ class Mode:
         self.cpu_rates: list[float] = []  # generated tokens per worker CPU second
 
     async def run_once(self, records) -> tuple[float, float]:  # noqa: ANN001
-        from services.rollout.tiny_moe import build_tokenizer
+        from services.common.tiny_moe import build_tokenizer
         from services.rollout.worker import RolloutWorker
 
         worker = RolloutWorker(self.cfg, self.engine, self.sink, build_tokenizer())
@@ -164,8 +164,8 @@ def print_tasks_on_sigusr1(loop: asyncio.AbstractEventLoop) -> None:
 
 
 async def bench(args: argparse.Namespace, workdir: Path) -> dict:
+    from services.common.tiny_moe import TinyMoeConfig, build_tiny_moe
     from services.rollout.dataset import load_dataset
-    from services.rollout.tiny_moe import TinyMoeConfig, build_tiny_moe
     from services.store.client import StoreClient
 
     print_tasks_on_sigusr1(asyncio.get_running_loop())

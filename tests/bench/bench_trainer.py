@@ -74,7 +74,7 @@ def main() -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    from services.rollout.tiny_moe import TinyMoeConfig
+    from services.common.tiny_moe import TinyMoeConfig
 
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:

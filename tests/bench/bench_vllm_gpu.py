@@ -42,7 +42,7 @@ def build(kind: str, out: str, layers: int, first_k_dense: int, device: str) -> 
     import torch
     from transformers import Qwen3MoeForCausalLM
 
-    from services.rollout.tiny_moe import TinyMoeConfig, build_tokenizer, hf_config
+    from services.common.tiny_moe import TinyMoeConfig, build_tokenizer, hf_config
 
     widths = QWEN3_30B_A3B if kind == "30b" else TINY
     cfg = TinyMoeConfig(num_layers=layers, first_k_dense=first_k_dense, seed=0, **widths)
@@ -101,7 +101,7 @@ async def timed_round(engine: Any, tag: str, bp: list[list[int]], max_tokens: in
 async def pair_main(a: argparse.Namespace) -> dict[str, Any]:
     """Two engines on one GPU (A and B, each MODE:CAPTURE), rounds interleaved A B B A ... so
     drift and host noise fall on both alike; B/A of the summed tokens/s per batch."""
-    from services.rollout.tiny_moe import CHARS, SPECIAL_TOKENS
+    from services.common.tiny_moe import CHARS, SPECIAL_TOKENS
 
     specs = {"A": a.a, "B": a.b}
     engines = {}
@@ -148,10 +148,10 @@ async def load_main(a: argparse.Namespace) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from services.common.tiny_moe import CHARS, SPECIAL_TOKENS
     from services.rollout.capture_check import check_capture
     from services.rollout.config import SamplingConfig
     from services.rollout.engine import CallParams
-    from services.rollout.tiny_moe import CHARS, SPECIAL_TOKENS
 
     # the engine first: CUDA touched in this process before vLLM forks its engine core fails
     # the start ("Cannot re-initialize CUDA in forked subprocess", seen on H200)
@@ -203,10 +203,10 @@ async def engine_main(a: argparse.Namespace) -> dict[str, Any]:
     from prometheus_client import CollectorRegistry
 
     from services.common.metrics import create_metrics
+    from services.common.tiny_moe import CHARS, SPECIAL_TOKENS
     from services.rollout.capture_check import RoutingCaptureError, check_capture
     from services.rollout.config import EngineConfig, SamplingConfig
     from services.rollout.engine import CallParams, RolloutEngine
-    from services.rollout.tiny_moe import CHARS, SPECIAL_TOKENS
 
     eager = a.mode == "eager"
     cfg = EngineConfig(model=a.model, dtype=a.dtype, max_model_len=a.max_model_len,

@@ -127,7 +127,7 @@ def compare(out: Path, worlds: list[int]) -> dict:
 def main() -> None:
     import torch.multiprocessing as mp
 
-    from services.rollout.tiny_moe import TinyMoeConfig, build_tiny_moe
+    from services.common.tiny_moe import TinyMoeConfig, build_tiny_moe
     from trainer.config import TrainerConfig
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -17,11 +17,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.common.tiny_moe import TinyMoeConfig
 from services.local.accounting import Accounting
 from services.local.config import GrpoConfig, LocalConfig, rollout_concurrency
 from services.local.procs import wait_for
 from services.local.run import LocalRun
-from services.rollout.tiny_moe import TinyMoeConfig
 from services.store.client import StoreClient
 from trainer.loop.ledger import read_trained_ids
 

@@ -17,9 +17,9 @@ from pathlib import Path
 import psutil
 import pytest
 
+from services.common.tiny_moe import TinyMoeConfig
 from services.local.config import GrpoConfig, LocalConfig
 from services.local.procs import wait_for
-from services.rollout.tiny_moe import TinyMoeConfig
 
 pytestmark = [pytest.mark.faults]
 

@@ -24,10 +24,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from services.common.tiny_moe import TinyMoeConfig
 from services.local.config import GrpoConfig, LocalConfig
 from services.local.procs import wait_for
 from services.local.run import LocalRun
-from services.rollout.tiny_moe import TinyMoeConfig
 from services.store.client import StoreClient
 
 pytestmark = [pytest.mark.faults]

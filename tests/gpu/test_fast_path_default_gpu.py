@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 _CHILD = """
 import logging, sys
 logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(name)s %(message)s")
-from services.rollout.tiny_moe import TinyMoeConfig, build_tiny_moe
+from services.common.tiny_moe import TinyMoeConfig, build_tiny_moe
 from trainer.backend import make_trainer
 from trainer.config import TrainerConfig
 d = build_tiny_moe(sys.argv[1], TinyMoeConfig(num_layers=2, first_k_dense=1))

@@ -52,7 +52,7 @@ def _record(key: str, value) -> None:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from services.rollout.tiny_moe import TinyMoeConfig, build_tiny_moe
+    from services.common.tiny_moe import TinyMoeConfig, build_tiny_moe
 
     return build_tiny_moe(tmp_path_factory.mktemp("tiny"), TinyMoeConfig(num_layers=3,
                                                                         first_k_dense=1))

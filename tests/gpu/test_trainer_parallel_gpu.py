@@ -75,7 +75,7 @@ def _with_dtype(table: dict, world: int) -> dict:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    from services.rollout.tiny_moe import TinyMoeConfig, build_tiny_moe
+    from services.common.tiny_moe import TinyMoeConfig, build_tiny_moe
 
     model = build_tiny_moe(tmp_path_factory.mktemp("tiny"), TinyMoeConfig(num_layers=4,
                                                                          first_k_dense=1))

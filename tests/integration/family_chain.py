@@ -32,7 +32,7 @@ FP32_LOGPROB_TOL = 1e-4
 
 def tiny_config(family: str):
     """Small enough for a 2-core CI box; families with dense layers get one leading dense layer."""
-    from services.rollout.tiny_moe import TinyMoeConfig
+    from services.common.tiny_moe import TinyMoeConfig
 
     dense = family in ("qwen2_moe", "deepseek_v3", "glm4_moe")
     return TinyMoeConfig(num_layers=3 if dense else 2, first_k_dense=int(dense))

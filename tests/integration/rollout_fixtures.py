@@ -20,9 +20,9 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from services.common.metrics import create_metrics
+from services.common.tiny_moe import TinyMoeConfig, build_tiny_moe
 from services.common.wire import routing_from_proto
 from services.rollout.config import EngineConfig, RolloutConfig
-from services.rollout.tiny_moe import TinyMoeConfig, build_tiny_moe
 
 T = TypeVar("T")
 MAX_MODEL_LEN = 512

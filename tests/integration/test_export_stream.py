@@ -33,7 +33,7 @@ LAYOUTS = {"ep2": {"expert_parallel": 2}, "pp2": {"pipeline_parallel": 2},
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from services.rollout.tiny_moe import TinyMoeConfig, build_tiny_moe
+    from services.common.tiny_moe import TinyMoeConfig, build_tiny_moe
 
     return build_tiny_moe(tmp_path_factory.mktemp("stream") / "tiny", TinyMoeConfig(
         hidden_size=256, num_layers=4, first_k_dense=1, num_experts=16,

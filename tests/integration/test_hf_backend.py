@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from services.common.net import free_port
-from services.rollout.tiny_moe import TinyMoeConfig, build_tiny_moe
+from services.common.tiny_moe import TinyMoeConfig, build_tiny_moe
 from trainer.replay import ReplayMode
 
 pytestmark = pytest.mark.timeout(300)

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.timeout(300)
 def test_run_hf_pulls_trains_checkpoints_and_resumes(tmp_path, store_process, caplog):
     from test_trainer_cli import _hf, make_group
 
-    from services.rollout.tiny_moe import TinyMoeConfig, build_tiny_moe
+    from services.common.tiny_moe import TinyMoeConfig, build_tiny_moe
     from services.store.client import StoreClient
     from trainer.cli import train
     from trainer.config import TrainerConfig

@@ -53,7 +53,7 @@ def _two_ranks(cfg, store):
 
 def test_two_ray_ranks_equal_one_rank_and_reshard_on_resume(tmp_path):
     from services.common.pb.r3flow.v1 import store_pb2
-    from services.rollout.tiny_moe import TinyMoeConfig, build_tiny_moe
+    from services.common.tiny_moe import TinyMoeConfig, build_tiny_moe
     from trainer.local_ranks import LocalRanks
     from trainer.loop.loop import TrainLoop
     from trainer.worker import RankWorker

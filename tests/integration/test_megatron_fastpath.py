@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.rollout.tiny_moe import TinyMoeConfig, build_tiny_moe
+from services.common.tiny_moe import TinyMoeConfig, build_tiny_moe
 
 pytestmark = pytest.mark.timeout(300)
 PATHS = {"plain": {}, "grouped": {"experts": "grouped"},

@@ -28,7 +28,7 @@ def _run_ranks(tmp_path, model) -> list[dict]:
 
 
 def test_planned_dispatch_steps_equal_unplanned_and_a_stale_plan_raises(tmp_path):
-    from services.rollout.tiny_moe import TinyMoeConfig, build_tiny_moe
+    from services.common.tiny_moe import TinyMoeConfig, build_tiny_moe
 
     model = build_tiny_moe(tmp_path / "tiny", TinyMoeConfig(num_layers=3, first_k_dense=1))
     res = _run_ranks(tmp_path, model)

@@ -59,7 +59,7 @@ def generate(model_dir: str, out: str) -> None:
 def trajectories(tmp_path_factory):
     from services.common.pb.r3flow.v1 import trajectory_pb2
     from services.common.procenv import pythonpath
-    from services.rollout.tiny_moe import TinyMoeConfig, build_tiny_moe
+    from services.common.tiny_moe import TinyMoeConfig, build_tiny_moe
 
     root = tmp_path_factory.mktemp("temp")
     model = build_tiny_moe(root / "tiny", TinyMoeConfig(num_layers=3, first_k_dense=1))

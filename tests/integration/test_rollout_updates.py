@@ -32,10 +32,10 @@ from rollout_fixtures import (  # noqa: F401
     write_jsonl,
 )
 
+from services.common.tiny_moe import build_tokenizer
 from services.rollout.dataset import PromptRecord
 from services.rollout.engine import CallParams
 from services.rollout.sink import MemorySink, StoreSink
-from services.rollout.tiny_moe import build_tokenizer
 from services.rollout.worker import RolloutWorker
 from services.store.client import StoreClient
 

@@ -21,10 +21,10 @@ from rollout_fixtures import (  # noqa: F401
 )
 
 from services.common.pb.r3flow.v1 import trajectory_pb2
+from services.common.tiny_moe import build_tokenizer
 from services.rollout.capture_check import check_capture
 from services.rollout.config import SamplingConfig
 from services.rollout.sink import StoreSink
-from services.rollout.tiny_moe import build_tokenizer
 from services.rollout.worker import RolloutWorker
 from services.store.client import StoreClient
 

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.timeout(240)
 @pytest.mark.parametrize("optim", [{}, {"use_distributed_optimizer": True}],
                          ids=["adam", "distributed_optimizer"])
 def test_resume_continues_exactly(tmp_path, optim):
-    from services.rollout.tiny_moe import TinyMoeConfig, build_tiny_moe
+    from services.common.tiny_moe import TinyMoeConfig, build_tiny_moe
     from trainer.backend import make_trainer
     from trainer.checkpoint import CheckpointManager, DataPosition
     from trainer.config import TrainerConfig

@@ -72,7 +72,7 @@ def _train(cfg_path: Path, steps: int) -> subprocess.CompletedProcess:
 
 
 def test_train_cli_pulls_trains_checkpoints_and_resumes(tmp_path, store_process):
-    from services.rollout.tiny_moe import TinyMoeConfig, build_tiny_moe
+    from services.common.tiny_moe import TinyMoeConfig, build_tiny_moe
     from services.store.client import StoreClient
 
     model = build_tiny_moe(tmp_path / "tiny", TinyMoeConfig(num_layers=3, first_k_dense=1))

@@ -25,7 +25,7 @@ def _run_ranks(tmp_path, model, mode: str) -> list[dict]:
 
 
 def test_two_ranks_ep2_step_with_identical_grad_norms(tmp_path):
-    from services.rollout.tiny_moe import TinyMoeConfig, build_tiny_moe
+    from services.common.tiny_moe import TinyMoeConfig, build_tiny_moe
 
     model = build_tiny_moe(tmp_path / "tiny", TinyMoeConfig(num_layers=3, first_k_dense=1))
     res = _run_ranks(tmp_path, model, "steps")
@@ -53,7 +53,7 @@ def test_ep2_ranks_with_unequal_microbatch_counts_step_together(tmp_path):
     quarantined): with mini_batches=2 every pass and every update is still an all-to-all both
     ranks join. Each rank must pad to the busiest rank's micro-batch count (no hang, no
     mismatched collective) and padding must train nothing."""
-    from services.rollout.tiny_moe import TinyMoeConfig, build_tiny_moe
+    from services.common.tiny_moe import TinyMoeConfig, build_tiny_moe
 
     model = build_tiny_moe(tmp_path / "tiny", TinyMoeConfig(num_layers=3, first_k_dense=1))
     res = _run_ranks(tmp_path, model, "uneven")

@@ -19,7 +19,7 @@ import pytest
 import torch
 from trainer_fixtures import TINY, natural_samples, randomise_layer
 
-from services.rollout.tiny_moe import TinyMoeConfig, build_tiny_moe
+from services.common.tiny_moe import TinyMoeConfig, build_tiny_moe
 
 pytestmark = pytest.mark.timeout(300)
 

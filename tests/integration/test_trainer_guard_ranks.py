@@ -21,7 +21,7 @@ import torch
 from trainer_fixtures import TINY, natural_samples
 
 from services.common.net import free_port
-from services.rollout.tiny_moe import TinyMoeConfig, build_tiny_moe
+from services.common.tiny_moe import TinyMoeConfig, build_tiny_moe
 
 pytestmark = pytest.mark.timeout(300)
 LONG = 32  # padded length of the micro-batch holding the long trajectory

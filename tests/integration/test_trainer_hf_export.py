@@ -35,7 +35,7 @@ def _ranks(backend: str, cfg):
 def test_short_run_exports_hf_latest_that_transformers_loads(tmp_path, store_process, backend):
     from transformers import AutoTokenizer
 
-    from services.rollout.tiny_moe import TinyMoeConfig, build_tiny_moe
+    from services.common.tiny_moe import TinyMoeConfig, build_tiny_moe
     from services.store.client import StoreClient
     from trainer.config import TrainerConfig
     from trainer.loop.loop import TrainLoop
@@ -81,7 +81,7 @@ def test_ray_ep2_ranks_all_join_the_export_and_rank0_writes_it(tmp_path):
     import ray
     from test_trainer_ray import ListStore, _groups
 
-    from services.rollout.tiny_moe import TinyMoeConfig, build_tiny_moe
+    from services.common.tiny_moe import TinyMoeConfig, build_tiny_moe
     from trainer.config import TrainerConfig
     from trainer.loop.loop import TrainLoop
     from trainer.ray_launch import RayRanks

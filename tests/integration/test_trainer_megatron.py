@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from services.rollout.tiny_moe import TinyMoeConfig, build_tiny_moe
+from services.common.tiny_moe import TinyMoeConfig, build_tiny_moe
 from trainer.replay import ReplayMode
 
 pytestmark = pytest.mark.timeout(300)

@@ -105,7 +105,7 @@ def compare(ref: dict, ranks: list[dict], tol: float) -> dict:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from services.rollout.tiny_moe import TinyMoeConfig, build_tiny_moe
+    from services.common.tiny_moe import TinyMoeConfig, build_tiny_moe
 
     return build_tiny_moe(tmp_path_factory.mktemp("tiny"), TinyMoeConfig(num_layers=4,
                                                                         first_k_dense=1))

@@ -40,7 +40,7 @@ RUNS = {"step_end": {}, "overlap": {"overlap_param_gather": True},
 def run_pair(tmp_path: Path, dtype: str = "fp32", gpu: bool = False) -> list[dict]:
     """The runs in one pair of rank processes (gloo on the CPU, NCCL with `gpu`); per rank,
     what `_worker` found."""
-    from services.rollout.tiny_moe import TinyMoeConfig, build_tiny_moe
+    from services.common.tiny_moe import TinyMoeConfig, build_tiny_moe
 
     model = build_tiny_moe(tmp_path / "tiny", TinyMoeConfig(num_layers=3, first_k_dense=1))
     return run_script_ranks(__file__, tmp_path, [str(model), dtype], gpu=gpu)

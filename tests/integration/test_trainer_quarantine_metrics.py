@@ -22,8 +22,8 @@ from trainer_fixtures import TINY, natural_samples, randomise_layer
 
 from services.common.metrics import create_metrics
 from services.common.pb.r3flow.v1 import store_pb2, trajectory_pb2
+from services.common.tiny_moe import TinyMoeConfig, build_tiny_moe
 from services.common.wire import routing_to_proto
-from services.rollout.tiny_moe import TinyMoeConfig, build_tiny_moe
 
 pytestmark = pytest.mark.timeout(300)
 DENSE, LAYERS = 2, 7  # model layers 0-1 dense, 2-6 MoE

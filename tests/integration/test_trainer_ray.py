@@ -71,7 +71,7 @@ def test_ray_actors_ep2_train_via_loop(tmp_path):
     import torch
 
     from services.common.pb.r3flow.v1 import store_pb2
-    from services.rollout.tiny_moe import TinyMoeConfig, build_tiny_moe
+    from services.common.tiny_moe import TinyMoeConfig, build_tiny_moe
     from trainer.config import TrainerConfig
     from trainer.loop.loop import TrainLoop
     from trainer.ray_launch import RayRanks

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from services.rollout.tiny_moe import TinyMoeConfig, build_tiny_moe
+from services.common.tiny_moe import TinyMoeConfig, build_tiny_moe
 
 pytestmark = pytest.mark.timeout(300)
 SEQ = 96

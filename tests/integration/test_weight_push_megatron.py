@@ -37,7 +37,7 @@ STEP_TIMEOUT_S = 480
 @pytest.fixture(scope="module")
 def pushed(tmp_path_factory):
     """Run the four processes once; returns (work dir, model dir)."""
-    from services.rollout.tiny_moe import TinyMoeConfig, build_tiny_moe
+    from services.common.tiny_moe import TinyMoeConfig, build_tiny_moe
 
     work = tmp_path_factory.mktemp("push")
     model = build_tiny_moe(work / "tiny", TinyMoeConfig(num_layers=3, first_k_dense=1))

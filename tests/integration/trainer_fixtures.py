@@ -38,7 +38,7 @@ def load_hf_fp32(model_dir):
     return hf
 
 
-# A tiny MoE narrow enough that many layers stay cheap (services.rollout.tiny_moe sizes).
+# A tiny MoE narrow enough that many layers stay cheap (services.common.tiny_moe sizes).
 TINY = dict(hidden_size=32, moe_intermediate_size=32, intermediate_size=64,
             num_attention_heads=2, num_key_value_heads=1, head_dim=16)
 

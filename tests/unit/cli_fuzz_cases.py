@@ -18,9 +18,9 @@ from typing import Any
 
 import yaml
 
+from services.common.tiny_moe import TinyMoeConfig
 from services.local.config import LocalConfig
 from services.rollout.config import RolloutConfig
-from services.rollout.tiny_moe import TinyMoeConfig
 from services.store.config import StoreConfig
 from trainer.config import TrainerConfig
 

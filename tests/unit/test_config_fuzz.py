@@ -21,10 +21,10 @@ from pydantic import BaseModel
 
 from services.common.auth import AuthConfig, ClientAuthConfig
 from services.common.config import ConfigError, build_config, load_config
+from services.common.tiny_moe import TinyMoeConfig
 from services.local.config import LocalConfig
 from services.local.warm_start import WarmStartConfig
 from services.rollout.config import RolloutConfig
-from services.rollout.tiny_moe import TinyMoeConfig
 from services.store.config import StoreConfig
 from trainer.config import TrainerConfig
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.rollout.tiny_moe import TinyMoeConfig, build_tiny_moe
+from services.common.tiny_moe import TinyMoeConfig, build_tiny_moe
 from trainer.hf import loading
 
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from services.common.tiny_moe import TinyMoeConfig
+from services.common.tiny_moe import hf_config as qwen3_config
 from services.rollout.families import FAMILIES, hf_config
-from services.rollout.tiny_moe import TinyMoeConfig
-from services.rollout.tiny_moe import hf_config as qwen3_config
 from trainer.hf.routers import HFAgreementMonitor, HFModelReplay, find_routers
 from trainer.replay import RoutingAgreementError
 

@@ -170,3 +170,11 @@ def test_arrow_rule_sees_an_arrow_into_a_backend(tmp_path: Path) -> None:
     (tmp_path / "trainer/grpo.py").write_text("def f():\n    from trainer.hf.packing import X\n")
     graph = import_graph(tmp_path)
     assert arrows_into(graph, ("trainer.grpo",), BACKENDS) == ["trainer.grpo -> trainer.hf.packing"]
+
+
+def test_trainer_imports_no_service_above_it() -> None:
+    """The trainer reaches the rollout service and the local launcher only through gRPC, Redis and
+    the weight-sync group: what both need (the tiny model builder, tensor digests) sits below
+    both, in services.common."""
+    found = arrows_into(import_graph(), ("trainer",), ("services.rollout", "services.local"))
+    assert not found, "the trainer imports a service:\n  " + "\n  ".join(found)

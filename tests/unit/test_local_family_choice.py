@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from services.common.config import ConfigError, build_config
+from services.common.tiny_moe import TinyMoeConfig
 from services.local.config import LocalConfig, rollout_config, trainer_config, warm_start_config
 from services.local.family import HF_KNOBS, megatron_refusal, plan
 from services.local.warm_start import WarmStartConfig
 from services.local.warm_start import trainer_config as warm_trainer_config
-from services.rollout.tiny_moe import TinyMoeConfig
 from trainer.config import TrainerConfig
 from trainer.megatron.families import REFUSED, SUPPORTED
 

@@ -25,7 +25,7 @@ import torch
 from trainer.megatron.cpu_shims import apply_cpu_shims
 assert apply_cpu_shims()  # before anything else touched torch's device context
 from transformers import AutoModelForCausalLM
-from services.rollout.tiny_moe import TinyMoeConfig, build_tiny_moe
+from services.common.tiny_moe import TinyMoeConfig, build_tiny_moe
 
 with torch.device("meta"):
     in_context = torch.tensor([1.0]).device.type

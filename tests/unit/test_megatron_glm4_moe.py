@@ -10,8 +10,8 @@ import json
 import pytest
 import torch
 
+from services.common.tiny_moe import TinyMoeConfig
 from services.rollout.families import hf_config
-from services.rollout.tiny_moe import TinyMoeConfig
 from trainer.megatron.families import config_overrides
 from trainer.megatron.grouped_router import GroupedSigmoidRouter, grouped_router_from_hf
 from trainer.megatron.hf_mapping import arch_from_hf_config, hf_to_megatron, megatron_to_hf

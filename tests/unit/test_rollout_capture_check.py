@@ -15,12 +15,12 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from services.common.metrics import create_metrics
+from services.common.tiny_moe import build_tokenizer
 from services.rollout.capture_check import CHECK_TOKENS, RoutingCaptureError, check_capture
 from services.rollout.config import RolloutConfig, SamplingConfig
 from services.rollout.dataset import PromptRecord
 from services.rollout.segments import CallOutput
 from services.rollout.sink import MemorySink
-from services.rollout.tiny_moe import build_tokenizer
 from services.rollout.worker import RolloutWorker
 
 LAYERS, TOP_K, EXPERTS = 2, 2, 4

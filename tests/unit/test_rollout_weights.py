@@ -6,8 +6,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from services.common.tiny_moe import TinyMoeConfig, build_tiny_moe, hf_config
 from services.rollout.engine import model_info, moe_layer_ids
-from services.rollout.tiny_moe import TinyMoeConfig, build_tiny_moe, hf_config
 from services.rollout.worker_ext import unfuse_hf_experts
 
 

@@ -20,7 +20,7 @@ QWEN3_30B_A3B = {
 
 def tiny_moe_config() -> dict:
     """The HF config keys of `r3flow model tiny-moe` with its default sizes."""
-    from services.rollout.tiny_moe import TinyMoeConfig, vocab_size
+    from services.common.tiny_moe import TinyMoeConfig, vocab_size
 
     c = TinyMoeConfig()
     return {"model_type": "qwen3_moe", "hidden_size": c.hidden_size,
