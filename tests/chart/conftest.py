@@ -7,6 +7,7 @@ These tests run from scripts/chart_check.sh (`make chart-check`) after it instal
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 from functools import cache
 from pathlib import Path
@@ -37,6 +38,28 @@ def helm() -> Path:
 
 def run_helm(helm: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([str(helm), *args], capture_output=True, text=True, timeout=120)
+
+
+# NOTES.txt evaluated through `tpl` inside a ConfigMap of a throwaway copy of the chart.
+_NOTES_PROBE = """apiVersion: v1
+kind: ConfigMap
+metadata:
+  name: notes-probe
+data:
+  notes: {{ tpl (.Files.Get "NOTES.probe") . | quote }}
+"""
+
+
+def render_notes(helm: Path, tmp_path: Path, *args: str) -> str:
+    """NOTES.txt as `helm install r3flow -n r3flow <args>` would print it."""
+    chart = tmp_path / "r3flow"
+    shutil.copytree(CHART, chart)
+    shutil.copy(chart / "templates" / "NOTES.txt", chart / "NOTES.probe")
+    (chart / "templates" / "notes-probe.yaml").write_text(_NOTES_PROBE)
+    proc = run_helm(helm, "template", "r3flow", str(chart), "-n", "r3flow", *args,
+                    "--show-only", "templates/notes-probe.yaml")
+    assert proc.returncode == 0, proc.stderr
+    return yaml.safe_load(proc.stdout)["data"]["notes"]
 
 
 @cache

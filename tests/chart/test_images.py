@@ -9,15 +9,7 @@ import re
 
 from conftest import ROOT
 
-
-def _versions() -> dict[str, str]:
-    out = {}
-    for line in (ROOT / "docker" / "versions.env").read_text().splitlines():
-        line = line.split("#", 1)[0].strip()
-        if line:
-            key, value = line.split("=", 1)
-            out[key] = value
-    return out
+from scripts.resolve_images import versions
 
 
 def _froms(name: str) -> set[str]:
@@ -26,7 +18,7 @@ def _froms(name: str) -> set[str]:
 
 
 def test_gpu_images_share_the_recorded_vllm_base():
-    v = _versions()
+    v = versions()
     want = {f"vllm/vllm-openai:v{v['VLLM']}"}
     assert _froms("rollout.Dockerfile") == want
     assert _froms("trainer.Dockerfile") == want
@@ -35,7 +27,7 @@ def test_gpu_images_share_the_recorded_vllm_base():
 
 
 def test_requirement_files_and_cpu_lock_follow_the_record():
-    v = _versions()
+    v = versions()
     trainer = (ROOT / "docker" / "requirements-trainer.txt").read_text()
     assert re.search(rf"^megatron-core=={re.escape(v['MEGATRON_CORE'])}\s*$", trainer, re.M)
     lock = (ROOT / "requirements" / "cpu.lock").read_text()
@@ -45,7 +37,7 @@ def test_requirement_files_and_cpu_lock_follow_the_record():
 
 
 def test_operations_doc_has_the_versions_table():
-    v = _versions()
+    v = versions()
     doc = (ROOT / "docs" / "operations.md").read_text()
     rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| (vLLM|torch|NCCL|megatron-core) "
                                                         r"\| (\S+) \|", doc, re.M)}

@@ -8,20 +8,12 @@ leaves its pods in ContainerCreating."""
 from __future__ import annotations
 
 import re
-import shutil
 
 import pytest
 import yaml
-from conftest import API_VERSIONS, CHART, ROOT, VALUES_FILES, run_helm
+from conftest import API_VERSIONS, CHART, ROOT, VALUES_FILES, render_notes, run_helm
 
 KINDS = ("Secret", "PersistentVolumeClaim", "ConfigMap")
-_PROBE = """apiVersion: v1
-kind: ConfigMap
-metadata:
-  name: notes-probe
-data:
-  notes: {{ tpl (.Files.Get "NOTES.probe") . | quote }}
-"""
 
 
 def _pod_specs(doc: dict) -> list[dict]:
@@ -105,14 +97,7 @@ def render(helm, values: str | None, notes: bool = False, tmp_path=None):
                         *extra)
         assert proc.returncode == 0, proc.stderr
         return [d for d in yaml.safe_load_all(proc.stdout) if d]
-    chart = tmp_path / "r3flow"
-    shutil.copytree(CHART, chart)
-    shutil.copy(chart / "templates" / "NOTES.txt", chart / "NOTES.probe")
-    (chart / "templates" / "notes-probe.yaml").write_text(_PROBE)
-    proc = run_helm(helm, "template", "r3flow", str(chart), "-n", "r3flow", *API_VERSIONS,
-                    *extra, "--show-only", "templates/notes-probe.yaml")
-    assert proc.returncode == 0, proc.stderr
-    return yaml.safe_load(proc.stdout)["data"]["notes"]
+    return render_notes(helm, tmp_path, *API_VERSIONS, *extra)
 
 
 @pytest.mark.parametrize("values", sorted(VALUES_FILES))

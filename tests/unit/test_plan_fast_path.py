@@ -65,34 +65,12 @@ def test_plan_decides_auto_as_the_pods_device(tmp_path):
     assert (cpu.attention, cpu.chunked_logprobs) == ("unfused", False)
 
 
-_CHILD = """
-import logging, sys
-logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(name)s %(message)s")
-from services.common.tiny_moe import TinyMoeConfig, build_tiny_moe
-from trainer.backend import make_trainer
-from trainer.config import TrainerConfig
-d = build_tiny_moe(sys.argv[1], TinyMoeConfig(num_layers=2, first_k_dense=1))
-tr = make_trainer(TrainerConfig(model_dir=str(d), model={"dtype": "bf16"}))
-m = tr.cfg.model
-print("RESOLVED", m.experts, m.attention, m.planned_dispatch, tr.cfg.optim.fused_adam,
-      tr.cfg.loss.chunked_logprobs)
-"""
-
-
 def test_megatron_trainer_logs_the_reference_path_on_cpu(tmp_path):
     """A bf16 trainer with no switches set, on CPU (a fresh interpreter: the trainer sets up
     torch.distributed and megatron's CPU shims): one start line names the reference path."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    from tests.support.trainer_path import start_bf16_trainer
 
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    out = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path / "tiny")], env=env,
-                         cwd=Path(__file__).resolve().parents[2], capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    lines = [ln for ln in out.stdout.splitlines() if "trainer path:" in ln]
-    assert len(lines) == 1, out.stdout[-3000:]
+    lines, stdout = start_bf16_trainer(tmp_path / "tiny", gpu=False, timeout=300)
+    assert len(lines) == 1, stdout[-3000:]
     assert lines[0].startswith("trainer.megatron.engine trainer path: reference "), lines
-    assert "RESOLVED sequential unfused False False False" in out.stdout
+    assert "RESOLVED sequential unfused False False False" in stdout
