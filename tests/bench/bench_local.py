@@ -34,6 +34,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+from services.common.procenv import pythonpath  # noqa: E402
+
 BASELINE_REV = "569d739"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 # which child of `r3flow local` a process descends from (its argv after `services.cli`)
@@ -49,7 +52,7 @@ def baseline_tree(rev: str) -> Path:
                                  capture_output=True).stdout
         subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
         subprocess.run([sys.executable, "-m", "services.common._build"], cwd=tree, check=True,
-                       env=os.environ | {"PYTHONPATH": str(tree)})
+                       env=os.environ | {"PYTHONPATH": pythonpath(tree)})
         (tree / ".built").write_text(rev)
     return tree
 
@@ -133,7 +136,7 @@ def run_once(tree: Path, steps: int, config: dict | None, label: str, keep: bool
         (runs / "config.json").write_text(json.dumps(config))
         cmd += ["--config", str(runs / "config.json")]
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=tree, env=os.environ | {"PYTHONPATH": str(tree)},
+    proc = subprocess.Popen(cmd, cwd=tree, env=os.environ | {"PYTHONPATH": pythonpath(tree)},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     sampler = CpuSampler(proc.pid)
     sampler.start()

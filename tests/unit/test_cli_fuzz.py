@@ -78,6 +78,7 @@ def test_every_command_refuses_mutated_inputs_on_one_line(tmp_path, monkeypatch)
     before = snapshot(inputs)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     threads = threading.active_count()
+    children = set(psutil.Process().children())  # e.g. multiprocessing's resource tracker
     outcomes: Counter[str] = Counter()
     failures: list[str] = []
     t0 = time.monotonic()
@@ -101,5 +102,5 @@ def test_every_command_refuses_mutated_inputs_on_one_line(tmp_path, monkeypatch)
     assert snapshot(inputs) == before, "an input file was written or changed"
     assert {s: signal.getsignal(s) for s in handlers} == handlers, "a signal handler was set"
     assert threading.active_count() == threads, "a thread was started"
-    assert psutil.Process().children() == [], "a process was started"
+    assert set(psutil.Process().children()) <= children, "a process was started"
     assert outcomes and sum(v for k, v in outcomes.items() if k.endswith("exit 2")) > len(cases) / 3

@@ -98,14 +98,20 @@ def test_two_ranks_unequal_tokens_equal_one_rank(tmp_path: Path) -> None:
     want = _grads(1, long + short)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     args = (str(tmp_path / "store"), str(tmp_path / "g"))
-    # rank 1 in a spawned child, rank 0 here (one interpreter start, not two)
-    child = mp.get_context("spawn").Process(target=_rank, args=(1, *args))
-    child.start()
+    # both ranks in spawned children: this process may already hold a default process group
+    # (an in-process trainer of an earlier test on the same pytest worker)
+    ranks = [mp.get_context("spawn").Process(target=_rank, args=(r, *args)) for r in (0, 1)]
+    for p in ranks:
+        p.start()
     try:
-        _rank(0, *args)
+        for p in ranks:
+            p.join(timeout=120)
     finally:
-        child.join(timeout=120)
-    assert child.exitcode == 0
+        for p in ranks:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    assert [p.exitcode for p in ranks] == [0, 0]
     for rank in (0, 1):
         got = torch.load(tmp_path / f"g.{rank}")
         for mode in MODES:
