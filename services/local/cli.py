@@ -19,11 +19,13 @@ log = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from services.common import families
+
     parser.add_argument("--config", help="LocalConfig file (.toml/.yaml/.json); flags override it")
     parser.add_argument("--replay", choices=["r3", "r2", "off"], help="routing replay mode")
     parser.add_argument("--family", help="MoE family of the tiny model (HF model_type: "
-                        "qwen3_moe, qwen2_moe, mixtral, olmoe, deepseek_v3, glm4_moe, gpt_oss); "
-                        "picks the trainer backend unless --trainer-backend is given")
+                        f"{', '.join(families.names())}); picks the trainer backend unless "
+                        "--trainer-backend is given")
     parser.add_argument("--trainer-backend", choices=["megatron", "hf"],
                         help="trainer backend (default: megatron where it maps the family, "
                         "else hf)")

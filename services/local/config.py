@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, field_validator
 
+from services.common import families
 from services.common.config import StrictConfig
 from services.common.tiny_moe import TinyMoeConfig
 from services.local.tasks import TaskConfig
@@ -106,8 +107,8 @@ class LocalConfig(StrictConfig):
 
     runs_dir: str = Field("runs", description="parent of the per-run folders")
     replay: Literal["r3", "r2", "off"] = "r3"
-    family: str = Field("qwen3_moe", description="MoE family of the tiny model (HF model_type, "
-                        "one of services.rollout.families.FAMILIES); it also decides the trainer "
+    family: str = Field(families.DEFAULT, description="MoE family of the tiny model (HF "
+                        "model_type, one of services.common.families); it also decides the trainer "
                         "backend when trainer_backend is unset (services.local.family)")
     trainer_backend: Literal["megatron", "hf"] | None = Field(
         None, description="trainer backend; unset: megatron where it maps the family, else hf")
@@ -150,10 +151,8 @@ class LocalConfig(StrictConfig):
     @field_validator("family")
     @classmethod
     def _known_family(cls, v: str) -> str:
-        from services.rollout.families import FAMILIES
-
-        if v not in FAMILIES:
-            raise ValueError(f"{v!r} is not one of {', '.join(FAMILIES)}")
+        if families.find(v) is None:
+            raise ValueError(f"{v!r} is not one of {', '.join(families.names())}")
         return v
 
 

@@ -1,13 +1,12 @@
 """`r3flow local --family NAME`: which tiny model the run builds, and what the family decides.
 
-The family (services.rollout.families.FAMILIES) picks the trainer backend when the user named
+The family (services.common.families) picks the trainer backend when the user named
 none: megatron where trainer.megatron.families maps the family (the refusal is tried on the
 run's own model config, so a config-dependent refusal counts too), else hf. A user who names
 megatron for a family it refuses gets that refusal at boot. What a family needs from the HF
-backend or from vLLM-CPU is set here, never left to the user: GPT-OSS trains with eager
-attention (transformers has no sdpa for it) and unpacked micro-batches (its masks ignore packed
-boundaries, trainer.hf.model.NO_PACKING), and vLLM-CPU runs it in bf16 only (its attention-sink
-kernel takes bf16 sinks).
+backend or from vLLM-CPU (its `hf_knobs`, `engine_dtype`: GPT-OSS trains with eager attention and
+unpacked micro-batches, and vLLM-CPU runs it in bf16 only) is read from its family module and
+set here, never left to the user.
 """
 
 from __future__ import annotations
@@ -17,16 +16,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from services.common import families
 from services.common.config import ConfigError
 from services.common.tiny_moe import TinyMoeConfig
 
 log = logging.getLogger(__name__)
 
-# family -> HF backend knobs (trainer `hf:` section) the family cannot train without
+# family -> HF backend knobs (trainer `hf:` section) the family cannot train without (a view of
+# the registry's families at import; plan() reads the registry itself)
 HF_KNOBS: dict[str, dict[str, Any]] = {
-    "gpt_oss": {"attn_implementation": "eager", "packing": False}}
-# family -> the only vLLM-CPU engine dtype that runs it
-ENGINE_DTYPE: dict[str, str] = {"gpt_oss": "bfloat16"}
+    f.name: f.hf_knobs for f in families.all_families() if f.hf_knobs}
 
 
 @dataclass(frozen=True)
@@ -42,11 +41,9 @@ class FamilyPlan:
 
 def megatron_refusal(family: str, model: TinyMoeConfig) -> str | None:
     """Why the megatron backend cannot train the tiny `family` model, or None if it can."""
-    from services.common.tiny_moe import hf_config as qwen3_config
-    from services.rollout.families import hf_config
     from trainer.megatron.hf_mapping import arch_from_hf_config
 
-    cfg = (qwen3_config(model) if family == "qwen3_moe" else hf_config(family, model)).to_dict()
+    cfg = families.hf_config(family, model).to_dict()
     try:
         arch_from_hf_config(cfg)
     except ValueError as e:
@@ -66,8 +63,9 @@ def plan(family: str, backend: str | None, model: TinyMoeConfig) -> FamilyPlan:
         backend, why = "hf", f"the megatron backend refuses it ({refusal})"
     else:
         backend, why = "megatron", "the megatron backend maps it"
-    return FamilyPlan(family, backend, why, HF_KNOBS.get(family, {}) if backend == "hf" else {},
-                      ENGINE_DTYPE.get(family))
+    fam = families.get(family)
+    return FamilyPlan(family, backend, why, fam.hf_knobs if backend == "hf" else {},
+                      fam.engine_dtype)
 
 
 def log_plan(p: FamilyPlan, run_dtype: str) -> None:
@@ -82,6 +80,4 @@ def log_plan(p: FamilyPlan, run_dtype: str) -> None:
 
 def build_model(out_dir: Path, family: str, model: TinyMoeConfig) -> Path:
     """The run's random-init tiny model of `family`."""
-    from services.rollout.families import build_family
-
-    return build_family(out_dir, family, model)
+    return families.build_family(out_dir, family, model)

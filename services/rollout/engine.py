@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from services.common import families
 from services.rollout.config import EngineConfig
 from services.rollout.segments import CallOutput
 from services.rollout.vllm_compat import check_routed_prompt_start
@@ -62,17 +63,11 @@ def moe_layer_ids(hf_config: Any) -> list[int]:
 
 
 def check_engine_layout(hf_config: Any) -> None:
-    """Refuse a config vLLM 0.30 would run differently from what it says (and from the trainer,
-    which follows the config): GPT-OSS's sliding window goes on the even layers whatever
-    `layer_types` says (vllm/model_executor/models/gpt_oss.py)."""
-    types = getattr(hf_config, "layer_types", None)
-    if getattr(hf_config, "model_type", None) == "gpt_oss" and types:
-        engine = ["sliding_attention" if i % 2 == 0 else "full_attention"
-                  for i in range(len(types))]
-        if list(types) != engine:
-            raise ValueError(f"engine.model: layer_types {list(types)} differ from vLLM 0.30's "
-                             f"GPT-OSS layout (sliding window on even layers, full on odd), "
-                             f"which it applies regardless of layer_types")
+    """Refuse a config vLLM 0.30 would run differently from what it says: the family's own check
+    (services.common.families: `engine_check`), none for a family it does not register."""
+    family = families.find(getattr(hf_config, "model_type", None))
+    if family is not None and family.engine_check is not None:
+        family.engine_check(hf_config)
 
 
 def model_info(hf_config: Any) -> ModelInfo:

@@ -27,8 +27,16 @@ from __future__ import annotations
 
 from typing import Any
 
-# HF model types whose vLLM model is DeepseekV2's MLA (DeepseekV2MLAAttention)
-MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
+from services.common import families
+
+# HF model types whose vLLM model is DeepseekV2's MLA (DeepseekV2MLAAttention) that r3flow
+# registers no family for; the registered ones say so themselves (services.common.families: `mla`)
+OTHER_MLA_MODEL_TYPES = ("deepseek_v2", "kimi_k2")
+
+
+def mla_model_types() -> tuple[str, ...]:
+    """Every HF model type vLLM runs with DeepseekV2's MLA."""
+    return OTHER_MLA_MODEL_TYPES + tuple(f.name for f in families.all_families() if f.mla)
 
 
 def rope_type(hf_config: Any) -> str:
@@ -44,7 +52,7 @@ def rope_type(hf_config: Any) -> str:
 def check_mla_rope_on_cpu(hf_config: Any, on_cpu: bool) -> None:
     """ValueError naming the cause when vLLM-CPU would run an MLA model with plain RoPE."""
     model_type = getattr(hf_config, "model_type", None)
-    if on_cpu and model_type in MLA_MODEL_TYPES and rope_type(hf_config) == "default":
+    if on_cpu and model_type in mla_model_types() and rope_type(hf_config) == "default":
         raise ValueError(
             f"engine.model: {model_type} with plain RoPE (rope_scaling none / rope_type default) "
             "cannot run on vLLM-CPU 0.30: its CPU rotary kernel (torch.ops._C.rotary_embedding) "

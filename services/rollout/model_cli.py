@@ -8,6 +8,7 @@ import logging
 import re
 from pathlib import Path
 
+from services.common import families
 from services.common.errors import UserError, add_common_flags
 from services.rollout.cli import set_overrides
 
@@ -19,9 +20,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="model_command", required=True, metavar="MODEL")
     tiny = sub.add_parser("tiny-moe", help="write a small random-init Qwen3-MoE with a local tokenizer")
     tiny.add_argument("--out", required=True, help="output directory (HF format)")
-    tiny.add_argument("--family", default="qwen3_moe",
-                      help="HF model_type to build: qwen3_moe (default), qwen2_moe, mixtral, "
-                      "olmoe, deepseek_v3, glm4_moe, gpt_oss (services/rollout/families.py)")
+    tiny.add_argument("--family", default=families.DEFAULT,
+                      help=f"HF model_type to build: {', '.join(families.names())} "
+                      f"(default {families.DEFAULT}; services/common/families/)")
     tiny.add_argument("--config", help="TOML/YAML file with TinyMoeConfig fields")
     tiny.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                       help="override one TinyMoeConfig field (repeatable), e.g. --set num_layers=3")
@@ -52,10 +53,9 @@ def load(args: argparse.Namespace):
         return None
     from services.common.config import load_config
     from services.common.tiny_moe import TinyMoeConfig
-    from services.rollout.families import FAMILIES
 
-    if args.family not in FAMILIES:
-        raise UserError(f"--family: {args.family!r} is not one of {', '.join(FAMILIES)}")
+    if families.find(args.family) is None:
+        raise UserError(f"--family: {args.family!r} is not one of {', '.join(families.names())}")
     return load_config(TinyMoeConfig, args.config, set_overrides(args.set))
 
 
@@ -65,9 +65,7 @@ def run(args: argparse.Namespace) -> int:
         from services.rollout.model_fetch import run_fetch
 
         return run_fetch(args.uri, args.out)
-    from services.rollout.families import build_family
-
-    out = build_family(args.out, args.family, cfg)
+    out = families.build_family(args.out, args.family, cfg)
     log.info("tiny %s written to %s", args.family, out)
     print(out)
     return 0

@@ -1,7 +1,7 @@
 """Per model family, bf16: routing agreement of the trainer's own router with vLLM-CPU's and
 mean |rollout logprob - trainer logprob| with r3 (replaying vLLM's routing) vs off (issue 22).
 
-For each family the tiny model (services.rollout.families, TinyMoeConfig defaults but one leading
+For each family the tiny model (services.common.families, TinyMoeConfig defaults but one leading
 dense layer where the family has them) is sampled by vLLM-CPU in bf16 (temperature 1, routed
 experts and logprobs, a child process) and scored by the trainer in bf16: the megatron backend
 where it runs the family, else the HF backend. Baseline = the same run with replay off; the
@@ -27,8 +27,8 @@ NUM_PROMPTS, PROMPT_LEN, MAX_TOKENS = 8, 16, 32
 
 def measure(family: str, root: Path, backend: str = "auto", smoke: bool = False) -> dict:
     """Build the family's tiny model, sample it with vLLM-CPU, score the rollouts."""
+    from services.common.families import build_family
     from services.common.tiny_moe import TinyMoeConfig
-    from services.rollout.families import build_family
     from tests.support.vllm_sampling import sample_in_child
 
     dense = family in ("qwen2_moe", "deepseek_v3", "glm4_moe")
@@ -72,7 +72,7 @@ def score(family: str, model: Path, npz: Path, backend: str = "auto", smoke: boo
 
 
 def main() -> None:
-    from services.rollout.families import FAMILIES
+    from services.common.families import FAMILIES
 
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="bench-results/families.json")

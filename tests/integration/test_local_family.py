@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from services.rollout.families import FAMILIES
+from services.common.families import FAMILIES
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 2

@@ -35,8 +35,8 @@ def _build(out, **over):
     RoPE unless `over` sets rope_parameters (the tiny builder's default is DeepSeek's YaRN)."""
     from transformers import AutoModelForCausalLM
 
+    from services.common.families import hf_config
     from services.common.tiny_moe import TinyMoeConfig
-    from services.rollout.families import hf_config
 
     cfg = hf_config("deepseek_v3", TinyMoeConfig(num_layers=2, first_k_dense=1,
                                                  max_position_embeddings=128))

@@ -1,5 +1,5 @@
 """Replay hooks on HF routers (trainer.hf.routers) on a tiny random model of every MoE family
-(services.rollout.families), and the replay mechanisms (R2, packing, sequence parallelism,
+(services.common.families), and the replay mechanisms (R2, packing, sequence parallelism,
 agreement, gradient checkpointing) on four of them.
 
 The reference for "forced routing" is computed here, independently of the hooks: a forward hook
@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from services.common.families import FAMILIES, hf_config
 from services.common.tiny_moe import TinyMoeConfig
 from services.common.tiny_moe import hf_config as qwen3_config
-from services.rollout.families import FAMILIES, hf_config
 from trainer.hf.routers import HFAgreementMonitor, HFModelReplay, find_routers
 from trainer.replay import RoutingAgreementError
 

@@ -178,3 +178,55 @@ def test_trainer_imports_no_service_above_it() -> None:
     both, in services.common."""
     found = arrows_into(import_graph(), ("trainer",), ("services.rollout", "services.local"))
     assert not found, "the trainer imports a service:\n  " + "\n  ".join(found)
+
+
+def test_common_imports_nothing_above_it() -> None:
+    """services.common (the family registry among it) sits below the trainer and every service:
+    a family module names backend code by a dotted path the backend resolves, never by import."""
+    found = arrows_into(import_graph(), ("services.common",),
+                        ("trainer", "services.rollout", "services.local", "services.store"))
+    assert not found, "services.common imports a layer above it:\n  " + "\n  ".join(found)
+
+
+# One room per model family: a family's name (its HF model_type) appears as a string only in its
+# own modules, services/common/families/<name>.py and a backend's family_<name>.py; everything
+# else asks the registry (services.common.families), so adding a family is one new file.
+FAMILY_DIR = "services/common/families"
+
+
+def family_names(root: Path = ROOT) -> set[str]:
+    """The registered families, from the registry's module files (no import)."""
+    return {p.stem for p in (root / FAMILY_DIR).glob("*.py") if not p.stem.startswith("_")}
+
+
+def family_literals(root: Path = ROOT) -> list[str]:
+    """Every string constant equal to a family name outside the family modules, as 'path:line'."""
+    names = family_names(root)
+    found = []
+    for path in project_modules(root).values():
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith(FAMILY_DIR + "/") or path.name.startswith("family_"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Constant) and node.value in names:
+                found.append(f"{rel}:{node.lineno} {node.value!r}")
+    return found
+
+
+def test_family_names_only_in_family_modules() -> None:
+    assert {"qwen3_moe", "gpt_oss", "deepseek_v3"} <= family_names(), "the registry moved"
+    found = family_literals()
+    assert not found, ("a family named outside its family module (read it from "
+                       "services.common.families):\n  " + "\n  ".join(found))
+
+
+def test_family_literal_rule_sees_a_name_outside_the_family_modules(tmp_path: Path) -> None:
+    for pkg in ("services", "services/common", FAMILY_DIR, "trainer", "trainer/hf"):
+        (tmp_path / pkg).mkdir(exist_ok=True)
+        (tmp_path / pkg / "__init__.py").write_text("")
+    (tmp_path / FAMILY_DIR / "_base.py").write_text("X = 'base'\n")
+    (tmp_path / FAMILY_DIR / "gpt_oss.py").write_text("NAME = 'gpt_oss'\n")
+    (tmp_path / "trainer/hf/family_gpt_oss.py").write_text("NAME = 'gpt_oss'\n")
+    (tmp_path / "trainer/hf/model.py").write_text("def f(t):\n    return t == 'gpt_oss'\n")
+    assert family_names(tmp_path) == {"gpt_oss"}
+    assert family_literals(tmp_path) == ["trainer/hf/model.py:2 'gpt_oss'"]

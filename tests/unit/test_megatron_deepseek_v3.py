@@ -12,8 +12,8 @@ import logging
 import pytest
 import torch
 
+from services.common.families import hf_config
 from services.common.tiny_moe import TinyMoeConfig
-from services.rollout.families import hf_config
 from trainer.megatron.families import config_overrides
 from trainer.megatron.family_deepseek_v3 import mla_config_kwargs
 from trainer.megatron.hf_mapping import arch_from_hf_config, hf_to_megatron, megatron_to_hf

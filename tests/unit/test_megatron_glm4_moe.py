@@ -10,8 +10,8 @@ import json
 import pytest
 import torch
 
+from services.common.families import hf_config
 from services.common.tiny_moe import TinyMoeConfig
-from services.rollout.families import hf_config
 from trainer.megatron.families import config_overrides
 from trainer.megatron.grouped_router import GroupedSigmoidRouter, grouped_router_from_hf
 from trainer.megatron.hf_mapping import arch_from_hf_config, hf_to_megatron, megatron_to_hf
@@ -29,7 +29,7 @@ def built(tmp_path_factory):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from services.rollout.families import build_family
+    from services.common.families import build_family
 
     d = build_family(tmp_path_factory.mktemp("glm"), "glm4_moe",
                      TinyMoeConfig(num_layers=3, first_k_dense=1))

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from services.common.families import hf_config
 from services.common.tiny_moe import TinyMoeConfig
-from services.rollout.families import hf_config
 from trainer.megatron.families import config_overrides
 from trainer.megatron.hf_mapping import (
     arch_from_hf_config,

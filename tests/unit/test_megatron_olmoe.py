@@ -10,8 +10,8 @@ import pytest
 import torch
 from test_families_megatron import checkpoint
 
+from services.common.families import hf_config
 from services.common.tiny_moe import TinyMoeConfig
-from services.rollout.families import hf_config
 from trainer.megatron.families import config_overrides
 from trainer.megatron.family_olmoe import FullKNorm, FullQNorm
 from trainer.megatron.hf_mapping import arch_from_hf_config, hf_to_megatron, megatron_to_hf

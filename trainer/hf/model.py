@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from services.common import families
+
 log = logging.getLogger(__name__)
 
 
@@ -61,16 +63,14 @@ def load_model(model_dir: str | Path, attn_implementation: str = "sdpa") -> Any:
     return model
 
 
-# Families whose transformers 5.24 masks do not turn restarting position ids into a block-diagonal
-# mask: packed samples attend to each other (GPT-OSS, sinks + sliding windows: |logit| differs by
-# 4.5 packed vs separate on the tiny model, eager attention; Mixtral/Qwen: 2e-6).
-NO_PACKING = {"gpt_oss"}
-
-
 def check_packing(model: Any, packing: bool) -> None:
-    """ValueError when `hf.packing` is on for a family whose masks ignore packed boundaries."""
+    """ValueError when `hf.packing` is on for a family whose transformers 5.24 masks do not turn
+    restarting position ids into a block-diagonal mask (services.common.families: `hf_packing`
+    false): packed samples would attend to each other (GPT-OSS, sinks + sliding windows: |logit|
+    differs by 4.5 packed vs separate on the tiny model, eager attention; Mixtral/Qwen: 2e-6)."""
     family = getattr(model.config, "model_type", "")
-    if packing and family in NO_PACKING:
+    fam = families.find(family)
+    if packing and fam is not None and not fam.hf_packing:
         raise ValueError(f"hf.packing: transformers does not isolate packed samples for "
                          f"{family} (its attention masks ignore restarting position ids); "
                          "set hf.packing: false")

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from services.common import families
 from trainer.alignment import shard_sequence_parallel
 from trainer.replay import AgreementStats
 
@@ -70,17 +71,22 @@ def topk_softmax_weights(router: Any, logits_TE: torch.Tensor,
 
 WeightFn = Callable[[Any, torch.Tensor, torch.Tensor], torch.Tensor]
 
-# Router classes whose forward we have read (transformers 5.24). Anything else is refused: a
-# router with another normalisation would be replayed with silently wrong gate weights.
-ROUTER_FAMILIES: dict[str, tuple[str, WeightFn]] = {
-    "Qwen2MoeTopKRouter": ("softmax_topk", softmax_topk_weights),
-    "Qwen3MoeTopKRouter": ("softmax_topk", softmax_topk_weights),
-    "OlmoeTopKRouter": ("softmax_topk", softmax_topk_weights),
-    "MixtralTopKRouter": ("renormalised_softmax", renormalised_softmax_weights),
-    "DeepseekV3TopkRouter": ("grouped_sigmoid", grouped_sigmoid_weights),
-    "Glm4MoeTopkRouter": ("grouped_sigmoid", grouped_sigmoid_weights),
-    "GptOssTopKRouter": ("topk_softmax", topk_softmax_weights),
+# Replay rule -> how it recomputes gate weights. Which router class follows which rule is a fact of
+# its family (services.common.families: `hf_routers`, the classes whose forward we have read in
+# transformers 5.24). Anything else is refused: a router with another normalisation would be
+# replayed with silently wrong gate weights.
+RULES: dict[str, WeightFn] = {
+    "softmax_topk": softmax_topk_weights,
+    "renormalised_softmax": renormalised_softmax_weights,
+    "grouped_sigmoid": grouped_sigmoid_weights,
+    "topk_softmax": topk_softmax_weights,
 }
+
+
+def router_rules() -> dict[str, tuple[str, WeightFn]]:
+    """HF router class name -> (rule, weight function), over every registered family."""
+    return {cls: (rule, RULES[rule]) for f in families.all_families()
+            for cls, rule in f.hf_routers.items()}
 
 
 @dataclass(frozen=True)
@@ -137,11 +143,11 @@ def find_routers(model: torch.nn.Module) -> list[RouterHandle]:
         gate = getattr(mlp, "router", None) if gate is None else gate  # GPT-OSS: `router`
         if gate is None or not hasattr(mlp, "experts"):
             continue  # dense layer
-        name = type(gate).__name__
-        if name not in ROUTER_FAMILIES:
+        name, rules = type(gate).__name__, router_rules()
+        if name not in rules:
             raise ValueError(f"router: {name} at layer {i} is not a supported router family "
-                             f"(supported: {sorted(ROUTER_FAMILIES)})")
-        family, fn = ROUTER_FAMILIES[name]
+                             f"(supported: {sorted(rules)})")
+        family, fn = rules[name]
         out.append(RouterHandle(i, gate, family, fn))
     if not out:
         raise ValueError(f"model: {type(model).__name__} has no MoE layers")

@@ -7,11 +7,14 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from services.common import families
 from services.common.config import StrictConfig
 
 # Families whose routed experts the grouped module cannot run (trainer.megatron.grouped_experts:
-# expert biases): `experts: auto` keeps them sequential.
-NO_GROUPED = frozenset({"gpt_oss"})
+# expert biases; services.common.families: megatron_grouped_experts): `experts: auto` keeps them
+# sequential.
+NO_GROUPED = frozenset(f.name for f in families.all_families()
+                       if not f.megatron_grouped_experts)
 
 
 class ModelConfig(StrictConfig):
@@ -47,8 +50,8 @@ class ModelConfig(StrictConfig):
                                 "selective with recompute_modules [moe] (kept for old configs)")
     router_dtype: Literal["auto", "fp32", "native"] = Field(
         "auto", description="dtype of the router logits: fp32 (upcast), native (the model "
-        "dtype), auto = what the rollout engine does for this model family (ENGINE_ROUTER_DTYPE; "
-        "qwen3_moe: native), resolved when the model is built and logged")
+        "dtype), auto = what the rollout engine does for this model family (its "
+        "engine_router_dtype in services/common/families/; Qwen3-MoE: native), resolved when the model is built and logged")
     seed: int = Field(1234, description="megatron RNG seed (init of unused params, dropout)")
     experts: Literal["auto", "sequential", "grouped"] = Field(
         "auto", description="routed experts: sequential (megatron's SequentialMLP, a loop "

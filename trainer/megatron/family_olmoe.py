@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from trainer.megatron.family_arch import FamilyArch
+
 FAMILY = "olmoe"
 
 
@@ -38,6 +40,12 @@ def check_config(cfg: dict) -> None:
     if (cfg.get("head_dim") or width // heads) * heads != width:
         raise ValueError("head_dim: OLMoE's q_norm has width hidden_size, so heads x head_dim "
                          "must equal hidden_size")
+
+
+def olmoe_arch(cfg: dict) -> FamilyArch:
+    """The FamilyArch of an olmoe HF config dict (services/common/families/olmoe.py names it)."""
+    check_config(cfg)
+    return FamilyArch(full_qk_norm=True, renormalise=bool(cfg.get("norm_topk_prob", False)))
 
 
 class _FullWidthRMSNorm(torch.nn.Module):

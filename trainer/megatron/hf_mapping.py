@@ -32,6 +32,7 @@ from typing import Any, cast
 
 import torch
 
+from services.common import families
 from trainer.megatron import family_gpt_oss
 from trainer.megatron.families import FamilyArch, family_arch, sizes
 from trainer.megatron.family_deepseek_v3 import (
@@ -79,7 +80,7 @@ class MoeArch:
     max_positions: int
     rope_scaling: RopeScaling = RopeScaling()
     rotary_percent: float = 1.0  # HF partial_rotary_factor
-    family: str = "qwen3_moe"  # HF model_type
+    family: str = families.DEFAULT  # HF model_type
     fam: FamilyArch = FamilyArch()  # what the family changes against Qwen3-MoE
     mla: MlaArch | None = None  # multi-latent attention (DeepSeek-V3), else GQA
 
@@ -102,7 +103,7 @@ def arch_from_hf_config(cfg: dict) -> MoeArch:
     moe = tuple(i for i in range(n) if i not in dense and (i + 1) % step == 0)
     rope_theta, rope_scaling = rope_from_hf_config(cfg, fam.partial_rotary)
     mla = None
-    if cfg["model_type"] == "deepseek_v3":  # MLA: one latent, as many KV heads as q heads
+    if families.get(cfg["model_type"]).mla:  # MLA: one latent, as many KV heads as q heads
         mla = mla_from_hf_config(cfg)
         check_mla_rope(rope_params(cfg))
     return MoeArch(

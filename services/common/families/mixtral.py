@@ -1,0 +1,26 @@
+"""Mixtral: softmax over the top-k logits (always renormalised), no shared expert, every layer MoE
+(the experts' width is `intermediate_size`); its sliding-window attention is not mapped."""
+
+from __future__ import annotations
+
+from services.common.families._base import Family, common, no_dense
+from services.common.tiny_moe import TinyMoeConfig
+
+
+def tiny_config(cfg: TinyMoeConfig):
+    """The transformers MixtralConfig of the tiny model."""
+    from transformers import MixtralConfig
+
+    no_dense(cfg, "mixtral")
+    return MixtralConfig(**common(cfg), head_dim=cfg.head_dim,
+                         num_local_experts=cfg.num_experts,
+                         intermediate_size=cfg.moe_intermediate_size, router_aux_loss_coef=0.0)
+
+
+FAMILY = Family(
+    name="mixtral", rank=2, tiny_config=tiny_config,
+    hf_routers={"MixtralTopKRouter": "renormalised_softmax"},
+    engine_router_dtype=("native", "vLLM 0.30 MixtralMoE: the gate is a ReplicatedLinear in the "
+                         "model dtype"),
+    megatron_arch="trainer.megatron.family_basic:mixtral_arch",
+    expert_ffn_key="intermediate_size")

@@ -1,0 +1,28 @@
+"""OLMoE: softmax top-k without renormalisation, QK-norm over the whole projection (megatron:
+trainer.megatron.family_olmoe), every layer MoE (the experts' width is `intermediate_size`)."""
+
+from __future__ import annotations
+
+from services.common.families._base import Family, common, no_dense
+from services.common.tiny_moe import TinyMoeConfig
+
+
+def tiny_config(cfg: TinyMoeConfig):
+    """The transformers OlmoeConfig of the tiny model."""
+    from transformers import OlmoeConfig
+
+    no_dense(cfg, "olmoe")
+    if cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size:
+        raise ValueError("head_dim: olmoe derives it as hidden_size / num_attention_heads")
+    return OlmoeConfig(**common(cfg), num_experts=cfg.num_experts,
+                       intermediate_size=cfg.moe_intermediate_size, norm_topk_prob=False,
+                       router_aux_loss_coef=0.0)
+
+
+FAMILY = Family(
+    name="olmoe", rank=3, tiny_config=tiny_config,
+    hf_routers={"OlmoeTopKRouter": "softmax_topk"},
+    engine_router_dtype=("native", "vLLM 0.30 OlmoeMoE: the gate is a ReplicatedLinear in the "
+                         "model dtype"),
+    megatron_arch="trainer.megatron.family_olmoe:olmoe_arch",
+    expert_ffn_key="intermediate_size")

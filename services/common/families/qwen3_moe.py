@@ -1,0 +1,43 @@
+"""Qwen3-MoE (the default family): softmax top-k, renormalised, per-head QK-norm.
+
+The base layout every other family is described against (megatron: the default FamilyArch). Its
+tiny model is `services.common.tiny_moe` (seeded, the character tokenizer); the planner knows
+Qwen3-30B-A3B and the tiny model by name.
+"""
+
+from __future__ import annotations
+
+from services.common import tiny_moe
+from services.common.families._base import Family
+
+# Qwen/Qwen3-30B-A3B config.json (the keys trainer/megatron/hf_mapping.py and the planner read).
+QWEN3_30B_A3B = {
+    "model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
+    "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32,
+    "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
+    "decoder_sparse_step": 1, "mlp_only_layers": [], "vocab_size": 151936,
+    "tie_word_embeddings": False, "max_position_embeddings": 40960,
+}
+
+
+def tiny_moe_config() -> dict:
+    """The HF config keys of `r3flow model tiny-moe` with its default sizes."""
+    c = tiny_moe.TinyMoeConfig()
+    return {"model_type": "qwen3_moe", "hidden_size": c.hidden_size,
+            "intermediate_size": c.intermediate_size,
+            "moe_intermediate_size": c.moe_intermediate_size, "num_hidden_layers": c.num_layers,
+            "num_attention_heads": c.num_attention_heads,
+            "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim,
+            "num_experts": c.num_experts, "num_experts_per_tok": c.top_k,
+            "decoder_sparse_step": 1, "mlp_only_layers": list(range(c.first_k_dense)),
+            "vocab_size": tiny_moe.vocab_size(), "tie_word_embeddings": False}
+
+
+FAMILY = Family(
+    name="qwen3_moe", rank=0, tiny_config=tiny_moe.hf_config,
+    hf_routers={"Qwen3MoeTopKRouter": "softmax_topk"},
+    engine_router_dtype=("native", "vLLM 0.30 Qwen3MoeSparseMoeBlock: the gate is a "
+                         "ReplicatedLinear in the model dtype"),
+    megatron_arch="trainer.megatron.family_basic:qwen3_moe_arch",
+    planner_models={"Qwen3-30B-A3B": lambda: dict(QWEN3_30B_A3B), "tiny-moe": tiny_moe_config},
+    build=tiny_moe.build_tiny_moe)
