@@ -113,6 +113,9 @@ def test_a_registered_family_reaches_the_backends_and_rollout(copied) -> None:
     assert check_supported(cfg) == "gpt_oss_copy" and family_arch(cfg).attn_sinks
     assert resolve_router_dtype(ModelConfig(router_dtype="auto"), "dsv3_copy").router_dtype \
         == "fp32"
+    bf16 = ModelConfig(dtype="bf16")  # experts: auto -> grouped on CUDA unless the family refuses
+    assert bf16.fast_path(True, "dsv3_copy").experts == "grouped"
+    assert bf16.fast_path(True, "gpt_oss_copy").experts == "sequential"
     # rollout service: the family's engine check and its MLA flag
     with pytest.raises(ValueError, match="GPT-OSS layout"):
         check_engine_layout(SimpleNamespace(model_type="gpt_oss_copy",

@@ -10,11 +10,13 @@ from pydantic import Field, model_validator
 from services.common import families
 from services.common.config import StrictConfig
 
-# Families whose routed experts the grouped module cannot run (trainer.megatron.grouped_experts:
-# expert biases; services.common.families: megatron_grouped_experts): `experts: auto` keeps them
-# sequential.
-NO_GROUPED = frozenset(f.name for f in families.all_families()
-                       if not f.megatron_grouped_experts)
+
+def grouped_experts_run(family: str | None) -> bool:
+    """False for a family whose routed experts the grouped module cannot run
+    (trainer.megatron.grouped_experts: expert biases; services.common.families:
+    megatron_grouped_experts): `experts: auto` keeps them sequential."""
+    fam = families.find(family)
+    return fam is None or fam.megatron_grouped_experts
 
 
 class ModelConfig(StrictConfig):
@@ -89,7 +91,7 @@ class ModelConfig(StrictConfig):
         fast = cuda and self.dtype == "bf16"
         update: dict[str, Any] = {}
         if self.experts == "auto":
-            grouped = fast and self.expert_tensor_parallel == 1 and family not in NO_GROUPED
+            grouped = fast and self.expert_tensor_parallel == 1 and grouped_experts_run(family)
             update["experts"] = "grouped" if grouped else "sequential"
         if self.attention == "auto":
             update["attention"] = "sdpa" if fast and self.context_parallel == 1 else "unfused"
