@@ -9,6 +9,7 @@ from pydantic import Field, model_validator
 from services.common.auth import ClientAuthConfig
 from services.common.config import StrictConfig
 from services.common.weight_sync.config import WeightSyncConfig
+from trainer.hooks import HookConfig
 from trainer.loss_config import LossConfig
 from trainer.ray_config import RayLaunchConfig
 from trainer.registry import Section, check_backend
@@ -57,17 +58,6 @@ class OptimConfig(StrictConfig):
     mini_batches: int = Field(
         1, ge=1, description="optimizer updates per pass (the batch's micro-batches split "
         "between them); ppo_epochs * mini_batches updates per step, one policy version")
-    test_lr_spike_step: int = Field(
-        0, ge=0, description="TEST ONLY (the alerting test's injected ppo_kl spike): the "
-        "updates of the step that makes this policy version run at lr x test_lr_spike_factor; "
-        "0 = never. Never set it in a real run")
-    test_lr_spike_factor: float = Field(
-        1.0, gt=0, description="TEST ONLY: lr multiplier of test_lr_spike_step")
-    test_lr_spike_after_s: float = Field(
-        0.0, ge=0, description="TEST ONLY: instead of test_lr_spike_step, the first step that "
-        "starts this many seconds after the run's first step ended spikes, and the run ends "
-        "one step later (the step whose batch shows the spike); 0 = off. Never set it in a "
-        "real run")
 
     @model_validator(mode="after")
     def _overlap_param_gather(self) -> OptimConfig:
@@ -215,6 +205,10 @@ class TrainerConfig(StrictConfig):
     ray: RayLaunchConfig = Field(
         default_factory=RayLaunchConfig,  # type: ignore[arg-type]
         description="ray launcher: cluster to join, rank placement")
+    hooks: list[HookConfig] = Field(
+        default_factory=list, description="step hooks the loop consults before every step "
+        "(trainer.hooks: 'module.path:factory' or {path, options}; they may scale the step's "
+        "lr or end the run); imported in the loop's process at start")
 
     def fast_path(self, cuda: bool, family: str | None = None) -> TrainerConfig:
         """`self` with every `auto` fast-path switch decided (idempotent; the backends call it

@@ -43,16 +43,22 @@ def config_module(backend: str) -> ModuleType:
     return importlib.import_module(BACKENDS[backend].config)
 
 
-def load_attr(path: str, field: str) -> Any:
-    """The object a `module.path:attr` string names; ValueError naming `field` otherwise."""
+def check_dotted(path: str, field: str) -> tuple[str, str]:
+    """(module, attribute) of a `module.path:attr` string; ValueError naming `field` otherwise."""
     module, sep, attr = path.partition(":")
     if not sep or not module or not attr:
-        raise ValueError(f"{field}: {path!r} is not of the form 'module.path:attribute'")
+        where = f"{field}: " if field else ""
+        raise ValueError(f"{where}{path!r} is not of the form 'module.path:attribute'")
+    return module, attr
+
+
+def load_attr(path: str, field: str) -> Any:
+    """The object a `module.path:attr` string names; ValueError naming `field` otherwise."""
+    module, attr = check_dotted(path, field)
     try:
-        loaded = importlib.import_module(module)
+        found = importlib.import_module(module)
     except ImportError as e:
         raise ValueError(f"{field}: cannot import {module!r}: {e}") from None
-    found = loaded
     for part in attr.split("."):
         if not hasattr(found, part):
             raise ValueError(f"{field}: module {module!r} has no attribute {attr!r}")
