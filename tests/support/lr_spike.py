@@ -24,7 +24,10 @@ class TimedLrSpike:
         self.first_step_end, self.version = 0.0, 0
 
     def before_step(self, step: int, policy_version: int) -> StepControl:
-        if self.version:  # spiked: the step after it measures it, then the run ends
+        if self.version:
+            if policy_version < self.version:  # the spiking step updated nothing: again
+                return StepControl(lr_scale=self.factor)
+            # spiked: the step after it measures it, then the run ends
             return StepControl(stop=policy_version > self.version)
         if not self.first_step_end:
             if step:  # the first step is taken: time counts from now (before the next)

@@ -93,5 +93,6 @@ def test_timed_spike_waits_for_its_seconds_then_ends_the_run_one_step_later(monk
     now[0] = 160.0
     assert spike.before_step(1, 1) == StepControl(lr_scale=40.0)  # the step to version 2
     assert spike.version == 2
+    assert spike.before_step(2, 1) == StepControl(lr_scale=40.0)  # that step updated nothing
     assert spike.before_step(2, 2) == StepControl()  # once; the next step measures it
     assert spike.before_step(3, 3) == StepControl(stop=True)
