@@ -193,7 +193,7 @@ class TrainerConfig(StrictConfig):
                            "train MTP; without this such a checkpoint is refused at boot")
     model: Annotated[Any, MODEL_SECTION] = Field(
         default_factory=MODEL_SECTION.default, description="how the model is built and "
-        "sharded (trainer.megatron.config.ModelConfig; the hf backend reads dtype, seed and "
+        "sharded (trainer.megatron.config.ModelConfig; the hf backend reads dtype and "
         "router_dtype and needs expert_parallel 1)")
     optim: OptimConfig = Field(default_factory=OptimConfig)
     loss: LossConfig = Field(default_factory=LossConfig)
