@@ -1,9 +1,10 @@
 """The factory of the trainer's step: the backend `TrainerConfig.backend` names (the protocol it
 implements, `TrainBackend`, is in trainer.protocol) under the shared GRPO/PPO step (trainer.grpo).
 
-Two backends: trainer.megatron.engine.MegatronBackend (megatron-core GPTModel, native
-RouterReplay, megatron DDP + Adam, EP) and trainer.hf.engine.HFBackend (HF transformers, router
-hooks, FSDP2 + AdamW, packed micro-batches).
+The backends, loaded by name from trainer.registry.BACKENDS (this module imports none):
+trainer.megatron.engine.MegatronBackend (megatron-core GPTModel, native RouterReplay, megatron
+DDP + Adam, EP) and trainer.hf.engine.HFBackend (HF transformers, router hooks, FSDP2 + AdamW,
+packed micro-batches).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 from trainer.config import TrainerConfig
 from trainer.grpo import GRPOStep
 from trainer.protocol import TrainBackend
+from trainer.registry import engine_class
 
 
 def check_mtp(cfg: TrainerConfig) -> None:
@@ -31,13 +33,7 @@ def check_mtp(cfg: TrainerConfig) -> None:
 def make_backend(cfg: TrainerConfig) -> TrainBackend:
     """The backend `cfg.backend` names (process groups are initialised here)."""
     check_mtp(cfg)
-    if cfg.backend == "hf":
-        from trainer.hf.engine import HFBackend
-
-        return HFBackend(cfg)
-    from trainer.megatron.engine import MegatronBackend
-
-    return MegatronBackend(cfg)
+    return engine_class(cfg.backend)(cfg)  # type: ignore[no-any-return]
 
 
 def make_trainer(cfg: TrainerConfig) -> GRPOStep:

@@ -1,7 +1,8 @@
 """Checkpoints a restarted trainer resumes from: model, optimizer, data position, policy version.
 
 Layout under `<run_dir>/checkpoints/`:
-  step_000012/model_rank0.safetensors   this rank's parameters (megatron names, local experts)
+  step_000012/model_rank0.safetensors   this rank's parameters (RankWeights; the megatron
+                                        backend's: megatron names, local experts)
   step_000012/optim_rank0.pt            megatron optimizer state_dict (Adam moments, step)
   step_000012/optim_params_rank0.pt     with the distributed optimizer: this rank's shard of the
                                         fp32 main weights and Adam moments (its state_dict has
@@ -123,6 +124,33 @@ class ShardedState(ABC):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
+class RankWeights:
+    """A module whose weights every rank saves to its own file (model_rank<r>.safetensors): a
+    plain module's named parameters. A backend with other weights or names subclasses it
+    (trainer.megatron.engine.MegatronWeights: the routers' bias buffers, grouped experts)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """Name -> tensor of every weight this rank saves."""
+        return dict(self.module.named_parameters())
+
+    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy `tensors` into the weights (exactly the names `weights()` gives)."""
+        params = self.weights()
+        if set(tensors) != set(params):
+            raise ValueError(f"checkpoint: weights missing {sorted(set(params) - set(tensors))[:4]}"
+                             f", unexpected {sorted(set(tensors) - set(params))[:4]}")
+        with torch.no_grad():
+            for name, t in tensors.items():
+                params[name].copy_(t)
+
+
+def _rank_weights(module: Any) -> RankWeights:
+    return module if isinstance(module, RankWeights) else RankWeights(module)
+
+
 class CheckpointManager:
     """Save/resume for one trainer rank (every rank calls save/load; rank 0 writes meta and
     prunes); `keep` = how many complete checkpoints to keep (0 = all)."""
@@ -141,8 +169,9 @@ class CheckpointManager:
         path = self.root / ptr.read_text().strip()
         return path if (path / "meta.json").is_file() else None
 
-    def save(self, module: torch.nn.Module, optimizer, pos: DataPosition) -> Path:
-        """Write this rank's shard; rank 0 writes meta and flips `latest` after all ranks."""
+    def save(self, module: Any, optimizer, pos: DataPosition) -> Path:
+        """Write this rank's shard of `module` (a ShardedState, RankWeights or plain module);
+        rank 0 writes meta and flips `latest` after all ranks."""
         from safetensors.torch import save_file
 
         rank, path = _rank(), self.root / f"step_{pos.step:06d}"
@@ -154,10 +183,8 @@ class CheckpointManager:
             dcp.save({"train": module},
                      storage_writer=dcp.FileSystemWriter(str(path / "dcp"), overwrite=True))
         else:
-            from trainer.megatron.parallel import model_weights
-
             params = {k: v.detach().contiguous().clone()
-                      for k, v in model_weights(module).items()}
+                      for k, v in _rank_weights(module).weights().items()}
             save_file(params, str(path / f"model_rank{rank}.safetensors"))
             torch.save(optimizer.state_dict(), path / f"optim_rank{rank}.pt")
             if _sharded_optimizer(optimizer):
@@ -198,11 +225,9 @@ class CheckpointManager:
         return sorted((_step_of(p), p) for p in self.root.iterdir()
                       if _STEP_DIR.match(p.name) and p.is_dir())
 
-    def load(self, module: torch.nn.Module, optimizer, path: Path | None = None) -> DataPosition:
+    def load(self, module: Any, optimizer, path: Path | None = None) -> DataPosition:
         """Restore this rank's shard and the optimizer; returns the saved data position."""
         from safetensors.torch import load_file
-
-        from trainer.megatron.model import copy_into
 
         path = path or self.latest()
         if path is None:
@@ -216,7 +241,8 @@ class CheckpointManager:
             dcp.load({"train": module}, checkpoint_id=str(path / "dcp"))
         else:
             rank = _rank()
-            copy_into(module, load_file(str(path / f"model_rank{rank}.safetensors")))
+            _rank_weights(module).load_weights(
+                load_file(str(path / f"model_rank{rank}.safetensors")))
             state = torch.load(path / f"optim_rank{rank}.pt", weights_only=False)
             optimizer.load_state_dict(state)
             if _sharded_optimizer(optimizer):

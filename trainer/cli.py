@@ -75,9 +75,11 @@ def train(cfg) -> int:
     from services.common.auth import ClientAuth
     from services.common.metrics import MetricsServer, create_metrics
     from services.store.client import StoreClient
+    from trainer.hooks import load_hooks
     from trainer.loop.loop import TrainLoop
     from trainer.weight_push import StoreWeightPush
 
+    hooks = load_hooks(cfg.hooks)  # a bad hook fails here, before the ranks start
     stop = threading.Event()
     _stop_on_sigterm(stop)
     registry = CollectorRegistry()
@@ -93,7 +95,7 @@ def train(cfg) -> int:
             push = (StoreWeightPush(client,
                                     metrics.get("r3flow_trainer_weight_push_failures_total"))
                     if cfg.run.push_weights_every else None)
-            loop = TrainLoop(cfg, ranks, client, metrics, push_fn=push)
+            loop = TrainLoop(cfg, ranks, client, metrics, push_fn=push, hooks=hooks)
             loop.resume()
             history = loop.run(cfg.run.steps, stop=stop.is_set)
         stop.wait(cfg.run.metrics_linger_s)  # the final values, for one more scrape

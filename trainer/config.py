@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
 from services.common.auth import ClientAuthConfig
 from services.common.config import StrictConfig
 from services.common.weight_sync.config import WeightSyncConfig
-from trainer.hf.config import HFBackendConfig
+from trainer.hooks import HookConfig
 from trainer.loss_config import LossConfig
-from trainer.megatron.config import ModelConfig
 from trainer.ray_config import RayLaunchConfig
+from trainer.registry import Section, check_backend
 from trainer.replay import ReplayMode
+
+# The backends' sections (trainer.registry: each backend's config module declares its own)
+HF_SECTION, MODEL_SECTION = Section("hf"), Section("model")
 
 
 class OptimConfig(StrictConfig):
@@ -55,17 +58,6 @@ class OptimConfig(StrictConfig):
     mini_batches: int = Field(
         1, ge=1, description="optimizer updates per pass (the batch's micro-batches split "
         "between them); ppo_epochs * mini_batches updates per step, one policy version")
-    test_lr_spike_step: int = Field(
-        0, ge=0, description="TEST ONLY (the alerting test's injected ppo_kl spike): the "
-        "updates of the step that makes this policy version run at lr x test_lr_spike_factor; "
-        "0 = never. Never set it in a real run")
-    test_lr_spike_factor: float = Field(
-        1.0, gt=0, description="TEST ONLY: lr multiplier of test_lr_spike_step")
-    test_lr_spike_after_s: float = Field(
-        0.0, ge=0, description="TEST ONLY: instead of test_lr_spike_step, the first step that "
-        "starts this many seconds after the run's first step ended spikes, and the run ends "
-        "one step later (the step whose batch shows the spike); 0 = off. Never set it in a "
-        "real run")
 
     @model_validator(mode="after")
     def _overlap_param_gather(self) -> OptimConfig:
@@ -190,15 +182,19 @@ class TrainerConfig(StrictConfig):
     backend: Literal["megatron", "hf"] = Field(
         "megatron", description="megatron: megatron-core GPTModel (trainer.megatron); hf: HF "
         "transformers + FSDP2 (trainer.hf, docs/hf_backend.md)")
-    hf: HFBackendConfig = Field(default_factory=HFBackendConfig,  # type: ignore[arg-type]
-                                description="knobs of the hf backend only")
+    hf: Annotated[Any, HF_SECTION] = Field(
+        default_factory=HF_SECTION.default, description="knobs of the hf backend only "
+        "(trainer.hf.config.HFBackendConfig)")
     model_dir: str = Field("", description="HF checkpoint directory (Qwen3-MoE)")
     drop_mtp: bool = Field(False, description="train a checkpoint that has multi-token-prediction "
                            "layers (HF num_nextn_predict_layers > 0: DeepSeek-V3, GLM-4.5) "
                            "without them: they are neither trained nor exported (transformers "
                            "and vLLM's main model do not load them either). r3flow does not "
                            "train MTP; without this such a checkpoint is refused at boot")
-    model: ModelConfig = Field(default_factory=ModelConfig)
+    model: Annotated[Any, MODEL_SECTION] = Field(
+        default_factory=MODEL_SECTION.default, description="how the model is built and "
+        "sharded (trainer.megatron.config.ModelConfig; the hf backend reads dtype and "
+        "router_dtype and needs expert_parallel 1)")
     optim: OptimConfig = Field(default_factory=OptimConfig)
     loss: LossConfig = Field(default_factory=LossConfig)
     replay: ReplayConfig = Field(default_factory=ReplayConfig)
@@ -209,6 +205,10 @@ class TrainerConfig(StrictConfig):
     ray: RayLaunchConfig = Field(
         default_factory=RayLaunchConfig,  # type: ignore[arg-type]
         description="ray launcher: cluster to join, rank placement")
+    hooks: list[HookConfig] = Field(
+        default_factory=list, description="step hooks the loop consults before every step "
+        "(trainer.hooks: 'module.path:factory' or {path, options}; they may scale the step's "
+        "lr or end the run); imported in the loop's process at start")
 
     def fast_path(self, cuda: bool, family: str | None = None) -> TrainerConfig:
         """`self` with every `auto` fast-path switch decided (idempotent; the backends call it
@@ -253,14 +253,5 @@ class TrainerConfig(StrictConfig):
     def _launcher_world(self) -> TrainerConfig:
         if self.run.launcher == "local" and self.run.world_size != 1:
             raise ValueError("run.world_size: the local launcher runs exactly 1 rank (use ray)")
-        if self.backend == "hf":
-            if self.model.expert_parallel != 1:
-                raise ValueError("model.expert_parallel: the hf backend shards experts with "
-                                 "FSDP2 like every other weight; EP must be 1")
-            if self.run.launcher == "ray":  # local: the engine checks the process group's
-                self.hf.check_world(self.run.world_size)
-        elif self.run.launcher == "ray":
-            from trainer.megatron.parallel import check_layout
-
-            check_layout(self.model, self.run.world_size, pad_multiple=self.data.pad_multiple)
+        check_backend(self)
         return self

@@ -85,7 +85,6 @@ class GRPOStep:
     def __init__(self, backend: TrainBackend) -> None:
         self.backend, self.cfg = backend, backend.cfg
         self.policy_version = 0
-        self.lr_spike_version = backend.cfg.optim.test_lr_spike_step  # test-only knob; 0 = off
         self._layer_maps: dict[tuple[int, ...], LayerMap] = {}
 
     def layer_map(self, engine_layer_ids: Sequence[int]) -> LayerMap:
@@ -247,16 +246,18 @@ class GRPOStep:
             acc["tokens"] = acc.get("tokens", 0.0) + _tokens(u)
         return acc, norms, None
 
-    def train_step(self, samples: Sequence[Sample], replay: ReplayMode | str | None = None) -> dict:
-        """One GRPO/PPO optimizer step on `samples`; returns its metrics (`dropped`: group id ->
-        reason of the groups quarantined in this step; `updates_skipped`, `updates_rerun`)."""
+    def train_step(self, samples: Sequence[Sample], replay: ReplayMode | str | None = None,
+                   lr_scale: float = 1.0) -> dict:
+        """One GRPO/PPO optimizer step on `samples`, its updates at lr x `lr_scale` (a step
+        hook's, trainer.hooks); returns its metrics (`dropped`: group id -> reason of the groups
+        quarantined in this step; `updates_skipped`, `updates_rerun`)."""
         t0 = time.perf_counter()
         mode = ReplayMode(replay or self.cfg.replay.mode)
         dropped = nonfinite_logprob_groups(samples)  # refused: no pass sees them
         samples = [s for s in samples if s.group_id not in dropped]
         skipped, rerun = 0, 0
         worst: list[dict[str, Any]] = [{}]  # the worst agreement cell of each faulting pass
-        with self._test_lr_spike():
+        with self._scaled_lr(lr_scale):
             while True:
                 mbs, metrics, fault = self._old_policy(samples, mode)
                 acc: dict = {}
@@ -287,18 +288,17 @@ class GRPOStep:
         return metrics | self._step_metrics(samples, mbs, acc, norms, mode, t0)
 
     @contextmanager
-    def _test_lr_spike(self) -> Iterator[None]:
-        """optim.test_lr_spike_*: this step's updates at a multiplied lr (test-only knob)."""
-        o = self.cfg.optim
-        if self.lr_spike_version != self.policy_version + 1 or o.test_lr_spike_factor == 1.0:
+    def _scaled_lr(self, scale: float) -> Iterator[None]:
+        """This step's updates at lr x `scale` (a step hook's), restored after it."""
+        if scale == 1.0:
             yield
             return
         groups = self.backend.checkpoint_state()[1].param_groups
         saved = [g["lr"] for g in groups]
-        log.warning("test_lr_spike: step to policy version %d at lr x %g",
-                    self.lr_spike_version, o.test_lr_spike_factor)
+        log.warning("step to policy version %d at lr x %g (a step hook)",
+                    self.policy_version + 1, scale)
         for g in groups:
-            g["lr"] *= o.test_lr_spike_factor
+            g["lr"] *= scale
         try:
             yield
         finally:

@@ -40,16 +40,17 @@ class RankWorker:
         self.ckpt = CheckpointManager(self.cfg.run.run_dir, self.cfg.run.keep_checkpoints)
         self.hf_export = HFExport(self.cfg.run.run_dir, self.cfg.model_dir, self.cfg.run.hf_keep)
 
-    def train(self, groups_bytes: Sequence[bytes]) -> dict:
-        """Aligned samples of this rank's share -> one GRPO/PPO step; `dropped` in the metrics
-        names the groups quarantined (bad routing, unreproducible sampling, low agreement)."""
+    def train(self, groups_bytes: Sequence[bytes], lr_scale: float = 1.0) -> dict:
+        """Aligned samples of this rank's share -> one GRPO/PPO step (its updates at lr x
+        `lr_scale`, the loop's step hooks'); `dropped` in the metrics names the groups
+        quarantined (bad routing, unreproducible sampling, low agreement)."""
         from services.common.pb.r3flow.v1 import store_pb2
 
         arch = self.trainer.backend
         samples, dropped = intake_groups(
             [store_pb2.PulledGroup.FromString(b) for b in groups_bytes], self.cfg.replay.mode,
             self.trainer.layer_map, arch.num_experts, arch.top_k)
-        metrics = self.trainer.train_step(samples)
+        metrics = self.trainer.train_step(samples, lr_scale=lr_scale)
         metrics["dropped"] = dropped | metrics.get("dropped", {})
         return metrics
 
@@ -109,8 +110,4 @@ class RankWorker:
     def set_policy_version(self, version: int) -> None:
         """Relabel the current weights (resume above what engines serve; an idle re-push)."""
         self.trainer.policy_version = version
-
-    def set_lr_spike_version(self, version: int) -> None:
-        """TEST ONLY (optim.test_lr_spike_after_s): the step to `version` runs at lr x factor."""
-        self.trainer.lr_spike_version = version
 

@@ -15,6 +15,7 @@ from services.common import families
 from services.common.config import StrictConfig
 from services.common.tiny_moe import TinyMoeConfig
 from services.local.tasks import TaskConfig
+from trainer.hooks import HookConfig
 
 if TYPE_CHECKING:
     from services.local.family import FamilyPlan
@@ -80,15 +81,9 @@ class GrpoConfig(StrictConfig):
     micro_batch_size: int = Field(
         256, ge=1, description="trainer micro-batch (rows): a step's 256 short rows in one "
         "forward instead of 16 (the same update: the loss is normalised over the whole step)")
-    test_lr_spike_step: int = Field(
-        0, ge=0, description="TEST ONLY: the step to this policy version runs at lr x "
-        "test_lr_spike_factor, to inject a ppo_kl spike (tests/integration/"
-        "test_local_alerts.py); 0 = never (trainer optim.test_lr_spike_step)")
-    test_lr_spike_factor: float = Field(1.0, gt=0, description="TEST ONLY: see above")
-    test_lr_spike_after_s: float = Field(
-        0.0, ge=0, description="TEST ONLY: spike the first step this many seconds after the "
-        "first step instead, and end the run one step later (trainer "
-        "optim.test_lr_spike_after_s); 0 = off")
+    hooks: list[HookConfig] = Field(
+        default_factory=list, description="the trainer's step hooks (trainer config `hooks`, "
+        "trainer.hooks): 'module.path:factory' or {path, options}, importable by the trainer")
 
 
 def local_model() -> TinyMoeConfig:
@@ -226,10 +221,8 @@ def trainer_config(cfg: LocalConfig, run_dir: Path, model_dir: Path,
         "model_dir": str(model_dir),
         "model": {"dtype": g.dtype},
         "optim": {"lr": g.lr, "adam_beta2": g.adam_beta2, "clip_grad": g.clip_grad,
-                  "ppo_epochs": g.ppo_epochs, "mini_batches": g.mini_batches,
-                  "test_lr_spike_step": g.test_lr_spike_step,
-                  "test_lr_spike_factor": g.test_lr_spike_factor,
-                  "test_lr_spike_after_s": g.test_lr_spike_after_s},
+                  "ppo_epochs": g.ppo_epochs, "mini_batches": g.mini_batches},
+        "hooks": [h.model_dump() for h in g.hooks],
         "loss": {"kl_coef": g.kl_coef, "entropy_coef": g.entropy_coef, "kl_metric": g.kl_metric,
                  "kl_metric_every": g.measure_every,
                  "adv_std_normalize": g.adv_std_normalize,

@@ -1,10 +1,11 @@
 """One `r3flow local` run shared by test_local_run.py and test_local_alerts.py (the session
 fixture `local_run_dir` in conftest.py), so `make test` boots the local topology for them once.
 
-The run carries an injected ppo_kl spike: `grpo.test_lr_spike_after_s` (a test-only knob) runs
-the update of the first step SPIKE_AFTER_S seconds into the run at a multiplied learning rate, so
-the next step's batch, sampled by the policy before the jump, sits far from the trainer's policy.
-That step is the last one (the knob ends the run there, through the loop's normal end; picking
+The run carries an injected ppo_kl spike: a step hook (tests/support/lr_spike.py, named in the
+run config's `grpo.hooks`; trainer.hooks) runs the update of the first step SPIKE_AFTER_S seconds
+into the run at a multiplied learning rate, so the next step's batch, sampled by the policy
+before the jump, sits far from the trainer's policy.
+That step is the last one (the hook ends the run there, through the loop's normal end; picking
 the step by time, not by count, keeps the low ppo_kl long enough however fast the machine steps,
 and no longer), and the trainer keeps serving its /metrics for `metrics_linger_s`, so Prometheus
 sees the spike held for longer than the rule's `for` (test_local_alerts.py says why it must).
@@ -51,8 +52,9 @@ def spike_run(runs: Path, cfg_dir: Path) -> Path:
     # of the last low steps so far (p75 0.031) that the spike (0.136) was under 5x the
     # Prometheus median once its own held samples joined it, and the alert did not fire
     cfg.write_text(json.dumps({
-        "grpo": {"groups_per_step": 8, "lr": 5e-4,
-                 "test_lr_spike_after_s": SPIKE_AFTER_S, "test_lr_spike_factor": FACTOR},
+        "grpo": {"groups_per_step": 8, "lr": 5e-4, "hooks": [
+            {"path": "tests.support.lr_spike:TimedLrSpike",
+             "options": {"after_s": SPIKE_AFTER_S, "factor": FACTOR}}]},
         "model": {}, "metrics_linger_s": HOLD_S}))
     cmd = [sys.executable, "-m", "services.cli", "local", "--config", str(cfg),
            "--steps", str(MAX_STEPS), "--warm-start-steps", str(WARM_START_STEPS),

@@ -26,13 +26,13 @@ def test_resume_continues_exactly(tmp_path, optim):
         first.train_step(toy_samples(seed))
     pos = DataPosition(step=2, policy_version=first.policy_version,
                        acked_delivery_ids=["d1", "d2"], trained_group_ids=["g0", "g1"])
-    ckpt.save(first.backend.policy.module, first.backend.optimizer, pos)
+    ckpt.save(*first.backend.checkpoint_state(), pos)
     expected = first.train_step(toy_samples(3))
     want = {k: v.detach().clone() for k, v in first.backend.policy.module.named_parameters()}
 
     second = make_trainer(cfg)  # a fresh process would see the same: weights from the HF checkpoint
     assert ckpt.latest() is not None and ckpt.latest().name == "step_000002"
-    got_pos = ckpt.load(second.backend.policy.module, second.backend.optimizer)
+    got_pos = ckpt.load(*second.backend.checkpoint_state())
     second.policy_version = got_pos.policy_version
     assert got_pos == pos
     again = second.train_step(toy_samples(3))

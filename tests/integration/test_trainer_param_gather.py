@@ -91,7 +91,6 @@ def _run(model_dir: str, dtype: str, optim: dict) -> tuple[dict, dict]:
 
     from trainer.backend import make_trainer
     from trainer.config import TrainerConfig
-    from trainer.megatron.parallel import model_weights
 
     cfg = TrainerConfig(model_dir=model_dir, model={"experts": "grouped", "dtype": dtype},
                         data={"micro_batch_size": 2},
@@ -119,7 +118,7 @@ def _run(model_dir: str, dtype: str, optim: dict) -> tuple[dict, dict]:
                     enumerate(tr.sample_logprobs(samples, "off"))}
         else:
             got |= {f"2.ckpt.{k}": v.clone() for k, v in
-                    model_weights(b.checkpoint_state()[0]).items()}
+                    b.checkpoint_state()[0].weights().items()}
             got |= {f"2.push.{k}": v.clone() for k, v in b.iter_hf_weights(sender=0)}
         info["stale"].append(any(not torch.equal(x, p) for x, p in
                                  zip(raw, module.parameters(), strict=True)))

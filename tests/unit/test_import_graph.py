@@ -134,12 +134,14 @@ def test_cycle_finder_sees_a_cycle_hidden_in_a_function(tmp_path: Path) -> None:
 
 
 # The backend-neutral core of the trainer: the GRPO step, its loss and corrections, the batch, the
-# guard and the loop. It talks to a backend through trainer.protocol only; the modules that pick a
-# backend (trainer.backend, trainer.config, trainer.worker, the CLIs) sit above it.
+# guard, the loop, the config and checkpoints. It talks to a backend through trainer.protocol
+# only; the config's backend sections and the engines are loaded by name (trainer.registry), so
+# even the modules that pick a backend (trainer.backend, trainer.worker) import none.
 NEUTRAL_CORE = ("trainer.alignment", "trainer.batch", "trainer.collectives", "trainer.corrections",
                 "trainer.grpo", "trainer.guard", "trainer.intake", "trainer.logprobs",
                 "trainer.loss", "trainer.loss_config", "trainer.objectives", "trainer.protocol",
-                "trainer.replay", "trainer.weight_push", "trainer.loop")
+                "trainer.replay", "trainer.weight_push", "trainer.loop", "trainer.config",
+                "trainer.checkpoint", "trainer.registry", "trainer.backend", "trainer.worker")
 BACKENDS = ("trainer.hf", "trainer.megatron")
 
 
@@ -159,6 +161,16 @@ def test_neutral_core_imports_no_backend() -> None:
     assert all(any(_under(m, (c,)) for m in graph) for c in NEUTRAL_CORE), "a core module moved"
     found = arrows_into(graph, NEUTRAL_CORE, BACKENDS)
     assert not found, "the neutral trainer core imports a backend:\n  " + "\n  ".join(found)
+
+
+def test_only_the_backends_import_a_backend() -> None:
+    """Outside trainer.hf and trainer.megatron no trainer module imports either: the config
+    sections and engines are loaded by name (trainer.registry.BACKENDS)."""
+    graph = import_graph()
+    found = [f"{a} -> {b}" for a in sorted(graph)
+             if _under(a, ("trainer",)) and not _under(a, BACKENDS)
+             for b in sorted(graph[a]) if _under(b, BACKENDS)]
+    assert not found, "a trainer module imports a backend:\n  " + "\n  ".join(found)
 
 
 def test_arrow_rule_sees_an_arrow_into_a_backend(tmp_path: Path) -> None:

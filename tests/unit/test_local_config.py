@@ -42,17 +42,16 @@ def test_closeness_reward_ranks_wrong_answers():
     assert closeness_reward("x", "12") == 0.0 and closeness_reward("", "12") == 0.0
 
 
-def test_test_only_spike_and_linger_reach_the_trainer(tmp_path: Path):
-    cfg = LocalConfig.model_validate({"grpo": {"test_lr_spike_step": 7,
-                                               "test_lr_spike_factor": 50.0,
-                                               "test_lr_spike_after_s": 70.0},
+def test_step_hooks_and_linger_reach_the_trainer(tmp_path: Path):
+    spike = {"path": "tests.support.lr_spike:TimedLrSpike",
+             "options": {"after_s": 70.0, "factor": 50.0}}
+    cfg = LocalConfig.model_validate({"grpo": {"hooks": [spike, "json:dumps"]},
                                       "metrics_linger_s": 90.0})
     tc = TrainerConfig.model_validate(trainer_config(cfg, tmp_path, tmp_path))
-    assert (tc.optim.test_lr_spike_step, tc.optim.test_lr_spike_factor) == (7, 50.0)
-    assert tc.optim.test_lr_spike_after_s == 70.0
+    assert [h.model_dump() for h in tc.hooks] == [spike, {"path": "json:dumps", "options": {}}]
     assert tc.run.metrics_linger_s == 90.0
     off = TrainerConfig.model_validate(trainer_config(LocalConfig(), tmp_path, tmp_path))
-    assert (off.optim.test_lr_spike_step, off.run.metrics_linger_s) == (0, 5.0)
+    assert (off.hooks, off.run.metrics_linger_s) == ([], 5.0)
 
 
 def test_backlog_budget_counts_what_a_trajectory_holds(tmp_path: Path):

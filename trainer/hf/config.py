@@ -1,12 +1,13 @@
 """HFBackendConfig: the knobs of the HF/FSDP2 backend that TrainerConfig does not have.
 
-Everything shared with the megatron backend (model dir, dtype, optimizer, loss, replay mode and
+`SECTIONS` registers it as TrainerConfig's `hf` section (trainer.registry). Everything shared
+with the megatron backend (model dir, dtype, optimizer, loss, replay mode and
 agreement floor, data cutting, run bookkeeping) stays in trainer.config.TrainerConfig.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -75,3 +76,18 @@ class HFBackendConfig(StrictConfig):
             return (world_size,)
         shard = self.shard_group_size or world_size
         return (world_size // shard, shard)
+
+
+# The hf backend's registration (trainer.registry): the TrainerConfig section it adds and its
+# checks of a whole config.
+SECTIONS: dict[str, type[StrictConfig]] = {"hf": HFBackendConfig}
+
+
+def check_trainer(cfg: Any) -> None:
+    """A TrainerConfig with backend hf: no expert parallelism; the ray world fits the sharding
+    (in-process, the engine checks its process group's)."""
+    if cfg.model.expert_parallel != 1:
+        raise ValueError("model.expert_parallel: the hf backend shards experts with FSDP2 like "
+                         "every other weight; EP must be 1")
+    if cfg.run.launcher == "ray":
+        cfg.hf.check_world(cfg.run.world_size)

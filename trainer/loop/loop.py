@@ -24,12 +24,13 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from trainer.checkpoint import DataPosition
 from trainer.config import TrainerConfig
+from trainer.hooks import StepHook, before_step, load_hooks
 from trainer.loop.dynamic_sampling import REASON as EQUAL_REWARDS
 from trainer.loop.dynamic_sampling import DynamicSampler
 from trainer.loop.ledger import TrainedIdsLedger
@@ -47,7 +48,8 @@ class TrainLoop:
     """Drives the ranks from the store; owns acks, metrics and the run log."""
 
     def __init__(self, cfg: TrainerConfig, ranks: Ranks | RankTransport, client,
-                 metrics: dict[str, Any] | None = None, push_fn: PushFn | None = None) -> None:
+                 metrics: dict[str, Any] | None = None, push_fn: PushFn | None = None,
+                 hooks: Sequence[StepHook] | None = None) -> None:
         if cfg.data.groups_per_step % ranks.world_size:
             raise ValueError(f"data.groups_per_step: {cfg.data.groups_per_step} not divisible "
                              f"by {ranks.world_size} ranks")
@@ -55,6 +57,8 @@ class TrainLoop:
         self.cfg, self.client = cfg, client
         self.metrics, self.push_fn = TrainerMetrics.of(metrics), push_fn
         self.sampler = DynamicSampler(cfg.data)
+        # the step hooks (trainer.hooks): consulted here, once per step, for every rank
+        self.hooks = load_hooks(cfg.hooks) if hooks is None else list(hooks)
         self.pending_acks: list[str] = []
         # This process's pulls: the store renews (does not redeliver) our own expired leases,
         # so a batch that waits long is not dead-lettered; a restarted trainer is a new session.
@@ -160,11 +164,12 @@ class TrainLoop:
         dropped = {g.group_id for g in stale}
         return [g for g in groups if g.group_id not in dropped]
 
-    def train_step(self, groups: list) -> dict:
-        """Scatter whole groups to the ranks; each aligns routing and steps; reduce metrics."""
+    def train_step(self, groups: list, lr_scale: float = 1.0) -> dict:
+        """Scatter whole groups to the ranks; each aligns routing and steps (its updates at lr x
+        `lr_scale`); reduce metrics."""
         n = self.ranks.world_size
         shares = [[g.SerializeToString() for g in groups[r::n]] for r in range(n)]
-        per_rank = self.ranks.train(shares)
+        per_rank = self.ranks.train(shares, lr_scale)
         dropped = {g: why for m in per_rank for g, why in m.pop("dropped", {}).items()}
         metrics = reduce_metrics(per_rank)
         self.quarantine([g for g in groups if g.group_id in dropped], dropped)
@@ -259,16 +264,17 @@ class TrainLoop:
     def run(self, steps: int, stop: Callable[[], bool] = lambda: False) -> list[dict]:
         """Take `steps` optimizer steps (0 = until `stop()`); returns their metrics."""
         history: list[dict] = []
-        spike = _TimedLrSpike(self.cfg.optim.test_lr_spike_after_s)
-        while (steps == 0 or len(history) < steps) and not stop() and not spike.shown(self.pos):
+        while (steps == 0 or len(history) < steps) and not stop():
+            control = before_step(self.hooks, self.pos.step, self.pos.policy_version)
+            if control.stop:
+                log.info("step %d: a step hook ends the run", self.pos.step + 1)
+                break
             t0 = time.perf_counter()
             groups = self.pull_batch(stop)
             if not groups:
                 break
-            if spike.due(self.pos):
-                self.ranks.set_lr_spike_version(self.pos.policy_version + 1)
             t1 = time.perf_counter()
-            metrics = self.train_step(groups)
+            metrics = self.train_step(groups, control.lr_scale)
             self.publish_version()
             t2 = time.perf_counter()
             if not stop():  # stopping: the engines are going too (SIGTERM between passes)
@@ -315,29 +321,3 @@ def _prompt_of(group) -> tuple[str, int, str]:  # noqa: ANN001 (a store_pb2.Pull
     """(worker_id, epoch, prompt_id) of a group's prompt (its trajectories share it)."""
     t = group.trajectories[0] if group.trajectories else None
     return (t.worker_id, t.epoch, t.prompt_id) if t is not None else ("", 0, "")
-
-
-class _TimedLrSpike:
-    """optim.test_lr_spike_after_s (TEST ONLY): the loop picks the spiking step by wall time,
-    so a test holds low ppo_kl for long enough however fast this machine steps, then ends the
-    run one step after the spike (its batch, sampled before the jump, shows it)."""
-
-    def __init__(self, after_s: float) -> None:
-        self.after_s, self.first_step_end, self.version = after_s, 0.0, 0
-
-    def due(self, pos: DataPosition) -> bool:
-        """Before a step: is this the step to spike (once)?"""
-        if not self.after_s or self.version:
-            return False
-        if not self.first_step_end:
-            if pos.step:  # the first step is taken: time counts from now (before the next)
-                self.first_step_end = time.monotonic()
-            return False
-        if time.monotonic() - self.first_step_end < self.after_s:
-            return False
-        self.version = pos.policy_version + 1
-        return True
-
-    def shown(self, pos: DataPosition) -> bool:
-        """After the spiking step and the one that measured it: the run is done."""
-        return bool(self.version) and pos.policy_version > self.version

@@ -16,8 +16,8 @@ from typing import Any, Literal, Protocol, get_args
 from trainer.checkpoint import DataPosition
 
 # The RankWorker methods the loop and the weight push call on every rank.
-RankMethod = Literal["resume", "set_policy_version", "set_lr_spike_version", "train", "save",
-                     "export_hf_dir", "export_hf", "plan_push", "push_weights"]
+RankMethod = Literal["resume", "set_policy_version", "train", "save", "export_hf_dir",
+                     "export_hf", "plan_push", "push_weights"]
 RANK_METHODS: tuple[str, ...] = get_args(RankMethod)
 
 
@@ -52,12 +52,10 @@ class Ranks:
     def set_policy_version(self, version: int) -> None:
         self._all("set_policy_version", version)
 
-    def set_lr_spike_version(self, version: int) -> None:
-        self._all("set_lr_spike_version", version)
-
-    def train(self, shares: list[list[bytes]]) -> list[dict]:
-        """Rank r trains on `shares[r]` (serialized PulledGroups); per-rank metrics."""
-        return self._each("train", [(s,) for s in shares])
+    def train(self, shares: list[list[bytes]], lr_scale: float = 1.0) -> list[dict]:
+        """Rank r trains on `shares[r]` (serialized PulledGroups), every rank's updates at lr x
+        `lr_scale`; per-rank metrics."""
+        return self._each("train", [(s, lr_scale) for s in shares])
 
     def save(self, pos: DataPosition) -> None:
         self._all("save", asdict(pos))

@@ -1,5 +1,6 @@
 """`ModelConfig`: how the trainer builds its megatron-core model (the config of
-trainer.megatron.model, kept apart so trainer.config imports no runtime module)."""
+trainer.megatron.model, kept apart so a config loads no runtime module); `SECTIONS` registers it
+as TrainerConfig's `model` section (trainer.registry)."""
 
 from __future__ import annotations
 
@@ -128,3 +129,16 @@ class ModelConfig(StrictConfig):
             return {"recompute_granularity": "selective", "recompute_modules":
                     ["moe"] if self.recompute_moe else list(self.recompute_modules)}
         return {}
+
+
+# The megatron backend's registration (trainer.registry): the TrainerConfig section it adds and
+# its checks of a whole config.
+SECTIONS: dict[str, type[StrictConfig]] = {"model": ModelConfig}
+
+
+def check_trainer(cfg: Any) -> None:
+    """A TrainerConfig with backend megatron: the ray launcher's layout fits run.world_size."""
+    if cfg.run.launcher == "ray":
+        from trainer.megatron.parallel import check_layout  # torch: only when there is a layout
+
+        check_layout(cfg.model, cfg.run.world_size, pad_multiple=cfg.data.pad_multiple)
