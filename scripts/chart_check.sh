@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Checks of the Kubernetes packaging (`make chart-check`, the last step of `make test`).
+# Checks of the Kubernetes packaging (`make chart-check`; `make test` runs it beside pytest, niced).
 # No API server and no Docker engine run here, so everything is checked from rendered YAML:
 # helm lint/template (4 values files: the defaults, with the trainer on, production, minimal),
 # core kinds (kubernetes-validate --strict), KubeRay CRs

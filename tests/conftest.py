@@ -8,7 +8,11 @@ scripts/test.sh); without xdist (a plain pytest run) nothing here changes anythi
   reads, so the marks group nothing).
 - Files are queued longest first (COST_S, seconds on a fresh clone of the 2-core CI box), so
   the long ones start at once and the short files fill in beside them (scripts/test.sh passes
-  --no-loadscope-reorder so that xdist keeps this order).
+  --no-loadscope-reorder so that xdist keeps this order). xdist hands the first unit to gw0,
+  the second to gw1, and each later one to the first worker left with <= 2 tests to run: the
+  two units that each run a whole `r3flow local` topology under a fixture for minutes
+  (local_run_dir, the fault suite) are the first two, so they never share a worker, each
+  paired with one of the next two (the family chains, the real-MoE rollouts and benches).
 - Each worker has its own part of the port range (services.common.net: R3FLOW_PORT_RANGE),
   inherited by every process its tests start: two workers' port picks cannot collide.
 - vLLM-CPU binds an engine's OMP threads to the first core the process may use, keeping the
@@ -40,11 +44,12 @@ SHARED = {
     **dict.fromkeys(["tests/integration/test_trainer_vllm.py",
                      "tests/integration/test_bench_smoke.py"], "real_moe_rollouts"),
 }
-# group -> seconds (make test on a fresh clone, issue 43); groups not named here go after these,
-# in collection order. Rough is enough: it only orders the queue.
+# group -> seconds (make test on a fresh clone, issue 43: CI3's log of 8b65123, the offline
+# engines' saving since taken off family_chain and real_moe_rollouts); groups not named here go
+# after these, in collection order. Rough is enough: it only orders the queue.
 COST_S = {
-    "family_chain": 480, "local_run_dir": 330, "tests/faults/test_faults.py": 300,
-    "real_moe_rollouts": 260, "tests/faults/test_sigterm_stop.py": 140,
+    "local_run_dir": 410, "tests/faults/test_faults.py": 370, "real_moe_rollouts": 360,
+    "family_chain": 350, "tests/faults/test_sigterm_stop.py": 140,
     "tests/integration/test_local_family.py": 125, "tests/faults/test_engine_death.py": 100,
     "tests/integration/test_weight_push_megatron.py": 80, "tests/unit/test_hf_gather_to.py": 45,
     "tests/unit/test_hf_routers.py": 40,

@@ -14,7 +14,6 @@ Legend: T tokens, L layers, K top-k.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -55,11 +54,10 @@ def vllm_greedy(model_dir: str, out: str, dtype: str = "float32") -> None:
 
 
 def run_vllm(model_dir: Path, out: Path, dtype: str = "float32") -> list[tuple[np.ndarray, ...]]:
-    from services.common.procenv import pythonpath
+    from tests.support.vllm_sampling import offline_engine_env
 
-    env = os.environ | {"PYTHONPATH": pythonpath(REPO), "VLLM_CPU_OMP_THREADS_BIND": "auto",
-                        "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    subprocess.run([sys.executable, __file__, str(model_dir), str(out), dtype], env=env,
+    subprocess.run([sys.executable, __file__, str(model_dir), str(out), dtype],
+                   env=offline_engine_env(),
                    cwd=REPO, check=True, timeout=600)  # vLLM start on a loaded 2-core box
     data = np.load(out)
     return [(data[f"tokens_{i}"], data[f"routing_{i}"]) for i in range(len(PROMPTS))]
