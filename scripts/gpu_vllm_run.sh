@@ -69,7 +69,7 @@ for section in $SECTIONS; do
       read -r pa pb <<<"${PAIR:-graphs:1 graphs:0}"
       say "pair on GPU 0: $pa vs $pb"
       step "pair_${pa/:/}_${pb/:/}" 0 pair --model "$W/m30" --a "$pa" --b "$pb" --batches "$BATCHES" \
-        --repeats "${REPEATS:-6}" --max-tokens "${MAX_TOKENS:-256}" --out "$W/pair_${pa/:/}_${pb/:/}.json"
+        --repeats "${REPEATS:-6}" --max-tokens "${MAX_TOKENS:-256}" --streams "${STREAMS:-0,1}" --out "$W/pair_${pa/:/}_${pb/:/}.json"
       merge;;
     load)
       # new weights into a running engine (worker extension, reload_weights), fp32, CUDA

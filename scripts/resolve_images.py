@@ -7,9 +7,16 @@ and check the versions docker/versions.env records (make chart-check; issue 42).
   trainer: the same base + docker/requirements-store.txt + docker/requirements-trainer.txt
 
 The GPU images install vLLM from their base image (vllm/vllm-openai), so the resolve takes the
-base's torch as the pin vLLM VLLM declares (read from its metadata, checked = TORCH) and adds the
-requirement files on top, as `pip install -r` does in the Dockerfiles; torch and the NCCL wheel
-must come out equal in rollout and trainer and equal to TORCH and NCCL.
+base's torch as the pin vLLM VLLM declares (read from its metadata, checked = TORCH) and the
+base's NCCL as the pin that torch declares (read from torch's metadata, checked = NCCL), and
+adds the requirement files on top, as `pip install -r` does in the Dockerfiles; torch must come
+out equal in rollout and trainer and equal to TORCH.
+
+The NCCL wheel torch 2.11.0 pins (nvidia-nccl-cu13 2.28.9) is not on the registry (its newest
+is 2.32.3): pip cannot resolve torch 2.11.0's closure at all. The base image brings that NCCL,
+so the GPU sets resolve with uv (`uv pip compile`, the resolver scripts/gpu_vllm_stage.sh uses)
+with torch's NCCL pin overridden away (a never-true marker): everything else in the set
+resolves, and nothing in it asks for another NCCL (checked: no nvidia-nccl-* comes out).
 """
 
 from __future__ import annotations
@@ -68,6 +75,31 @@ def resolve(reqs: list[str], python: str, no_deps: bool = False) -> dict[str, di
     return out
 
 
+def resolve_uv(reqs: list[str], python: str, drop: list[str]) -> dict[str, str]:
+    """name -> version that `uv pip compile` picks for `reqs` on manylinux x86_64 / `python`,
+    with the packages named in `drop` overridden away (the base image brings them)."""
+    uv = Path(sys.executable).parent / "uv"
+    with tempfile.TemporaryDirectory() as tmp:
+        inp, over, lock = Path(tmp) / "in.txt", Path(tmp) / "over.txt", Path(tmp) / "lock.txt"
+        inp.write_text("\n".join(reqs) + "\n")
+        over.write_text("".join(f"{n}; sys_platform == 'never'\n" for n in drop))
+        cmd = [str(uv), "pip", "compile", str(inp), "--override", str(over), "--python-version",
+               python, "--python-platform", "x86_64-manylinux_2_28", "--only-binary", ":all:",
+               "--no-annotate", "--no-header", "-q", "-o", str(lock)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
+                              env=dict(os.environ, UV_CONSTRAINT="", PIP_CONSTRAINT=""))
+        if proc.returncode:
+            raise SystemExit(f"resolve_images: {' '.join(reqs)} (Python {python}) does not "
+                             f"resolve:\n" + "\n".join(proc.stderr.splitlines()[-6:]))
+        out = {}
+        for line in lock.read_text().splitlines():
+            line = line.split("#", 1)[0].strip()
+            if "==" in line:
+                name, version = line.split("==", 1)
+                out[re.sub(r"[-_.]+", "-", name).lower()] = version.split(";")[0].strip()
+    return out
+
+
 def pin(metadata: dict, name: str) -> str:
     """The == pin of `name` in `metadata`'s requirements."""
     for dep in metadata.get("requires_dist") or []:
@@ -84,28 +116,37 @@ def main() -> int:
     base_torch = pin(vllm, "torch")
     problems = [] if base_torch == v["TORCH"] else [
         f"vllm {v['VLLM']} pins torch {base_torch}, docker/versions.env says {v['TORCH']}"]
-    sets = {"store": (["-r", files["store"]], v["STORE_PYTHON"]),
-            "rollout": ([f"torch=={base_torch}", "-r", files["store"]], v["GPU_PYTHON"]),
-            "trainer": ([f"torch=={base_torch}", "-r", files["store"], "-r", files["trainer"]],
-                        v["GPU_PYTHON"])}
+    torch_meta = resolve([f"torch=={base_torch}"], v["GPU_PYTHON"], no_deps=True)["torch"]
+    nccl_name = next((n for n in ("nvidia-nccl-cu13", "nvidia-nccl-cu12")
+                      if any(d.replace(" ", "").startswith(f"{n}==")
+                             for d in torch_meta.get("requires_dist") or [])), None)
+    if nccl_name is None:
+        raise SystemExit(f"resolve_images: torch {base_torch} pins no nvidia-nccl wheel")
+    base_nccl = pin(torch_meta, nccl_name)
+    print(f"base vllm/vllm-openai:v{v['VLLM']}: torch {base_torch} (vllm's pin), {nccl_name} "
+          f"{base_nccl} (torch's pin)")
+    if base_nccl != v["NCCL"]:
+        problems.append(f"torch {base_torch} pins {nccl_name} {base_nccl}, docker/versions.env "
+                        f"says NCCL {v['NCCL']}")
+    store = resolve(["-r", files["store"]], v["STORE_PYTHON"])
+    print(f"store: {len(store)} packages resolve on linux x86_64 / Python {v['STORE_PYTHON']}")
+    sets = {"rollout": [f"torch=={base_torch}", "-r " + files["store"]],
+            "trainer": [f"torch=={base_torch}", "-r " + files["store"], "-r " + files["trainer"]]}
     got = {}
-    for image, (reqs, python) in sets.items():
-        pkgs = resolve(reqs, python)
-        nccl = sorted(f"{n} {m['version']}" for n, m in pkgs.items() if n.startswith("nvidia-nccl"))
-        torch = pkgs.get("torch", {}).get("version")
-        got[image] = (torch, nccl)
-        print(f"{image}: {len(pkgs)} packages resolve on linux x86_64 / Python {python}"
-              + (f"; torch {torch}, {', '.join(nccl)}" if torch else ""))
-        if image == "trainer" and pkgs["megatron-core"]["version"] != v["MEGATRON_CORE"]:
-            problems.append(f"trainer: megatron-core {pkgs['megatron-core']['version']}, "
+    for image, reqs in sets.items():
+        pkgs = resolve_uv(reqs, v["GPU_PYTHON"], drop=[nccl_name])
+        nccl = sorted(n for n in pkgs if n.startswith("nvidia-nccl"))
+        got[image] = pkgs.get("torch")
+        print(f"{image}: {len(pkgs)} packages resolve on manylinux x86_64 / Python "
+              f"{v['GPU_PYTHON']} (uv; {nccl_name} from the base); torch {got[image]}")
+        if nccl:
+            problems.append(f"{image}: the set asks for NCCL wheels besides torch's: {nccl}")
+        if image == "trainer" and pkgs.get("megatron-core") != v["MEGATRON_CORE"]:
+            problems.append(f"trainer: megatron-core {pkgs.get('megatron-core')}, "
                             f"docker/versions.env says {v['MEGATRON_CORE']}")
-    if got["rollout"] != got["trainer"]:
-        problems.append(f"rollout and trainer resolve different torch/NCCL: {got['rollout']} vs "
-                        f"{got['trainer']}")
-    torch, nccl = got["trainer"]
-    if torch != v["TORCH"] or [n.split()[1] for n in nccl] != [v["NCCL"]]:
-        problems.append(f"trainer resolves torch {torch}, {nccl}; docker/versions.env says "
-                        f"torch {v['TORCH']}, NCCL {v['NCCL']}")
+    if got["rollout"] != got["trainer"] or got["trainer"] != v["TORCH"]:
+        problems.append(f"rollout and trainer resolve torch {got['rollout']} / {got['trainer']}; "
+                        f"docker/versions.env says {v['TORCH']}")
     for p in problems:
         print(f"resolve_images: {p}", file=sys.stderr)
     return 1 if problems else 0

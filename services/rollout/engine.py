@@ -24,7 +24,7 @@ import numpy as np
 from services.common import families
 from services.rollout.config import EngineConfig
 from services.rollout.segments import CallOutput
-from services.rollout.vllm_compat import check_routed_prompt_start
+from services.rollout.vllm_compat import check_routed_prompt_start, generated_tokens
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +127,12 @@ class CallParams:
     seed: int | None = None
     ignore_eos: bool = False
     routed_prompt_start: int = 0
+    # True: vLLM hands the call a cumulative output after every token (the pre-issue-41
+    # behaviour, kept to measure what it costs); False: only the final output. Each interim
+    # output is a RequestOutput built and an asyncio wake-up of the caller, per call and per
+    # token, on the frontend's one event-loop thread: at batch 256 under CUDA graphs that
+    # thread, not the GPU, bounds tokens/s (docs/benchmarks/rollout.md, issue 41).
+    stream: bool = False
 
 
 def engine_args(cfg: EngineConfig) -> Any:
@@ -193,8 +199,11 @@ class RolloutEngine:
         return None
 
     def progress(self, request_id: str) -> int:
-        """Tokens the call `request_id` has generated so far (0 when unknown or finished)."""
-        return self._progress.get(request_id, 0)
+        """Tokens the call `request_id` has generated so far (0 when unknown or finished):
+        read from vLLM's frontend, which counts them whether or not the call streams."""
+        if request_id not in self._progress:
+            return 0
+        return max(self._progress[request_id], generated_tokens(self.llm, request_id))
 
     @property
     def inflight(self) -> int:
@@ -215,13 +224,16 @@ class RolloutEngine:
 
     def _sampling_params(self, p: CallParams, request_id: str = "", prompt_len: int = 0) -> Any:
         from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
         start = p.routed_prompt_start if self.cfg.capture_routing else 0
         if start:
             check_routed_prompt_start(start, prompt_len, request_id)
         return SamplingParams(n=1, max_tokens=p.max_tokens, temperature=p.temperature,
                               top_p=p.top_p, seed=p.seed, ignore_eos=p.ignore_eos, logprobs=0,
-                              detokenize=False, routed_experts_prompt_start=start)
+                              detokenize=False, routed_experts_prompt_start=start,
+                              output_kind=RequestOutputKind.CUMULATIVE if p.stream
+                              else RequestOutputKind.FINAL_ONLY)
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: CallParams
                        ) -> CallOutput:

