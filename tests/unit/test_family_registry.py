@@ -21,6 +21,7 @@ TINY = TinyMoeConfig(num_layers=2)
 @pytest.mark.parametrize("name", families.names())
 def test_every_family_has_what_each_consumer_reads(name: str) -> None:
     from trainer.hf.routers import RULES
+    from trainer.megatron.families import sizes
     from trainer.megatron.family_arch import FamilyArch
 
     fam = families.get(name)
@@ -31,7 +32,7 @@ def test_every_family_has_what_each_consumer_reads(name: str) -> None:
     assert dtype in ("fp32", "native") and why
     assert fam.megatron_arch is not None  # every family is mapped today
     assert isinstance(families.hook(fam.megatron_arch)(cfg), FamilyArch)
-    assert fam.expert_ffn_key in cfg, fam.expert_ffn_key
+    assert sizes(cfg)["moe_ffn"] == TINY.moe_intermediate_size  # the expert width megatron reads
     assert fam.engine_dtype in (None, "bfloat16", "float32")
     assert set(fam.hf_knobs) <= {"attn_implementation", "packing"}
     for model_name, build in fam.planner_models.items():
