@@ -28,9 +28,6 @@ def supported() -> tuple[str, ...]:
                  if f.megatron_arch and f.name not in REFUSED)
 
 
-SUPPORTED = supported()  # at import (call supported() for families registered later)
-
-
 def check_supported(cfg: dict) -> str:
     """The family (HF model_type) of `cfg`; ValueError naming what the megatron backend lacks."""
     family = cfg.get("model_type")

@@ -114,8 +114,6 @@ def build_family(out_dir: str | Path, family: str = "", cfg: TinyMoeConfig | Non
 
 _discover()
 DEFAULT = all_families()[0].name  # the family a run builds when none is named
-FAMILIES = names()  # the families of this package's modules (a snapshot: call names() to see
-# families registered later)
 
-__all__ = ["DEFAULT", "FAMILIES", "REGISTRY", "Family", "all_families", "build_family", "find",
+__all__ = ["DEFAULT", "REGISTRY", "Family", "all_families", "build_family", "find",
            "get", "hf_config", "hook", "names", "register"]
