@@ -28,9 +28,12 @@ REGISTRY: dict[str, Family] = {}
 
 
 def register(family: Family) -> Family:
-    """Add `family` to the registry; ValueError when its name is taken."""
+    """Add `family` to the registry; ValueError when its name or its rank is taken."""
     if family.name in REGISTRY:
         raise ValueError(f"family: {family.name!r} is registered twice")
+    holder = next((f.name for f in REGISTRY.values() if f.rank == family.rank), None)
+    if holder is not None:  # rank orders listings and DEFAULT: a tie would order by name
+        raise ValueError(f"family {family.name!r}: rank {family.rank} is taken by {holder!r}")
     REGISTRY[family.name] = family
     return family
 
