@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Protocol
 
 from pydantic import Field, model_validator
 
@@ -15,8 +15,25 @@ from trainer.ray_config import RayLaunchConfig
 from trainer.registry import Section, check_backend
 from trainer.replay import ReplayMode
 
-# The backends' sections (trainer.registry: each backend's config module declares its own)
+# The backends' sections (trainer.registry: each backend's config module declares its own). They
+# are typed Any here; the backends read them through typed accessors (trainer.megatron.config.
+# model_section, trainer.hf.config.hf_section), this module through `ModelSection`.
 HF_SECTION, MODEL_SECTION = Section("hf"), Section("model")
+
+
+class ModelSection(Protocol):
+    """What the neutral core reads of the `model` section (trainer.megatron.config.ModelConfig,
+    which mypy checks against this there)."""
+
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def experts(self) -> str: ...
+    @property
+    def attention(self) -> str: ...
+    @property
+    def planned_dispatch(self) -> bool | str: ...
+    def fast_path(self, cuda: bool, family: str | None = None) -> ModelSection: ...
 
 
 class OptimConfig(StrictConfig):
@@ -216,8 +233,9 @@ class TrainerConfig(StrictConfig):
         experts, SDPA, planned dispatch (ModelConfig.fast_path), fused Adam and the chunked
         log-softmax on CUDA with model.dtype bf16; the reference path on CPU or in fp32.
         Explicit settings are kept (the equality tests set the reference path)."""
-        fast = cuda and self.model.dtype == "bf16"
-        update: dict[str, Any] = {"model": self.model.fast_path(cuda, family)}
+        model: ModelSection = self.model
+        fast = cuda and model.dtype == "bf16"
+        update: dict[str, Any] = {"model": model.fast_path(cuda, family)}
         if self.optim.fused_adam == "auto":
             update["optim"] = self.optim.model_copy(update={"fused_adam": fast})
         if self.loss.chunked_logprobs == "auto":
@@ -227,7 +245,7 @@ class TrainerConfig(StrictConfig):
     def describe_path(self) -> str:
         """One line naming the trainer path (after fast_path()): `fast` when every switch that
         applies to the backend is on, `reference` when all are off, else `mixed`."""
-        m = self.model
+        m: ModelSection = self.model
         if self.backend == "hf":
             switches = {"chunked_logprobs": self.loss.chunked_logprobs}
         else:

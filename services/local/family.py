@@ -22,12 +22,6 @@ from services.common.tiny_moe import TinyMoeConfig
 
 log = logging.getLogger(__name__)
 
-# family -> HF backend knobs (trainer `hf:` section) the family cannot train without (a view of
-# the registry's families at import; plan() reads the registry itself)
-HF_KNOBS: dict[str, dict[str, Any]] = {
-    f.name: f.hf_knobs for f in families.all_families() if f.hf_knobs}
-
-
 @dataclass(frozen=True)
 class FamilyPlan:
     """What `r3flow local` runs for one family."""

@@ -44,16 +44,16 @@ def score(family: str, model: Path, npz: Path, backend: str = "auto", smoke: boo
           ) -> dict:
     """Agreement and |rollout - trainer logprob| with r3 and off, on one model's rollouts (a
     tests.support.vllm_sampling .npz; smoke: a prefix of two)."""
-    from services.local.family import HF_KNOBS
+    from services.common import families
     from tests.support.vllm_sampling import load_rollouts, prefix_rollouts
     from trainer.backend import make_trainer
     from trainer.batch import Sample
     from trainer.config import TrainerConfig
-    from trainer.megatron.families import SUPPORTED
+    from trainer.megatron.families import supported
 
     if backend == "auto":
-        backend = "megatron" if family in SUPPORTED else "hf"
-    hf = HF_KNOBS.get(family, {}) if backend == "hf" else {}  # what the family cannot train without
+        backend = "megatron" if family in supported() else "hf"
+    hf = families.get(family).hf_knobs if backend == "hf" else {}  # what the family cannot train without
     tr = make_trainer(TrainerConfig.model_validate(dict(
         model_dir=str(model), backend=backend, model={"dtype": "bf16"}, hf=hf,
         data={"micro_batch_size": 4}, replay={"agreement_floor": 0.0})))
@@ -72,7 +72,7 @@ def score(family: str, model: Path, npz: Path, backend: str = "auto", smoke: boo
 
 
 def main() -> None:
-    from services.common.families import FAMILIES
+    from services.common.families import names
 
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="bench-results/families.json")
@@ -85,7 +85,7 @@ def main() -> None:
     p.add_argument("--smoke", action="store_true", help="make test's run: the first family "
                    "only, a prefix of two rollouts, one torch thread (the keys, not the figures; "
                    "with --rollouts, no vLLM)")
-    p.add_argument("families", nargs="*", default=list(FAMILIES))
+    p.add_argument("families", nargs="*", default=list(names()))
     args = p.parse_args()
     if args.smoke:  # one torch thread: OpenMP's spin-waits are most of a busy box's CPU time
         import torch

@@ -36,9 +36,10 @@ MODES = ("off", "r3", "r2")
 
 
 def _hf_config(layers: int, small: bool) -> dict:
-    from trainer.plan.models import QWEN3_30B_A3B
+    from trainer.plan.models import load_model_config
 
-    cfg = dict(QWEN3_30B_A3B, num_hidden_layers=layers, torch_dtype="bfloat16")
+    cfg = dict(load_model_config("Qwen3-30B-A3B"), num_hidden_layers=layers,
+               torch_dtype="bfloat16")
     if small:  # CPU smoke: same structure, tiny widths
         cfg |= {"hidden_size": 64, "moe_intermediate_size": 32, "num_experts": 8,
                 "num_experts_per_tok": 2, "num_attention_heads": 4, "num_key_value_heads": 2,

@@ -42,9 +42,9 @@ GIB = 1 << 30
 
 
 def hf_config(args: argparse.Namespace) -> dict:
-    from trainer.plan.models import QWEN3_30B_A3B
+    from trainer.plan.models import load_model_config
 
-    cfg = dict(QWEN3_30B_A3B, num_hidden_layers=args.layers)
+    cfg = dict(load_model_config("Qwen3-30B-A3B"), num_hidden_layers=args.layers)
     if args.smoke:
         cfg |= {"hidden_size": 64, "moe_intermediate_size": 32, "num_experts": 8,
                 "num_experts_per_tok": 2, "num_attention_heads": 4, "num_key_value_heads": 2,

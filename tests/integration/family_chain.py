@@ -115,14 +115,14 @@ class Chain:
 
 
 def trainer_config(model_dir: Path, backend: str):
-    from services.local.family import HF_KNOBS
+    from services.common import families
     from trainer.config import TrainerConfig
 
     extra: dict[str, Any] = {"model": {"dtype": "fp32", "router_dtype": "fp32"}} \
         if backend == "megatron" else {}
     family = json.loads((model_dir / "config.json").read_text())["model_type"]
-    if backend == "hf" and family in HF_KNOBS:  # what the family cannot train without
-        extra["hf"] = HF_KNOBS[family]
+    if backend == "hf":  # what the family cannot train without
+        extra["hf"] = families.get(family).hf_knobs
     return TrainerConfig.model_validate(dict(
         model_dir=str(model_dir), backend=backend, data={"micro_batch_size": 2},
         replay={"agreement_floor": 0.9}, **extra))

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from services.common.families import FAMILIES
+from services.common.families import names
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 2
@@ -40,11 +40,11 @@ def local_run(tmp_path: Path, family: str) -> Path:
 
 
 def check_run(run_dir: Path, family: str) -> None:
-    from trainer.megatron.families import SUPPORTED
+    from trainer.megatron.families import supported
 
     plan = json.loads((run_dir / "family.json").read_text())
     assert plan["family"] == family
-    assert plan["backend"] == ("megatron" if family in SUPPORTED else "hf"), plan
+    assert plan["backend"] == ("megatron" if family in supported() else "hf"), plan
     trainer = json.loads((run_dir / "configs" / "trainer.json").read_text())
     assert trainer.get("backend", "megatron") == plan["backend"]
     model = json.loads((run_dir / "model-init" / "config.json").read_text())
@@ -66,6 +66,6 @@ def test_local_deepseek_v3_completes(tmp_path):
 
 
 @pytest.mark.manual
-@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "deepseek_v3"])
+@pytest.mark.parametrize("family", [f for f in names() if f != "deepseek_v3"])
 def test_local_family_completes(tmp_path, family):
     check_run(local_run(tmp_path, family), family)

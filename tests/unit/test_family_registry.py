@@ -21,6 +21,7 @@ TINY = TinyMoeConfig(num_layers=2)
 @pytest.mark.parametrize("name", families.names())
 def test_every_family_has_what_each_consumer_reads(name: str) -> None:
     from trainer.hf.routers import RULES
+    from trainer.megatron.families import sizes
     from trainer.megatron.family_arch import FamilyArch
 
     fam = families.get(name)
@@ -31,7 +32,7 @@ def test_every_family_has_what_each_consumer_reads(name: str) -> None:
     assert dtype in ("fp32", "native") and why
     assert fam.megatron_arch is not None  # every family is mapped today
     assert isinstance(families.hook(fam.megatron_arch)(cfg), FamilyArch)
-    assert fam.expert_ffn_key in cfg, fam.expert_ffn_key
+    assert sizes(cfg)["moe_ffn"] == TINY.moe_intermediate_size  # the expert width megatron reads
     assert fam.engine_dtype in (None, "bfloat16", "float32")
     assert set(fam.hf_knobs) <= {"attn_implementation", "packing"}
     for model_name, build in fam.planner_models.items():
@@ -42,15 +43,21 @@ def test_one_module_per_family_named_after_it() -> None:
     mods = [m.name for m in pkgutil.iter_modules(families.__path__) if not m.name.startswith("_")]
     assert sorted(mods) == sorted(families.names())
     assert families.names()[0] == families.DEFAULT == "qwen3_moe"
-    assert families.FAMILIES == families.names()
+    ranks = [f.rank for f in families.all_families()]
+    assert len(set(ranks)) == len(ranks), ranks  # rank orders listings: no ties
 
 
-def test_lookups_refuse_by_name() -> None:
+def test_lookups_refuse_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="family: 'llama' is not one of qwen3_moe, qwen2_moe"):
         families.get("llama")
     assert families.find("llama") is None and families.find(None) is None
     with pytest.raises(ValueError, match="family: 'olmoe' is registered twice"):
         families.register(families.get("olmoe"))
+    monkeypatch.setattr(families, "REGISTRY", dict(families.REGISTRY))  # a refusal adds nothing
+    with pytest.raises(ValueError, match="family 'olmoe_copy': rank 3 is taken by 'olmoe'"):
+        families.register(dataclasses.replace(families.get("olmoe"), name="olmoe_copy"))
+    assert families.register(dataclasses.replace(families.get("olmoe"), name="olmoe_copy",
+                                                  rank=92)).rank == 92
     with pytest.raises(ValueError, match="family hook 'trainer.megatron.family_basic:nope'"):
         families.hook("trainer.megatron.family_basic:nope")
 

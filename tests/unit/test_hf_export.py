@@ -133,8 +133,7 @@ def test_negative_keep_is_refused(tmp_path, model_dir):
                                                        (0, 3, [])])
 def test_loop_exports_every_n_steps_after_the_checkpoint_and_at_the_end(tmp_path, every, steps,
                                                                          want):
-    from test_trainer_loop import FakeRanks, FakeStore, _group
-
+    from tests.support.fake_loop import FakeRanks, FakeStore, pulled_group
     from trainer.config import TrainerConfig
     from trainer.loop.loop import TrainLoop
 
@@ -142,7 +141,7 @@ def test_loop_exports_every_n_steps_after_the_checkpoint_and_at_the_end(tmp_path
                         run={"run_dir": str(tmp_path), "checkpoint_every": 1,
                              "hf_export_every": every})
     ranks = FakeRanks(2)
-    TrainLoop(cfg, ranks, FakeStore([_group(i) for i in range(2 * steps)])).run(steps)
+    TrainLoop(cfg, ranks, FakeStore([pulled_group(i) for i in range(2 * steps)])).run(steps)
     exports = [(i, args) for i, (m, args) in enumerate(ranks.calls) if m == "export_hf_dir"]
     assert [args for _, args in exports] == [[(s,), (s,)] for s in want]  # every rank joins
     for i, _ in exports:  # right after the checkpoint of the same weights

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.common.families import FAMILIES, hf_config
+from services.common.families import hf_config, names
 from services.common.tiny_moe import TinyMoeConfig
 from services.common.tiny_moe import hf_config as qwen3_config
 from trainer.hf.routers import HFAgreementMonitor, HFModelReplay, find_routers
@@ -37,7 +37,7 @@ def build(family: str):
     from transformers import AutoModelForCausalLM
 
     cfg = qwen3_config(tiny(family)) if family == "qwen3_moe" else hf_config(family, tiny(family))
-    torch.manual_seed(FAMILIES.index(family))
+    torch.manual_seed(names().index(family))
     m = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
         for name, p in m.named_parameters():
@@ -49,7 +49,7 @@ def build(family: str):
     return m.eval()
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+@pytest.fixture(scope="module", params=names())
 def model(request):
     return build(request.param)
 

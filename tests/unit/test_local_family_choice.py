@@ -8,14 +8,15 @@ from pathlib import Path
 
 import pytest
 
+from services.common import families
 from services.common.config import ConfigError, build_config
 from services.common.tiny_moe import TinyMoeConfig
 from services.local.config import LocalConfig, rollout_config, trainer_config, warm_start_config
-from services.local.family import HF_KNOBS, megatron_refusal, plan
+from services.local.family import megatron_refusal, plan
 from services.local.warm_start import WarmStartConfig
 from services.local.warm_start import trainer_config as warm_trainer_config
 from trainer.config import TrainerConfig
-from trainer.megatron.families import REFUSED, SUPPORTED
+from trainer.megatron.families import REFUSED, supported
 
 
 def test_unknown_family_is_refused_naming_the_field():
@@ -23,7 +24,7 @@ def test_unknown_family_is_refused_naming_the_field():
         build_config(LocalConfig, {"family": "llama"})
 
 
-@pytest.mark.parametrize("family", sorted(SUPPORTED))
+@pytest.mark.parametrize("family", sorted(supported()))
 def test_megatron_when_it_maps_the_family(family, tmp_path: Path):
     cfg = LocalConfig(family=family)
     p = plan(family, None, cfg.model)
@@ -43,7 +44,7 @@ def test_hf_when_megatron_refuses_the_family(family, tmp_path: Path, monkeypatch
     monkeypatch.setattr(fam, "megatron_refusal", lambda f, m: why if f == family else None)
     cfg = LocalConfig(family=family)
     p = plan(family, None, cfg.model)
-    assert p.backend == "hf" and why in p.why and p.hf == HF_KNOBS.get(family, {})
+    assert p.backend == "hf" and why in p.why and p.hf == families.get(family).hf_knobs
     tc = TrainerConfig.model_validate(trainer_config(cfg, tmp_path, tmp_path, p))
     assert (tc.backend, tc.run.launcher) == ("hf", "local")  # hf: one in-process rank
     warm = WarmStartConfig.model_validate(warm_start_config(cfg, tmp_path, tmp_path, tmp_path, p))

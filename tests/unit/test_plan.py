@@ -11,11 +11,11 @@ import yaml
 from services import cli
 from tests.bench import bench_megatron_parallel as bench_mp
 from trainer.plan.memory import Arch, GiB, Layout, plan
-from trainer.plan.models import QWEN3_30B_A3B, tiny_moe_config
+from trainer.plan.models import load_model_config
 
 ROOT = Path(__file__).resolve().parents[2]
-QWEN = Arch.from_hf_config(QWEN3_30B_A3B)
-TINY = Arch.from_hf_config(tiny_moe_config())
+QWEN = Arch.from_hf_config(load_model_config("Qwen3-30B-A3B"))
+TINY = Arch.from_hf_config(load_model_config("tiny-moe"))
 
 
 def test_qwen3_30b_a3b_parameters():

@@ -9,11 +9,11 @@ import pytest
 
 from services import cli
 from trainer.plan.memory import Arch, Layout, plan
-from trainer.plan.models import QWEN3_30B_A3B, tiny_moe_config
+from trainer.plan.models import load_model_config
 
 ROOT = Path(__file__).resolve().parents[2]
-QWEN = Arch.from_hf_config(QWEN3_30B_A3B)
-TINY = Arch.from_hf_config(tiny_moe_config())
+QWEN = Arch.from_hf_config(load_model_config("Qwen3-30B-A3B"))
+TINY = Arch.from_hf_config(load_model_config("tiny-moe"))
 N_TINY = 527_104  # test_plan.test_tiny_moe_fp32_figures
 LAYER_TINY = 49_152 + 320 + 196_608 + 1_024  # attention + norms, experts, router
 

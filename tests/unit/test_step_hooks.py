@@ -11,8 +11,8 @@ import torch
 
 from services.common.config import ConfigError, build_config
 from tests.support import lr_spike
+from tests.support.fake_loop import FakeRanks, FakeStore, loop_config, pulled_group
 from tests.support.lr_spike import TimedLrSpike
-from tests.unit.test_trainer_loop import FakeRanks, FakeStore, _cfg, _group
 from trainer.config import TrainerConfig
 from trainer.grpo import GRPOStep
 from trainer.hooks import StepControl, load_hooks
@@ -44,9 +44,9 @@ class Script:
 
 
 def test_every_rank_gets_the_hooks_scale_and_a_stop_ends_the_run(tmp_path) -> None:
-    ranks, store = FakeRanks(2), FakeStore([_group(i) for i in range(20)])
+    ranks, store = FakeRanks(2), FakeStore([pulled_group(i) for i in range(20)])
     first, second = Script({1: {"lr_scale": 4.0}}), Script({1: {"lr_scale": 0.5}, 3: {"stop": True}})
-    history = TrainLoop(_cfg(tmp_path), ranks, store, hooks=[first, second]).run(10)
+    history = TrainLoop(loop_config(tmp_path), ranks, store, hooks=[first, second]).run(10)
     assert len(history) == 3 and first.asked == second.asked == [(0, 0), (1, 1), (2, 2), (3, 3)]
     scales = [[args[1] for args in per_rank] for m, per_rank in ranks.calls if m == "train"]
     assert scales == [[1.0, 1.0], [2.0, 2.0], [1.0, 1.0]]
@@ -56,7 +56,7 @@ def test_hooks_are_config_entries_loaded_by_path(tmp_path) -> None:
     cfg = TrainerConfig(hooks=[{"path": SPIKE, "options": {"after_s": 5, "factor": 3}}])
     (hook,) = load_hooks(cfg.hooks)
     assert isinstance(hook, TimedLrSpike) and (hook.after_s, hook.factor) == (5, 3)
-    loop = TrainLoop(_cfg(tmp_path).model_copy(update={"hooks": cfg.hooks}), FakeRanks(1),
+    loop = TrainLoop(loop_config(tmp_path).model_copy(update={"hooks": cfg.hooks}), FakeRanks(1),
                      FakeStore([]))
     assert [type(h) for h in loop.hooks] == [TimedLrSpike]
     assert TrainerConfig(hooks=["json:dumps"]).hooks[0].options == {}

@@ -10,54 +10,16 @@ from prometheus_client import CollectorRegistry
 
 from services.common.metrics import create_metrics
 from services.common.pb.r3flow.v1 import store_pb2
-from trainer.config import TrainerConfig
+from tests.support.fake_loop import FakeRanks, FakeStore, loop_config, pulled_group
 from trainer.loop.loop import TrainLoop
 from trainer.loop.metrics import reduce_metrics
-
-
-class FakeRanks:
-    def __init__(self, world_size: int) -> None:
-        self.world_size, self.calls, self.version = world_size, [], 0
-
-    def call(self, method, per_rank_args):
-        self.calls.append((method, per_rank_args))
-        if method == "train":
-            self.version += 1
-            return [{"policy_version": self.version, "grad_norm": 1.0 + r, "logprob_diff_max": r,
-                     "routing_agreement": 0.99, "routing_agreement_by_layer": {0: 0.98, 1: 1.0},
-                     "step_seconds": 0.1, "replay": "r3"} for r in range(self.world_size)]
-        return [None] * self.world_size
-
-
-class FakeStore:
-    def __init__(self, groups) -> None:
-        self.ready, self.acked, self.versions = list(groups), [], []
-
-    def pull(self, consumer, max_groups, lease_seconds=0, wait_ms=0, session=""):
-        got, self.ready = self.ready[:max_groups], self.ready[max_groups:]
-        return got
-
-    def ack(self, consumer, ids):
-        self.acked.append(list(ids))
-
-    def publish_policy_version(self, v):
-        self.versions.append(v)
-
-
-def _group(i: int, delivery: str | None = None):
-    return store_pb2.PulledGroup(delivery_id=delivery or f"d{i}", group_id=f"g{i}")
-
-
-def _cfg(tmp_path, **data):
-    return TrainerConfig(data={"groups_per_step": 2, **data},
-                         run={"run_dir": str(tmp_path), "checkpoint_every": 2})
 
 
 def test_groups_scatter_ack_after_checkpoint_and_metrics(tmp_path):
     registry = CollectorRegistry()
     metrics = create_metrics(registry, "trainer")
-    ranks, store = FakeRanks(2), FakeStore([_group(i) for i in range(6)])
-    loop = TrainLoop(_cfg(tmp_path), ranks, store, metrics)
+    ranks, store = FakeRanks(2), FakeStore([pulled_group(i) for i in range(6)])
+    loop = TrainLoop(loop_config(tmp_path), ranks, store, metrics)
     loop.run(3)
     trains = [args for m, args in ranks.calls if m == "train"]
     assert [len(a[0][0]) for a in trains] == [1, 1, 1]  # one whole group per rank per step
@@ -75,8 +37,8 @@ def test_groups_scatter_ack_after_checkpoint_and_metrics(tmp_path):
 
 def test_redelivered_trained_group_is_acked_not_retrained(tmp_path):
     ranks = FakeRanks(1)
-    store = FakeStore([_group(0), _group(1), _group(0, "d0-again"), _group(2), _group(3)])
-    loop = TrainLoop(_cfg(tmp_path), ranks, store)
+    store = FakeStore([pulled_group(0), pulled_group(1), pulled_group(0, "d0-again"), pulled_group(2), pulled_group(3)])
+    loop = TrainLoop(loop_config(tmp_path), ranks, store)
     loop.run(2)
     trained = [store_pb2.PulledGroup.FromString(b).group_id
                for m, args in ranks.calls if m == "train" for b in args[0][0]]
@@ -86,7 +48,7 @@ def test_redelivered_trained_group_is_acked_not_retrained(tmp_path):
 
 def test_groups_per_step_must_split_evenly_between_ranks(tmp_path):
     with pytest.raises(ValueError, match="groups_per_step"):
-        TrainLoop(_cfg(tmp_path, groups_per_step=3), FakeRanks(2), FakeStore([]))
+        TrainLoop(loop_config(tmp_path, groups_per_step=3), FakeRanks(2), FakeStore([]))
 
 
 def test_reduce_metrics():
@@ -149,7 +111,7 @@ def test_quarantined_group_is_acked_as_dropped_at_once_and_the_step_goes_on(tmp_
     groups = [store_pb2.PulledGroup(delivery_id=f"d{i}", group_id=f"g{i}", trajectories=[
         {"trajectory_id": f"g{i}/{j}"} for j in range(3)]) for i in range(2)]
     store = DroppingStore(groups)
-    loop = TrainLoop(_cfg(tmp_path), QuarantiningRanks(2), store, metrics)
+    loop = TrainLoop(loop_config(tmp_path), QuarantiningRanks(2), store, metrics)
     m = loop.train_step(loop.pull_batch())
     assert store.dropped == [("d1", "invalid_routing", 3)]  # acked now, before any checkpoint
     assert m["groups_quarantined"] == 1 and loop.pending_acks == ["d0"]
@@ -170,7 +132,7 @@ def test_dynamic_sampling_drops_equal_reward_groups_and_refills_the_batch(tmp_pa
     """DAPO dynamic sampling at intake: all-equal groups acked dropped, the batch refilled."""
     store = DroppingStore([_rewarded(0, [1, 1]), _rewarded(1, [0, 1]), _rewarded(2, [0, 0]),
                            _rewarded(3, [1, 0])])
-    loop = TrainLoop(_cfg(tmp_path, dynamic_sampling=True), FakeRanks(1), store)
+    loop = TrainLoop(loop_config(tmp_path, dynamic_sampling=True), FakeRanks(1), store)
     batch = loop.pull_batch()
     assert [g.group_id for g in batch] == ["g1", "g3"]
     assert store.dropped == [("d0", "equal_rewards", 2), ("d2", "equal_rewards", 2)]
@@ -180,7 +142,7 @@ def test_dynamic_sampling_drops_equal_reward_groups_and_refills_the_batch(tmp_pa
 
 def test_dynamic_sampling_keeps_equal_groups_past_its_pull_budget(tmp_path):
     store = DroppingStore([_rewarded(i, [1, 1]) for i in range(4)])
-    cfg = _cfg(tmp_path, dynamic_sampling=True, dynamic_sampling_max_pulls=1)
+    cfg = loop_config(tmp_path, dynamic_sampling=True, dynamic_sampling_max_pulls=1)
     batch = TrainLoop(cfg, FakeRanks(1), store).pull_batch()
     assert [g.group_id for g in batch] == ["g2", "g3"] and len(store.dropped) == 2
 
@@ -231,7 +193,7 @@ def test_a_group_in_the_batch_is_not_judged_again_when_redelivered(tmp_path):
 
     ref: list = []
     store = Store(ref)
-    loop = TrainLoop(_cfg(tmp_path, max_policy_lag=1), FakeRanks(1), store)
+    loop = TrainLoop(loop_config(tmp_path, max_policy_lag=1), FakeRanks(1), store)
     ref.append(loop)
     batch = loop.pull_batch()
     assert [(g.group_id, g.delivery_id) for g in batch] == [("g0", "d0-again"), ("g1", "d1")]

@@ -65,3 +65,17 @@ def test_a_bad_dotted_path_names_the_field(path: str, says: str) -> None:
     with pytest.raises(ValueError, match=f"^hooks.0: .*{says}"):
         load_attr(path, "hooks.0")
     assert load_attr("json:dumps", "f") is json.dumps
+
+
+def test_typed_section_accessors_return_the_declared_sections() -> None:
+    from trainer.hf.config import HFBackendConfig, hf_section
+    from trainer.megatron.config import ModelConfig, model_section
+
+    cfg = TrainerConfig.model_validate({"model": {"dtype": "bf16"}, "hf": {"packing": False}})
+    assert isinstance(model_section(cfg), ModelConfig) and model_section(cfg).dtype == "bf16"
+    assert isinstance(hf_section(cfg), HFBackendConfig) and hf_section(cfg).packing is False
+    raw = cfg.model_copy(update={"model": {"dtype": "bf16"}, "hf": None})  # skips validation
+    with pytest.raises(TypeError, match="model: expected a ModelConfig section, got dict"):
+        model_section(raw)
+    with pytest.raises(TypeError, match="hf: expected an HFBackendConfig section, got NoneType"):
+        hf_section(raw)

@@ -7,11 +7,15 @@ agreement floor, data cutting, run bookkeeping) stays in trainer.config.TrainerC
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 
 from services.common.config import StrictConfig
+from trainer.megatron.config import model_section
+
+if TYPE_CHECKING:  # trainer.config loads this module by name while it builds TrainerConfig
+    from trainer.config import TrainerConfig
 
 
 class HFBackendConfig(StrictConfig):
@@ -83,11 +87,19 @@ class HFBackendConfig(StrictConfig):
 SECTIONS: dict[str, type[StrictConfig]] = {"hf": HFBackendConfig}
 
 
-def check_trainer(cfg: Any) -> None:
+def hf_section(cfg: TrainerConfig) -> HFBackendConfig:
+    """`cfg.hf`, typed: TrainerConfig holds the section as Any (its schema is registered here,
+    trainer.registry), so the hf backend reads it through this."""
+    if not isinstance(cfg.hf, HFBackendConfig):
+        raise TypeError(f"hf: expected an HFBackendConfig section, got {type(cfg.hf).__name__}")
+    return cfg.hf
+
+
+def check_trainer(cfg: TrainerConfig) -> None:
     """A TrainerConfig with backend hf: no expert parallelism; the ray world fits the sharding
     (in-process, the engine checks its process group's)."""
-    if cfg.model.expert_parallel != 1:
+    if model_section(cfg).expert_parallel != 1:
         raise ValueError("model.expert_parallel: the hf backend shards experts with FSDP2 like "
                          "every other weight; EP must be 1")
     if cfg.run.launcher == "ray":
-        cfg.hf.check_world(cfg.run.world_size)
+        hf_section(cfg).check_world(cfg.run.world_size)

@@ -26,7 +26,7 @@ from trainer.checkpoint import ShardedState
 from trainer.collectives import max_over_ranks
 from trainer.config import TrainerConfig
 from trainer.guard import Level, PeerFault, checkpoint
-from trainer.hf.config import HFBackendConfig
+from trainer.hf.config import HFBackendConfig, hf_section
 from trainer.hf.loading import build_meta, materialise
 from trainer.hf.model import (
     check_packing,
@@ -56,6 +56,7 @@ from trainer.hf.ulysses import (
     register,
     sp_groups,
 )
+from trainer.megatron.config import model_section
 from trainer.protocol import LossFn
 from trainer.replay import ReplayMode, drive
 
@@ -68,14 +69,15 @@ class HFBackend:
     def __init__(self, cfg: TrainerConfig, hf: HFBackendConfig | None = None) -> None:
         if not cfg.model_dir:
             raise ValueError("model_dir: an HF checkpoint directory is required")
-        if cfg.model.expert_parallel != 1:
+        model = model_section(cfg)
+        if model.expert_parallel != 1:
             raise ValueError("model.expert_parallel: the hf backend shards with FSDP2, EP must be 1")
-        if cfg.model.router_dtype == "fp32" and cfg.model.dtype == "bf16":
+        if model.router_dtype == "fp32" and model.dtype == "bf16":
             log.warning("model.router_dtype=fp32 is ignored by the hf backend: HF routers run in "
                         "the model dtype (bf16), as vLLM's do")
         cfg = cfg.fast_path(torch.cuda.is_available())  # `auto` switches: this rank's device
         log.info("%s", cfg.describe_path())
-        self.cfg, self.hf = cfg, hf or cfg.hf
+        self.cfg, self.hf = cfg, hf or hf_section(cfg)
         self.rank, self.world_size = init_process_group()
         self.hf.check_world(self.world_size)
         self.sharded = self._use_fsdp()
@@ -129,11 +131,11 @@ class HFBackend:
         if self.hf.fsdp == "off":
             if self.world_size > 1:
                 raise ValueError(f"hf.fsdp: off needs world size 1 (have {self.world_size})")
-            if self.cfg.model.dtype == "bf16":
+            if model_section(self.cfg).dtype == "bf16":
                 log.warning("hf.fsdp=off with model.dtype=bf16: parameters stay fp32 (no FSDP2 "
                             "mixed precision without sharding)")
             return False
-        return self.world_size > 1 or self.cfg.model.dtype == "bf16"
+        return self.world_size > 1 or model_section(self.cfg).dtype == "bf16"
 
     def _build(self, trainable: bool) -> Any:  # an HF PreTrainedModel (FSDP2-wrapped or not)
         meta = self.sharded and self.hf.meta_init
@@ -144,7 +146,7 @@ class HFBackend:
         if not trainable:
             model.requires_grad_(False)
         if self.sharded:
-            shard(model, decoder_layers(model), self.cfg.model.dtype == "bf16",
+            shard(model, decoder_layers(model), model_section(self.cfg).dtype == "bf16",
                   self.hf.reshard_after_forward, self.mesh)
         if meta:  # this rank's shards only, read from the checkpoint
             device = torch.device("cuda", torch.cuda.current_device()) \
@@ -281,7 +283,7 @@ class HFBackend:
     def export_hf_state_dict(self) -> dict[str, torch.Tensor]:
         """Checkpoint-named full weights on rank 0, {} on the others (collective under FSDP2:
         every rank must call it; one parameter is gathered at a time)."""
-        dtype = torch.bfloat16 if self.cfg.model.dtype == "bf16" else torch.float32
+        dtype = torch.bfloat16 if model_section(self.cfg).dtype == "bf16" else torch.float32
         if not self.sharded:
             return export_hf(self.model, dtype)
         return {k: v.detach().clone() for k, v in iter_export_hf(self.model, dtype, sender=0)}
@@ -291,7 +293,7 @@ class HFBackend:
         """Checkpoint-named weights streamed to rank `sender`: one parameter gathered at a
         time (FSDP2's gather is per parameter; `chunk_bytes` and `wire` do not apply: the
         tensors come one by one)."""
-        dtype = torch.bfloat16 if self.cfg.model.dtype == "bf16" else torch.float32
+        dtype = torch.bfloat16 if model_section(self.cfg).dtype == "bf16" else torch.float32
         return iter_export_hf(self.model, dtype, sender)
 
     def checkpoint_state(self) -> tuple[Any, Any]:

@@ -4,12 +4,15 @@ as TrainerConfig's `model` section (trainer.registry)."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, model_validator
 
 from services.common import families
 from services.common.config import StrictConfig
+
+if TYPE_CHECKING:  # trainer.config loads this module by name while it builds TrainerConfig
+    from trainer.config import ModelSection, TrainerConfig
 
 
 def grouped_experts_run(family: str | None) -> bool:
@@ -136,9 +139,21 @@ class ModelConfig(StrictConfig):
 SECTIONS: dict[str, type[StrictConfig]] = {"model": ModelConfig}
 
 
-def check_trainer(cfg: Any) -> None:
+if TYPE_CHECKING:  # mypy: ModelConfig gives the neutral core what it reads of the section
+    _NEUTRAL_VIEW: type[ModelSection] = ModelConfig
+
+
+def model_section(cfg: TrainerConfig) -> ModelConfig:
+    """`cfg.model`, typed: TrainerConfig holds the section as Any (its schema is registered
+    here, trainer.registry), so the backends read it through this."""
+    if not isinstance(cfg.model, ModelConfig):
+        raise TypeError(f"model: expected a ModelConfig section, got {type(cfg.model).__name__}")
+    return cfg.model
+
+
+def check_trainer(cfg: TrainerConfig) -> None:
     """A TrainerConfig with backend megatron: the ray launcher's layout fits run.world_size."""
     if cfg.run.launcher == "ray":
         from trainer.megatron.parallel import check_layout  # torch: only when there is a layout
 
-        check_layout(cfg.model, cfg.run.world_size, pad_multiple=cfg.data.pad_multiple)
+        check_layout(model_section(cfg), cfg.run.world_size, pad_multiple=cfg.data.pad_multiple)

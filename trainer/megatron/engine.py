@@ -37,6 +37,7 @@ from trainer.checkpoint import RankWeights
 from trainer.collectives import max_over_ranks
 from trainer.config import TrainerConfig
 from trainer.guard import Level, checkpoint, vote_on
+from trainer.megatron.config import model_section
 from trainer.megatron.cpu_shims import cuda_tensor_type_names
 from trainer.megatron.export_stream import HFStream
 from trainer.megatron.hf_mapping import gather_experts, load_arch, megatron_to_hf
@@ -73,7 +74,7 @@ def _optimizer(built: BuiltModel, cfg: TrainerConfig):
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    bf16, o = cfg.model.dtype == "bf16", cfg.optim
+    bf16, o = model_section(cfg).dtype == "bf16", cfg.optim
     dist_opt = o.use_distributed_optimizer
     ddp = DDP(built.config, DistributedDataParallelConfig(
         use_distributed_optimizer=dist_opt, grad_reduce_in_fp32=True,
@@ -111,23 +112,25 @@ class MegatronBackend:
     def __init__(self, cfg: TrainerConfig) -> None:
         if not cfg.model_dir:
             raise ValueError("model_dir: an HF checkpoint directory is required")
-        init_parallel(cfg.model)
+        model_cfg = model_section(cfg)
+        init_parallel(model_cfg)
         arch = load_arch(cfg.model_dir)
-        self.data_parallel_size = check_layout(cfg.model, torch.distributed.get_world_size(), arch,
+        self.data_parallel_size = check_layout(model_cfg, torch.distributed.get_world_size(), arch,
                                                cfg.data.pad_multiple)
         # `auto` settings resolved against the checkpoint and this rank's device, so self.cfg
         # says what runs (the fast path on CUDA bf16, the reference on CPU / fp32).
         cfg = cfg.fast_path(torch.cuda.is_available(), arch.family)
-        cfg = cfg.model_copy(update={"model": resolve_router_dtype(cfg.model, arch.family)})
+        model_cfg = resolve_router_dtype(model_section(cfg), arch.family)
+        cfg = cfg.model_copy(update={"model": model_cfg})
         log.info("%s", cfg.describe_path())
-        log.info("resolved model config: %s; %s", cfg.model.model_dump_json(),
-                 describe(cfg.model, torch.distributed.get_world_size()))
+        log.info("resolved model config: %s; %s", model_cfg.model_dump_json(),
+                 describe(model_cfg, torch.distributed.get_world_size()))
         self.cfg = cfg
-        self.policy = build_model(cfg.model_dir, cfg.model)
+        self.policy = build_model(cfg.model_dir, model_cfg)
         self.arch = self.policy.arch
         self.moe_layers, self.num_experts, self.top_k = (
             tuple(self.arch.moe_layers), self.arch.num_experts, self.arch.top_k)
-        recompute = cfg.model.recomputes_router
+        recompute = model_cfg.recomputes_router
         self.replay = ModelReplay(self.policy.replays, recompute)
         # this stage's MoE layers: routing rows of other stages' layers are dropped
         self.stage_columns = [self.moe_layers.index(h) for h in self.policy.moe_layers]
@@ -139,7 +142,7 @@ class MegatronBackend:
         self._finite = torch.ones((), dtype=torch.bool)
         self.reference: BuiltModel | None = None
         if cfg.loss.uses_reference:  # built after the policy: it owns its own replay instances
-            self.reference = build_model(cfg.model_dir, cfg.model)
+            self.reference = build_model(cfg.model_dir, model_cfg)
             self.reference.module.requires_grad_(False)
             self.ref_replay = ModelReplay(self.reference.replays, recompute=False)
         self.device = torch.device("cuda", torch.cuda.current_device()) \
@@ -169,7 +172,7 @@ class MegatronBackend:
     # ------------------------------------------------------------------ routing
     def _positions(self, mb: MicroBatch) -> torch.Tensor:
         """Sequence positions of `mb` this rank's routers see (SP/CP shard)."""
-        return local_positions(int(mb.tokens_BS.shape[1]), self.cfg.model.sequence_parallel)
+        return local_positions(int(mb.tokens_BS.shape[1]), model_section(self.cfg).sequence_parallel)
 
     def _rows(self, mb: MicroBatch, mode: ReplayMode) -> list[torch.Tensor] | None:
         """This rank's replay ids of `mb`: its stage's MoE layers, its sequence shard (the
@@ -205,7 +208,7 @@ class MegatronBackend:
             forward_step_func=step, data_iterator=iter([mb]), model=[module],
             num_microbatches=1, seq_length=s, micro_batch_size=b, forward_only=True,
             collect_non_loss_data=True)
-        dtype = torch.bfloat16 if self.cfg.model.dtype == "bf16" else torch.float32
+        dtype = torch.bfloat16 if model_section(self.cfg).dtype == "bf16" else torch.float32
         logits = out[0].contiguous() if ps.is_pipeline_last_stage() else torch.empty(
             b, s, self.arch.vocab_size, dtype=dtype, device=self.device)
         dist.broadcast(logits, ps.get_pipeline_model_parallel_last_rank(),
@@ -268,7 +271,7 @@ class MegatronBackend:
         rows = self._rows(mb, mode)
         record = mode == ReplayMode.R2 and not reference
         drive(ctl, rows, record)
-        out = self._pipeline_logits(model.module, mb) if self.cfg.model.pipeline_parallel > 1 \
+        out = self._pipeline_logits(model.module, mb) if model_section(self.cfg).pipeline_parallel > 1 \
             else self._logits(model.module, mb)
         if not reference:
             self.agreement.collect(mb, self._positions(mb))

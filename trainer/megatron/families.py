@@ -28,9 +28,6 @@ def supported() -> tuple[str, ...]:
                  if f.megatron_arch and f.name not in REFUSED)
 
 
-SUPPORTED = supported()  # at import (call supported() for families registered later)
-
-
 def check_supported(cfg: dict) -> str:
     """The family (HF model_type) of `cfg`; ValueError naming what the megatron backend lacks."""
     family = cfg.get("model_type")
@@ -51,15 +48,12 @@ def family_arch(cfg: dict) -> FamilyArch:
 
 def sizes(cfg: dict) -> dict[str, int]:
     """Experts, expert FFN and dense FFN widths under each family's key names."""
-    fam = families.find(cfg.get("model_type"))
-    if fam is not None and fam.expert_ffn_key == "intermediate_size":
-        # every layer MoE; intermediate_size is the expert's
-        experts = cfg.get("num_local_experts") or cfg["num_experts"]
-        return {"num_experts": experts, "moe_ffn": cfg["intermediate_size"],
-                "dense_ffn": cfg["intermediate_size"]}
+    # a family with no moe_intermediate_size (Mixtral, OLMoE, GPT-OSS) is MoE in every layer:
+    # its intermediate_size is the experts' width
     return {"num_experts": cfg.get("num_experts") or cfg.get("n_routed_experts")
             or cfg["num_local_experts"],
-            "moe_ffn": cfg["moe_intermediate_size"], "dense_ffn": cfg["intermediate_size"]}
+            "moe_ffn": cfg.get("moe_intermediate_size") or cfg["intermediate_size"],
+            "dense_ffn": cfg["intermediate_size"]}
 
 
 def config_overrides(fam: FamilyArch) -> dict[str, Any]:

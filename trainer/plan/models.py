@@ -9,11 +9,6 @@ from pathlib import Path
 from services.common import families
 from services.common.errors import UserError, syntax_error
 
-# the default family's models, by the names the benches and tests use
-from services.common.families.qwen3_moe import QWEN3_30B_A3B, tiny_moe_config
-
-__all__ = ["QWEN3_30B_A3B", "known_names", "load_model_config", "tiny_moe_config"]
-
 
 def _known() -> dict:
     """Known model name -> its HF config builder: the `planner_models` of every registered

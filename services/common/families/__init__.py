@@ -28,9 +28,12 @@ REGISTRY: dict[str, Family] = {}
 
 
 def register(family: Family) -> Family:
-    """Add `family` to the registry; ValueError when its name is taken."""
+    """Add `family` to the registry; ValueError when its name or its rank is taken."""
     if family.name in REGISTRY:
         raise ValueError(f"family: {family.name!r} is registered twice")
+    holder = next((f.name for f in REGISTRY.values() if f.rank == family.rank), None)
+    if holder is not None:  # rank orders listings and DEFAULT: a tie would order by name
+        raise ValueError(f"family {family.name!r}: rank {family.rank} is taken by {holder!r}")
     REGISTRY[family.name] = family
     return family
 
@@ -114,8 +117,6 @@ def build_family(out_dir: str | Path, family: str = "", cfg: TinyMoeConfig | Non
 
 _discover()
 DEFAULT = all_families()[0].name  # the family a run builds when none is named
-FAMILIES = names()  # the families of this package's modules (a snapshot: call names() to see
-# families registered later)
 
-__all__ = ["DEFAULT", "FAMILIES", "REGISTRY", "Family", "all_families", "build_family", "find",
+__all__ = ["DEFAULT", "REGISTRY", "Family", "all_families", "build_family", "find",
            "get", "hf_config", "hook", "names", "register"]

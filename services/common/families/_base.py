@@ -30,7 +30,6 @@ class Family:
     # "module:function" (cfg dict -> trainer.megatron.family_arch.FamilyArch), resolved by the
     # megatron backend; None: the megatron backend refuses the family (the HF backend runs it)
     megatron_arch: str | None = None
-    expert_ffn_key: str = "moe_intermediate_size"  # HF key of the expert FFN width
     mla: bool = False  # multi-latent attention (vLLM's DeepseekV2 MLA; megatron MLA config)
     megatron_grouped_experts: bool = True  # megatron's grouped expert module can run its experts
     hf_attn_implementation: str | None = None  # HF backend attention the family needs (None: any)
@@ -50,6 +49,12 @@ class Family:
         if not self.hf_packing:
             knobs["packing"] = False
         return knobs
+
+
+def replicated_gate(block: str, gate: str = "gate") -> tuple[str, str]:
+    """`engine_router_dtype` of a vLLM 0.30 MoE `block` whose `gate` is a ReplicatedLinear, which
+    computes router logits in the model dtype."""
+    return ("native", f"vLLM 0.30 {block}: the {gate} is a ReplicatedLinear in the model dtype")
 
 
 def common(cfg: TinyMoeConfig) -> dict[str, Any]:

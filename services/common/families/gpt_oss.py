@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.common.families._base import Family, common, no_dense
+from services.common.families._base import Family, common, no_dense, replicated_gate
 from services.common.tiny_moe import TinyMoeConfig
 
 
@@ -46,9 +46,7 @@ def check_engine_layout(hf_config: Any) -> None:
 FAMILY = Family(
     name="gpt_oss", rank=6, tiny_config=tiny_config,
     hf_routers={"GptOssTopKRouter": "topk_softmax"},
-    engine_router_dtype=("native", "vLLM 0.30 GptOssMoE: the router is a ReplicatedLinear (with "
-                         "bias) in the model dtype"),
-    megatron_arch="trainer.megatron.family_gpt_oss:gpt_oss_arch",
-    expert_ffn_key="intermediate_size", megatron_grouped_experts=False,
+    engine_router_dtype=replicated_gate("GptOssMoE", gate="router (with bias)"),
+    megatron_arch="trainer.megatron.family_gpt_oss:gpt_oss_arch", megatron_grouped_experts=False,
     hf_attn_implementation="eager", hf_packing=False, engine_dtype="bfloat16",
     engine_check=check_engine_layout)

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from services.common.families._base import Family, common, no_dense
+from services.common.families._base import Family, common, no_dense, replicated_gate
 from services.common.tiny_moe import TinyMoeConfig
 
 
@@ -20,7 +20,5 @@ def tiny_config(cfg: TinyMoeConfig):
 FAMILY = Family(
     name="mixtral", rank=2, tiny_config=tiny_config,
     hf_routers={"MixtralTopKRouter": "renormalised_softmax"},
-    engine_router_dtype=("native", "vLLM 0.30 MixtralMoE: the gate is a ReplicatedLinear in the "
-                         "model dtype"),
-    megatron_arch="trainer.megatron.family_basic:mixtral_arch",
-    expert_ffn_key="intermediate_size")
+    engine_router_dtype=replicated_gate("MixtralMoE"),
+    megatron_arch="trainer.megatron.family_basic:mixtral_arch")

@@ -3,7 +3,7 @@ trainer.megatron.family_olmoe), every layer MoE (the experts' width is `intermed
 
 from __future__ import annotations
 
-from services.common.families._base import Family, common, no_dense
+from services.common.families._base import Family, common, no_dense, replicated_gate
 from services.common.tiny_moe import TinyMoeConfig
 
 
@@ -22,7 +22,5 @@ def tiny_config(cfg: TinyMoeConfig):
 FAMILY = Family(
     name="olmoe", rank=3, tiny_config=tiny_config,
     hf_routers={"OlmoeTopKRouter": "softmax_topk"},
-    engine_router_dtype=("native", "vLLM 0.30 OlmoeMoE: the gate is a ReplicatedLinear in the "
-                         "model dtype"),
-    megatron_arch="trainer.megatron.family_olmoe:olmoe_arch",
-    expert_ffn_key="intermediate_size")
+    engine_router_dtype=replicated_gate("OlmoeMoE"),
+    megatron_arch="trainer.megatron.family_olmoe:olmoe_arch")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.common.families._base import Family, common, dense_first
+from services.common.families._base import Family, common, dense_first, replicated_gate
 from services.common.tiny_moe import TinyMoeConfig
 
 
@@ -26,6 +26,5 @@ def tiny_config(cfg: TinyMoeConfig):
 FAMILY = Family(
     name="qwen2_moe", rank=1, tiny_config=tiny_config,
     hf_routers={"Qwen2MoeTopKRouter": "softmax_topk"},
-    engine_router_dtype=("native", "vLLM 0.30 Qwen2MoeSparseMoeBlock: the gate is a "
-                         "ReplicatedLinear in the model dtype"),
+    engine_router_dtype=replicated_gate("Qwen2MoeSparseMoeBlock"),
     megatron_arch="trainer.megatron.family_basic:qwen2_moe_arch")

@@ -8,7 +8,7 @@ Qwen3-30B-A3B and the tiny model by name.
 from __future__ import annotations
 
 from services.common import tiny_moe
-from services.common.families._base import Family
+from services.common.families._base import Family, replicated_gate
 
 # Qwen/Qwen3-30B-A3B config.json (the keys trainer/megatron/hf_mapping.py and the planner read).
 QWEN3_30B_A3B = {
@@ -36,8 +36,7 @@ def tiny_moe_config() -> dict:
 FAMILY = Family(
     name="qwen3_moe", rank=0, tiny_config=tiny_moe.hf_config,
     hf_routers={"Qwen3MoeTopKRouter": "softmax_topk"},
-    engine_router_dtype=("native", "vLLM 0.30 Qwen3MoeSparseMoeBlock: the gate is a "
-                         "ReplicatedLinear in the model dtype"),
+    engine_router_dtype=replicated_gate("Qwen3MoeSparseMoeBlock"),
     megatron_arch="trainer.megatron.family_basic:qwen3_moe_arch",
     planner_models={"Qwen3-30B-A3B": lambda: dict(QWEN3_30B_A3B), "tiny-moe": tiny_moe_config},
     build=tiny_moe.build_tiny_moe)
