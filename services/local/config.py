@@ -141,7 +141,23 @@ class LocalConfig(StrictConfig):
     metrics_linger_s: float = Field(
         5.0, ge=0, le=600, description="the trainer keeps /metrics up this long after its last "
         "step (trainer run.metrics_linger_s); the alerting test holds its final ppo_kl with it")
+    stop_on_alert: str | None = Field(
+        None, description="a chart alert (helm/r3flow/rules): once Prometheus has evaluated it "
+        "as firing twice, the run ends as a budget does not: SIGTERM to the trainer (it ends "
+        "after its step or its metrics linger, checkpoints, exits 0), then the normal summary "
+        "(`stopped_by_alert`). Needs the prometheus binary; the alerting test ends its held "
+        "spike with it instead of waiting out metrics_linger_s")
 
+
+    @field_validator("stop_on_alert")
+    @classmethod
+    def _chart_alert(cls, v: str | None) -> str | None:
+        from services.local.prom import chart_alerts
+
+        if v is not None and v not in chart_alerts():
+            raise ValueError(f"{v!r} is not an alert of the chart's rules: "
+                             f"{', '.join(chart_alerts())}")
+        return v
 
     @field_validator("family")
     @classmethod
