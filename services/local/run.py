@@ -292,6 +292,10 @@ class LocalRun:
         binary is on the PATH (else one line, and the run goes on without it)."""
         from services.local.prom import LocalPrometheus
 
+        if not self.cfg.prometheus:
+            tqdm.write("prometheus: off (config prometheus: false): no alerts evaluated, "
+                       "dashboards not rendered")
+            return
         binary = LocalPrometheus.binary_on_path()
         if binary is None:
             tqdm.write("prometheus: not on the PATH (Debian package `prometheus`): no alerts "

@@ -64,6 +64,9 @@ def test_stop_on_alert_is_one_of_the_chart_alerts():
     with pytest.raises(ValidationError, match=r"stop_on_alert[\s\S]*'PpoKlSpike' is not an "
                        r"alert of the chart's rules: R3flowPpoKlSpike, R3flowKlRefSpike"):
         LocalConfig.model_validate({"stop_on_alert": "PpoKlSpike"})
+    with pytest.raises(ValidationError, match="stop_on_alert 'R3flowPpoKlSpike' needs "
+                       "prometheus: true"):
+        LocalConfig.model_validate({"stop_on_alert": "R3flowPpoKlSpike", "prometheus": False})
 
 
 def test_backlog_budget_counts_what_a_trajectory_holds(tmp_path: Path):
