@@ -113,6 +113,8 @@ def print_summary(s: dict) -> None:
         fired = ", ".join(f"{a['alert']} at {a['first']:.0f}-{a['last']:.0f} s"
                           for a in prom["alerts_fired"]) or "none"
         print(f"alerts fired      {fired} (chart rules, Prometheus at {prom['url']})")
+        if s.get("stopped_by_alert"):
+            print(f"stopped by alert  {s['stopped_by_alert']} (stop_on_alert)")
         empty = f"; no data: {', '.join(prom['empty_panels'])}" if prom["empty_panels"] else ""
         print(f"dashboards        {', '.join(prom['dashboards'])} ({prom['panels']} panels{empty})")
 

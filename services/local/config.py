@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from services.common import families
 from services.common.config import StrictConfig
@@ -141,7 +141,33 @@ class LocalConfig(StrictConfig):
     metrics_linger_s: float = Field(
         5.0, ge=0, le=600, description="the trainer keeps /metrics up this long after its last "
         "step (trainer run.metrics_linger_s); the alerting test holds its final ppo_kl with it")
+    prometheus: bool = Field(
+        True, description="start a Prometheus with the chart's rules when the binary is on the "
+        "PATH; false: none (no alerts evaluated, no dashboard PNGs; a run that checks neither "
+        "ends sooner)")
+    stop_on_alert: str | None = Field(
+        None, description="a chart alert (helm/r3flow/rules): once Prometheus has evaluated it "
+        "as firing twice, the run ends as a budget does not: SIGTERM to the trainer (it ends "
+        "after its step or its metrics linger, checkpoints, exits 0), then the normal summary "
+        "(`stopped_by_alert`). Needs the prometheus binary; the alerting test ends its held "
+        "spike with it instead of waiting out metrics_linger_s")
 
+
+    @field_validator("stop_on_alert")
+    @classmethod
+    def _chart_alert(cls, v: str | None) -> str | None:
+        from services.local.prom import chart_alerts
+
+        if v is not None and v not in chart_alerts():
+            raise ValueError(f"{v!r} is not an alert of the chart's rules: "
+                             f"{', '.join(chart_alerts())}")
+        return v
+
+    @model_validator(mode="after")
+    def _alert_needs_prometheus(self) -> LocalConfig:
+        if self.stop_on_alert is not None and not self.prometheus:
+            raise ValueError(f"stop_on_alert {self.stop_on_alert!r} needs prometheus: true")
+        return self
 
     @field_validator("family")
     @classmethod

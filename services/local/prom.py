@@ -49,6 +49,12 @@ class PanelData:
         return not any(self.series)
 
 
+def chart_alerts() -> list[str]:
+    """Names of the chart's alert rules (RULES), in file order."""
+    doc = yaml.safe_load(RULES.read_text())
+    return [r["alert"] for g in doc["groups"] for r in g["rules"] if "alert" in r]
+
+
 class LocalPrometheus:
     """One Prometheus process (by pid) with its config and data under `<run>/prometheus`."""
 
@@ -129,6 +135,13 @@ class LocalPrometheus:
                          end=f"{end:.3f}", step=f"{SCRAPE_S}s")
         return [s for s in data["result"]
                 if any(math.isfinite(float(v)) for _, v in s["values"])]
+
+    def firing_evaluations(self, alert: str, window_s: float = 10.0) -> int:
+        """How many of the rule evaluations in the last `window_s` seconds had `alert` firing
+        (0 before it fires)."""
+        data = self._get("/api/v1/query", query=f'count_over_time(ALERTS{{alertname="{alert}",'
+                         f'alertstate="firing"}}[{window_s:.0f}s])')
+        return max((int(float(s["value"][1])) for s in data["result"]), default=0)
 
     def alerts_fired(self, start: float, end: float) -> list[dict]:
         """Every alert that was firing during [start, end]: name, labels, first and last

@@ -174,7 +174,8 @@ class LocalRun:
         self.store_addr = ""
         self.metrics_urls: dict[str, str] = {}
         self.prom: LocalPrometheus | None = None
-        self._last_scrape = 0.0
+        self._last_scrape = self._last_alert_check = 0.0
+        self.stopped_by_alert: str | None = None  # stop_on_alert, once it ended the run
         self.started = time.monotonic()
         self.budget = Budget.of(cfg)
         self.stops: dict[str, dict] = {}  # child -> how its stop went (stop_child)
@@ -291,10 +292,16 @@ class LocalRun:
         binary is on the PATH (else one line, and the run goes on without it)."""
         from services.local.prom import LocalPrometheus
 
+        if not self.cfg.prometheus:
+            tqdm.write("prometheus: off (config prometheus: false): no alerts evaluated, "
+                       "dashboards not rendered")
+            return
         binary = LocalPrometheus.binary_on_path()
         if binary is None:
             tqdm.write("prometheus: not on the PATH (Debian package `prometheus`): no alerts "
-                       "evaluated, dashboards not rendered")
+                       "evaluated, dashboards not rendered" + (
+                           f", stop_on_alert {self.cfg.stop_on_alert} never fires"
+                           if self.cfg.stop_on_alert else ""))
             return
         self.prom = LocalPrometheus(binary, self.dir / "prometheus", free_port())
         self.prom.start(self.metrics_urls)
@@ -339,6 +346,10 @@ class LocalRun:
                 tqdm.write(line)
             if rows and time.monotonic() - self._last_scrape > 5:
                 self.snapshot_metrics()
+            if rows and self.alert_fired():
+                self.snapshot_metrics()
+                self.stop_child(trainer, TRAINER_STOP_GRACE_S)
+                break
             time.sleep(0.5)
         bar.close()
         if trainer.alive():
@@ -349,6 +360,22 @@ class LocalRun:
         for rec in rows[len(seen):]:
             tqdm.write(report.table_row(rec))
         return rows
+
+    def alert_fired(self) -> bool:
+        """Whether `stop_on_alert` has been evaluated as firing twice (checked once per rule
+        evaluation); its name goes to `stopped_by_alert` in the summary."""
+        from services.local.prom import SCRAPE_S
+
+        alert = self.cfg.stop_on_alert
+        if alert is None or self.prom is None or \
+                time.monotonic() - self._last_alert_check < SCRAPE_S:
+            return False
+        self._last_alert_check = time.monotonic()
+        if self.prom.firing_evaluations(alert) < 2:
+            return False
+        tqdm.write(f"prometheus: {alert} fired (stop_on_alert): stopping the trainer")
+        self.stopped_by_alert = alert
+        return True
 
     def snapshot_metrics(self) -> None:
         """Keep the latest /metrics text of every live child under metrics/ (for the report and
@@ -448,7 +475,8 @@ class LocalRun:
                    "measure_every": self.cfg.grpo.measure_every,
                    "budget_s": round(self.budget.total(), 1), "stops": self.stops,
                    "wall_seconds": round(time.monotonic() - self.started, 1),
-                   **report.summarize(rows), "trajectories": trajectories, **extra}
+                   **report.summarize(rows), "trajectories": trajectories,
+                   "stopped_by_alert": self.stopped_by_alert, **extra}
         write_json(self.dir / "summary.json", summary)
         return summary
 

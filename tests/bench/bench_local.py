@@ -15,8 +15,8 @@ waits for vLLM's boot and the first batch):
   trainer_cpu_cores,   CPU seconds / window of the trainer's process tree (driver, Ray, rank)
   rollout_cpu_cores    and of the rollout worker's (with vLLM's engine processes), from /proc
   wall_s               the whole command (warm start, boot, steps, report)
-`--smoke`: this tree only, the tests' small MoE, 3 steps of 4 groups (tests/integration/
-test_bench_smoke.py). Writes bench-results/local.json (or --out).
+`--smoke`: this tree only, the tests' small MoE, 2 steps of 4 groups, no Prometheus (tests/
+integration/test_bench_smoke.py). Writes bench-results/local.json (or --out).
 """
 
 from __future__ import annotations
@@ -175,14 +175,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="baseline/this-tree pairs, alternating")
     ap.add_argument("--baseline-rev", default=BASELINE_REV)
     ap.add_argument("--no-baseline", action="store_true", help="this tree only")
-    ap.add_argument("--smoke", action="store_true", help="this tree, tiny model, 3 steps")
+    ap.add_argument("--smoke", action="store_true", help="this tree, tiny model, 2 steps")
     ap.add_argument("--keep", action="store_true", help="keep the runs' folders (/tmp)")
     ap.add_argument("--out", type=Path, default=REPO / "bench-results" / "local.json")
     args = ap.parse_args(argv)
     config = None
     if args.smoke:
-        args.steps, args.rounds, args.no_baseline = 3, 1, True
-        config = {"model": {}, "warm_start_steps": 1, "metrics_linger_s": 0,
+        args.steps, args.rounds, args.no_baseline = 2, 1, True
+        config = {"model": {}, "warm_start_steps": 1, "metrics_linger_s": 0, "prometheus": False,
                   "grpo": {"groups_per_step": 4}}
     base = None if args.no_baseline else baseline_tree(args.baseline_rev)
     head = REPO if args.smoke else head_tree()

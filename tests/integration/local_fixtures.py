@@ -7,8 +7,11 @@ into the run at a multiplied learning rate, so the next step's batch, sampled by
 before the jump, sits far from the trainer's policy.
 That step is the last one (the hook ends the run there, through the loop's normal end; picking
 the step by time, not by count, keeps the low ppo_kl long enough however fast the machine steps,
-and no longer), and the trainer keeps serving its /metrics for `metrics_linger_s`, so Prometheus
-sees the spike held for longer than the rule's `for` (test_local_alerts.py says why it must).
+and no longer), and the trainer keeps serving its /metrics after it, so Prometheus sees the spike
+held for longer than the rule's `for` (test_local_alerts.py says why it must). The hold ends on
+the event the tests need: the run's `stop_on_alert` stops the trainer once Prometheus has
+evaluated the alert as firing twice (~65 s after the spike); `metrics_linger_s` (HOLD_S) only
+bounds it, for a run whose alert never fires.
 Every step before the spike is an ordinary GRPO step of the tests' small MoE (test_local_run.py
 checks them all).
 """
@@ -31,7 +34,7 @@ SPIKE_AFTER_S = 80
 MAX_STEPS = 1000  # an upper bound the timed spike ends the run well before
 FACTOR = 40.0  # x the lr below: the spike lr (0.02) well above the steps before it
 FOR_S = 60  # the chart rule's `for`
-HOLD_S = 100  # trainer metrics_linger_s: the last step's ppo_kl, held past FOR_S
+HOLD_S = 100  # trainer metrics_linger_s: the most the last step's ppo_kl is held (past FOR_S)
 ALERT = "R3flowPpoKlSpike"
 WARM_START_STEPS = 5
 
@@ -55,7 +58,7 @@ def spike_run(runs: Path, cfg_dir: Path) -> Path:
         "grpo": {"groups_per_step": 8, "lr": 5e-4, "hooks": [
             {"path": "tests.support.lr_spike:TimedLrSpike",
              "options": {"after_s": SPIKE_AFTER_S, "factor": FACTOR}}]},
-        "model": {}, "metrics_linger_s": HOLD_S}))
+        "model": {}, "metrics_linger_s": HOLD_S, "stop_on_alert": ALERT}))
     cmd = [sys.executable, "-m", "services.cli", "local", "--config", str(cfg),
            "--steps", str(MAX_STEPS), "--warm-start-steps", str(WARM_START_STEPS),
            "--runs-dir", str(runs)]

@@ -136,8 +136,8 @@ def test_bench_smoke_writes_its_keys(bench, smoke_runs):
 
 
 def test_bench_local_smoke(tmp_path: Path):
-    """`make bench-local --smoke`: the main job's first 3 steps (tests' small MoE), this tree
-    only; the figures BENCHMARKS.md records are in its JSON (issue 46)."""
+    """`make bench-local --smoke`: the main job's first 2 steps (tests' small MoE, no
+    Prometheus), this tree only; the figures BENCHMARKS.md records are in its JSON (issue 46)."""
     out = tmp_path / "local.json"
     proc = subprocess.run([sys.executable, "tests/bench/bench_local.py", "--smoke", "--out",
                            str(out)], cwd=REPO, capture_output=True, text=True,
@@ -146,7 +146,7 @@ def test_bench_local_smoke(tmp_path: Path):
     data = json.loads(out.read_text())
     assert data["smoke"] is True and data["baseline_rev"] is None
     (run,) = data["runs"]
-    assert run["steps"] == 3 and data["steps_per_s"] == run["steps_per_s"] > 0, run
+    assert run["steps"] == 2 and data["steps_per_s"] == run["steps_per_s"] > 0, run
     assert 0 < run["trainer_busy_share"] <= 1.0, run
     assert run["rollout_cpu_cores"] > 0 and run["trainer_cpu_cores"] > 0, run
     assert {"update_seconds", "old_pass_seconds", "batch_wait_seconds"} <= \

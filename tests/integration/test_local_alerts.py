@@ -4,8 +4,9 @@ panel returns data from the run.
 
 The run (local_fixtures.spike_run, shared with test_local_run.py) runs the update of the first
 step SPIKE_AFTER_S seconds into the run at a multiplied learning rate and ends one step later;
-the trainer keeps serving its /metrics for `metrics_linger_s`, so Prometheus sees the spike held
-for longer than the rule's `for`. The rule compares against the 30-minute median of the same
+the trainer keeps serving its /metrics until the alert has fired (the run's `stop_on_alert`;
+`metrics_linger_s` bounds the hold), so Prometheus sees the spike held for longer than the rule's
+`for`. The rule compares against the 30-minute median of the same
 gauge over the samples taken after the trainer's first step (the gauge reads 0 from start-up
 until then, and those zeros are left out of the median), so the low values of the steps before
 the spike must outnumber the held spike until the alert fires: the run has enough steps before
@@ -63,6 +64,9 @@ def test_ppo_kl_spike_alert_fires_in_prometheus(run_dir: Path):
     assert fired[0]["first"] >= spike, (fired, spike)
     assert fired[0]["last"] >= spike + FOR_S, (fired, spike)
     assert fired[0]["labels"]["pod"] == "trainer"
+    # the hold ended on the alert (stop_on_alert), not by waiting out metrics_linger_s
+    assert summary["stopped_by_alert"] == ALERT, summary["stops"]
+    assert summary["stops"]["trainer"]["killed"] is False, summary["stops"]
 
 
 def test_every_dashboard_panel_has_data(run_dir: Path):

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+from pydantic import ValidationError
+
 from services.local.config import (
     LocalConfig,
     rollout_config,
@@ -52,6 +55,18 @@ def test_step_hooks_and_linger_reach_the_trainer(tmp_path: Path):
     assert tc.run.metrics_linger_s == 90.0
     off = TrainerConfig.model_validate(trainer_config(LocalConfig(), tmp_path, tmp_path))
     assert (off.hooks, off.run.metrics_linger_s) == ([], 5.0)
+
+
+def test_stop_on_alert_is_one_of_the_chart_alerts():
+    assert LocalConfig().stop_on_alert is None
+    ok = LocalConfig.model_validate({"stop_on_alert": "R3flowPpoKlSpike"})
+    assert ok.stop_on_alert == "R3flowPpoKlSpike"
+    with pytest.raises(ValidationError, match=r"stop_on_alert[\s\S]*'PpoKlSpike' is not an "
+                       r"alert of the chart's rules: R3flowPpoKlSpike, R3flowKlRefSpike"):
+        LocalConfig.model_validate({"stop_on_alert": "PpoKlSpike"})
+    with pytest.raises(ValidationError, match="stop_on_alert 'R3flowPpoKlSpike' needs "
+                       "prometheus: true"):
+        LocalConfig.model_validate({"stop_on_alert": "R3flowPpoKlSpike", "prometheus": False})
 
 
 def test_backlog_budget_counts_what_a_trajectory_holds(tmp_path: Path):
