@@ -11,6 +11,7 @@ step, except that the routing agreement is checked on the ordinary steps, before
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -48,9 +49,12 @@ def test_step_log_and_report(local_run_dir: Path):
     assert [r["step"] for r in rows] == list(range(1, len(rows) + 1)) and len(rows) >= 3
     for r in rows:
         assert 0 < r["routing_agreement"] <= 1.0
-        assert r["logprob_diff_mean"] >= 0 and r["grad_norm"] > 0
-    for r in rows[:-1]:  # the last step trains on the policy the test's lr spike moved away
-        assert r["routing_agreement"] > 0.5, r
+        assert r["logprob_diff_mean"] >= 0 and math.isfinite(r["grad_norm"]) and r["grad_norm"] >= 0
+    # the last step trains on the policy the test's lr spike moved away: its routing can differ
+    # from the rollout's, and a collapsed policy can give every group equal rewards (all
+    # advantages 0: a zero gradient, seen once under load)
+    for r in rows[:-1]:
+        assert r["routing_agreement"] > 0.5 and r["grad_norm"] > 0, r
     png = run_dir / "report.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
     for name in ("config.json", "configs/trainer.json", "configs/store.json", "configs/rollout-0.json"):
