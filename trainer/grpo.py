@@ -47,7 +47,7 @@ from trainer.corrections import (
     staleness_metrics,
 )
 from trainer.guard import Fault, gather, nonfinite_groups, nonfinite_logprob_groups, run_pass
-from trainer.loss import logprob_diff, ppo_loss, sft_loss, token_logprobs
+from trainer.loss import logprob_diff, mismatch_sums, ppo_loss, sft_loss, token_logprobs
 from trainer.objectives import UpdateNorm, aggregate, sequence_index, update_norm
 from trainer.protocol import TrainBackend
 from trainer.replay import ReplayMode
@@ -58,15 +58,20 @@ PPO_SUMS = ("ppo_kl", "kl_ref", "clipped", "clipped_dual", "entropy")
 
 
 def diff_metrics(mbs: Sequence[MicroBatch], lps: Sequence[torch.Tensor], suffix: str) -> dict:
-    """Token-weighted mean and max |rollout - trainer| logprob over the trained tokens (None on
-    a rank with none: filler micro-batches only)."""
+    """Token-weighted mean and max |rollout - trainer| logprob over the trained tokens, the k3
+    KL(rollout || trainer) per token and the share of tokens with |diff| > LOGPROB_DIFF_FAR
+    (None on a rank with none: filler micro-batches only)."""
+    keys = [f"logprob_diff_{k}{suffix}" for k in ("mean", "max", "k3", "far_share")]
     diffs = [logprob_diff(mb.old_logprobs_BS, lp, mb.loss_mask_BS)
              for mb, lp in zip(mbs, lps, strict=True)]
+    sums = np.array([mismatch_sums(mb.old_logprobs_BS, lp, mb.loss_mask_BS)
+                     for mb, lp in zip(mbs, lps, strict=True)]).reshape(-1, 2).sum(axis=0)
     w = np.array([mb.num_tokens for mb in mbs], dtype=np.float64)
     if not w.sum():
-        return {f"logprob_diff_mean{suffix}": None, f"logprob_diff_max{suffix}": None}
-    return {f"logprob_diff_mean{suffix}": float(np.dot([d[0] for d in diffs], w) / max(w.sum(), 1)),
-            f"logprob_diff_max{suffix}": max(d[1] for d in diffs)}
+        return dict.fromkeys(keys)
+    return dict(zip(keys, (float(np.dot([d[0] for d in diffs], w) / w.sum()),
+                           max(d[1] for d in diffs), float(sums[0] / w.sum()),
+                           float(sums[1] / w.sum())), strict=True))
 
 
 def _agreement_min(m: dict[str, Any]) -> float:

@@ -138,3 +138,20 @@ def logprob_diff(rollout_lp_BS: torch.Tensor, train_lp_BS: torch.Tensor,
         return 0.0, 0.0
     d = (rollout_lp_BS - train_lp_BS).abs()[sel]
     return float(d.mean()), float(d.max())
+
+
+# |rollout - trainer| logprob above this is a token the two sides disagree on outright (a
+# probability ratio past e): its share is the mismatch's tail, which the mean hides
+LOGPROB_DIFF_FAR = 1.0
+
+
+def mismatch_sums(rollout_lp_BS: torch.Tensor, train_lp_BS: torch.Tensor,
+                  mask_BS: torch.Tensor) -> tuple[float, float]:
+    """Over masked tokens: the summed k3 estimate of KL(rollout || trainer) from the rollout's
+    samples (r = log trainer - log rollout: e^r - 1 - r), and the count of tokens with
+    |rollout - trainer| > LOGPROB_DIFF_FAR (divide both by the token count)."""
+    sel = mask_BS.bool()
+    if not sel.any():
+        return 0.0, 0.0
+    r = (train_lp_BS - rollout_lp_BS).double()[sel]
+    return float((torch.exp(r) - 1 - r).sum()), float((r.abs() > LOGPROB_DIFF_FAR).sum())

@@ -81,9 +81,26 @@ class GrpoConfig(StrictConfig):
     micro_batch_size: int = Field(
         256, ge=1, description="trainer micro-batch (rows): a step's 256 short rows in one "
         "forward instead of 16 (the same update: the loss is normalised over the whole step)")
+    checkpoint_every: int = Field(
+        1, ge=1, description="trainer checkpoint every N steps (and at the end); a larger "
+        "model on a GPU (configs/local-gpu-h200.yaml) saves only at the end")
     hooks: list[HookConfig] = Field(
         default_factory=list, description="the trainer's step hooks (trainer config `hooks`, "
         "trainer.hooks): 'module.path:factory' or {path, options}, importable by the trainer")
+
+
+class LocalEngineConfig(StrictConfig):
+    """The rollout engines' knobs that differ between vLLM-CPU (the defaults) and a GPU run
+    (configs/local-gpu-h200.yaml: CUDA graphs on, the GPU shared with the trainer)."""
+
+    enforce_eager: bool = Field(
+        True, description="no CUDA graphs (vLLM-CPU needs it); false on a GPU: graphs captured "
+        "at engine start (rollout engine.enforce_eager)")
+    gpu_memory_utilization: float = Field(
+        0.85, gt=0, le=0.98, description="share of the GPU the engine takes (vLLM-CPU ignores "
+        "it); with the trainer on the same GPU, what the trainer does not need")
+    max_num_seqs: int = Field(32, ge=1, description="engine batch size (sequences per step)")
+    max_model_len: int = Field(64, ge=8, description="prompt + generated tokens")
 
 
 def local_model() -> TinyMoeConfig:
@@ -122,6 +139,7 @@ class LocalConfig(StrictConfig):
     warm_start_steps: int = Field(12, ge=0, description="supervised steps before GRPO")
     warm_start_lr: float = Field(3e-3, gt=0)
     grpo: GrpoConfig = Field(default_factory=GrpoConfig)
+    engine: LocalEngineConfig = Field(default_factory=LocalEngineConfig)
     trainer_launcher: Literal["local", "ray"] = Field("ray", description="ray: a Ray actor rank")
     timeout_s: float | None = Field(
         None, gt=0, description="the run's budget in seconds, fixed; unset: budget_boot_s + "
@@ -208,9 +226,11 @@ def rollout_config(cfg: LocalConfig, run_dir: Path, model_dir: Path, worker: int
     g = cfg.grpo
     dtype = (plan and plan.engine_dtype) or ("bfloat16" if g.dtype == "bf16" else "float32")
     return {
-        "engine": {"model": str(model_dir), "max_model_len": 64, "seed": cfg.seed + worker,
-                   "dtype": dtype,
-                   "max_num_seqs": 32},
+        "engine": {"model": str(model_dir), "max_model_len": cfg.engine.max_model_len,
+                   "seed": cfg.seed + worker, "dtype": dtype,
+                   "max_num_seqs": cfg.engine.max_num_seqs,
+                   "enforce_eager": cfg.engine.enforce_eager,
+                   "gpu_memory_utilization": cfg.engine.gpu_memory_utilization},
         "sampling": {"n": g.group_size, "max_tokens": g.max_tokens, "temperature": g.temperature},
         "dataset": str(run_dir / "data" / "rl.jsonl"),
         "verifier": "services.local.tasks:closeness_reward",
@@ -260,7 +280,8 @@ def trainer_config(cfg: LocalConfig, run_dir: Path, model_dir: Path,
                  "old_logprobs": "trainer" if g.rollout_correction != "off" else g.old_logprobs,
                  "max_policy_lag": g.max_policy_lag},
         "weight_sync": {"timeout_s": g.weight_push_timeout_s},
-        "run": {"run_dir": str(run_dir / "trainer"), "steps": g.steps, "checkpoint_every": 1,
+        "run": {"run_dir": str(run_dir / "trainer"), "steps": g.steps,
+                "checkpoint_every": g.checkpoint_every,
                 "push_weights_every": 1, "launcher": launcher,
                 "metrics_linger_s": cfg.metrics_linger_s},
         # A private Ray on loopback even when the user's shell has RAY_ADDRESS set.

@@ -83,9 +83,27 @@ def model_info(hf_config: Any) -> ModelInfo:
                      vocab_size=int(hf_config.vocab_size))
 
 
+# Children of the engine core that are not the engine: torch.compile's compile-worker pool
+# (one process per core, started by the CUDA-graph build) ends on its own once idle. Watched as
+# workers, their exit read as a dead engine: `r3flow local` on an H200 stopped at GRPO step 2,
+# 60 s after the last compile, on "vLLM process gone: worker pid ..." x 16 (issue 41).
+HELPER_CMDLINE_MARKERS = ("torch._inductor.compile_worker", "_inductor/compile_worker")
+
+
+def _is_helper(proc: Any) -> bool:
+    import psutil
+
+    try:
+        cmdline = " ".join(proc.cmdline())
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False  # gone already, or unreadable: kept, the liveness check decides
+    return any(m in cmdline for m in HELPER_CMDLINE_MARKERS)
+
+
 def engine_pids(llm: Any) -> dict[str, list[int]]:
-    """The engine-core process(es) of an AsyncLLM and their worker processes (children), by
-    role; empty where vLLM runs the engine in-process."""
+    """The engine-core process(es) of an AsyncLLM and their worker processes (children, less
+    torch.compile's compile workers: HELPER_CMDLINE_MARKERS), by role; empty where vLLM runs
+    the engine in-process."""
     import psutil
 
     manager = getattr(getattr(llm.engine_core, "resources", None), "engine_manager", None)
@@ -93,7 +111,8 @@ def engine_pids(llm: Any) -> dict[str, list[int]]:
     workers = []
     for pid in cores:
         try:
-            workers += [c.pid for c in psutil.Process(pid).children(recursive=True)]
+            workers += [c.pid for c in psutil.Process(pid).children(recursive=True)
+                        if not _is_helper(c)]
         except psutil.NoSuchProcess:
             pass
     return {"engine_core": cores, "worker": workers}

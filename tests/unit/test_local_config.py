@@ -76,3 +76,20 @@ def test_backlog_budget_counts_what_a_trajectory_holds(tmp_path: Path):
     assert store_config(cfg, tmp_path)["max_backlog_tokens"] == 2 * 16 * 8 * 7
     wide = LocalConfig.model_validate({"task": {"max_operand": 99}, "grpo": {"max_tokens": 2}})
     assert store_config(wide, tmp_path)["max_backlog_tokens"] == 2 * 32 * 8 * (6 + 2)
+
+
+def test_gpu_config_file_reaches_the_rollout_and_trainer_configs(tmp_path: Path):
+    from services.common.config import load_config
+
+    root = Path(__file__).resolve().parents[2]
+    cfg = load_config(LocalConfig, root / "configs" / "local-gpu-h200.yaml", {"replay": "off"})
+    engine = rollout_config(cfg, tmp_path, tmp_path, worker=0)["engine"]
+    assert (engine["enforce_eager"], engine["gpu_memory_utilization"]) == (False, 0.35)
+    assert engine["max_num_seqs"] == 64 and engine["dtype"] == "bfloat16"
+    tc = TrainerConfig.model_validate(trainer_config(cfg, tmp_path, tmp_path))
+    assert (tc.run.launcher, tc.run.checkpoint_every, tc.replay.mode) == ("local", 1000, "off")
+    assert (tc.replay.compare_off_every, tc.data.max_policy_lag) == (1, 0)
+    # the CPU default is unchanged: eager, a checkpoint every step
+    cpu = LocalConfig()
+    assert rollout_config(cpu, tmp_path, tmp_path, worker=0)["engine"]["enforce_eager"] is True
+    assert trainer_config(cpu, tmp_path, tmp_path)["run"]["checkpoint_every"] == 1

@@ -82,6 +82,20 @@ def test_entropy_sft_and_logprob_diff():
     assert np.isfinite(mean)
 
 
+def test_mismatch_sums_k3_and_far_tokens():
+    from trainer.loss import mismatch_sums
+
+    rollout = torch.tensor([[0.0, -1.0, -2.0, -0.5]])
+    train = torch.tensor([[0.5, -1.0, -5.0, -2.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0, 1.0]])  # the -3.0 token is masked out
+    k3, far = mismatch_sums(rollout, train, mask)
+    r = [0.5, 0.0, -1.5]
+    assert k3 == pytest.approx(sum(math.exp(x) - 1 - x for x in r))
+    assert far == 1.0  # only |-1.5| > 1
+    assert mismatch_sums(rollout, rollout, mask) == (0.0, 0.0)
+    assert mismatch_sums(rollout, train, torch.zeros(1, 4)) == (0.0, 0.0)
+
+
 def test_logprobs_entropy_and_ppo_use_the_sampling_temperature():
     from trainer.loss import ppo_loss, token_entropy, token_logprobs
     from trainer.loss_config import LossConfig
@@ -98,3 +112,26 @@ def test_logprobs_entropy_and_ppo_use_the_sampling_temperature():
     ones = torch.ones(2, 5)
     sums = ppo_loss(logits, labels, ones, ones, want, None, LossConfig(), temp)
     assert sums.ppo_kl == pytest.approx(0.0, abs=1e-5)  # on-policy at T: ratio 1
+
+
+def test_diff_metrics_weights_two_micro_batches_by_their_tokens():
+    from trainer.batch import MicroBatch
+    from trainer.grpo import diff_metrics
+
+    def mb(rollout: list[float], mask: list[float]) -> MicroBatch:
+        z = torch.zeros(1, len(mask))
+        return MicroBatch(z.long(), z.long(), z.long(), torch.tensor([mask]),
+                          torch.tensor([rollout]), z, None, z.bool())
+
+    mbs = [mb([0.0, -2.0], [1.0, 1.0]), mb([-0.2, 0.0], [1.0, 0.0])]
+    train = [torch.tensor([[0.0, -0.5]]), torch.tensor([[0.0, -9.0]])]
+    m = diff_metrics(mbs, train, "_off")
+    # |diff| over the 3 trained tokens: 0, 1.5, 0.2 (the masked -9 is not one of them)
+    assert m["logprob_diff_mean_off"] == pytest.approx(1.7 / 3)
+    assert m["logprob_diff_max_off"] == pytest.approx(1.5)
+    r = [0.0, 1.5, 0.2]
+    assert m["logprob_diff_k3_off"] == pytest.approx(sum(math.exp(x) - 1 - x for x in r) / 3)
+    assert m["logprob_diff_far_share_off"] == pytest.approx(1 / 3)
+    none = diff_metrics([mb([0.0], [0.0])], [torch.zeros(1, 1)], "")
+    assert none == dict.fromkeys(["logprob_diff_mean", "logprob_diff_max", "logprob_diff_k3",
+                                  "logprob_diff_far_share"])

@@ -102,16 +102,18 @@ class PackedLayout:
             if not isinstance(item, bk.PackedBucket):
                 raise TypeError(f"weights: item {index} is a {type(item).__name__} in a "
                                 "stream of packed buckets (one kind per push)")
+            # a producer on another device than the wire's (a GPU trainer pushing over gloo,
+            # as `r3flow local` on one GPU does): the bucket is copied to the wire's device
+            buf = item.buffer if item.buffer.device == device else item.buffer.to(device)
             if index < len(self._laid) and self._laid[index][0] is item.entries:
                 laid = self._laid[index][1]
             else:
-                spec = bk.BucketSpec(index, list(item.entries), [item.buffer],
-                                     item.buffer.numel(), direct=item.buffer)
+                spec = bk.BucketSpec(index, list(item.entries), [buf], buf.numel(), direct=buf)
                 laid = lay_out(spec, first, device)
                 del self._laid[index:]
                 self._laid.append((item.entries, laid))
             first += len(item.entries)
-            yield laid, [item.buffer]
+            yield laid, [buf]
 
 
 def _fits(laid: LaidBucket, keys: list[tuple[str, torch.Size, torch.dtype]],

@@ -1,0 +1,93 @@
+"""Per-step table of `r3flow local` runs (issue 41 item 4): the train-inference mismatch with
+the run's routing and with natural routing on the same batch, trainer tokens/s, push seconds,
+and the rollout worker's tokens/s, from each run folder's trainer/train_log.jsonl, summary.json
+and rollout summaries.
+
+    python tests/bench/local_gpu_table.py RUN_DIR [RUN_DIR ...] [--out table.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from pathlib import Path
+
+from services.local.report import read_log
+
+# (column, train-log key, format); `_off` keys are the replay-off pass of the same batch
+COLUMNS = [
+    ("step", "step", "{:d}"),
+    ("|Δlp|", "logprob_diff_mean", "{:.4f}"),
+    ("|Δlp| off", "logprob_diff_mean_off", "{:.4f}"),
+    ("k3", "logprob_diff_k3", "{:.2e}"),
+    ("k3 off", "logprob_diff_k3_off", "{:.2e}"),
+    (">1", "logprob_diff_far_share", "{:.4f}"),
+    (">1 off", "logprob_diff_far_share_off", "{:.4f}"),
+    ("agree", "routing_agreement", "{:.3f}"),
+    ("reward", "reward_mean", "{:.3f}"),
+    ("trainer tok/s", "tokens_per_second", "{:,.0f}"),
+    ("push s", "weight_push_seconds", "{:.2f}"),
+]
+
+
+def cell(rec: dict, key: str, fmt: str) -> str:
+    v = rec.get(key)
+    return "-" if v is None or (isinstance(v, float) and not math.isfinite(v)) else fmt.format(v)
+
+
+def mean(rows: list[dict], key: str) -> float | None:
+    vals = [r[key] for r in rows if isinstance(r.get(key), int | float) and math.isfinite(r[key])]
+    return statistics.fmean(vals) if vals else None
+
+
+def run_figures(run_dir: Path) -> dict:
+    """One run's rows and headline figures."""
+    rows = read_log(run_dir / "trainer" / "train_log.jsonl")
+    summary = json.loads((run_dir / "summary.json").read_text()) \
+        if (run_dir / "summary.json").is_file() else {}
+    workers = [json.loads(p.read_text()) for p in sorted((run_dir / "rollout").glob("*.json"))]
+    tokens = sum(w.get("generated_tokens", 0) for w in workers)
+    seconds = sum(w.get("seconds", 0.0) for w in workers)
+    keys = [k for _, k, _ in COLUMNS[1:]]
+    return {"run_dir": str(run_dir), "replay": summary.get("replay"), "steps": len(rows),
+            "means": {k: mean(rows, k) for k in keys},
+            "means_after_step1": {k: mean(rows[1:], k) for k in keys},
+            "rollout_generated_tokens": tokens, "rollout_seconds": round(seconds, 1),
+            "rollout_tokens_per_s": tokens / seconds if seconds else None,
+            "wall_seconds": summary.get("wall_seconds"), "failure": summary.get("failure"),
+            "out_of_budget": summary.get("out_of_budget"),
+            "rows": [{k: r.get(k) for k in ["step", *keys, "reward_mean", "time"]} for r in rows]}
+
+
+def markdown(fig: dict) -> str:
+    head = "| " + " | ".join(c for c, _, _ in COLUMNS) + " |"
+    lines = [head, "|" + "---|" * len(COLUMNS)]
+    for r in fig["rows"]:
+        lines.append("| " + " | ".join(cell(r, k, f) for _, k, f in COLUMNS) + " |")
+    m = fig["means"]
+    lines.append("| mean | " + " | ".join(cell(m, k, f) for _, k, f in COLUMNS[1:]) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("runs", nargs="+", type=Path)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    figs = [run_figures(d) for d in args.runs]
+    for fig in figs:
+        m = fig["means"]
+        ratio = (m["logprob_diff_mean"] / m["logprob_diff_mean_off"]
+                 if m["logprob_diff_mean"] is not None and m["logprob_diff_mean_off"] else None)
+        print(f"\n## replay={fig['replay']} {fig['run_dir']}: {fig['steps']} steps, rollout "
+              f"{fig['rollout_generated_tokens']} tokens in {fig['rollout_seconds']} s, "
+              f"|Δlp| / |Δlp| off (same batches) = {ratio}")
+        print(markdown(fig))
+    if args.out:
+        args.out.write_text(json.dumps(figs, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""tests/bench/local_gpu_table.py: the per-step mismatch table of `r3flow local` run folders."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tests.bench.local_gpu_table import markdown, run_figures
+
+
+def _run_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "local-1"
+    (d / "trainer").mkdir(parents=True)
+    (d / "rollout").mkdir()
+    rows = [{"step": 1, "kind": "grpo", "time": 10.0, "logprob_diff_mean": 0.004,
+             "logprob_diff_mean_off": 0.008, "logprob_diff_k3": 2e-5,
+             "logprob_diff_far_share": 0.0, "tokens_per_second": 500.0,
+             "weight_push_seconds": 1.5},
+            {"step": 2, "kind": "grpo", "time": 12.0, "logprob_diff_mean": 0.002,
+             "logprob_diff_mean_off": 0.004, "logprob_diff_k3": 4e-5,
+             "logprob_diff_far_share": 0.01, "tokens_per_second": 9000.0,
+             "weight_push_seconds": 1.0},
+            {"kind": "sft", "step": 0}]  # not a GRPO step: left out
+    (d / "trainer" / "train_log.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    (d / "summary.json").write_text(json.dumps({"replay": "r3", "wall_seconds": 99.0}))
+    (d / "rollout" / "rollout-0.summary.json").write_text(
+        json.dumps({"generated_tokens": 300, "seconds": 10.0}))
+    return d
+
+
+def test_run_figures_and_table(tmp_path: Path):
+    fig = run_figures(_run_dir(tmp_path))
+    assert (fig["replay"], fig["steps"], fig["rollout_tokens_per_s"]) == ("r3", 2, 30.0)
+    assert abs(fig["means"]["logprob_diff_mean"] - 0.003) < 1e-12
+    assert fig["means_after_step1"]["tokens_per_second"] == 9000.0
+    assert fig["means"]["logprob_diff_k3_off"] is None  # the r3 run's log has no off k3
+    table = markdown(fig).splitlines()
+    assert len(table) == 2 + 2 + 1  # header, rule, 2 steps, mean
+    assert table[2].startswith("| 1 | 0.0040 | 0.0080 | 2.00e-05 | - |")
+    assert "| 1.50 |" in table[2] and table[-1].startswith("| mean | 0.0030 | 0.0060 |")
