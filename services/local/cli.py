@@ -170,8 +170,9 @@ def run_arms(cfg, arms: list[str]) -> int:
 
 def run_one(cfg) -> tuple[int, dict]:
     """One local run; (exit code, its summary)."""
+    from services.local.budget import OUT_OF_BUDGET_EXIT, OutOfBudget
     from services.local.procs import ChildDied
-    from services.local.run import OUT_OF_BUDGET_EXIT, LocalRun, OutOfBudget
+    from services.local.run import LocalRun
 
     local = LocalRun(cfg)
     try:

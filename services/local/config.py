@@ -143,7 +143,7 @@ class LocalConfig(StrictConfig):
     trainer_launcher: Literal["local", "ray"] = Field("ray", description="ray: a Ray actor rank")
     timeout_s: float | None = Field(
         None, gt=0, description="the run's budget in seconds, fixed; unset: budget_boot_s + "
-        "an allowance per step (services.local.run.Budget), printed at start")
+        "an allowance per step (services.local.budget.Budget), printed at start")
     # On the 2-core box on a slow day (load 15-20, issue 46) a run took ~100-150 s to its
     # first GRPO step (warm start, Ray, megatron, vLLM, the first batch) and 3-6 s a step:
     # the allowances are 2-4x that, so what ends on the budget is a run that stopped stepping.

@@ -15,7 +15,6 @@ import os
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,6 +23,7 @@ from tqdm import tqdm
 from services.common.net import free_port
 from services.local import family, report
 from services.local.accounting import Accounting
+from services.local.budget import OUT_OF_BUDGET_EXIT, Budget, OutOfBudget
 from services.local.config import (
     LocalConfig,
     rollout_concurrency,
@@ -33,11 +33,11 @@ from services.local.config import (
     trainer_config,
     warm_start_config,
 )
+from services.local.monitor import RunMonitor
 from services.local.procs import ChildDied, Supervisor, tail
 from services.rollout.shutdown import SHUTDOWN_S
 
 if TYPE_CHECKING:
-    from services.local.prom import LocalPrometheus
     from services.store.redis_server import EmbeddedRedis
 
 log = logging.getLogger(__name__)
@@ -57,93 +57,6 @@ WARM_START_ENV = {"OMP_NUM_THREADS": "1"}
 # second of it is waited out (20 s did, in every local run).
 ROLLOUT_STOP_GRACE_S = 5.0
 TRAINER_STOP_GRACE_S = 15.0  # SIGTERM -> the trainer ends after its current step (pass)
-OUT_OF_BUDGET_EXIT = 124  # the exit code of a run past its budget (as timeout(1))
-
-
-# After this many steps the measured rate is checked: a per-step allowance that `RATE_MARGIN`
-# x the measured seconds a step would overrun is raised to that (a slow box is not a failure;
-# a run that stopped stepping still is).
-MEASURED_AFTER_STEPS = 5
-RATE_MARGIN = 2.0
-
-
-class OutOfBudget(RuntimeError):
-    """The run outlived its budget (Budget) before its last step."""
-
-    def __init__(self, budget: Budget, step: int) -> None:
-        self.budget, self.step, self.steps = budget, step, budget.steps
-        super().__init__(self.message(step))
-
-    def message(self, step: int) -> str:
-        """The one line: the budget, what it was made of, and the step the run reached."""
-        return (f"budget of {self.budget.deadline():.0f} s ({self.budget.describe()}) ran out "
-                f"at GRPO step {step} of {self.steps}")
-
-
-@dataclasses.dataclass
-class Budget:
-    """The run's time budget in seconds from its start: `fixed` (timeout_s), or `boot_s` to
-    the first GRPO step plus `step_s` for each step after it; `step_s` follows the measured
-    rate (raised to RATE_MARGIN x the median step) once MEASURED_AFTER_STEPS steps are in."""
-
-    steps: int
-    boot_s: float
-    step_s: float
-    follows_rate: bool
-    fixed: float | None = None
-    first_step_at: float | None = None  # seconds from the run's start
-    measured_s: float | None = None  # the median step, once measured
-
-    @classmethod
-    def of(cls, cfg: LocalConfig) -> Budget:
-        return cls(cfg.grpo.steps, cfg.budget_boot_s, cfg.budget_step_s,
-                   cfg.budget_follows_rate, cfg.timeout_s)
-
-    def total(self) -> float:
-        """Seconds from the run's start the whole run may take, as far as known now."""
-        if self.fixed is not None:
-            return self.fixed
-        start = self.boot_s if self.first_step_at is None else self.first_step_at
-        return start + (self.steps - 1) * self.step_s
-
-    def deadline(self) -> float:
-        """Seconds from the run's start by which the next thing must have happened: the first
-        step (within boot_s), then the last."""
-        if self.fixed is None and self.first_step_at is None:
-            return self.boot_s
-        return self.total()
-
-    def describe(self) -> str:
-        if self.fixed is not None:
-            return "timeout_s"
-        start = (f"{self.boot_s:.0f} s to the first step" if self.first_step_at is None
-                 else f"first step at {self.first_step_at:.0f} s")
-        return (f"{start} + {self.steps - 1} more x "
-                f"{self.step_s:.3g} s" + (f" (2x the measured {self.measured_s:.1f} s a step)"
-                                          if self.measured_s and self.follows_rate
-                                          and self.step_s == RATE_MARGIN * self.measured_s
-                                          else ""))
-
-    def over(self, elapsed: float) -> bool:
-        return elapsed > self.deadline()
-
-    def update(self, step_times: list[float], elapsed: float) -> str | None:
-        """With the steps logged so far (their wall times): start the step clock at the first,
-        and once MEASURED_AFTER_STEPS more are in, measure the rate; a line to print, or None."""
-        if step_times and self.first_step_at is None:
-            self.first_step_at = elapsed
-        if self.measured_s is not None or len(step_times) < MEASURED_AFTER_STEPS + 1:
-            return None
-        gaps = sorted(b - a for a, b in zip(step_times, step_times[1:], strict=False))
-        self.measured_s = gaps[len(gaps) // 2]  # median; step 1 (boot, empty store) left out
-        left = self.steps - len(step_times)
-        line = (f"budget: {self.measured_s:.1f} s a step measured over steps 2-"
-                f"{len(step_times)}: the {self.steps} steps end in ~"
-                f"{elapsed + left * self.measured_s:.0f} s")
-        if self.fixed is None and self.follows_rate and RATE_MARGIN * self.measured_s > self.step_s:
-            self.step_s = RATE_MARGIN * self.measured_s
-            line += f"; per-step allowance raised to {self.step_s:.1f} s"
-        return line + f" (budget {self.total():.0f} s)"
 
 
 def new_run_dir(runs_dir: str) -> Path:
@@ -172,10 +85,7 @@ class LocalRun:
         self.sup = Supervisor(self.dir / "logs", env=CHILD_ENV)
         self.redis: EmbeddedRedis | None = None
         self.store_addr = ""
-        self.metrics_urls: dict[str, str] = {}
-        self.prom: LocalPrometheus | None = None
-        self._last_scrape = self._last_alert_check = 0.0
-        self.stopped_by_alert: str | None = None  # stop_on_alert, once it ended the run
+        self.monitor = RunMonitor(cfg, self.dir)
         self.started = time.monotonic()
         self.budget = Budget.of(cfg)
         self.stops: dict[str, dict] = {}  # child -> how its stop went (stop_child)
@@ -229,7 +139,7 @@ class LocalRun:
         self.sup.start("store", ["store", "--config", str(conf), "--listen", self.store_addr,
                                  "--metrics-port", str(mport), "--redis-url", self.redis.url],
                        persistent=True)
-        self.metrics_urls["store"] = f"http://127.0.0.1:{mport}/metrics"
+        self.monitor.add("store", mport)
         with StoreClient(self.store_addr, timeout_s=5, max_retries=2) as client:
             client.wait_ready(60)
         for w in range(self.cfg.workers):
@@ -243,7 +153,7 @@ class LocalRun:
             "rollout", "--config", str(conf), "--store", self.store_addr, "--metrics-port",
             str(mport), "--summary-file", str(self.summary_path(f"rollout-{w}")),
             "--stop-grace-s", str(ROLLOUT_STOP_GRACE_S)])
-        self.metrics_urls[f"rollout-{w}"] = f"http://127.0.0.1:{mport}/metrics"
+        self.monitor.add(f"rollout-{w}", mport)
 
     def summary_path(self, worker: str, incarnation: int = 0) -> Path:
         """The summary a rollout worker keeps current (earlier incarnations: 1, 2, ...)."""
@@ -278,54 +188,14 @@ class LocalRun:
                           trainer_config(self.cfg, self.dir, model_dir, self.plan))
         trainer = self.sup.start("trainer", ["train", "--config", str(conf), "--store",
                                              self.store_addr, "--metrics-port", str(mport)])
-        self.metrics_urls["trainer"] = f"http://127.0.0.1:{mport}/metrics"
+        self.monitor.add("trainer", mport)
         return trainer
 
     def train(self, model_dir: Path) -> list[dict]:
         trainer = self.start_trainer(model_dir)
-        self.start_prometheus()
+        self.monitor.start_prometheus()
         self.print_endpoints()
         return self._follow(trainer)
-
-    def start_prometheus(self) -> None:
-        """A real Prometheus scraping every child with the chart's alert rules, when the
-        binary is on the PATH (else one line, and the run goes on without it)."""
-        from services.local.prom import LocalPrometheus
-
-        if not self.cfg.prometheus:
-            tqdm.write("prometheus: off (config prometheus: false): no alerts evaluated, "
-                       "dashboards not rendered")
-            return
-        binary = LocalPrometheus.binary_on_path()
-        if binary is None:
-            tqdm.write("prometheus: not on the PATH (Debian package `prometheus`): no alerts "
-                       "evaluated, dashboards not rendered" + (
-                           f", stop_on_alert {self.cfg.stop_on_alert} never fires"
-                           if self.cfg.stop_on_alert else ""))
-            return
-        self.prom = LocalPrometheus(binary, self.dir / "prometheus", free_port())
-        self.prom.start(self.metrics_urls)
-
-    def prometheus_report(self) -> dict:
-        """Alerts that fired and every dashboard panel drawn from its own PromQL (PNG per
-        dashboard under dashboards/); {} without a Prometheus."""
-        from services.local.prom import plot_dashboards
-
-        if self.prom is None:
-            return {}
-        end = time.time()
-        time.sleep(3)  # one more scrape and rule evaluation of the last step
-        alerts = self.prom.alerts_fired(self.prom.started, time.time())
-        panels = self.prom.dashboard_data(self.prom.started, time.time())
-        pngs = plot_dashboards(panels, self.dir / "dashboards", self.prom.started)
-        rel = lambda t: round(t - self.prom.started, 1)  # noqa: E731
-        return {"url": self.prom.url, "started": self.prom.started,
-                "seconds": round(end - self.prom.started, 1),
-                "alerts_fired": [{**a, "first": rel(a["first"]), "last": rel(a["last"])}
-                                 for a in alerts],
-                "dashboards": [str(p) for p in pngs],
-                "panels": len(panels),
-                "empty_panels": [f"{p.dashboard} / {p.title}" for p in panels if p.empty]}
 
     def _follow(self, trainer) -> list[dict]:
         """Print a table row per step as the trainer logs it; wait for the trainer to exit."""
@@ -344,10 +214,10 @@ class LocalRun:
             line = self.budget.update([r["time"] for r in rows], time.monotonic() - self.started)
             if line:
                 tqdm.write(line)
-            if rows and time.monotonic() - self._last_scrape > 5:
-                self.snapshot_metrics()
-            if rows and self.alert_fired():
-                self.snapshot_metrics()
+            if rows and self.monitor.snapshot_due():
+                self.monitor.snapshot()
+            if rows and self.monitor.alert_fired():
+                self.monitor.snapshot()
                 self.stop_child(trainer, TRAINER_STOP_GRACE_S)
                 break
             time.sleep(0.5)
@@ -361,42 +231,9 @@ class LocalRun:
             tqdm.write(report.table_row(rec))
         return rows
 
-    def alert_fired(self) -> bool:
-        """Whether `stop_on_alert` has been evaluated as firing twice (checked once per rule
-        evaluation); its name goes to `stopped_by_alert` in the summary."""
-        from services.local.prom import SCRAPE_S
-
-        alert = self.cfg.stop_on_alert
-        if alert is None or self.prom is None or \
-                time.monotonic() - self._last_alert_check < SCRAPE_S:
-            return False
-        self._last_alert_check = time.monotonic()
-        if self.prom.firing_evaluations(alert) < 2:
-            return False
-        tqdm.write(f"prometheus: {alert} fired (stop_on_alert): stopping the trainer")
-        self.stopped_by_alert = alert
-        return True
-
-    def snapshot_metrics(self) -> None:
-        """Keep the latest /metrics text of every live child under metrics/ (for the report and
-        for checking that every dashboard/alert metric is really exported)."""
-        self._last_scrape = time.monotonic()
-        out = self.dir / "metrics"
-        out.mkdir(exist_ok=True)
-        for name, url in self.metrics_urls.items():
-            try:
-                text = urllib.request.urlopen(url, timeout=5).read().decode()
-            except OSError:
-                continue  # a child that already exited keeps its last snapshot
-            (out / f"{name}.prom").write_text(text)
-
     def print_endpoints(self) -> None:
         tqdm.write(f"store gRPC on {self.store_addr} (loopback, no TLS: local mode)")
-        if self.prom is not None:
-            tqdm.write(f"prometheus {self.prom.url} (the chart's alert rules; data in "
-                       f"{self.prom.dir})")
-        for name, url in self.metrics_urls.items():
-            tqdm.write(f"metrics: {name:<10} {url}")
+        self.monitor.print_endpoints()
 
     def stop_rollouts(self) -> None:
         """SIGTERM every worker: it finishes or abandons its groups and writes its summary."""
@@ -416,7 +253,7 @@ class LocalRun:
         """The budget ran out: stop the workers, then the trainer (SIGTERM: it ends after its
         current pass and checkpoints), within their grace; account for every trajectory and
         write the summary and report of the steps done, with the failure named."""
-        self.snapshot_metrics()
+        self.monitor.snapshot()
         # the trainer first: it ends after its current step (no push: the workers go next)
         for child in self.sup.children:
             if child.name == "trainer":
@@ -430,7 +267,7 @@ class LocalRun:
         failure = {"budget_s": round(over.budget.deadline(), 1), "budget": over.budget.describe(),
                    "step": len(rows), "steps": over.steps, "message": over.message(len(rows))}
         summary = self._summary(rows, trajectories, out_of_budget=failure,
-                                prometheus=self.prometheus_report())
+                                prometheus=self.monitor.report())
         report.plot_report(rows, self.dir / "report.png", f"r3flow local — replay="
                            f"{self.cfg.replay}, {len(rows)} of {over.steps} GRPO steps "
                            f"(out of budget)")
@@ -438,10 +275,10 @@ class LocalRun:
 
     def finish(self, rows: list[dict]) -> dict:
         """Stop the workers, account for every trajectory, write summary + report."""
-        self.snapshot_metrics()
+        self.monitor.snapshot()
         self.stop_rollouts()
         summary = self._summary(rows, self._account().as_dict(),
-                                prometheus=self.prometheus_report())
+                                prometheus=self.monitor.report())
         report.plot_report(rows, self.dir / "report.png",
                            f"r3flow local — replay={self.cfg.replay}, {len(rows)} GRPO steps")
         return summary
@@ -450,7 +287,7 @@ class LocalRun:
         """A child died: stop the others by pid (workers first, so they report their groups,
         then the trainer), account for what the store holds while it still runs, and write
         summary.json naming the child that died."""
-        self.snapshot_metrics()
+        self.monitor.snapshot()
         self.stop_rollouts()
         for child in self.sup.children:
             if child.name == "trainer":
@@ -476,13 +313,12 @@ class LocalRun:
                    "budget_s": round(self.budget.total(), 1), "stops": self.stops,
                    "wall_seconds": round(time.monotonic() - self.started, 1),
                    **report.summarize(rows), "trajectories": trajectories,
-                   "stopped_by_alert": self.stopped_by_alert, **extra}
+                   "stopped_by_alert": self.monitor.stopped_by_alert, **extra}
         write_json(self.dir / "summary.json", summary)
         return summary
 
     def close(self) -> None:
-        if self.prom is not None:
-            self.prom.stop()
+        self.monitor.stop()
         self.stop_rollouts()  # within their own stop bound (stop_all gives each child 15 s)
         self.sup.stop_all()
         if self.redis is not None:

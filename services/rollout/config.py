@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import re
-from typing import Literal, Self
+from typing import Annotated, Literal, Self
 
 from pydantic import Field, field_validator, model_validator
 
 from services.common.auth import ClientAuthConfig
-from services.common.config import StrictConfig
+from services.common.config import StrictConfig, multiple_of
 
 
 class EngineConfig(StrictConfig):
@@ -20,7 +20,8 @@ class EngineConfig(StrictConfig):
         "float32", description="engine dtype (vLLM-CPU: float32 or bfloat16)")
     seed: int = Field(0, description="engine seed; request seeds derive from it")
     max_num_seqs: int = Field(32, ge=1, description="engine batch size (sequences per step)")
-    block_size: int = Field(32, ge=32, description="KV block size (vLLM-CPU: multiple of 32)")
+    block_size: Annotated[int, Field(ge=32), multiple_of(32, "vLLM-CPU attention")] = Field(
+        32, description="KV block size (vLLM-CPU: multiple of 32)")
     enable_prefix_caching: bool = Field(True, description="reuse KV of shared prompt prefixes")
     capture_routing: bool = Field(
         True, description="enable_return_routed_experts; off only for baselines (nothing is sent)")
@@ -41,13 +42,6 @@ class EngineConfig(StrictConfig):
     def _power_of_two(cls, v: int) -> int:
         if v & (v - 1):
             raise ValueError(f"{v} is not a power of two (vLLM shards heads and experts evenly)")
-        return v
-
-    @field_validator("block_size")
-    @classmethod
-    def _block_multiple_of_32(cls, v: int) -> int:
-        if v % 32:
-            raise ValueError("must be a multiple of 32 (vLLM-CPU attention)")
         return v
 
 

@@ -100,7 +100,7 @@ def test_every_process_kind_stops_on_sigterm_within_its_bound():
         model_dir = run.prepare()
         run.start_services(model_dir)
         trainer = run.start_trainer(model_dir)
-        run.start_prometheus()
+        run.monitor.start_prometheus()
         summary_path = run.summary_path("rollout-0")
         train_log = run.dir / "trainer" / "train_log.jsonl"
 
@@ -118,8 +118,8 @@ def test_every_process_kind_stops_on_sigterm_within_its_bound():
         with StoreClient(run.store_addr, timeout_s=10) as client:
             complete = client.stats().trajectories_complete
         sigterm_and_time("trainer", trainer.proc, trainer.pid, timings)
-        if run.prom is not None:
-            sigterm_and_time("prometheus", run.prom.proc, None, timings)
+        if run.monitor.prom is not None:
+            sigterm_and_time("prometheus", run.monitor.prom.proc, None, timings)
         store = run.child("store")
         sigterm_and_time("store", store.proc, store.pid, timings)
         assert run.redis is not None and run.redis.proc is not None

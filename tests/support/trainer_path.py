@@ -17,9 +17,10 @@ logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(name)s %(me
 from services.common.tiny_moe import TinyMoeConfig, build_tiny_moe
 from trainer.backend import make_trainer
 from trainer.config import TrainerConfig
+from trainer.megatron.config import model_section
 d = build_tiny_moe(sys.argv[1], TinyMoeConfig(num_layers=2, first_k_dense=1))
 tr = make_trainer(TrainerConfig(model_dir=str(d), model={"dtype": "bf16"}))
-m = tr.cfg.model
+m = model_section(tr.cfg)
 print("RESOLVED", m.experts, m.attention, m.planned_dispatch, tr.cfg.optim.fused_adam,
       tr.cfg.loss.chunked_logprobs)
 """

@@ -31,7 +31,15 @@ def test_every_family_has_what_each_consumer_reads(name: str) -> None:
     dtype, why = fam.engine_router_dtype
     assert dtype in ("fp32", "native") and why
     assert fam.megatron_arch is not None  # every family is mapped today
-    assert isinstance(families.hook(fam.megatron_arch)(cfg), FamilyArch)
+    arch = families.hook(fam.megatron_arch)(cfg)
+    assert isinstance(arch, FamilyArch)
+    # the family's own weight mapping (hf_mapping calls it): both directions or neither, the
+    # experts' exactly for a fused-expert family, MLA's attention exactly where vLLM runs MLA
+    own = arch.mapping
+    assert (own.attention_to_megatron is None) == (own.attention_to_hf is None)
+    assert (own.experts_to_megatron is None) == (own.experts_to_hf is None)
+    assert (own.experts_to_megatron is not None) == arch.fused_experts
+    assert (arch.mla is not None) == fam.mla == (own.attention_to_megatron is not None)
     assert sizes(cfg)["moe_ffn"] == TINY.moe_intermediate_size  # the expert width megatron reads
     assert fam.engine_dtype in (None, "bfloat16", "float32")
     assert set(fam.hf_knobs) <= {"attn_implementation", "packing"}

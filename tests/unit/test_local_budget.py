@@ -1,12 +1,12 @@
-"""`r3flow local`'s time budget (services.local.run.Budget, issue 46): derived from the steps
+"""`r3flow local`'s time budget (services.local.budget.Budget, issue 46): derived from the steps
 asked for, raised to the measured rate, or fixed by timeout_s."""
 
 from __future__ import annotations
 
 import pytest
 
+from services.local.budget import Budget, OutOfBudget
 from services.local.config import LocalConfig
-from services.local.run import Budget, OutOfBudget
 
 
 def _budget(**kw) -> Budget:

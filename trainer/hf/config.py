@@ -15,7 +15,7 @@ from services.common.config import StrictConfig
 from trainer.megatron.config import model_section
 
 if TYPE_CHECKING:  # trainer.config loads this module by name while it builds TrainerConfig
-    from trainer.config import TrainerConfig
+    from trainer.config import HFSection, TrainerConfig
 
 
 class HFBackendConfig(StrictConfig):
@@ -85,6 +85,10 @@ class HFBackendConfig(StrictConfig):
 # The hf backend's registration (trainer.registry): the TrainerConfig section it adds and its
 # checks of a whole config.
 SECTIONS: dict[str, type[StrictConfig]] = {"hf": HFBackendConfig}
+
+
+if TYPE_CHECKING:  # mypy: HFBackendConfig gives the planner what it reads of the section
+    _NEUTRAL_VIEW: type[HFSection] = HFBackendConfig
 
 
 def hf_section(cfg: TrainerConfig) -> HFBackendConfig:

@@ -33,7 +33,6 @@ import torch
 from services.common.weight_sync import buckets as bk
 from trainer.alignment import check_routes, local_routing, to_router_rows
 from trainer.batch import MicroBatch, Sample, filler_microbatch, split_microbatches
-from trainer.checkpoint import RankWeights
 from trainer.collectives import max_over_ranks
 from trainer.config import TrainerConfig
 from trainer.guard import Level, checkpoint, vote_on
@@ -44,7 +43,6 @@ from trainer.megatron.hf_mapping import gather_experts, load_arch, megatron_to_h
 from trainer.megatron.model import (
     BuiltModel,
     build_model,
-    copy_into,
     init_parallel,
     resolve_router_dtype,
 )
@@ -54,11 +52,11 @@ from trainer.megatron.parallel import (
     gather_full,
     local_positions,
     model_parallel_group,
-    model_weights,
 )
 from trainer.megatron.param_gather import dispatch_at_step, finish_param_gather, start_param_gather
 from trainer.megatron.planned_dispatch import StepPlan, planned_layers
 from trainer.megatron.replay import AgreementMonitor, ModelReplay
+from trainer.megatron.weights import MegatronWeights
 from trainer.protocol import LossFn
 from trainer.replay import ReplayMode, drive
 
@@ -398,15 +396,3 @@ def model_parallel_samples(samples: Sequence[Sample]) -> list[Sample]:
     dist.all_gather_object(shares, list(samples), group=group)
     shares[dist.get_rank(group)] = list(samples)
     return [x for share in shares for x in share]
-
-
-class MegatronWeights(RankWeights):
-    """The per-rank checkpoint files of a megatron model: its parameters and the routers' bias
-    buffers (parallel.model_weights), loaded through model.copy_into (grouped experts restacked
-    from the SequentialMLP names older checkpoints hold)."""
-
-    def weights(self) -> dict[str, torch.Tensor]:
-        return model_weights(self.module)
-
-    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
-        copy_into(self.module, tensors)

@@ -1,15 +1,52 @@
-"""`FamilyArch`: what an HF MoE family changes against Qwen3-MoE in the megatron layer layout.
+"""`FamilyArch`: what an HF MoE family changes against Qwen3-MoE in the megatron layer layout,
+and the parts of the weight mapping a family owns (`WeightMapping`: trainer.megatron.hf_mapping
+calls them for the layers they cover and maps the rest itself).
 
-The type shared by the family registry (trainer.megatron.families) and the family modules
-(family_<name>.py) that build it: the registry imports the families, a family never imports the
-registry.
+The types shared by the family registry (trainer.megatron.families), the weight mapping and the
+family modules (family_<name>.py) that build them: the registry and the mapping import no family
+module (a family is reached through its registry hook), a family never imports the registry.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
 
 from trainer.megatron.grouped_router import GroupedSigmoidRouter
+
+
+@dataclass(frozen=True)
+class MlaArch:
+    """MLA sizes of an HF DeepSeek-V3 config (trainer.megatron.family_deepseek_v3)."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_dim: int
+    qk_rope_dim: int
+    v_head_dim: int
+    rope_interleave: bool = True
+
+
+# (state dict, the family's arch, source layer prefix, destination layer prefix) -> tensors
+AttentionMap = Callable[[dict, "FamilyArch", str, str], dict[str, torch.Tensor]]
+# (state dict, source layer prefix, destination layer prefix, this rank's experts' global ids)
+ExpertMap = Callable[[dict, str, str, range], dict[str, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class WeightMapping:
+    """The family's own part of one decoder layer's HF <-> megatron weight mapping (None: the
+    base layout's, trainer.megatron.hf_mapping). A pair per direction."""
+
+    # q/k/v and their norms (o_proj and the layer norms stay the base's): DeepSeek-V3's MLA
+    attention_to_megatron: AttentionMap | None = None
+    attention_to_hf: AttentionMap | None = None
+    # the MoE block (router, experts) with what the family stores with it: GPT-OSS's fused
+    # experts, sinks and biases
+    experts_to_megatron: ExpertMap | None = None
+    experts_to_hf: ExpertMap | None = None
 
 
 @dataclass(frozen=True)
@@ -35,3 +72,5 @@ class FamilyArch:
     window_layers: tuple[bool, ...] = ()  # per layer: sliding (True) or full attention
     glu_clamp: float | None = None  # experts: quick_gelu(min(g, c)) * (clamp(u, -c, c) + 1)
     fused_experts: bool = False  # HF experts as per-layer [E, ...] tensors, gate/up interleaved
+    mla: MlaArch | None = None  # multi-latent attention (DeepSeek-V3), else GQA
+    mapping: WeightMapping = field(default_factory=WeightMapping)  # the family's own mapping

@@ -49,40 +49,32 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from trainer.megatron.family_arch import FamilyArch
+from trainer.megatron.family_arch import FamilyArch, MlaArch, WeightMapping
 from trainer.megatron.grouped_router import deepseek_moe_fields
+from trainer.megatron.rope import rope_params
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class MlaArch:
-    """MLA sizes of an HF DeepSeek-V3 config."""
-
-    q_lora_rank: int | None
-    kv_lora_rank: int
-    qk_nope_dim: int
-    qk_rope_dim: int
-    v_head_dim: int
-    rope_interleave: bool = True
 
 
 def deepseek_v3_arch(cfg: dict) -> FamilyArch:
     """The FamilyArch of a deepseek_v3 HF config dict: DeepSeek-V3's router
     (trainer.megatron.grouped_router), an ungated shared expert of width
     `n_shared_experts * moe_intermediate_size` (HF `mlp.shared_experts`), no QK-norm (MLA's
-    latent norms are mapped here); `first_k_dense_replace` is read by hf_mapping."""
+    latent norms are mapped here: `attention_to_megatron`); `first_k_dense_replace` is read by
+    hf_mapping."""
     quant = (cfg.get("quantization_config") or {}).get("quant_method")
     if quant:
         raise ValueError(f"quantization_config: {quant!r} weights (DeepSeek-V3's and Kimi-K2's "
                          "published FP8 block-scaled checkpoints) are not mapped: the trainer "
                          "loads bf16/fp32 weights; convert the checkpoint to bf16 first")
-    return FamilyArch(qk_norm=False, **deepseek_moe_fields(cfg, "DeepseekV3MoE"))
+    mla = mla_from_hf_config(cfg)
+    check_mla_rope(rope_params(cfg))
+    return FamilyArch(qk_norm=False, mla=mla, mapping=_MAPPING,
+                      **deepseek_moe_fields(cfg, "DeepseekV3MoE"))
 
 
 def mla_from_hf_config(cfg: dict) -> MlaArch:
@@ -256,11 +248,18 @@ def _map(sd: dict, m: MlaArch, src: str, dst: str, to_megatron: bool) -> dict[st
     return out
 
 
-def attention_to_megatron(sd: dict, m: MlaArch, hf: str, mc: str) -> dict[str, torch.Tensor]:
+def attention_to_megatron(sd: dict, fam: FamilyArch, hf: str, mc: str
+                          ) -> dict[str, torch.Tensor]:
     """One layer's HF `{hf}.self_attn.*` -> megatron `{mc}.self_attention.*`."""
-    return _map(sd, m, f"{hf}.self_attn", f"{mc}.self_attention", to_megatron=True)
+    assert fam.mla is not None
+    return _map(sd, fam.mla, f"{hf}.self_attn", f"{mc}.self_attention", to_megatron=True)
 
 
-def attention_to_hf(sd: dict, m: MlaArch, mc: str, hf: str) -> dict[str, torch.Tensor]:
+def attention_to_hf(sd: dict, fam: FamilyArch, mc: str, hf: str) -> dict[str, torch.Tensor]:
     """Inverse of `attention_to_megatron`."""
-    return _map(sd, m, f"{mc}.self_attention", f"{hf}.self_attn", to_megatron=False)
+    assert fam.mla is not None
+    return _map(sd, fam.mla, f"{mc}.self_attention", f"{hf}.self_attn", to_megatron=False)
+
+
+_MAPPING = WeightMapping(attention_to_megatron=attention_to_megatron,
+                         attention_to_hf=attention_to_hf)

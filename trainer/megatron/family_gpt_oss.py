@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from trainer.megatron.family_arch import FamilyArch
+from trainer.megatron.family_arch import FamilyArch, WeightMapping
 
 QUICK_GELU_ALPHA = 1.702  # megatron.core.fusions.fused_bias_geglu.quick_gelu's fixed gain
 _KINDS = {"sliding_attention": True, "full_attention": False}
@@ -63,7 +63,8 @@ def gpt_oss_arch(cfg: dict) -> FamilyArch:
     return FamilyArch(qkv_bias=True, qk_norm=False, renormalise=True, linear_bias=True,
                       attn_sinks=True, window=window if any(sliding) else 0,
                       window_layers=sliding if window else (),
-                      glu_clamp=float(cfg.get("swiglu_limit", 7.0)), fused_experts=True)
+                      glu_clamp=float(cfg.get("swiglu_limit", 7.0)), fused_experts=True,
+                      mapping=_MAPPING)
 
 
 def layer_to_megatron(sd: dict, hf: str, mc: str, experts: range) -> dict[str, torch.Tensor]:
@@ -104,6 +105,9 @@ def layer_to_hf(sd: dict, mc: str, hf: str, experts: range) -> dict[str, torch.T
         parts["down_proj"].append(sd[f"{p}.linear_fc2.weight"].t())
         parts["down_proj_bias"].append(sd[f"{p}.linear_fc2.bias"])
     return out | {f"{ex}.{k}": torch.stack(v).contiguous() for k, v in parts.items()}
+
+
+_MAPPING = WeightMapping(experts_to_megatron=layer_to_megatron, experts_to_hf=layer_to_hf)
 
 
 def _tag_sinks(attn: Any) -> None:

@@ -1,8 +1,11 @@
 """HF MoE checkpoint names/layouts <-> megatron-core GPTModel (local spec), both ways.
 
 Qwen3-MoE is the base layout; what other families change (QKV bias, no QK-norm, a gated shared
-expert, Mixtral's `block_sparse_moe.experts.N.w1/w3/w2`) comes from `trainer.megatron.families`;
-GPT-OSS's fused expert tensors, sinks and biases from `trainer.megatron.family_gpt_oss`.
+expert, Mixtral's `block_sparse_moe.experts.N.w1/w3/w2`) comes from the FamilyArch their registry
+hook builds (`trainer.megatron.families`), and so does the part of the mapping a family owns
+(`FamilyArch.mapping`, trainer.megatron.family_arch.WeightMapping): DeepSeek-V3's multi-latent
+attention (family_deepseek_v3), GPT-OSS's fused expert tensors, sinks and biases (family_gpt_oss).
+This module imports no family module.
 
 HF names are the safetensors names the rollout engine loads (one tensor per expert projection).
 Layouts that differ:
@@ -15,7 +18,6 @@ Dense layers (HF `mlp_only_layers`, `first_k_dense_replace`) are plain MLPs; the
 (megatron `moe_layer_freq`). DeepSeek-V3's router (GLM-4.x MoE) adds the selection bias
 `gate.e_score_correction_bias` <-> the router's `expert_bias` buffer (trainer.megatron.grouped_router).
 Partial rotary (`partial_rotary_factor`) is megatron's `rotary_percent` (MoeArch.rotary_percent).
-Multi-latent attention (DeepSeek-V3) maps in trainer.megatron.family_deepseek_v3.
 Grouped experts (model.experts: grouped) hold each layer's experts stacked; `megatron_to_hf` and
 `gather_experts` read them in the per-expert layout (trainer.megatron.grouped_experts).
 RoPE (scaling, partial rotary) is read by trainer.megatron.rope.
@@ -33,26 +35,19 @@ from typing import Any, cast
 import torch
 
 from services.common import families
-from trainer.megatron import family_gpt_oss
-from trainer.megatron.families import FamilyArch, family_arch, sizes
-from trainer.megatron.family_deepseek_v3 import (
-    MlaArch,
-    attention_to_hf,
-    attention_to_megatron,
-    check_mla_rope,
-    mla_from_hf_config,
-)
+from trainer.megatron.families import family_arch, sizes
+from trainer.megatron.family_arch import FamilyArch, MlaArch
 from trainer.megatron.grouped_experts import unstack_experts
 from trainer.megatron.grouped_router import bias_to_hf, bias_to_megatron
-from trainer.megatron.rope import RopeScaling, rope_from_hf_config, rope_params, rotary_percent
+from trainer.megatron.rope import RopeScaling, rope_from_hf_config, rotary_percent
 
 _ATTN = {"self_attn.o_proj": "self_attention.linear_proj",
          "self_attn.q_norm": "self_attention.q_layernorm",
          "self_attn.k_norm": "self_attention.k_layernorm",
          "input_layernorm": "input_layernorm",
          "post_attention_layernorm": "pre_mlp_layernorm"}
-# MLA has no per-head QK-norm: its q/kv latent norms map in family_deepseek_v3
-_ATTN_MLA = {h: m for h, m in _ATTN.items() if h not in ("self_attn.q_norm", "self_attn.k_norm")}
+# a family that maps its own attention (MLA) maps its norms of q/k too: no per-head QK-norm here
+_ATTN_OWN = {h: m for h, m in _ATTN.items() if h not in ("self_attn.q_norm", "self_attn.k_norm")}
 GLOBAL_UNIT = -1  # export unit of the tensors outside the decoder layers (unit_to_hf)
 _GLOBAL = {"model.embed_tokens.weight": "embedding.word_embeddings.weight",
            "model.norm.weight": "decoder.final_layernorm.weight",
@@ -102,10 +97,7 @@ def arch_from_hf_config(cfg: dict) -> MoeArch:
         cfg.get("first_k_dense_replace") or 0)))
     moe = tuple(i for i in range(n) if i not in dense and (i + 1) % step == 0)
     rope_theta, rope_scaling = rope_from_hf_config(cfg, fam.partial_rotary)
-    mla = None
-    if families.get(cfg["model_type"]).mla:  # MLA: one latent, as many KV heads as q heads
-        mla = mla_from_hf_config(cfg)
-        check_mla_rope(rope_params(cfg))
+    mla = fam.mla  # MLA: one latent, as many KV heads as q heads
     return MoeArch(
         num_layers=n, moe_layers=moe, hidden_size=cfg["hidden_size"], mla=mla,
         num_heads=cfg["num_attention_heads"],
@@ -203,18 +195,19 @@ def _local_experts(a: MoeArch, ep_rank: int, ep_size: int) -> range:
 
 def _layer_to_megatron(sd: dict, a: MoeArch, i: int, ep_rank: int, ep_size: int) -> dict:
     hf, mc = f"model.layers.{i}", f"decoder.layers.{i}"
+    own = a.fam.mapping
     out = {f"{mc}.{m}.weight": sd[f"{hf}.{h}.weight"]
-           for h, m in (_ATTN_MLA if a.mla else _ATTN).items() if f"{hf}.{h}.weight" in sd}
-    if a.mla:
-        out |= attention_to_megatron(sd, a.mla, hf, mc)
+           for h, m in (_ATTN_OWN if own.attention_to_megatron else _ATTN).items()
+           if f"{hf}.{h}.weight" in sd}
+    if own.attention_to_megatron is not None:
+        out |= own.attention_to_megatron(sd, a.fam, hf, mc)
     else:
         q, k, v = (sd[f"{hf}.self_attn.{p}_proj.weight"] for p in "qkv")
         out[f"{mc}.self_attention.linear_qkv.weight"] = qkv_to_megatron(q, k, v, a)
     if a.fam.qkv_bias:
         out[f"{mc}.self_attention.linear_qkv.bias"] = _qkv_bias_to_megatron(sd, hf, a)
-    if a.fam.fused_experts:  # GPT-OSS: every layer MoE
-        return out | family_gpt_oss.layer_to_megatron(sd, hf, mc,
-                                                      _local_experts(a, ep_rank, ep_size))
+    if own.experts_to_megatron is not None:  # GPT-OSS: every layer MoE
+        return out | own.experts_to_megatron(sd, hf, mc, _local_experts(a, ep_rank, ep_size))
     if i not in a.moe_layers:
         return out | _mlp_to_megatron(sd, f"{hf}.mlp", f"{mc}.mlp")
     out |= _moe_extras_to_megatron(sd, a, hf, mc)
@@ -229,16 +222,17 @@ def _layer_to_hf(sd: dict, a: MoeArch, i: int, ep_rank: int, ep_size: int,
     """Layer `i` -> HF names: everything (`experts` None), only the routed experts (True:
     `sd` needs only their tensors), or all but them (False; not for fused-expert families,
     whose expert mapping carries other tensors too)."""
-    hf, mc = f"model.layers.{i}", f"decoder.layers.{i}"
+    hf, mc, own = f"model.layers.{i}", f"decoder.layers.{i}", a.fam.mapping
     moe = a.fam.fused_experts or i in a.moe_layers
     if experts:
         return _experts_to_hf(sd, a, hf, mc, _local_experts(a, ep_rank, ep_size)) if moe else {}
-    if experts is False and a.fam.fused_experts:
+    if experts is False and own.experts_to_hf is not None:
         raise ValueError("experts: a fused-expert family maps its experts with other tensors")
     out = {f"{hf}.{h}.weight": sd[f"{mc}.{m}.weight"]
-           for h, m in (_ATTN_MLA if a.mla else _ATTN).items() if f"{mc}.{m}.weight" in sd}
-    if a.mla:
-        out |= attention_to_hf(sd, a.mla, mc, hf)
+           for h, m in (_ATTN_OWN if own.attention_to_hf else _ATTN).items()
+           if f"{mc}.{m}.weight" in sd}
+    if own.attention_to_hf is not None:
+        out |= own.attention_to_hf(sd, a.fam, mc, hf)
     else:
         q, k, v = qkv_to_hf(sd[f"{mc}.self_attention.linear_qkv.weight"], a)
         out |= {f"{hf}.self_attn.q_proj.weight": q, f"{hf}.self_attn.k_proj.weight": k,
@@ -248,7 +242,7 @@ def _layer_to_hf(sd: dict, a: MoeArch, i: int, ep_rank: int, ep_size: int,
             sd[f"{mc}.self_attention.linear_qkv.bias"], a).items()}
     if not moe:
         return out | _mlp_to_hf(sd, f"{mc}.mlp", f"{hf}.mlp")
-    if not a.fam.fused_experts:
+    if own.experts_to_hf is None:
         out |= _moe_extras_to_hf(sd, a, mc, hf)
     if experts is None:
         out |= _experts_to_hf(sd, a, hf, mc, _local_experts(a, ep_rank, ep_size))
@@ -258,8 +252,9 @@ def _layer_to_hf(sd: dict, a: MoeArch, i: int, ep_rank: int, ep_size: int,
 def _experts_to_hf(sd: dict, a: MoeArch, hf: str, mc: str, local_ids: range
                    ) -> dict[str, torch.Tensor]:
     """The routed experts `local_ids` (global ids) of one layer."""
-    if a.fam.fused_experts:  # GPT-OSS: with the layer's sinks, router and o_proj bias
-        return family_gpt_oss.layer_to_hf(sd, mc, hf, local_ids)
+    own = a.fam.mapping.experts_to_hf
+    if own is not None:  # GPT-OSS: with the layer's sinks, router and o_proj bias
+        return own(sd, mc, hf, local_ids)
     out: dict[str, torch.Tensor] = {}
     for local, e in enumerate(local_ids):
         out |= _mlp_to_hf(sd, f"{mc}.mlp.experts.local_experts.{local}",

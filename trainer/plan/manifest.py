@@ -23,7 +23,7 @@ import yaml
 
 from services.common.config import YAML_LOADER, build_config
 from services.common.errors import UserError, syntax_error
-from trainer.config import TrainerConfig
+from trainer.config import HFSection, ModelSection, TrainerConfig
 from trainer.plan import k8s
 from trainer.plan.memory import Arch, GiB, Layout, Plan, Recompute, plan
 from trainer.plan.models import load_model_config
@@ -55,14 +55,16 @@ def quantity_bytes(q: str | int) -> float:
     return float(m.group(1)) * _UNITS[m.group(2) or ""]
 
 
-def layout_from_trainer(cfg: Any, seq_len: int, cuda: bool = True,
+def layout_from_trainer(cfg: TrainerConfig, seq_len: int, cuda: bool = True,
                         family: str | None = None) -> Layout:
     """The Layout a TrainerConfig runs (model.* parallel sizes, optim.use_distributed_optimizer,
     model.recompute_*; the hf backend: FSDP2 over hf.sharding's shard group), its `auto`
     fast-path switches decided as the trainer decides them on pods with (`cuda`) or without
     GPUs (TrainerConfig.fast_path)."""
     cfg = cfg.fast_path(cuda, family)
-    m = cfg.model
+    m: ModelSection = cfg.model
+    attention, chunked = m.attention, cfg.loss.chunked_logprobs
+    assert attention != "auto" and isinstance(chunked, bool), "fast_path decides every auto"
     lay = Layout(
         world=cfg.run.world_size, ep=m.expert_parallel, etp=m.expert_tensor_parallel,
         tp=m.tensor_parallel,
@@ -70,20 +72,20 @@ def layout_from_trainer(cfg: Any, seq_len: int, cuda: bool = True,
         distributed_optimizer=cfg.optim.use_distributed_optimizer,
         grad_reduce_in_fp32=True, recompute=_recompute(m),
         reference=cfg.loss.uses_reference, micro_batch=cfg.data.micro_batch_size, seq_len=seq_len,
-        attention=m.attention, chunked_logprobs=cfg.loss.chunked_logprobs,
+        attention=attention, chunked_logprobs=chunked,
         push_bucket_bytes=cfg.weight_sync.resolved_bucket_bytes()
         if cfg.run.push_weights_every else 0,
         push_inflight=cfg.weight_sync.inflight_buckets)
     if cfg.backend != "hf":
         return lay
-    hf = cfg.hf
+    hf: HFSection = cfg.hf
     return replace(lay, fsdp=True, tp=1, pp=1, cp=1, ep=1, etp=1, distributed_optimizer=False,
                    fsdp_shard_group=hf.shard_group_size if hf.sharding == "hybrid" else 0,
                    recompute="full" if hf.gradient_checkpointing else "none",
                    attention="sdpa" if hf.attn_implementation == "sdpa" else "unfused")
 
 
-def _recompute(m: Any) -> Recompute:
+def _recompute(m: ModelSection) -> Recompute:
     """The planner's recompute model of a ModelConfig: full, moe (only the MoE block is
     recomputed) or none (selective recompute of other modules saves too little to model)."""
     if m.recompute == "full":
