@@ -7,9 +7,10 @@
 # fastpath: issue 30's kernels probe and the plain vs fast path bench (LAYOUTS="--ep=4;--ep=4 --tp=2",
 # layouts separated by ';';
 # FASTPATH_PATHS="fast fast_pg fast_pg_step fast_unplanned fast_prof fast_mb1 fast_mb4
-# fast_norecompute plain" adds the fast path with --overlap-param-gather, with the gathers started
-# at the step's end, without the planned dispatch, profiled, with micro-batch 1 or 4 (2 in fast),
-# without MoE recompute;
+# fast_norecompute fast_torchlp plain" adds the fast path with --overlap-param-gather, with the
+# gathers started at the step's end, without the planned dispatch, profiled, with micro-batch 1
+# or 4 (2 in fast), without MoE recompute, with the chunked torch log-softmax instead of the
+# Triton kernels (loss.logprob_kernel, issue 44);
 # PROBE=0 skips the kernel probe; `none`: only the wheels' install and the build);
 # fastpath-tests: tests/gpu with the fast path's model switches (R3FLOW_GPU_MODEL), one line per test
 # as it ends (the pytest files under $OUT grow as tests end: a run cut by a timeout keeps them).
@@ -73,6 +74,7 @@ for section in $SECTIONS; do
             fast_prof) flags="$FAST --profile";;  # + one off and one r3 step profiled
             fast_mb4) flags="${FAST/ --micro-batch 2/} --micro-batch 4";;
             fast_norecompute) flags="$FAST --no-recompute-moe";;
+            fast_torchlp) flags="$FAST --logprob-kernel torch";;  # the chunked torch loss (before issue 44)
             *) flags="";; esac
           echo "== bench $layout $path"
           python3 tests/bench/bench_megatron_parallel.py --gpus "$(nvidia-smi -L | wc -l)" \

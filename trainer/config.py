@@ -260,15 +260,21 @@ class TrainerConfig(StrictConfig):
         """`self` with every `auto` fast-path switch decided (idempotent; the backends call it
         at start with the device they run on, `r3flow plan` with the pods' device): grouped
         experts, SDPA, planned dispatch (ModelConfig.fast_path), fused Adam and the chunked
-        log-softmax on CUDA with model.dtype bf16; the reference path on CPU or in fp32.
+        log-softmax on CUDA with model.dtype bf16 (its Triton kernels where it runs on CUDA);
+        the reference path on CPU or in fp32.
         Explicit settings are kept (the equality tests set the reference path)."""
         model: ModelSection = self.model
         fast = cuda and model.dtype == "bf16"
         update: dict[str, Any] = {"model": model.fast_path(cuda, family)}
         if self.optim.fused_adam == "auto":
             update["optim"] = self.optim.model_copy(update={"fused_adam": fast})
-        if self.loss.chunked_logprobs == "auto":
-            update["loss"] = self.loss.model_copy(update={"chunked_logprobs": fast})
+        loss = self.loss
+        if loss.chunked_logprobs == "auto":
+            loss = loss.model_copy(update={"chunked_logprobs": fast})
+        if loss.logprob_kernel == "auto":  # Triton ships with torch's CUDA builds
+            loss = loss.model_copy(update={"logprob_kernel": "triton" if cuda and
+                                           loss.chunked_logprobs is True else "torch"})
+        update["loss"] = loss
         return self.model_copy(update=update)
 
     def describe_path(self) -> str:
@@ -287,7 +293,7 @@ class TrainerConfig(StrictConfig):
         return (f"trainer path: {kind} (backend {self.backend}, dtype {m.dtype}; experts "
                 f"{m.experts}, attention {m.attention}, planned_dispatch {m.planned_dispatch}, "
                 f"fused_adam {self.optim.fused_adam}, chunked_logprobs "
-                f"{self.loss.chunked_logprobs})")
+                f"{self.loss.chunked_logprobs}, logprob_kernel {self.loss.logprob_kernel})")
 
     @model_validator(mode="after")
     def _rollout_correction_source(self) -> TrainerConfig:

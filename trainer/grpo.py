@@ -47,6 +47,7 @@ from trainer.corrections import (
     staleness_metrics,
 )
 from trainer.guard import Fault, gather, nonfinite_groups, nonfinite_logprob_groups, run_pass
+from trainer.logprobs import logprob_entropy
 from trainer.loss import logprob_diff, mismatch_sums, ppo_loss, sft_loss, token_logprobs
 from trainer.objectives import UpdateNorm, aggregate, sequence_index, update_norm
 from trainer.protocol import TrainBackend
@@ -106,8 +107,15 @@ class GRPOStep:
         """Per micro-batch [B, S] logprobs of the labels (no grad); r2 records routing."""
         mode, b = ReplayMode(replay), self.backend
         with b.no_grad_pass(mbs, mode, reference):
-            return [token_logprobs(b.logits(mb, mode, reference), mb.labels_BS, mb.temperature_BS)
-                    for mb in mbs]
+            return [self._logprobs(b.logits(mb, mode, reference), mb) for mb in mbs]
+
+    def _logprobs(self, logits_BSV: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+        """[B, S] logprobs of the labels: the Triton kernels where the update's loss runs them
+        (loss.logprob_kernel; the same function in both passes), else torch.log_softmax."""
+        if self.cfg.loss.triton_for(logits_BSV):
+            return logprob_entropy(logits_BSV, mb.labels_BS, mb.temperature_BS,
+                                   kernel="triton")[0]
+        return token_logprobs(logits_BSV, mb.labels_BS, mb.temperature_BS)
 
     def sample_logprobs(self, samples: Sequence[Sample], replay: ReplayMode | str
                         ) -> list[np.ndarray]:

@@ -71,19 +71,46 @@ class _LogprobEntropy(torch.autograd.Function):
         return grad, None, None, None
 
 
+def triton_runs(logits: torch.Tensor, kernel: str = "auto") -> bool:
+    """Whether `kernel` (loss.logprob_kernel: auto | torch | triton) runs the Triton kernels on
+    `logits`: auto on a CUDA device where Triton imports; triton needs both (ValueError)."""
+    if kernel == "torch":
+        return False
+    if kernel not in ("auto", "triton"):
+        raise ValueError(f"loss.logprob_kernel: {kernel!r} is not auto, torch or triton")
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        ok = False
+    else:
+        ok = logits.is_cuda
+    if kernel == "triton" and not ok:
+        raise ValueError("loss.logprob_kernel: triton needs logits on a CUDA device and the "
+                         "triton package")
+    return ok
+
+
 def logprob_entropy(logits_BSV: torch.Tensor, labels_BS: torch.Tensor,
                     temperature_BS: torch.Tensor | None = None, entropy_grad: bool = False,
-                    chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+                    chunk: int = CHUNK, kernel: str = "torch"
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, S] fp32 logprob of each label under softmax(logits / T) and the distribution's
-    entropy (detached unless `entropy_grad`), computed `chunk` rows at a time."""
+    entropy (detached unless `entropy_grad`), computed `chunk` rows at a time, or by the
+    Triton kernels (trainer.logprobs_triton) where `kernel` (triton_runs) picks them."""
     b, s, v = logits_BSV.shape
     temp = None if temperature_BS is None else temperature_BS.reshape(-1)
-    lp, ent = _LogprobEntropy.apply(logits_BSV.reshape(b * s, v), labels_BS.reshape(-1).long(),
-                                    temp, chunk)
+    if triton_runs(logits_BSV, kernel):
+        from trainer.logprobs_triton import LogprobEntropyTriton
+
+        lp, ent = LogprobEntropyTriton.apply(logits_BSV, labels_BS.reshape(-1).long(), temp)
+    else:
+        lp, ent = _LogprobEntropy.apply(logits_BSV.reshape(b * s, v),
+                                        labels_BS.reshape(-1).long(), temp, chunk)
     return lp.view(b, s), (ent if entropy_grad else ent.detach()).view(b, s)
 
 
 def token_logprobs(logits_BSV: torch.Tensor, labels_BS: torch.Tensor,
-                   temperature_BS: torch.Tensor | None = None) -> torch.Tensor:
-    """trainer.loss.token_logprobs, chunked ([B, S] fp32)."""
-    return logprob_entropy(logits_BSV, labels_BS, temperature_BS)[0]
+                   temperature_BS: torch.Tensor | None = None, kernel: str = "torch"
+                   ) -> torch.Tensor:
+    """trainer.loss.token_logprobs, chunked or by the Triton kernels ([B, S] fp32)."""
+    return logprob_entropy(logits_BSV, labels_BS, temperature_BS, kernel=kernel)[0]

@@ -97,7 +97,8 @@ def ppo_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor, mask_BS: torch.T
     `seq_BS`, trainer.objectives.sequence_index) on sampled-token logprobs, times the TIS
     weight, + kl_coef * KL to the reference (kl_in loss), - entropy bonus, all under the
     sampling temperature."""
-    lp, ent = logprob_entropy(logits_BSV, labels_BS, temperature_BS, cfg.entropy_coef != 0) \
+    lp, ent = logprob_entropy(logits_BSV, labels_BS, temperature_BS, cfg.entropy_coef != 0,
+                              kernel="triton" if cfg.triton_for(logits_BSV) else "torch") \
         if cfg.chunked_for(logits_BSV) else (token_logprobs(logits_BSV, labels_BS, temperature_BS),
                                       token_entropy(logits_BSV, temperature_BS))
     log_ratio = lp - old_lp_BS

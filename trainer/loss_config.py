@@ -94,6 +94,12 @@ class LossConfig(StrictConfig):
         "when entropy_coef is 0) instead of torch.log_softmax (the reference; issue 30); auto = "
         "on for bf16 logits on a CUDA device (the trainer decides it at start: "
         "TrainerConfig.fast_path), the reference otherwise")
+    logprob_kernel: Literal["auto", "torch", "triton"] = Field(
+        "auto", description="what computes the chunked log-softmax (with chunked_logprobs on): "
+        "triton = one Triton kernel per direction that streams each row of logits once "
+        "(trainer.logprobs_triton; CUDA only), which also gives the old-policy and reference "
+        "passes their logprobs; torch = the chunked torch loop; auto = triton where the logits "
+        "are on a CUDA device and Triton imports, torch otherwise (issue 44)")
     adv_eps: float = Field(1e-6, gt=0, description="std floor of group-normalised advantages")
     adv_std_normalize: bool = Field(True, description="divide by the group reward std (GRPO)")
     rollout_correction: RolloutCorrectionConfig = Field(
@@ -108,6 +114,12 @@ class LossConfig(StrictConfig):
         if self.chunked_logprobs == "auto":
             return bool(logits.is_cuda and str(logits.dtype) == "torch.bfloat16")
         return self.chunked_logprobs
+
+    def triton_for(self, logits: Any) -> bool:
+        """Whether the chunked log-softmax on `logits` runs the Triton kernels."""
+        from trainer.logprobs import triton_runs
+
+        return self.chunked_for(logits) and triton_runs(logits, self.logprob_kernel)
 
     def reference_due(self, policy_version: int) -> bool:
         """Whether the step from `policy_version` runs the reference pass."""

@@ -10,7 +10,8 @@ hits all alike. MFU counts the model FLOPs of the update (6 x active params x to
 attention) and of the old-policy forward (2 x ... + attention), against the card's dense bf16
 peak (`--peak-tflops`, H100/H200 SXM: 989); "MFU dec" leaves the lm head out (decoder only).
 The fast path's switches (issue 30): --experts grouped --attention sdpa [--overlap-grad-reduce
---overlap-param-gather --fused-adam --chunked-logprobs --planned-dispatch]; --check-agreement turns the routing agreement check on (its cost; floor 0:
+--overlap-param-gather --fused-adam --chunked-logprobs [--logprob-kernel torch|triton]
+--planned-dispatch]; --check-agreement turns the routing agreement check on (its cost; floor 0:
 random rollout ids agree with a random-init router at chance, so no group is quarantined).
 Writes bench-results/megatron_parallel.json.
 Run: python tests/bench/bench_megatron_parallel.py --gpus 4 [--layers 8 --ep 4 ...]
@@ -93,7 +94,9 @@ def _rank(args: argparse.Namespace, model_dir: str, out: str) -> None:
                                                   "agreement_floor": 0.0},
                         optim={"lr": 1e-7, "use_distributed_optimizer": args.distributed_optimizer}
                         | _optim_switches(args),
-                        loss={"chunked_logprobs": True} if args.chunked_logprobs else {})
+                        loss=({"chunked_logprobs": True} if args.chunked_logprobs else {})
+                        | ({"logprob_kernel": args.logprob_kernel}
+                           if args.logprob_kernel != "auto" else {}))
     tr = make_trainer(cfg)
     b = tr.backend
     samples = _samples(args.samples, args.seq_len, len(b.moe_layers), b.top_k, b.num_experts,
@@ -135,12 +138,19 @@ def _profile(tr, samples: list, out: str) -> None:
             torch.cuda.synchronize()
         if torch.distributed.get_rank() == 0:
             avg = prof.key_averages()
-            text = "\n".join(f"== {mode} by {key}\n" + avg.table(sort_by=key, row_limit=25,
+            text = "\n".join(f"== {mode} by {key}\n" + avg.table(sort_by=key, row_limit=40,
                                                                    max_name_column_width=60)
                              for key in ("self_cpu_time_total", "self_device_time_total"))
             text += "\n" + _busy_line(prof, mode)
             Path(out).with_suffix(f".profile_{mode}.txt").write_text(text)
             print(text)
+            if mode == "r3":  # the timeline, for gaps the tables cannot show (gzip: < 16 MiB)
+                import gzip
+
+                trace = Path(out).with_suffix(".trace_r3.json")
+                prof.export_chrome_trace(str(trace))
+                Path(f"{trace}.gz").write_bytes(gzip.compress(trace.read_bytes()))
+                trace.unlink()
 
 
 def _cprofile(tr, samples: list) -> None:
@@ -157,7 +167,7 @@ def _cprofile(tr, samples: list) -> None:
         torch.cuda.synchronize() if torch.cuda.is_available() else None
     if torch.distributed.get_rank() == 0:
         text = io.StringIO()
-        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(45)
         print(text.getvalue())
 
 
@@ -261,6 +271,9 @@ def main() -> None:
                    help="model.planned_dispatch (replay-aware MoE dispatch: no per-layer host "
                    "sync for the all-to-all split sizes under r3/r2)")
     p.add_argument("--chunked-logprobs", action="store_true", help="loss.chunked_logprobs")
+    p.add_argument("--logprob-kernel", choices=("auto", "torch", "triton"), default="auto",
+                   help="loss.logprob_kernel (with --chunked-logprobs: torch = the chunked torch "
+                   "loop, triton = trainer.logprobs_triton; auto = triton on CUDA)")
     p.add_argument("--check-agreement", action=argparse.BooleanOptionalAction, default=False,
                    help="replay.check_agreement (the routing agreement check of r3/r2 passes)")
     p.add_argument("--profile", action="store_true", help="profile one off and one r3 step")
@@ -302,7 +315,7 @@ def main() -> None:
     Path(args.out).write_text(json.dumps(res, indent=2))
     print(f"experts {args.experts}, attention {args.attention}, tp {args.tp} ep {args.ep}, "
           f"check_agreement {args.check_agreement}, optim {_optim_switches(args) or 'plain'}, "
-          f"chunked_logprobs {args.chunked_logprobs}, micro-batch {args.micro_batch}, "
+          f"chunked_logprobs {args.chunked_logprobs} ({args.logprob_kernel}), micro-batch {args.micro_batch}, "
           f"recompute_moe {args.recompute_moe}, planned_dispatch {args.planned_dispatch}")
     print(f"{'mode':5s} {'step s':>8s} {'tok/s/GPU':>10s} {'MFU':>6s} {'MFU dec':>7s}")
     for m in MODES:

@@ -23,3 +23,4 @@ def test_startup_log_names_the_fast_path_on_cuda_bf16(tmp_path):
     assert len(lines) == 1, stdout[-3000:]
     assert lines[0].startswith("trainer.megatron.engine trainer path: fast "), lines
     assert "RESOLVED grouped sdpa True True True" in stdout
+    assert "logprob_kernel triton)" in lines[0], lines  # issue 44

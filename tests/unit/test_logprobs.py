@@ -71,3 +71,19 @@ def test_ppo_loss_with_chunked_logprobs_matches_the_plain_loss(entropy_coef):
     assert float(fast.loss) == pytest.approx(float(plain.loss), rel=1e-5)
     assert fast.entropy == pytest.approx(plain.entropy, rel=1e-5)
     assert torch.allclose(g_fast, g_plain, rtol=1e-4, atol=1e-6)
+
+
+def test_the_triton_kernel_is_chosen_only_on_cuda():
+    """Issue 44 (loss.logprob_kernel): CPU logits keep the chunked torch loop under auto; asking
+    for triton there is refused by name; the kernels themselves are tested on a GPU
+    (tests/gpu/test_logprobs_triton_gpu.py)."""
+    from trainer.logprobs import triton_runs
+
+    logits, labels, _ = _inputs(torch.float32, False)
+    assert not triton_runs(logits, "auto") and not triton_runs(logits, "torch")
+    with pytest.raises(ValueError, match="logprob_kernel: triton needs"):
+        logprob_entropy(logits, labels, kernel="triton")
+    with pytest.raises(ValueError, match="logprob_kernel: 'cuda'"):
+        triton_runs(logits, "cuda")
+    lp, _ = logprob_entropy(logits, labels, kernel="auto")
+    assert torch.allclose(lp, token_logprobs(logits, labels), atol=1e-5)

@@ -74,3 +74,17 @@ def test_megatron_trainer_logs_the_reference_path_on_cpu(tmp_path):
     assert len(lines) == 1, stdout[-3000:]
     assert lines[0].startswith("trainer.megatron.engine trainer path: reference "), lines
     assert "RESOLVED sequential unfused False False False" in stdout
+
+
+def test_logprob_kernel_is_triton_where_the_chunked_path_runs_on_cuda():
+    """Issue 44: loss.logprob_kernel auto -> triton with the chunked log-softmax on CUDA, torch
+    on CPU, in fp32 (chunked off) or when set; the start line names it."""
+    bf16 = TrainerConfig(model={"dtype": "bf16"})
+    assert bf16.fast_path(cuda=True).loss.logprob_kernel == "triton"
+    assert "logprob_kernel triton)" in bf16.fast_path(cuda=True).describe_path()
+    assert bf16.fast_path(cuda=False).loss.logprob_kernel == "torch"
+    assert TrainerConfig().fast_path(cuda=True).loss.logprob_kernel == "torch"
+    pinned = TrainerConfig(model={"dtype": "bf16"}, loss={"logprob_kernel": "torch"})
+    assert pinned.fast_path(cuda=True).loss.logprob_kernel == "torch"
+    with pytest.raises(ValueError, match="logprob_kernel"):
+        TrainerConfig(loss={"logprob_kernel": "cuda"})
