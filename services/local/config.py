@@ -70,6 +70,10 @@ class GrpoConfig(StrictConfig):
         120.0, gt=3, description="a push waits this long for a registered worker that is gone")
     dtype: Literal["fp32", "bf16"] = Field("bf16", description="trainer and engine dtype")
     compare_off: bool = Field(True, description="also measure |logprob diff| without replay")
+    agreement_floor: float = Field(
+        0.5, ge=0, le=1, description="the trainer's routing-agreement floor (trainer "
+        "replay.agreement_floor: a unit below it quarantines its group, a whole MoE layer below "
+        "it stops the run as misaligned); 0 measures the agreement without enforcing it")
     # The no-replay comparison and the reference pass were two of a step's four passes over
     # the batch (issue 46): measured on step 1 (the engine/trainer mismatch alone) and every
     # N-th step after it, they still draw both curves and the report's ratios, which pair
@@ -274,6 +278,7 @@ def trainer_config(cfg: LocalConfig, run_dir: Path, model_dir: Path,
                  "adv_std_normalize": g.adv_std_normalize,
                  "rollout_correction": CORRECTIONS[g.rollout_correction]},
         "replay": {"mode": cfg.replay, "compare_off": g.compare_off,
+                   "agreement_floor": g.agreement_floor,
                    "compare_off_every": g.measure_every},
         "data": {"groups_per_step": g.groups_per_step, "micro_batch_size": g.micro_batch_size,
                  "lease_seconds": g.lease_seconds, "wait_ms": 2000,

@@ -55,7 +55,12 @@ def spike_run(runs: Path, cfg_dir: Path) -> Path:
     # of the last low steps so far (p75 0.031) that the spike (0.136) was under 5x the
     # Prometheus median once its own held samples joined it, and the alert did not fire
     cfg.write_text(json.dumps({
-        "grpo": {"groups_per_step": 8, "lr": 5e-4, "hooks": [
+        # agreement floor 0: measured, not enforced. The step after the spike trains on a batch
+        # the policy before the jump sampled, and its replayed routing can read below 0.5 on a
+        # whole layer against the jumped router (0.482 once in 10 reruns under load), which
+        # stops the run as a misaligned layer map before the alert can fire; the agreement of
+        # the steps before it is still checked (test_local_run.test_step_log_and_report)
+        "grpo": {"groups_per_step": 8, "lr": 5e-4, "agreement_floor": 0.0, "hooks": [
             {"path": "tests.support.lr_spike:TimedLrSpike",
              "options": {"after_s": SPIKE_AFTER_S, "factor": FACTOR}}]},
         "model": {}, "metrics_linger_s": HOLD_S, "stop_on_alert": ALERT}))

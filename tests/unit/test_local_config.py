@@ -31,9 +31,13 @@ def test_seed_moves_model_init_data_and_sampling(tmp_path: Path):
 
 def test_grpo_knobs_reach_a_valid_trainer_config(tmp_path: Path):
     cfg = LocalConfig.model_validate({"grpo": {"ppo_epochs": 3, "mini_batches": 2, "lr": 2e-3,
-                                               "entropy_coef": 0.01, "clip_grad": 0.5}})
+                                               "entropy_coef": 0.01, "clip_grad": 0.5,
+                                               "agreement_floor": 0.0}})
     tc = TrainerConfig.model_validate(trainer_config(cfg, tmp_path, tmp_path))
     assert (tc.optim.ppo_epochs, tc.optim.mini_batches, tc.optim.lr) == (3, 2, 2e-3)
+    assert tc.replay.agreement_floor == 0.0
+    assert TrainerConfig.model_validate(trainer_config(
+        LocalConfig(), tmp_path, tmp_path)).replay.agreement_floor == 0.5
     assert (tc.loss.entropy_coef, tc.optim.clip_grad) == (0.01, 0.5)
     assert tc.data.groups_per_step == cfg.grpo.groups_per_step
     assert tc.run.steps == cfg.grpo.steps
