@@ -49,12 +49,12 @@ def test_step_log_and_report(local_run_dir: Path):
     assert [r["step"] for r in rows] == list(range(1, len(rows) + 1)) and len(rows) >= 3
     for r in rows:
         assert 0 < r["routing_agreement"] <= 1.0
-        assert r["logprob_diff_mean"] >= 0 and math.isfinite(r["grad_norm"]) and r["grad_norm"] >= 0
-    # the last step trains on the policy the test's lr spike moved away: its routing can differ
-    # from the rollout's, and a collapsed policy can give every group equal rewards (all
-    # advantages 0: a zero gradient, seen once under load)
-    for r in rows[:-1]:
-        assert r["routing_agreement"] > 0.5 and r["grad_norm"] > 0, r
+        assert r["logprob_diff_mean"] >= 0 and math.isfinite(r["grad_norm"])
+        # a zero gradient only where every trained group had equal rewards (all advantages 0:
+        # step 133 of a CI run, ~130 steps into the small MoE's run)
+        assert r["grad_norm"] > 0 or r["groups_equal_rewards"] == r["groups_trained"] > 0, r
+    for r in rows[:-1]:  # the last step trains on the policy the test's lr spike moved away
+        assert r["routing_agreement"] > 0.5, r
     png = run_dir / "report.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
     for name in ("config.json", "configs/trainer.json", "configs/store.json", "configs/rollout-0.json"):

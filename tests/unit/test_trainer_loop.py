@@ -138,6 +138,16 @@ def test_dynamic_sampling_drops_equal_reward_groups_and_refills_the_batch(tmp_pa
     assert store.dropped == [("d0", "equal_rewards", 2), ("d2", "equal_rewards", 2)]
     m = loop.train_step(batch)
     assert m["groups_dropped_equal_rewards"] == 2 and m["dynamic_sampling_dropped_share"] == 0.5
+    assert (m["groups_trained"], m["groups_equal_rewards"]) == (2, 0)
+
+
+def test_a_step_counts_its_groups_without_a_gradient(tmp_path):
+    """Without dynamic sampling, equal-reward groups are trained and counted: a step of only
+    such groups has a zero gradient, and its log says why."""
+    store = DroppingStore([_rewarded(0, [1, 1]), _rewarded(1, [0, 1])])
+    loop = TrainLoop(loop_config(tmp_path), FakeRanks(1), store)
+    m = loop.train_step(loop.pull_batch())
+    assert (m["groups_trained"], m["groups_equal_rewards"]) == (2, 1) and not store.dropped
 
 
 def test_dynamic_sampling_keeps_equal_groups_past_its_pull_budget(tmp_path):

@@ -22,6 +22,12 @@ def group_rewards(group: Any) -> list[float]:
     return [float(t.reward) for t in group.trajectories]
 
 
+def equal_reward_groups(groups: list) -> int:
+    """How many of `groups` have all-equal rewards: zero advantage on every sample, so no
+    policy gradient (a step of only such groups has a zero gradient, dynamic sampling or not)."""
+    return sum(all_equal(group_rewards(g)) for g in groups)
+
+
 class DynamicSampler:
     """Per-step counts of the groups inspected and dropped."""
 

@@ -32,7 +32,7 @@ from trainer.checkpoint import DataPosition
 from trainer.config import TrainerConfig
 from trainer.hooks import StepHook, before_step, load_hooks
 from trainer.loop.dynamic_sampling import REASON as EQUAL_REWARDS
-from trainer.loop.dynamic_sampling import DynamicSampler
+from trainer.loop.dynamic_sampling import DynamicSampler, equal_reward_groups
 from trainer.loop.ledger import TrainedIdsLedger
 from trainer.loop.metrics import TrainerMetrics, reduce_metrics
 from trainer.loop.ranks import Ranks, RankTransport
@@ -176,6 +176,8 @@ class TrainLoop:
         groups = [g for g in groups if g.group_id not in dropped]
         metrics["groups_quarantined"] = len(dropped)
         metrics["groups_quarantined_by_reason"] = dict(Counter(dropped.values()))
+        metrics["groups_trained"] = len(groups)
+        metrics["groups_equal_rewards"] = equal_reward_groups(groups)
         metrics |= self.sampler.metrics(len(groups))
         self.pos.step += 1
         self.pos.policy_version = int(metrics["policy_version"])
