@@ -118,6 +118,13 @@ class ModelConfig(StrictConfig):
         return self.recompute_granularity
 
     @property
+    def recompute_set(self) -> bool:
+        """The config sets recompute (recompute_moe or recompute_granularity given, even to
+        its default): `r3flow plan` plans it as set; unset, the trainer recomputes nothing and
+        the plan names the lightest recompute that fits (trainer.plan.memory.choose_recompute)."""
+        return bool({"recompute_moe", "recompute_granularity"} & self.model_fields_set)
+
+    @property
     def recomputes_router(self) -> bool:
         """Backward re-runs the router: replay pops each micro-batch's ids (REPLAY_BACKWARD)."""
         return self.recompute == "full" or "moe" in self.recompute.removeprefix(
