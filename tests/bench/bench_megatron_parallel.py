@@ -11,7 +11,8 @@ attention) and of the old-policy forward (2 x ... + attention), against the card
 peak (`--peak-tflops`, H100/H200 SXM: 989); "MFU dec" leaves the lm head out (decoder only).
 The fast path's switches (issue 30): --experts grouped --attention sdpa [--overlap-grad-reduce
 --overlap-param-gather --fused-adam --chunked-logprobs [--logprob-kernel torch|triton]
---planned-dispatch]; --check-agreement turns the routing agreement check on (its cost; floor 0:
+--planned-dispatch --[no-]batch-first-logits]; MoE recompute: --[no-]recompute-moe, by default
+`r3flow plan`'s pick for the GPU's memory (issue 44); --check-agreement turns the routing agreement check on (its cost; floor 0:
 random rollout ids agree with a random-init router at chance, so no group is quarantined).
 Writes bench-results/megatron_parallel.json.
 Run: python tests/bench/bench_megatron_parallel.py --gpus 4 [--layers 8 --ep 4 ...]
@@ -89,6 +90,8 @@ def _rank(args: argparse.Namespace, model_dir: str, out: str) -> None:
              "experts": args.experts, "attention": args.attention}
     if args.planned_dispatch:  # older checkouts lack the field
         model["planned_dispatch"] = True
+    if args.batch_first_logits is not None:  # else the field's auto (older checkouts lack it)
+        model["batch_first_logits"] = args.batch_first_logits
     cfg = TrainerConfig(model_dir=model_dir, model=model, data={"micro_batch_size": args.micro_batch,
                         "pad_multiple": 128}, replay={"check_agreement": args.check_agreement,
                                                   "agreement_floor": 0.0},
@@ -307,6 +310,9 @@ def main() -> None:
     p.add_argument("--planned-dispatch", action="store_true",
                    help="model.planned_dispatch (replay-aware MoE dispatch: no per-layer host "
                    "sync for the all-to-all split sizes under r3/r2)")
+    p.add_argument("--batch-first-logits", action=argparse.BooleanOptionalAction, default=None,
+                   help="model.batch_first_logits (no copy of the logits for megatron's "
+                   "[S, B, V] -> [B, S, V]; default: the field's auto, on with the fast path)")
     p.add_argument("--chunked-logprobs", action="store_true", help="loss.chunked_logprobs")
     p.add_argument("--logprob-kernel", choices=("auto", "torch", "triton"), default="auto",
                    help="loss.logprob_kernel (with --chunked-logprobs: torch = the chunked torch "
@@ -358,7 +364,8 @@ def main() -> None:
     print(f"experts {args.experts}, attention {args.attention}, tp {args.tp} ep {args.ep}, "
           f"check_agreement {args.check_agreement}, optim {_optim_switches(args) or 'plain'}, "
           f"chunked_logprobs {args.chunked_logprobs} ({args.logprob_kernel}), micro-batch {args.micro_batch}, "
-          f"recompute_moe {args.recompute_moe}, planned_dispatch {args.planned_dispatch}")
+          f"recompute_moe {args.recompute_moe}, planned_dispatch {args.planned_dispatch}, "
+          f"batch_first_logits {'auto' if args.batch_first_logits is None else args.batch_first_logits}")
     print(f"{'mode':5s} {'step s':>8s} {'tok/s/GPU':>10s} {'MFU':>6s} {'MFU dec':>7s}")
     for m in MODES:
         print(f"{m:5s} {med[m]:8.3f} {res['tokens_per_s_per_gpu'][m]:10.0f} {res['mfu'][m]:6.3f} "
