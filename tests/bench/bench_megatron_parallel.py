@@ -90,7 +90,7 @@ def _rank(args: argparse.Namespace, model_dir: str, out: str) -> None:
              "experts": args.experts, "attention": args.attention}
     if args.planned_dispatch:  # older checkouts lack the field
         model["planned_dispatch"] = True
-    if args.batch_first_logits is not None:  # else the field's auto (older checkouts lack it)
+    if args.batch_first_logits is not None:  # else the field's default (older checkouts lack it)
         model["batch_first_logits"] = args.batch_first_logits
     cfg = TrainerConfig(model_dir=model_dir, model=model, data={"micro_batch_size": args.micro_batch,
                         "pad_multiple": 128}, replay={"check_agreement": args.check_agreement,
@@ -312,7 +312,7 @@ def main() -> None:
                    "sync for the all-to-all split sizes under r3/r2)")
     p.add_argument("--batch-first-logits", action=argparse.BooleanOptionalAction, default=None,
                    help="model.batch_first_logits (no copy of the logits for megatron's "
-                   "[S, B, V] -> [B, S, V]; default: the field's auto, on with the fast path)")
+                   "[S, B, V] -> [B, S, V]; default: the field's default, off)")
     p.add_argument("--chunked-logprobs", action="store_true", help="loss.chunked_logprobs")
     p.add_argument("--logprob-kernel", choices=("auto", "torch", "triton"), default="auto",
                    help="loss.logprob_kernel (with --chunked-logprobs: torch = the chunked torch "
@@ -365,7 +365,7 @@ def main() -> None:
           f"check_agreement {args.check_agreement}, optim {_optim_switches(args) or 'plain'}, "
           f"chunked_logprobs {args.chunked_logprobs} ({args.logprob_kernel}), micro-batch {args.micro_batch}, "
           f"recompute_moe {args.recompute_moe}, planned_dispatch {args.planned_dispatch}, "
-          f"batch_first_logits {'auto' if args.batch_first_logits is None else args.batch_first_logits}")
+          f"batch_first_logits {'default' if args.batch_first_logits is None else args.batch_first_logits}")
     print(f"{'mode':5s} {'step s':>8s} {'tok/s/GPU':>10s} {'MFU':>6s} {'MFU dec':>7s}")
     for m in MODES:
         print(f"{m:5s} {med[m]:8.3f} {res['tokens_per_s_per_gpu'][m]:10.0f} {res['mfu'][m]:6.3f} "

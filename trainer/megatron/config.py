@@ -78,10 +78,11 @@ class ModelConfig(StrictConfig):
         "sync per layer); needs dispatcher alltoall; auto = on on CUDA with dtype bf16 and "
         "dispatcher alltoall, else off")
     batch_first_logits: bool | Literal["auto"] = Field(
-        "auto", description="the output layer makes the logits in [B, S, V] order "
+        False, description="the output layer makes the logits in [B, S, V] order "
         "(trainer.megatron.batch_first_logits): no copy of the logits, nor of their gradient, "
         "for megatron's [S, B, V] -> [B, S, V] transpose; needs sequence_parallel off; auto = "
-        "on on CUDA with dtype bf16 and sequence_parallel off, else off")
+        "on on CUDA with dtype bf16 and sequence_parallel off, else off. Off by default until "
+        "the bench has measured it on a GPU (issue 44: checked on CPU and by tests/gpu only)")
 
     @model_validator(mode="after")
     def _recompute_once(self) -> ModelConfig:
@@ -97,9 +98,9 @@ class ModelConfig(StrictConfig):
 
     def fast_path(self, cuda: bool, family: str | None = None) -> ModelConfig:
         """`self` with every `auto` fast-path switch decided (idempotent): the fast path
-        (grouped experts, SDPA, planned dispatch, batch-first logits) on a CUDA device with
-        dtype bf16 where each applies, the reference path (sequential, unfused, no plan, logits
-        through megatron's copy) on CPU or in fp32. `family` (HF model_type) leaves out what a
+        (grouped experts, SDPA, planned dispatch; batch-first logits when set to auto) on a
+        CUDA device with dtype bf16 where each applies, the reference path (sequential, unfused,
+        no plan, logits through megatron's copy) on CPU or in fp32. `family` (HF model_type) leaves out what a
         family cannot run (gpt_oss: expert biases)."""
         fast = cuda and self.dtype == "bf16"
         update: dict[str, Any] = {}
