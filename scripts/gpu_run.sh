@@ -7,10 +7,13 @@
 # fastpath: issue 30's kernels probe and the plain vs fast path bench (LAYOUTS="--ep=4;--ep=4 --tp=2",
 # layouts separated by ';';
 # FASTPATH_PATHS="fast fast_pg fast_pg_step fast_unplanned fast_prof fast_mb1 fast_mb4
-# fast_norecompute fast_torchlp plain" adds the fast path with --overlap-param-gather, with the
+# fast_norecompute fast_torchlp fast_bfl plain" adds the fast path with --overlap-param-gather, with the
 # gathers started at the step's end, without the planned dispatch, profiled, with micro-batch 1
 # or 4 (2 in fast), without MoE recompute, with the chunked torch log-softmax instead of the
-# Triton kernels (loss.logprob_kernel, issue 44);
+# Triton kernels (loss.logprob_kernel, issue 44), without megatron's [S, B, V] -> [B, S, V] copy
+# of the logits (fast_bfl: model.batch_first_logits on, issue 44; not yet measured); the bench
+# runs `r3flow plan`'s recompute pick for the GPU unless FAST or the path names
+# --[no-]recompute-moe;
 # PROBE=0 skips the kernel probe; `none`: only the wheels' install and the build);
 # fastpath-tests: tests/gpu with the fast path's model switches (R3FLOW_GPU_MODEL), one line per test
 # as it ends (the pytest files under $OUT grow as tests end: a run cut by a timeout keeps them).
@@ -27,15 +30,18 @@ set -uo pipefail
 OUT=${OUT:-bench-results/gpu}
 mkdir -p "$OUT" bench-results
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-if compgen -G ".gpu/wheels/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-deps --no-index --target /tmp/pylib .gpu/wheels/*.whl
-fi
-if compgen -G ".gpu/hf-wheels/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-deps --no-index --target /tmp/pylib .gpu/hf-wheels/*.whl
-fi
 export PYTHONPATH=/tmp/pylib:$PWD
-nvidia-smi -L | tee "$OUT/gpus.txt"
-python3 -m services.common._build
+# SETUP=0: the wheels are installed and the build made (a section run beside another one)
+if [ "${SETUP:-1}" = 1 ]; then
+  if compgen -G ".gpu/wheels/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-deps --no-index --target /tmp/pylib .gpu/wheels/*.whl
+  fi
+  if compgen -G ".gpu/hf-wheels/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-deps --no-index --target /tmp/pylib .gpu/hf-wheels/*.whl
+  fi
+  nvidia-smi -L | tee "$OUT/gpus.txt"
+  python3 -m services.common._build
+fi
 SECTIONS=${*:-trainer parallel weights}
 for section in $SECTIONS; do
   case $section in
@@ -75,6 +81,7 @@ for section in $SECTIONS; do
             fast_mb4) flags="${FAST/ --micro-batch 2/} --micro-batch 4";;
             fast_norecompute) flags="$FAST --no-recompute-moe";;
             fast_torchlp) flags="$FAST --logprob-kernel torch";;  # the chunked torch loss (before issue 44)
+            fast_bfl) flags="$FAST --batch-first-logits";;  # no logits copy (model.batch_first_logits, issue 44)
             *) flags="";; esac
           echo "== bench $layout $path"
           python3 tests/bench/bench_megatron_parallel.py --gpus "$(nvidia-smi -L | wc -l)" \

@@ -35,6 +35,8 @@ class ModelSection(Protocol):
     @property
     def planned_dispatch(self) -> bool | str: ...
     @property
+    def batch_first_logits(self) -> bool | str: ...
+    @property
     def tensor_parallel(self) -> int: ...
     @property
     def pipeline_parallel(self) -> int: ...
@@ -48,6 +50,8 @@ class ModelSection(Protocol):
     def recompute(self) -> str: ...
     @property
     def recomputes_router(self) -> bool: ...
+    @property
+    def recompute_set(self) -> bool: ...
     def fast_path(self, cuda: bool, family: str | None = None) -> ModelSection: ...
 
 
@@ -292,7 +296,7 @@ class TrainerConfig(StrictConfig):
         kind = "fast" if len(on) == len(switches) else "reference" if not on else "mixed"
         return (f"trainer path: {kind} (backend {self.backend}, dtype {m.dtype}; experts "
                 f"{m.experts}, attention {m.attention}, planned_dispatch {m.planned_dispatch}, "
-                f"fused_adam {self.optim.fused_adam}, chunked_logprobs "
+                f"batch_first_logits {m.batch_first_logits}, fused_adam {self.optim.fused_adam}, chunked_logprobs "
                 f"{self.loss.chunked_logprobs}, logprob_kernel {self.loss.logprob_kernel})")
 
     @model_validator(mode="after")

@@ -11,7 +11,8 @@ attention) and of the old-policy forward (2 x ... + attention), against the card
 peak (`--peak-tflops`, H100/H200 SXM: 989); "MFU dec" leaves the lm head out (decoder only).
 The fast path's switches (issue 30): --experts grouped --attention sdpa [--overlap-grad-reduce
 --overlap-param-gather --fused-adam --chunked-logprobs [--logprob-kernel torch|triton]
---planned-dispatch]; --check-agreement turns the routing agreement check on (its cost; floor 0:
+--planned-dispatch --[no-]batch-first-logits]; MoE recompute: --[no-]recompute-moe, by default
+`r3flow plan`'s pick for the GPU's memory (issue 44); --check-agreement turns the routing agreement check on (its cost; floor 0:
 random rollout ids agree with a random-init router at chance, so no group is quarantined).
 Writes bench-results/megatron_parallel.json.
 Run: python tests/bench/bench_megatron_parallel.py --gpus 4 [--layers 8 --ep 4 ...]
@@ -89,6 +90,8 @@ def _rank(args: argparse.Namespace, model_dir: str, out: str) -> None:
              "experts": args.experts, "attention": args.attention}
     if args.planned_dispatch:  # older checkouts lack the field
         model["planned_dispatch"] = True
+    if args.batch_first_logits is not None:  # else the field's default (older checkouts lack it)
+        model["batch_first_logits"] = args.batch_first_logits
     cfg = TrainerConfig(model_dir=model_dir, model=model, data={"micro_batch_size": args.micro_batch,
                         "pad_multiple": 128}, replay={"check_agreement": args.check_agreement,
                                                   "agreement_floor": 0.0},
@@ -208,14 +211,15 @@ def _optim_switches(args: argparse.Namespace) -> dict:
     return out
 
 
-def _launch(args: argparse.Namespace, model_dir: str, tmp: Path, script: str = __file__
-            ) -> list[dict]:
-    """One process of `script --rank-of MODEL_DIR OUT <this command's arguments>` per GPU;
-    each writes its figures as JSON to OUT."""
+def _launch(args: argparse.Namespace, model_dir: str, tmp: Path, script: str = __file__,
+            extra: tuple[str, ...] = ()) -> list[dict]:
+    """One process of `script --rank-of MODEL_DIR OUT <this command's arguments> <extra>` per
+    GPU; each writes its figures as JSON to OUT."""
     outs = [tmp / f"r{r}.json" for r in range(args.gpus)]
     try:
         run_ranks(lambda r: [str(Path(script).resolve()), "--rank-of", model_dir, str(outs[r]),
-                             *sys.argv[1:]], args.gpus, gpu=True, timeout=None, threads=None)
+                             *sys.argv[1:], *extra], args.gpus, gpu=True, timeout=None,
+                  threads=None)
     except RanksFailed as e:
         raise SystemExit(str(e)) from None
     return [json.loads(p.read_text()) for p in outs]
@@ -229,6 +233,40 @@ def _plan(args: argparse.Namespace, cfg: dict) -> float:
                  recompute="moe" if args.recompute_moe else "none", attention=args.attention,
                  micro_batch=args.micro_batch, chunked_logprobs=args.chunked_logprobs)
     return plan(Arch.from_hf_config(cfg), lay, gpu_gib=80, overhead_gib=0).total
+
+
+def _gpu_gib() -> float:
+    """Memory of GPU 0 from nvidia-smi (no CUDA context in the launcher); 80 without one."""
+    import subprocess
+
+    try:
+        mib = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,"
+                              "nounits", "-i", "0"], capture_output=True, text=True, timeout=60,
+                             check=True).stdout.split()[0]
+        return float(mib) / 1024
+    except (OSError, subprocess.SubprocessError, IndexError, ValueError):
+        return 80.0
+
+
+def _pick_recompute(args: argparse.Namespace, cfg: dict, gpu_gib: float) -> str:
+    """`r3flow plan`'s pick for this workload with recompute unset (issue 44: none when the
+    estimate without it fits `gpu_gib` with the plan's 4 GiB overhead, else moe, else full) and
+    its line. Sets args.recompute_moe to it when --[no-]recompute-moe was not given."""
+    from trainer.plan.memory import Arch, Layout, choose_recompute, plan
+
+    lay = Layout(world=args.gpus, tp=args.tp, pp=args.pp, ep=args.ep, seq_len=args.seq_len,
+                 distributed_optimizer=args.distributed_optimizer, recompute_set=False,
+                 attention=args.attention, micro_batch=args.micro_batch,
+                 chunked_logprobs=args.chunked_logprobs)
+    arch = Arch.from_hf_config(cfg)
+    pick, _ = choose_recompute(arch, lay, gpu_gib)
+    line = plan(arch, lay, gpu_gib=gpu_gib).recompute
+    if pick == "full" and args.recompute_moe is None:
+        raise SystemExit(f"the plan picks full recompute ({line}); the bench runs MoE "
+                         "recompute or none: give --recompute-moe to run it anyway")
+    if args.recompute_moe is None:
+        args.recompute_moe = pick == "moe"
+    return f"plan for {gpu_gib:.1f} GiB: {line}"
 
 
 def _smoke(args: argparse.Namespace) -> argparse.Namespace:
@@ -254,7 +292,9 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--ep", type=int, default=4)
-    p.add_argument("--recompute-moe", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--recompute-moe", action=argparse.BooleanOptionalAction, default=None,
+                   help="model.recompute_moe (default: r3flow plan's pick for the GPU's memory: "
+                   "none when the estimate without it fits)")
     p.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--experts", choices=("sequential", "grouped"), default="sequential",
                    help="model.experts (grouped: the fast path's grouped GEMM)")
@@ -270,6 +310,9 @@ def main() -> None:
     p.add_argument("--planned-dispatch", action="store_true",
                    help="model.planned_dispatch (replay-aware MoE dispatch: no per-layer host "
                    "sync for the all-to-all split sizes under r3/r2)")
+    p.add_argument("--batch-first-logits", action=argparse.BooleanOptionalAction, default=None,
+                   help="model.batch_first_logits (no copy of the logits for megatron's "
+                   "[S, B, V] -> [B, S, V]; default: the field's default, off)")
     p.add_argument("--chunked-logprobs", action="store_true", help="loss.chunked_logprobs")
     p.add_argument("--logprob-kernel", choices=("auto", "torch", "triton"), default="auto",
                    help="loss.logprob_kernel (with --chunked-logprobs: torch = the chunked torch "
@@ -289,9 +332,14 @@ def main() -> None:
         return
     args = _smoke(p.parse_args())
     cfg = _hf_config(args.layers, args.small)
+    given = args.recompute_moe is not None
+    pick_line = _pick_recompute(args, cfg, _gpu_gib())
+    print(f"{pick_line}; run: recompute_moe {args.recompute_moe} "
+          f"({'as given' if given else 'the pick'})")
     with tempfile.TemporaryDirectory() as d:
         (Path(d) / "config.json").write_text(json.dumps(cfg))
-        ranks = _launch(args, d, Path(d))
+        ranks = _launch(args, d, Path(d), extra=() if given else
+                        ("--recompute-moe" if args.recompute_moe else "--no-recompute-moe",))
     med = {m: statistics.median(max(r["times"][m][i] for r in ranks)
                                 for i in range(args.rounds)) for m in MODES}
     tokens = args.samples * args.seq_len * args.gpus  # trained per step (every rank's share)
@@ -304,7 +352,7 @@ def main() -> None:
                            for m in MODES},
            "r3_over_off": med["r3"] / med["off"], "r2_over_off": med["r2"] / med["off"],
            "peak_gib_per_rank": [r["peak_bytes"] / 2**30 for r in ranks],
-           "plan_gib_no_overhead": _plan(args, cfg) / 2**30}
+           "plan_gib_no_overhead": _plan(args, cfg) / 2**30, "recompute_plan": pick_line}
     try:
         import torch
 
@@ -316,7 +364,8 @@ def main() -> None:
     print(f"experts {args.experts}, attention {args.attention}, tp {args.tp} ep {args.ep}, "
           f"check_agreement {args.check_agreement}, optim {_optim_switches(args) or 'plain'}, "
           f"chunked_logprobs {args.chunked_logprobs} ({args.logprob_kernel}), micro-batch {args.micro_batch}, "
-          f"recompute_moe {args.recompute_moe}, planned_dispatch {args.planned_dispatch}")
+          f"recompute_moe {args.recompute_moe}, planned_dispatch {args.planned_dispatch}, "
+          f"batch_first_logits {'default' if args.batch_first_logits is None else args.batch_first_logits}")
     print(f"{'mode':5s} {'step s':>8s} {'tok/s/GPU':>10s} {'MFU':>6s} {'MFU dec':>7s}")
     for m in MODES:
         print(f"{m:5s} {med[m]:8.3f} {res['tokens_per_s_per_gpu'][m]:10.0f} {res['mfu'][m]:6.3f} "

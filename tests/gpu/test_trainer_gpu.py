@@ -28,7 +28,8 @@ OUT = REPO / "bench-results" / "trainer_gpu.json"
 # Unset: the reference path, explicitly (the model switches default to auto, which is the fast
 # path on CUDA bf16: issue 42)
 FAST = json.loads(os.environ.get("R3FLOW_GPU_MODEL", "null")) or {
-    "experts": "sequential", "attention": "unfused", "planned_dispatch": False}
+    "experts": "sequential", "attention": "unfused", "planned_dispatch": False,
+    "batch_first_logits": False}
 
 
 def _load(name: str, path: Path):

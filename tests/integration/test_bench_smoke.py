@@ -55,7 +55,7 @@ BENCHES: dict[str, tuple[str, list[str], list[str]]] = {
                   "ratio_r3_over_off", "routing_agreement"]),
     "megatron_parallel": ("bench_megatron_parallel.py", [], [
         "step_seconds", "tokens_per_s_per_gpu", "mfu", "r3_over_off", "r2_over_off",
-        "peak_gib_per_rank", "plan_gib_no_overhead"]),
+        "peak_gib_per_rank", "plan_gib_no_overhead", "recompute_plan"]),
     "hf_parallel": ("bench_hf_parallel.py", [], [
         "off", "r3", "r3_over_off", "peak_gib_per_rank", "device"]),
     "push_stream": ("bench_push_stream.py", [], ["device", "layers", "mode", "rows"]),

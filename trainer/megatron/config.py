@@ -77,6 +77,12 @@ class ModelConfig(StrictConfig):
         "the replayed ids before it (one gather and one host copy per pass instead of a host "
         "sync per layer); needs dispatcher alltoall; auto = on on CUDA with dtype bf16 and "
         "dispatcher alltoall, else off")
+    batch_first_logits: bool | Literal["auto"] = Field(
+        False, description="the output layer makes the logits in [B, S, V] order "
+        "(trainer.megatron.batch_first_logits): no copy of the logits, nor of their gradient, "
+        "for megatron's [S, B, V] -> [B, S, V] transpose; needs sequence_parallel off; auto = "
+        "on on CUDA with dtype bf16 and sequence_parallel off, else off. Off by default until "
+        "the bench has measured it on a GPU (issue 44: checked on CPU and by tests/gpu only)")
 
     @model_validator(mode="after")
     def _recompute_once(self) -> ModelConfig:
@@ -85,13 +91,17 @@ class ModelConfig(StrictConfig):
         if self.planned_dispatch is True and self.dispatcher != "alltoall":
             raise ValueError(f"model.planned_dispatch: needs dispatcher alltoall, not "
                              f"{self.dispatcher}")
+        if self.batch_first_logits is True and self.sequence_parallel:
+            raise ValueError("model.batch_first_logits: needs sequence_parallel off (the output "
+                             "layer's input is split on the sequence dimension)")
         return self
 
     def fast_path(self, cuda: bool, family: str | None = None) -> ModelConfig:
         """`self` with every `auto` fast-path switch decided (idempotent): the fast path
-        (grouped experts, SDPA, planned dispatch) on a CUDA device with dtype bf16 where each
-        applies, the reference path (sequential, unfused, no plan) on CPU or in fp32. `family`
-        (HF model_type) leaves out what a family cannot run (gpt_oss: expert biases)."""
+        (grouped experts, SDPA, planned dispatch; batch-first logits when set to auto) on a
+        CUDA device with dtype bf16 where each applies, the reference path (sequential, unfused,
+        no plan, logits through megatron's copy) on CPU or in fp32. `family` (HF model_type) leaves out what a
+        family cannot run (gpt_oss: expert biases)."""
         fast = cuda and self.dtype == "bf16"
         update: dict[str, Any] = {}
         if self.experts == "auto":
@@ -101,6 +111,8 @@ class ModelConfig(StrictConfig):
             update["attention"] = "sdpa" if fast and self.context_parallel == 1 else "unfused"
         if self.planned_dispatch == "auto":
             update["planned_dispatch"] = fast and self.dispatcher == "alltoall"
+        if self.batch_first_logits == "auto":
+            update["batch_first_logits"] = fast and not self.sequence_parallel
         return self.model_copy(update=update) if update else self
 
     @property
@@ -116,6 +128,13 @@ class ModelConfig(StrictConfig):
         if self.recompute_granularity == "selective":
             return f"selective({','.join(self.recompute_modules)})"
         return self.recompute_granularity
+
+    @property
+    def recompute_set(self) -> bool:
+        """The config sets recompute (recompute_moe or recompute_granularity given, even to
+        its default): `r3flow plan` plans it as set; unset, the trainer recomputes nothing and
+        the plan names the lightest recompute that fits (trainer.plan.memory.choose_recompute)."""
+        return bool({"recompute_moe", "recompute_granularity"} & self.model_fields_set)
 
     @property
     def recomputes_router(self) -> bool:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from services.common import families
+from trainer.megatron.batch_first_logits import batch_first_output
 from trainer.megatron.config import ModelConfig
 from trainer.megatron.families import config_overrides
 from trainer.megatron.family_deepseek_v3 import mla_config_kwargs
@@ -229,6 +230,8 @@ def build_model(hf_dir: str | Path, cfg: ModelConfig, load_weights: bool = True)
         module = module.bfloat16()
     if torch.cuda.is_available():
         module = module.cuda()
+    if cfg.batch_first_logits is True:  # no [S, B, V] -> [B, S, V] copy of the logits
+        batch_first_output(module)
     routers = _routers(module)
     freeze_expert_bias(routers)  # a checkpoint constant in RL (trainer.megatron.grouped_router)
     built = BuiltModel(module, arch, tcfg, routers, [r.router_replay for r in routers],

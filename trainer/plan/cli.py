@@ -28,7 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     what.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction)
     what.add_argument("--reference", action=argparse.BooleanOptionalAction,
                       help="reference model on/off (default: loss.kl_coef > 0)")
-    what.add_argument("--recompute", choices=["none", "moe", "full"])
+    what.add_argument("--recompute", choices=["none", "moe", "full"],
+                      help="plan this recompute (default: the config's; when the config leaves "
+                      "it unset, the plan names the lightest that fits)")
     what.add_argument("--vllm-share", type=positive(float, zero=True), default=0.0,
                       help="fraction of the GPU a colocated vLLM engine takes (default 0)")
     what.add_argument("--overhead-gib", type=positive(float, zero=True),
@@ -42,7 +44,10 @@ def _overrides(args: argparse.Namespace) -> dict:
     names = {"tp": "tp", "pp": "pp", "ep": "ep", "etp": "etp", "cp": "cp", "world": "world",
              "micro_batch": "micro_batch", "distributed_optimizer": "distributed_optimizer",
              "reference": "reference", "recompute": "recompute"}
-    return {field: getattr(args, a) for a, field in names.items() if getattr(args, a) is not None}
+    out = {field: getattr(args, a) for a, field in names.items() if getattr(args, a) is not None}
+    if "recompute" in out:  # a recompute given here is set: the plan does not pick one
+        out["recompute_set"] = True
+    return out
 
 
 def _config_plan(args: argparse.Namespace):

@@ -58,7 +58,8 @@ def quantity_bytes(q: str | int) -> float:
 def layout_from_trainer(cfg: TrainerConfig, seq_len: int, cuda: bool = True,
                         family: str | None = None) -> Layout:
     """The Layout a TrainerConfig runs (model.* parallel sizes, optim.use_distributed_optimizer,
-    model.recompute_*; the hf backend: FSDP2 over hf.sharding's shard group), its `auto`
+    model.recompute_*, and whether the config sets them at all; the hf backend: FSDP2 over
+    hf.sharding's shard group), its `auto`
     fast-path switches decided as the trainer decides them on pods with (`cuda`) or without
     GPUs (TrainerConfig.fast_path)."""
     cfg = cfg.fast_path(cuda, family)
@@ -71,6 +72,7 @@ def layout_from_trainer(cfg: TrainerConfig, seq_len: int, cuda: bool = True,
         pp=m.pipeline_parallel, cp=m.context_parallel, dtype=m.dtype,
         distributed_optimizer=cfg.optim.use_distributed_optimizer,
         grad_reduce_in_fp32=True, recompute=_recompute(m),
+        recompute_set=m.recompute_set,
         reference=cfg.loss.uses_reference, micro_batch=cfg.data.micro_batch_size, seq_len=seq_len,
         attention=attention, chunked_logprobs=chunked,
         push_bucket_bytes=cfg.weight_sync.resolved_bucket_bytes()

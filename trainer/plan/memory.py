@@ -19,7 +19,11 @@ An estimate written down so that it can be checked by hand (tests/unit/test_plan
                   permuted tokens in/out, fc1 gate+up, activation output)
       dense MLP   h + 3F
     recompute "moe" keeps only the MoE block's input (h) per layer, "full" only each layer's
-    input (h); either adds one recomputed block's activations live during backward;
+    input (h); either adds one recomputed block's activations live during backward. A
+    megatron config that leaves recompute unset (Layout.recompute_set False; the trainer then
+    recomputes nothing) gets the plan's pick (choose_recompute): the lightest of none, moe,
+    full whose total fits, overhead included (issue 44: recompute costs backward time, so none
+    whenever it fits); a set recompute (model.recompute_*, `--recompute`) is planned as set;
   * attention scores: the trainer builds megatron's local spec, whose DotProductAttention is
     unfused (megatron.core.transformer.dot_product_attention, masked_softmax_fusion off): per
     layer it keeps the softmax's fp32 output (4 B) and its bf16 cast that the PV matmul saves
@@ -61,13 +65,14 @@ Legend: h hidden, f expert FFN, F dense FFN, k top-k, E experts, eb bytes per el
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from services.common.errors import UserError
 
 GiB = 1 << 30
 Recompute = Literal["none", "moe", "full"]
+RECOMPUTES: tuple[Recompute, ...] = ("none", "moe", "full")  # lightest first
 
 
 @dataclass(frozen=True)
@@ -146,6 +151,7 @@ class Layout:
     distributed_optimizer: bool = False
     grad_reduce_in_fp32: bool = True
     recompute: Recompute = "none"
+    recompute_set: bool = True  # False: the config leaves it unset (plan() names its pick)
     reference: bool = False
     micro_batch: int = 1
     seq_len: int = 4096
@@ -197,6 +203,7 @@ class Plan:
     dense_params: float
     expert_params: float
     notes: list[str] = field(default_factory=list)
+    recompute: str = ""  # the recompute line: as set, or the plan's pick and its estimates
 
     @property
     def total(self) -> float:
@@ -309,7 +316,49 @@ def rollout_staging_bytes(bucket_bytes: int) -> int:
 
 def plan(arch: Arch, lay: Layout, gpu_gib: float, overhead_gib: float = 4.0,
          vllm_share: float = 0.0) -> Plan:
-    """The per-rank memory table of `lay` on a GPU of `gpu_gib` GiB."""
+    """The per-rank memory table of `lay` on a GPU of `gpu_gib` GiB, with its recompute line:
+    for a megatron layout the recompute the budget allows (choose_recompute), and when the
+    config leaves recompute unset and the trainer's none does not fit, the setting that fits."""
+    out = _plan(arch, lay, gpu_gib, overhead_gib, vllm_share)
+    if lay.fsdp:
+        return out
+    pick, totals = choose_recompute(arch, lay, gpu_gib, overhead_gib, vllm_share)
+    est = ", ".join(f"{r} {t / GiB:.2f}" for r, t in totals.items())
+    if lay.recompute_set:
+        out.recompute = (f"recompute: {lay.recompute}, as set (the plan's pick would be "
+                         f"{pick}; GiB per rank by recompute: {est})")
+    elif pick == lay.recompute:
+        out.recompute = (f"recompute: {pick}, the plan's pick (unset in the config): the "
+                         f"lightest whose estimate fits {gpu_gib:.2f} GiB with "
+                         f"{overhead_gib:.2f} GiB overhead (GiB per rank: {est})")
+    else:
+        setting = {"moe": "model.recompute_moe: true",
+                   "full": "model.recompute_granularity: full"}.get(pick, pick)
+        fits = "fits" if totals[pick] <= gpu_gib * GiB else "still does not fit"
+        out.recompute = (f"recompute: unset in the config, so the trainer runs "
+                         f"{lay.recompute}, which does not fit; the plan's pick is {pick} "
+                         f"({fits}): set {setting} (GiB per rank: {est})")
+    return out
+
+
+def choose_recompute(arch: Arch, lay: Layout, gpu_gib: float, overhead_gib: float = 4.0,
+                     vllm_share: float = 0.0) -> tuple[Recompute, dict[str, float]]:
+    """The lightest recompute (none, then moe, then full) whose per-rank total fits `gpu_gib`
+    with the runtime overhead (the plan's margin), or full when none does; and the totals in
+    bytes of those tried, lightest first (moe only with MoE layers)."""
+    totals: dict[str, float] = {}
+    for r in RECOMPUTES:
+        if r == "moe" and not arch.moe_layers:
+            continue
+        totals[r] = _plan(arch, replace(lay, recompute=r), gpu_gib, overhead_gib,
+                          vllm_share).total
+        if totals[r] <= gpu_gib * GiB:
+            return r, totals
+    return "full", totals
+
+
+def _plan(arch: Arch, lay: Layout, gpu_gib: float, overhead_gib: float,
+          vllm_share: float) -> Plan:
     lay.check(arch)
     if not 0.0 <= vllm_share < 1.0:
         raise UserError(f"vllm_share: {vllm_share} is not in [0, 1)")
@@ -337,6 +386,7 @@ def format_plan(p: Plan, title: str) -> str:
     """A table of GiB per row, the total against the GPU, and the verdict."""
     lines = [title, f"  params per rank: {p.dense_params:,.0f} dense + "
                     f"{p.expert_params:,.0f} expert"]
+    lines += [f"  {p.recompute}"] if p.recompute else []
     lines += [f"  {name:<18} {value / GiB:>9.2f} GiB" for name, value in p.rows.items()]
     verdict = "fits" if p.fits else "DOES NOT FIT"
     lines.append(f"  {'total':<18} {p.total / GiB:>9.2f} GiB of {p.gpu_bytes / GiB:.2f} GiB: "
