@@ -31,6 +31,9 @@ TRAINER = [
                "mean |rollout logprob - trainer logprob| over trained tokens"),
     MetricSpec("r3flow_trainer_logprob_diff_max", "gauge",
                "max |rollout logprob - trainer logprob| over trained tokens"),
+    MetricSpec("r3flow_trainer_logprob_diff_far_share", "gauge",
+               "share of trained tokens with |rollout logprob - trainer logprob| > 1 (the "
+               "mismatch's tail, which the mean hides)"),
     MetricSpec("r3flow_trainer_routing_agreement_ratio", "gauge",
                "fraction of replayed expert ids the trainer's own router also picks "
                "(layer='all' or the model's layer number, dense layers counted: the number "

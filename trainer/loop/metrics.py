@@ -15,6 +15,7 @@ import numpy as np
 PREFIX = "r3flow_trainer_"
 # step-metric key -> gauge (r3flow_trainer_<key>), set from each step's metrics when present
 GAUGE_KEYS = ("ppo_kl", "kl_ref", "clip_ratio", "logprob_diff_mean", "logprob_diff_max",
+              "logprob_diff_far_share",
               "grad_norm", "entropy", "reward_mean", "tokens_per_second", "policy_version",
               "clip_ratio_dual", "is_weight_mean", "is_weight_max", "is_truncated_share",
               "is_masked_share", "mismatch_kl", "dynamic_sampling_dropped_share")
