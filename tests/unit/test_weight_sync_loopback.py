@@ -92,9 +92,17 @@ def test_plan_versions_must_increase_and_a_plan_is_pushed_once(sender):
 
 
 def test_member_that_never_joins_is_named(sender):
+    """Only the member that never joins is named. The push waits its 3 s for the ghost once
+    "a" has joined (an event, not a head start: under load "a" once took over 3 s to join and
+    was named too)."""
+    from datetime import timedelta
+
+    from services.common.weight_sync.group import Keys, push_store
+
     sender.cfg.timeout_s = 3.0
     plan = sender.plan(1, _workers("a", "ghost"))
     threads, results = _run_receivers(plan, [WeightReceiver("a")])
+    push_store(sender._root, 1).wait([Keys.join(1)], timedelta(seconds=120))
     with pytest.raises(WeightSyncError, match="ghost") as err:
         sender.push(plan, _weights(0))
     threads[0].join()
