@@ -12,6 +12,7 @@ Legend: N rows (B*S), V vocabulary.
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import torch
@@ -78,12 +79,7 @@ def triton_runs(logits: torch.Tensor, kernel: str = "auto") -> bool:
         return False
     if kernel not in ("auto", "triton"):
         raise ValueError(f"loss.logprob_kernel: {kernel!r} is not auto, torch or triton")
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        ok = False
-    else:
-        ok = logits.is_cuda
+    ok = logits.is_cuda and importlib.util.find_spec("triton") is not None
     if kernel == "triton" and not ok:
         raise ValueError("loss.logprob_kernel: triton needs logits on a CUDA device and the "
                          "triton package")

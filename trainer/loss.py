@@ -149,10 +149,11 @@ LOGPROB_DIFF_FAR = 1.0
 def mismatch_sums(rollout_lp_BS: torch.Tensor, train_lp_BS: torch.Tensor,
                   mask_BS: torch.Tensor) -> tuple[float, float]:
     """Over masked tokens: the summed k3 estimate of KL(rollout || trainer) from the rollout's
-    samples (r = log trainer - log rollout: e^r - 1 - r), and the count of tokens with
-    |rollout - trainer| > LOGPROB_DIFF_FAR (divide both by the token count)."""
+    samples (kl_estimate, unclamped), and the count of tokens with |rollout - trainer| >
+    LOGPROB_DIFF_FAR (divide both by the token count)."""
     sel = mask_BS.bool()
     if not sel.any():
         return 0.0, 0.0
-    r = (train_lp_BS - rollout_lp_BS).double()[sel]
-    return float((torch.exp(r) - 1 - r).sum()), float((r.abs() > LOGPROB_DIFF_FAR).sum())
+    rollout, train = rollout_lp_BS.double()[sel], train_lp_BS.double()[sel]
+    k3 = kl_estimate(rollout, train, "k3", clamp=float("inf"))
+    return float(k3.sum()), float(((rollout - train).abs() > LOGPROB_DIFF_FAR).sum())
