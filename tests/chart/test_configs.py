@@ -111,3 +111,23 @@ def test_store_models_value_is_the_only_source(helm, tmp_path):
     bad.write_text("store:\n  config:\n    models: []\n")
     out = run_helm(helm, "template", "x", str(CHART), "-f", str(bad))
     assert out.returncode != 0 and "set the registered models in store.models" in out.stderr
+
+
+def test_user_code_configmap_is_mounted_on_the_pythonpath(helm, tmp_path):
+    """rollout.userCode.configMap: the rollout pods mount it read-only and import from it."""
+    from conftest import CHART, run_helm
+
+    values = tmp_path / "user-code.yaml"
+    values.write_text("rollout:\n  userCode:\n    configMap: my-rewards\n")
+    out = run_helm(helm, "template", "x", str(CHART), "-f", str(values))
+    assert out.returncode == 0, out.stderr
+    (sts,) = [d for d in yaml.safe_load_all(out.stdout) if d and d["kind"] == "StatefulSet"
+              and d["metadata"]["name"].endswith("rollout")]
+    pod = sts["spec"]["template"]["spec"]
+    (volume,) = [v for v in pod["volumes"] if v.get("configMap", {}).get("name") == "my-rewards"]
+    container = pod["containers"][0]
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == volume["name"]]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert mount["readOnly"] and env["PYTHONPATH"] == mount["mountPath"] == "/opt/r3flow-user"
+    default = run_helm(helm, "template", "x", str(CHART))
+    assert "PYTHONPATH" not in default.stdout and "user-code" not in default.stdout

@@ -323,3 +323,27 @@ def test_config_knobs_validate():
         RolloutConfig.model_validate({**base, "reward": {"format_pattern": "(unclosed"}})
     with pytest.raises(ValueError, match="prompts.columns"):
         RolloutConfig.model_validate({**base, "prompts": {"columns": "slime"}})
+
+
+def test_reward_module_on_the_pythonpath_loads(tmp_path):
+    """What the chart's rollout.userCode does (a ConfigMap of modules mounted on PYTHONPATH):
+    a reward module outside the image's packages resolves by `module:fn` in a fresh process."""
+    import os
+    import subprocess
+    import sys
+
+    code = tmp_path / "user-code"
+    code.mkdir()
+    (code / "my_rewards.py").write_text(
+        "def score(response, answer, *, extra):\n"
+        "    return {'score': float(answer in response), 'tag': extra['tag']}\n")
+    probe = ("from services.rollout.config import RewardConfig\n"
+             "from services.rollout.rewards import build_registry\n"
+             "from services.rollout.verifiers import RewardInput\n"
+             "fn = build_registry(RewardConfig()).get('my_rewards:score')\n"
+             "print(fn.call(RewardInput('is 4', '4', extra={'tag': 7})))\n")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(code), root])}
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                         text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "{'score': 1.0, 'tag': 7}"
