@@ -347,3 +347,19 @@ def test_reward_module_on_the_pythonpath_loads(tmp_path):
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
                          text=True, timeout=60, check=True)
     assert out.stdout.strip() == "{'score': 1.0, 'tag': 7}"
+
+
+def test_local_task_prompts_render_to_the_warm_start_tokens(tmp_path):
+    """`make run`'s RL prompts are messages through the tiny model's chat template; they must
+    be the very tokens the warm start trained on (its text prompts)."""
+    from services.local.tasks import TaskConfig, closeness_reward, write_datasets
+
+    rl, _ = write_datasets(TaskConfig(num_prompts=3, num_sft_examples=1), tmp_path)
+    tok = build_tokenizer()
+    renderer = PromptRenderer(tok, PromptConfig())
+    for rec in load_dataset(rl):
+        assert rec.messages is not None and rec.prompt is None
+        text = rec.messages[0]["content"]
+        assert renderer.render(rec).token_ids == tok(text, add_special_tokens=False)["input_ids"]
+        assert closeness_reward(f" {rec.answer}\n", rec.answer) == 1.0
+        assert 1.0 > closeness_reward(str(int(rec.answer) + 1), rec.answer) > 0.0
