@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import numbers
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -41,12 +42,11 @@ def to_reward(raw: Any) -> Reward:
     if isinstance(raw, Mapping):
         if "score" not in raw:
             raise ValueError(f"a dict reward needs a `score` key, got keys {sorted(raw)}")
-        extra = {str(k): float(v) for k, v in raw.items()
-                 if k != "score" and isinstance(v, int | float) and not isinstance(v, bool)}
+        extra = {str(k): float(v) for k, v in raw.items() if k != "score" and _is_number(v)}
         score = raw["score"]
     else:
         score, extra = raw, {}
-    if isinstance(score, bool) or not isinstance(score, int | float):
+    if not _is_number(score):
         raise ValueError(f"expected a number, got {type(score).__name__}")
     if not math.isfinite(score) or not all(math.isfinite(v) for v in extra.values()):
         raise ValueError(f"not finite: {score!r} {extra}")
@@ -60,6 +60,11 @@ def build_registry(cfg: RewardConfig) -> VerifierRegistry:
     if cfg.remote_url is not None:
         bound["remote"] = RewardFn("remote", RemoteReward(cfg.remote_url), is_async=True)
     return VerifierRegistry(cfg.format_pattern, bound)
+
+
+def _is_number(v: Any) -> bool:
+    """A real number (numpy scalars included), not a bool."""
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
 class RewardRunner:

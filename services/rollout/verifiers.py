@@ -23,13 +23,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.rollout.config import RewardConfig
 from services.rollout.math_grader import math_reward
 
 Verifier = Callable[[str, str], float]
 
 _NUMBER = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
 _CONTEXT = ("prompt", "extra", "data_source", "prompt_id")
-DEFAULT_FORMAT = r"\\boxed\{.+\}"
+DEFAULT_FORMAT: str = RewardConfig.model_fields["format_pattern"].default
 
 
 @dataclass(frozen=True)
@@ -110,13 +111,28 @@ def bind(name: str, fn: Callable[..., Any]) -> RewardFn:
     if "solution_str" in params:
         names = [k for k in ("data_source", "solution_str", "ground_truth", "extra_info")
                  if any_kw or k in params]
+        _check_binds(name, params, (), names)
         return RewardFn(name, lambda s: fn(**{k: s.verl_keywords()[k] for k in names}),
                         is_async)
     wanted = [k for k in _CONTEXT if any_kw or k in params]
+    _check_binds(name, params, ("response", "answer"), wanted)
     if not wanted:
         return RewardFn(name, lambda s: fn(s.response, s.ground_truth), is_async)
     return RewardFn(name, lambda s: fn(s.response, s.ground_truth,
                                        **{k: s.keywords()[k] for k in wanted}), is_async)
+
+
+def _check_binds(name: str, params: Mapping[str, inspect.Parameter], args: tuple[str, ...],
+                 keywords: list[str]) -> None:
+    """ValueError at load (not a fallback per sample) when `fn` cannot take its call shape."""
+    if not params:
+        return
+    try:
+        inspect.Signature(list(params.values())).bind(*args, **dict.fromkeys(keywords))
+    except TypeError as e:
+        raise ValueError(f"verifier: {name!r} cannot be called as fn(response, answer, "
+                         f"*, {', '.join(_CONTEXT)}) or verl's compute_score(data_source, "
+                         f"solution_str, ground_truth, extra_info): {e}") from None
 
 
 def resolve_verifier(name: str, builtin: Mapping[str, Verifier] = BUILTIN) -> RewardFn:

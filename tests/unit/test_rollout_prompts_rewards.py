@@ -363,3 +363,21 @@ def test_local_task_prompts_render_to_the_warm_start_tokens(tmp_path):
         assert renderer.render(rec).token_ids == tok(text, add_special_tokens=False)["input_ids"]
         assert closeness_reward(f" {rec.answer}\n", rec.answer) == 1.0
         assert 1.0 > closeness_reward(str(int(rec.answer) + 1), rec.answer) > 0.0
+
+
+def one_arg(sample):  # noqa: ANN001, ANN201
+    return 1.0
+
+
+def test_a_reward_that_cannot_take_its_call_shape_fails_at_load():
+    with pytest.raises(ValueError, match="verifier: 'one_arg' cannot be called as fn"):
+        bind("one_arg", one_arg)
+
+
+def test_numpy_scores_are_numbers():
+    import numpy as np
+
+    rewards, _ = runner()
+    got = asyncio.run(rewards.score(bind("np", lambda r, a: {"score": np.float32(0.5),
+                                                             "len": np.int64(3)}), SAMPLE))
+    assert (got.score, got.components, got.failure) == (0.5, {"len": 3.0}, None)
