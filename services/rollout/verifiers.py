@@ -165,3 +165,11 @@ class VerifierRegistry:
         if name not in self._cache:
             self._cache[name] = resolve_verifier(name, self._builtin)
         return self._cache[name]
+
+    async def aclose(self) -> None:
+        """Close what verifiers hold open (the remote verifier's HTTP session); a later call
+        opens it again."""
+        for fn in self._cache.values():
+            close = getattr(fn.call, "close", None)
+            if close is not None and inspect.iscoroutinefunction(close):
+                await close()

@@ -144,6 +144,7 @@ class RolloutWorker:
         grace = min(stop_grace_s, FATAL_GRACE_S) if summary.fatal else stop_grace_s
         await self._finish_in_flight(set(tasks), summary, grace)
         summary.seconds = time.perf_counter() - t0
+        await self.verifiers.aclose()
         self._errors.flush()
         return summary
 

@@ -309,6 +309,11 @@ def test_remote_reward_over_http_on_loopback():
             assert seen[0]["prompt"] == SAMPLE.prompt and seen[0]["extra"] == dict(SAMPLE.extra)
             bad = await rewards.score(remote, RewardInput("x", "4", prompt_id="crash"))
             assert bad.failure == "error" and failures(registry, "error") == 1.0
+            registry_ = build_registry(cfg)
+            assert await registry_.get("remote").call(SAMPLE) == {"score": 1.0,
+                                                                   "chars": len(SAMPLE.response)}
+            await registry_.aclose()  # the worker's end of run: the session closed
+            assert registry_.get("remote").call._session is None  # type: ignore[attr-defined]
             await remote.call.close()  # type: ignore[attr-defined]
         finally:
             await server.cleanup()
