@@ -6,6 +6,8 @@ One engine and one store for the whole module.
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 from rollout_fixtures import (  # noqa: F401
@@ -141,6 +143,32 @@ def crashing_reward(response: str, answer: str) -> float:
     raise RuntimeError("judge crashed")
 
 
+class Judges:
+    """A slow judge that scores only once a fast one scored another group: it would wait out
+    its deadline (and score the fallback) if rewards ran one at a time."""
+
+    fast_scored: asyncio.Event | None = None
+
+    @classmethod
+    async def slow(cls, response: str, answer: str) -> float:
+        await cls._event().wait()
+        return 0.5
+
+    @classmethod
+    async def fast(cls, response: str, answer: str) -> float:
+        cls._event().set()
+        return 0.25
+
+    @classmethod
+    def _event(cls) -> asyncio.Event:
+        if cls.fast_scored is None:
+            cls.fast_scored = asyncio.Event()
+        return cls.fast_scored
+
+
+slow_judge, fast_judge = Judges.slow, Judges.fast
+
+
 def test_bad_requests_fail_alone(setup, tmp_path):
     """...and a crashing reward fails nothing: its samples score the fallback, counted; a
     messages prompt goes through the tiny model's chat template."""
@@ -153,13 +181,15 @@ def test_bad_requests_fail_alone(setup, tmp_path):
              "verifier": "math"},
             {"id": "crash", "prompt": "5+5=", "answer": "10",
              "verifier": f"{__name__}:crashing_reward"},
+            {"id": "slow", "prompt": "7+7=", "answer": "14", "verifier": f"{__name__}:slow_judge"},
+            {"id": "fast", "prompt": "8+8=", "answer": "16", "verifier": f"{__name__}:fast_judge"},
             {"id": "good-2", "prompt": "2+2=", "answer": "4"}]
     worker = _worker(setup, tmp_path, rows, sampling={"n": 2, "max_tokens": 8},
                      reward={"fallback": -1.0})
     errors_before = h.metric("r3flow_rollout_trajectories_total", {"outcome": "error"})
     crashes_before = h.metric("r3flow_rollout_reward_failures_total", {"reason": "error"})
     summary = h.run(worker.run(worker_records(worker)))
-    assert (summary.groups_ok, summary.groups_failed) == (4, 3)
+    assert (summary.groups_ok, summary.groups_failed) == (6, 3)
     errors = {pid: next(e for e in summary.errors if f"(prompt {pid})" in e)
               for pid in ("empty", "too-long", "bad-verifier")}
     assert "(prompt empty): request " in errors["empty"]
@@ -167,9 +197,11 @@ def test_bad_requests_fail_alone(setup, tmp_path):
     assert "prompt_token_ids: 600 tokens leave no room" in errors["too-long"]
     assert "(prompt bad-verifier): verifier: unknown verifier 'no_such'" in \
         errors["bad-verifier"]
-    stored = pull_all(client, 4)
-    assert sorted({t.prompt_id for t in stored.values()}) == ["chat", "crash", "good-1",
-                                                              "good-2"]
+    stored = pull_all(client, 6)
+    assert sorted({t.prompt_id for t in stored.values()}) == ["chat", "crash", "fast", "good-1",
+                                                              "good-2", "slow"]
+    assert {t.prompt_id: t.reward for t in stored.values()
+            if t.prompt_id in ("slow", "fast")} == {"slow": 0.5, "fast": 0.25}
     assert h.metric("r3flow_rollout_trajectories_total",
                     {"outcome": "error"}) == errors_before + 6
     assert [t.reward for t in stored.values() if t.prompt_id == "crash"] == [-1.0, -1.0]
