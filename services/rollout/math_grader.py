@@ -11,6 +11,7 @@ on worker threads (services/rollout/rewards.py), so they are off here and the ru
 from __future__ import annotations
 
 import logging
+import math
 import re
 
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
@@ -64,10 +65,20 @@ def _parsed(answer: str) -> list[object]:
     return parse(f"${answer}$", extraction_config=list(_EXTRACT), parsing_timeout=None)
 
 
+def _number(s: str) -> float | None:
+    try:
+        return float(s.replace(",", "")) if _NUMBER.fullmatch(s.strip().replace(",", "")) else None
+    except ValueError:
+        return None
+
+
 def answers_equal(got: str, want: str) -> bool:
     """Whether two final answers are the same value (as strings, else by math-verify)."""
     if got.strip() == want.strip():
         return True
+    a, b = _number(got), _number(want)
+    if a is not None and b is not None:  # plain numbers (most graded answers): no parse needed
+        return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
     g, w = _parsed(got), _parsed(want)
     return bool(g and w and verify(w, g, timeout_seconds=None))
 
