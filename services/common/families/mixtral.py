@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from services.common.families._base import Family, common, no_dense, replicated_gate
+from services.common.families._shape import ConfigKeys, ModelShape, decoder, every_layer_moe, gqa
 from services.common.tiny_moe import TinyMoeConfig
 
 
@@ -17,8 +18,16 @@ def tiny_config(cfg: TinyMoeConfig):
                          intermediate_size=cfg.moe_intermediate_size, router_aux_loss_coef=0.0)
 
 
+
+def shape(k: ConfigKeys) -> ModelShape:
+    """Mixtral's config.json: every layer MoE, `num_local_experts` of `intermediate_size`."""
+    return ModelShape(**decoder(k), moe_layer_ids=every_layer_moe(k), attention=gqa(k),
+                      experts=k.num("num_local_experts"), moe_ffn=k.num("intermediate_size"),
+                      dense_ffn=0)
+
+
 FAMILY = Family(
     name="mixtral", rank=2, tiny_config=tiny_config,
     hf_routers={"MixtralTopKRouter": "renormalised_softmax"},
     engine_router_dtype=replicated_gate("MixtralMoE"),
-    megatron_arch="trainer.megatron.family_basic:mixtral_arch")
+    megatron_arch="trainer.megatron.family_basic:mixtral_arch", shape=shape)
