@@ -140,3 +140,34 @@ def test_unknown_model_type_and_missing_keys_are_one_line() -> None:
         Arch.from_hf_config(bad)
     with pytest.raises(UserError, match=r"^model config: hidden_size: '4k' is not an integer$"):
         Arch.from_hf_config(MIXTRAL_8X7B | {"hidden_size": "4k"})
+
+
+def test_memory_follows_the_family() -> None:
+    from trainer.plan.memory import Layout, plan, push_chunk_bytes
+    from trainer.plan.rollout import kv_bytes_per_token, plan_rollout
+
+    gpt, ds = Arch.from_hf_config(GPT_OSS_120B), Arch.from_hf_config(DEEPSEEK_V3)
+    qwen = Arch.from_hf_config(QWEN3_30B_A3B)
+    # the push's chunks: GPT-OSS's fused gate_up_proj [128, 2880, 5760], DeepSeek-V3's
+    # embedding [129280, 7168], both larger than a 1 GiB bucket; Qwen3's embedding is not
+    lay = Layout(world=8, ep=8, push_bucket_bytes=1 << 30)
+    assert push_chunk_bytes(gpt, lay) == 2 * 128 * 2880 * 5760
+    assert push_chunk_bytes(ds, lay) == 2 * 129280 * 7168
+    assert push_chunk_bytes(qwen, lay) == 1 << 30
+    assert plan(gpt, lay, 141).rows["weight push"] == 6 * 2 * 128 * 2880 * 5760
+    # the rollout's KV cache: MLA's latent + rope key on every rank; GQA's 4 KV heads of Qwen3
+    # one per rank at TP 4 and replicated at TP 8
+    assert kv_bytes_per_token(ds, tp=8) == 61 * (512 + 64) * 2
+    assert kv_bytes_per_token(qwen, tp=4) == kv_bytes_per_token(qwen, tp=8) == 48 * 2 * 128 * 2
+    engine = plan_rollout(Arch.from_hf_config(MIXTRAL_8X7B), 80, 0.85, 8192, 64)
+    assert engine.fits and engine.total_params == Arch.from_hf_config(MIXTRAL_8X7B).total_params()
+    assert engine.active_params == Arch.from_hf_config(MIXTRAL_8X7B).active_params()
+
+
+def test_known_models_are_the_published_configs() -> None:
+    from trainer.plan.models import load_model_config
+
+    for name, cfg in (("Qwen3-30B-A3B", QWEN3_30B_A3B), ("Mixtral-8x7B", MIXTRAL_8X7B),
+                      ("DeepSeek-V3", DEEPSEEK_V3)):
+        known = load_model_config(name)
+        assert Arch.from_hf_config(known) == Arch.from_hf_config(cfg), name

@@ -55,8 +55,10 @@ An estimate written down so that it can be checked by hand (tests/unit/test_plan
     four H200 peaks of BENCHMARKS.md "Call 5", within 6 %);
   * routing buffers: RouterReplay's int64 top-k ids of each micro-batch in flight;
   * the weight push (push_bytes): the sender's buckets in flight and the chunks it gathers
-    from the other ranks (streamed: no rank holds the whole model); the rollout side's
-    staging ring is printed as a note (rollout_staging_bytes);
+    from the other ranks (streamed: no rank holds the whole model), each the bucket size or
+    the family's largest tensor when larger (push_chunk_bytes: GPT-OSS's fused experts, a
+    large vocabulary's embedding); the rollout side's staging ring is printed as a note
+    (rollout_staging_bytes);
   * hf backend (Layout.fsdp, FSDP2): fp32 parameters, fp32 gradients and Adam moments (8 B),
     each sharded over the shard group (the world, or hf.shard_group_size with hybrid
     sharding), plus what is gathered at a time (fsdp_state_bytes): the largest decoder layer's
@@ -78,6 +80,7 @@ from typing import Literal
 from services.common import families
 from services.common.errors import UserError
 from services.common.families import ModelShape
+from trainer.plan.advice import what_to_change
 
 GiB = 1 << 30
 Recompute = Literal["none", "moe", "full"]
@@ -274,19 +277,28 @@ PUSH_CHUNK_DEPTH = 3  # export_stream.HFStream: 2 chunks in flight + the one bei
 RX_STAGING_SLOTS = 3  # weight_sync.receiver_stream.DEFAULT_SLOTS
 
 
-def push_bytes(lay: Layout) -> dict[str, float]:
+def push_chunk_bytes(arch: Arch, lay: Layout) -> int:
+    """A push bucket as sent: `push_bucket_bytes`, or the model's largest tensor at the model
+    dtype when that is larger (a chunk never splits a tensor: export_stream.cut_chunks; the
+    rollout's staging ring grows to the largest bucket: receiver_stream)."""
+    eb = 2 if lay.dtype == "bf16" else 4
+    return max(lay.push_bucket_bytes, eb * arch.largest_tensor()) if lay.push_bucket_bytes else 0
+
+
+def push_bytes(arch: Arch, lay: Layout) -> dict[str, float]:
     """The streamed weight push on the trainer's worst rank (the sender, rank 0): its pack
     buffers (inflight x bucket), the chunks it receives from other ranks (PUSH_CHUNK_DEPTH x
     bucket; a non-sender rank holds as many it sends) and up to one bucket of sources awaiting
-    their pack. Measured on H200s at Qwen3-30B-A3B size (BENCHMARKS.md): within 2 GiB of it."""
-    b = lay.push_bucket_bytes
+    their pack; a bucket is push_chunk_bytes (the family's largest tensor when that is larger).
+    Measured on H200s at Qwen3-30B-A3B size (BENCHMARKS.md): within 2 GiB of it."""
+    b = push_chunk_bytes(arch, lay)
     return {"weight push": (lay.push_inflight + PUSH_CHUNK_DEPTH + 1) * b} if b else {}
 
 
 def rollout_staging_bytes(bucket_bytes: int) -> int:
     """Push staging on each rollout engine rank: the receiver's ring (RX_STAGING_SLOTS
-    buckets, weight_sync.receiver_stream), kept between pushes; leave it outside vLLM's
-    gpu_memory_utilization."""
+    buckets of push_chunk_bytes, weight_sync.receiver_stream), kept between pushes; leave it
+    outside vLLM's gpu_memory_utilization."""
     return RX_STAGING_SLOTS * bucket_bytes
 
 
@@ -296,6 +308,9 @@ def plan(arch: Arch, lay: Layout, gpu_gib: float, overhead_gib: float = 4.0,
     for a megatron layout the recompute the budget allows (choose_recompute), and when the
     config leaves recompute unset and the trainer's none does not fit, the setting that fits."""
     out = _plan(arch, lay, gpu_gib, overhead_gib, vllm_share)
+    if not out.fits:
+        out.notes.append(what_to_change(out.rows, out.total - out.gpu_bytes, lay,
+                                        out.dense_params >= out.expert_params))
     if lay.fsdp:
         return out
     pick, totals = choose_recompute(arch, lay, gpu_gib, overhead_gib, vllm_share)
@@ -342,13 +357,13 @@ def _plan(arch: Arch, lay: Layout, gpu_gib: float, overhead_gib: float,
     state = fsdp_state_bytes(arch, lay) if lay.fsdp else _state_bytes(lay, dense, expert)
     if lay.fsdp:
         dense, expert = dense / lay.shard, expert / lay.shard
-    rows = state | activation_bytes(arch, lay) | push_bytes(lay)
+    rows = state | activation_bytes(arch, lay) | push_bytes(arch, lay)
     rows["vLLM KV share"] = vllm_share * gpu_gib * GiB
     rows["runtime overhead"] = overhead_gib * GiB
     out = Plan(rows=rows, gpu_bytes=gpu_gib * GiB, dense_params=dense, expert_params=expert)
     if lay.push_bucket_bytes:
         out.notes.append(f"rollout engine ranks: weight-push staging "
-                         f"{rollout_staging_bytes(lay.push_bucket_bytes) / GiB:.2f} GiB each "
+                         f"{rollout_staging_bytes(push_chunk_bytes(arch, lay)) / GiB:.2f} GiB each "
                          f"({RX_STAGING_SLOTS} buckets) outside gpu_memory_utilization")
     if lay.fsdp:
         out.notes.append(f"hf backend: FSDP2, every weight sharded over {lay.shard} rank(s), "

@@ -96,6 +96,9 @@ class ModelShape:
     shared_gate: bool = False  # the shared expert's sigmoid gate (Qwen2-MoE: h parameters)
     expert_bias: bool = False  # biased expert projections (GPT-OSS)
     router_bias: bool = False  # a router bias that is a parameter (GPT-OSS)
+    # the checkpoint holds a layer's experts as one tensor per projection (GPT-OSS's
+    # gate_up_proj [E, h, 2f]), not one per expert: the weight push's largest tensor
+    fused_experts: bool = False
     tied_embeddings: bool = False
     # the embedding tables the family's published "active parameters" count (model cards
     # differ: Qwen, Mistral and OLMoE count both, DeepSeek and OpenAI the output layer only,
@@ -133,6 +136,19 @@ class ModelShape:
         shared expert (split) and the router and shared-expert gate (replicated)."""
         router = self.hidden * self.experts + self.experts * self.router_bias
         return 3 * self.hidden * self.shared_ffn, router + self.hidden * self.shared_gate
+
+    def largest_tensor(self) -> int:
+        """Elements of the checkpoint's largest single tensor (embedding or output layer, a
+        dense or shared MLP projection, an expert's, or a fused expert tensor, an attention
+        projection)."""
+        a, h = self.attention, self.hidden
+        experts = self.experts * 2 * self.moe_ffn if self.fused_experts else self.moe_ffn
+        sizes = [h * w for w in (self.vocab, self.dense_ffn, self.shared_ffn, experts,
+                                 a.q_width, a.v_width)]
+        if a.mla:  # q_b_proj and kv_b_proj
+            nope_v = a.head_dim - a.rope_head_dim + (a.v_head_dim or a.head_dim)
+            sizes += [a.q_lora_rank * a.q_width, a.kv_lora_rank * a.heads * nope_v]
+        return max(sizes)
 
     def embedding_params(self) -> int:
         return self.vocab * self.hidden * (1 if self.tied_embeddings else 2)

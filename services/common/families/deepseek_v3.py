@@ -18,6 +18,22 @@ from services.common.families._shape import (
 )
 from services.common.tiny_moe import TinyMoeConfig
 
+# deepseek-ai/DeepSeek-V3 config.json (https://huggingface.co/deepseek-ai/DeepSeek-V3), as bf16
+# weights (the published FP8 checkpoint's quantization_config left out: the trainer loads bf16):
+# the planner knows it by name (`r3flow plan --model DeepSeek-V3`, r3flow.io/plan-model)
+DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 7168,
+    "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+    "num_attention_heads": 128, "num_key_value_heads": 128, "n_routed_experts": 256,
+    "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
+    "moe_layer_freq": 1, "n_group": 8, "topk_group": 4, "topk_method": "noaux_tc",
+    "scoring_func": "sigmoid", "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+    "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "v_head_dim": 128, "attention_bias": False, "num_nextn_predict_layers": 1,
+    "vocab_size": 129280, "tie_word_embeddings": False, "max_position_embeddings": 163840,
+    "rms_norm_eps": 1e-06,
+}
+
 
 def tiny_config(cfg: TinyMoeConfig):
     """The transformers DeepseekV3Config of the tiny model."""
@@ -73,4 +89,4 @@ FAMILY = Family(
                          "model dtype (fp32 only with config moe_router_dtype float32, or on "
                          "CUDA kernels)"),
     megatron_arch="trainer.megatron.family_deepseek_v3:deepseek_v3_arch", mla=True,
-    shape=shape)
+    shape=shape, planner_models={"DeepSeek-V3": lambda: dict(DEEPSEEK_V3)})

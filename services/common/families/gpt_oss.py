@@ -53,7 +53,7 @@ def shape(k: ConfigKeys) -> ModelShape:
     return ModelShape(**decoder(k), moe_layer_ids=every_layer_moe(k),
                       attention=gqa(k, qkv_bias=bias, out_bias=bias, sinks=True),
                       experts=k.num("num_local_experts"), moe_ffn=k.num("intermediate_size"),
-                      dense_ffn=0, expert_bias=True, router_bias=True,
+                      dense_ffn=0, expert_bias=True, router_bias=True, fused_experts=True,
                       active_embeddings=("output",))
 
 
