@@ -138,6 +138,12 @@ def test_unknown_model_type_and_missing_keys_are_one_line() -> None:
     bad = {k: v for k, v in MIXTRAL_8X7B.items() if k != "num_local_experts"}
     with pytest.raises(UserError, match=r"^model config: missing key 'num_local_experts'$"):
         Arch.from_hf_config(bad)
+    no_experts = {k: v for k, v in QWEN3_30B_A3B.items() if k != "num_experts"}
+    with pytest.raises(UserError, match=r"^model config: missing key 'num_experts' \(or "
+                       r"'num_local_experts'\)$"):
+        Arch.from_hf_config(no_experts)
+    # transformers 5 writes Qwen3-MoE's num_experts as num_local_experts: read either
+    assert Arch.from_hf_config(no_experts | {"num_local_experts": 128}).experts == 128
     with pytest.raises(UserError, match=r"^model config: hidden_size: '4k' is not an integer$"):
         Arch.from_hf_config(MIXTRAL_8X7B | {"hidden_size": "4k"})
 

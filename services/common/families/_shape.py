@@ -186,6 +186,13 @@ class ConfigKeys:
             raise ValueError(f"{key}: {value!r} is not an integer")
         return int(value)
 
+    def num_of(self, *keys: str) -> int:
+        """The first of `keys` the config sets (a key transformers renamed: both spellings)."""
+        key = next((k for k in keys if self.cfg.get(k) is not None), None)
+        if key is None:
+            raise ValueError(f"missing key {keys[0]!r} (or {', '.join(map(repr, keys[1:]))})")
+        return self.num(key)
+
     def flag(self, key: str, default: bool = False) -> bool:
         value = self.cfg.get(key)
         return default if value is None else bool(value)

@@ -41,7 +41,9 @@ def shape(k: ConfigKeys) -> ModelShape:
     bias = k.flag("attention_bias")
     return ModelShape(**decoder(k), moe_layer_ids=sparse_step_moe(k),
                       attention=gqa(k, qkv_bias=bias, out_bias=bias, qk_norm="head"),
-                      experts=k.num("num_experts"), moe_ffn=k.num("moe_intermediate_size"),
+                      # transformers 5's Qwen3MoeConfig saves num_experts as num_local_experts
+                      experts=k.num_of("num_experts", "num_local_experts"),
+                      moe_ffn=k.num("moe_intermediate_size"),
                       dense_ffn=k.num("intermediate_size", 0))
 
 
