@@ -1,7 +1,7 @@
 """Per-rank GPU memory of a megatron-core MoE training job (what `r3flow plan` prints).
 
-The model's sizes are its family's reading of its config.json (`read_arch`: the family module
-of config.json's model_type maps its own keys, services.common.families.model_shape), so dense
+The model's sizes are its family's reading of its config.json (`Arch.from_hf_config`: the family
+module of model_type maps its own keys, services.common.families.model_shape), so dense
 and MoE layers, shared experts, expert widths and MLA are counted as the family builds them.
 An estimate written down so that it can be checked by hand (tests/unit/test_plan.py does):
   * parameters per rank: attention, dense MLPs, shared experts, embeddings and output layer

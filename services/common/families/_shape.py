@@ -8,7 +8,8 @@ memory and KV cache from it and from nothing else, so a family whose keys differ
 Qwen3-MoE's is counted by its own reading, not by Qwen3-MoE's key names.
 Parameter counts are those of the HF model transformers builds from the config (norms and
 biases included; DeepSeek-V3/GLM's `e_score_correction_bias` is a buffer, not a parameter);
-tests/unit/test_family_shapes.py checks them against the HF model of each tiny config.
+tests/unit/test_family_shape_agreement.py checks them against the HF model of each
+family's tiny config, tests/unit/test_family_shapes.py against published model cards.
 Legend: h hidden, E routed experts, f expert width, F dense width.
 """
 
