@@ -165,6 +165,9 @@ def test_memory_follows_the_family() -> None:
     # one per rank at TP 4 and replicated at TP 8
     assert kv_bytes_per_token(ds, tp=8) == 61 * (512 + 64) * 2
     assert kv_bytes_per_token(qwen, tp=4) == kv_bytes_per_token(qwen, tp=8) == 48 * 2 * 128 * 2
+    # GPT-OSS: 18 full layers, and 18 of window 128 that keep 128 of an 8K sequence's tokens
+    assert kv_bytes_per_token(gpt, tp=1, seq_len=8192) == (18 + 18 * 128 / 8192) * 2 * 8 * 64 * 2
+    assert kv_bytes_per_token(gpt, tp=1, seq_len=64) == 36 * 2 * 8 * 64 * 2
     engine = plan_rollout(Arch.from_hf_config(MIXTRAL_8X7B), 80, 0.85, 8192, 64)
     assert engine.fits and engine.total_params == Arch.from_hf_config(MIXTRAL_8X7B).total_params()
     assert engine.active_params == Arch.from_hf_config(MIXTRAL_8X7B).active_params()

@@ -8,7 +8,8 @@ the plan takes the smallest power-of-two TP whose engine holds, inside
 `gpu_memory_utilization` of its GPUs, the bf16 weights (split over TP) plus the KV cache of
 `max_num_seqs` sequences of `max_model_len` tokens (vLLM's worst case for the engine's batch;
 per token and layer the family's attention decides it: GQA's KV heads split over TP, at least
-one per rank, MLA's latent and rope key whole on every rank);
+one per rank, MLA's latent and rope key whole on every rank, a sliding-window layer only its
+window);
 node_gpus / TP engines then share one node. The chart runs one engine per rollout pod
 (`rollout.gpus` = TP), so several pods share a node; chart-check refuses a rendered rollout whose
 TP is not the plan's (annotations r3flow.io/plan-model and r3flow.io/plan-gpu-memory-gib).
@@ -50,10 +51,13 @@ class RolloutPlan:
                 f"{self.need_tokens:,} needed: {verdict}")
 
 
-def kv_bytes_per_token(arch: Arch, tp: int = 1, dtype_bytes: int = 2) -> int:
+def kv_bytes_per_token(arch: Arch, tp: int = 1, seq_len: int = 0, dtype_bytes: int = 2) -> float:
     """K and V of every layer for one token on one of `tp` engine ranks (the family's attention:
-    GQA splits its KV heads over the ranks, MLA keeps its latent on every rank)."""
-    return arch.num_layers * arch.attention.kv_cache_elems(tp) * dtype_bytes
+    GQA splits its KV heads over the ranks, MLA keeps its latent on every rank); with `seq_len`,
+    a sliding-window layer counts for its window's share of a sequence that long (vLLM's
+    hybrid KV cache keeps only the window there)."""
+    layers = arch.kv_layers(seq_len) if seq_len else arch.num_layers
+    return layers * arch.attention.kv_cache_elems(tp) * dtype_bytes
 
 
 def engine_plan(arch: Arch, tp: int, gpu_gib: float, util: float, max_model_len: int,
@@ -61,7 +65,7 @@ def engine_plan(arch: Arch, tp: int, gpu_gib: float, util: float, max_model_len:
     weights = arch.total_params() * 2 / tp  # bf16
     usable = gpu_gib * GiB * util - ACTIVATION_GIB * GiB
     free = max(0.0, usable - weights)  # per GPU
-    tokens = int(free // kv_bytes_per_token(arch, tp))
+    tokens = int(free // kv_bytes_per_token(arch, tp, max_model_len))
     return RolloutPlan(tp, node_gpus // tp, weights, free * tp, tokens,
                        max_num_seqs * max_model_len, arch.active_params(), arch.total_params())
 

@@ -100,6 +100,10 @@ class ModelShape:
     # the checkpoint holds a layer's experts as one tensor per projection (GPT-OSS's
     # gate_up_proj [E, h, 2f]), not one per expert: the weight push's largest tensor
     fused_experts: bool = False
+    # sliding-window attention layers and their window (GPT-OSS): vLLM's hybrid KV cache keeps
+    # only the last `sliding_window` tokens of a sequence in those layers
+    window_layers: int = 0
+    sliding_window: int = 0
     tied_embeddings: bool = False
     # the embedding tables the family's published "active parameters" count (model cards
     # differ: Qwen, Mistral and OLMoE count both, DeepSeek and OpenAI the output layer only,
@@ -137,6 +141,14 @@ class ModelShape:
         shared expert (split) and the router and shared-expert gate (replicated)."""
         router = self.hidden * self.experts + self.experts * self.router_bias
         return 3 * self.hidden * self.shared_ffn, router + self.hidden * self.shared_gate
+
+    def kv_layers(self, seq_len: int) -> float:
+        """Layers' worth of KV cache one token of a `seq_len`-token sequence takes on average:
+        every full-attention layer, a sliding-window layer for the window's share only."""
+        if not self.window_layers:
+            return float(self.num_layers)
+        kept = min(seq_len, self.sliding_window) / seq_len
+        return self.num_layers - self.window_layers + self.window_layers * kept
 
     def largest_tensor(self) -> int:
         """Elements of the checkpoint's largest single tensor (embedding or output layer, a

@@ -47,13 +47,17 @@ def check_engine_layout(hf_config: Any) -> None:
 
 def shape(k: ConfigKeys) -> ModelShape:
     """GPT-OSS's config.json: every layer MoE, `num_local_experts` of `intermediate_size` with
-    biases, a router bias, biased attention (`attention_bias`) with a sink per head. OpenAI's
-    published active parameters count the output layer, not the embedding."""
+    biases (one fused tensor per projection), a router bias, biased attention (`attention_bias`)
+    with a sink per head, `sliding_window` on half the layers. OpenAI's published active
+    parameters count the output layer, not the embedding."""
     bias = k.flag("attention_bias", True)
+    # vLLM puts the window on the even layers (check_engine_layout refuses other layer_types)
+    window = (k.num("num_hidden_layers") + 1) // 2 if k.num("sliding_window", 0) else 0
     return ModelShape(**decoder(k), moe_layer_ids=every_layer_moe(k),
                       attention=gqa(k, qkv_bias=bias, out_bias=bias, sinks=True),
                       experts=k.num("num_local_experts"), moe_ffn=k.num("intermediate_size"),
                       dense_ffn=0, expert_bias=True, router_bias=True, fused_experts=True,
+                      window_layers=window, sliding_window=k.num("sliding_window", 0),
                       active_embeddings=("output",))
 
 
