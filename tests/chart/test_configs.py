@@ -91,17 +91,19 @@ def test_store_registers_the_model_the_release_serves(rendered, values, tmp_path
     # wrong model would fill the backlog with routing the trainer then refuses.
     from conftest import CHART, VALUES_FILES
 
+    from trainer.plan.memory import Arch
     from trainer.plan.models import load_model_config
 
     plan_model = yaml.safe_load((CHART / "values.yaml").read_text())["plan"]["model"]
     if VALUES_FILES[values]:
         override = yaml.safe_load(VALUES_FILES[values].read_text()) or {}
         plan_model = override.get("plan", {}).get("model", plan_model)
-    arch = load_model_config(plan_model)  # the architecture this release is planned for
+    # the architecture this release is planned for, as its family reads config.json
+    arch = Arch.from_hf_config(load_model_config(plan_model))
     (store,) = [check_loads(n, k, t, tmp_path) for n, k, t in config_files(rendered[values])
                 if k == "store.yaml"]
     layouts = {(m.num_experts, m.top_k) for m in store.models}  # type: ignore[attr-defined]
-    assert (arch["num_experts"], arch["num_experts_per_tok"]) in layouts
+    assert (arch.experts, arch.top_k) in layouts
 
 
 def test_store_models_value_is_the_only_source(helm, tmp_path):
