@@ -117,6 +117,14 @@ BACKLOG_GROWING = (f"{BACKLOG} > 10000 and "
 STALE_POLICY = (f"{ROLLOUT_VERSION} < on({', '.join(SCOPE)}) group_left() "
                 f"(max {_BY_SCOPE} ({TRAINER_VERSION}) - 2)")
 
+# No step completed for 5x the longest recent step (a checkpoint step included), and at least
+# 5 minutes: the pipeline stalled (the store's WARNING log names a refused append's limit).
+LAST_STEP = _m("r3flow_trainer_last_step_timestamp_seconds")
+STEP_INTERVAL = _m("r3flow_trainer_step_interval_seconds")
+_IDLE = f"(time() - max {_BY_SCOPE} ({LAST_STEP}))"
+TRAINER_STALLED = (f"{_IDLE} > 5 * max {_BY_SCOPE} (max_over_time({STEP_INTERVAL}[1h])) "
+                   f"and {_IDLE} > 300 and max {_BY_SCOPE} ({LAST_STEP}) > 0")
+
 # Any group the trainer set aside (bad routing or sampling, agreement below floor).
 QUARANTINED = "increase(r3flow_trainer_groups_quarantined_total[10m]) > 0"
 
@@ -136,6 +144,11 @@ ALERTS = (
           "trainer quarantined GRPO groups ({{ $labels.reason }})",
           "Groups were acked as dropped instead of trained on; the trainer log names each "
           "group and what failed (see docs/replay_guarantees.md)."),
+    Alert("R3flowTrainerStalled", TRAINER_STALLED, "1m", "critical",
+          "no trainer step for {{ $value | humanizeDuration }} (over 5x the recent step time)",
+          "The pipeline stopped: the store's log names a refused append's limit and numbers "
+          "(budget, undelivered, delivered-unacked); check that rollout workers are registered "
+          "and the trainer pulls (docs/store.md \"Admission and acks\")."),
     Alert("R3flowStoreBacklogGrowing", BACKLOG_GROWING, "10m", "warning",
           "store backlog keeps growing ({{ $value | humanize }} tokens)",
           "Rollouts produce faster than trainers consume, or trainers are not acking."),

@@ -32,6 +32,13 @@ def test_groups_scatter_ack_after_checkpoint_and_metrics(tmp_path):
                                      {"layer": "1"}) == 1.0
     assert registry.get_sample_value("r3flow_trainer_updates_skipped_total") == 0  # none faulted
     assert registry.get_sample_value("r3flow_trainer_steps_total") == 3
+    # the stall alert's inputs: when the last step completed, and how long after the one before
+    log_times = [json.loads(x)["time"] for x in (tmp_path / "train_log.jsonl").read_text()
+                 .splitlines()]
+    last = registry.get_sample_value("r3flow_trainer_last_step_timestamp_seconds")
+    assert last == pytest.approx(log_times[-1], abs=1.0)
+    assert 0 < registry.get_sample_value("r3flow_trainer_step_interval_seconds") <= \
+        log_times[-1] - log_times[-2] + 1.0
     log = [json.loads(x) for x in (tmp_path / "train_log.jsonl").read_text().splitlines()]
     assert [x["step"] for x in log] == [1, 2, 3]
 
