@@ -134,7 +134,7 @@ class RunMonitor:
 
 # ---- stalls ---------------------------------------------------------------------------------
 STALL_FACTOR = 5.0  # no step for this many times the recent step time: the run stalled
-STALL_MIN_S = 60.0  # and for at least this long (one slow step on a loaded box is no stall)
+STALL_MIN_S = 120.0  # and at least this long (slow steps on a loaded 2-core box are no stall)
 RECENT_STEPS = 5  # the recent step time: the longest of the last gaps between step records
 
 

@@ -116,7 +116,8 @@ def test_stall_is_several_recent_step_times_and_names_its_cause() -> None:
     assert watch.limit([100.0, 130.0]) == 150.0  # 5 x 30 s
     assert watch.idle([100.0, 130.0], now=1149.0) is None
     assert watch.idle([100.0, 130.0], now=1151.0) == pytest.approx(151.0)
-    assert watch.limit([0.0, 1.0]) == 60.0  # the floor
+    assert watch.limit([0.0, 10.0, 50.0, 60.0]) == 200.0  # the longest recent gap counts
+    assert watch.limit([0.0, 1.0]) == 120.0  # the floor
     assert len(reads) == 2
     component, cause = watch.cause({})
     stalled = Stalled(Budget(20, 480.0, 15.0, True), 2, component, cause, 151.0)
