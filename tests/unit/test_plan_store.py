@@ -37,6 +37,16 @@ def test_rendered_chart_reads_the_store_and_rollout_configs() -> None:
     assert not check_rayjob(docs, cfg, ANN, "job").ok  # unbounded: not planned
 
 
-def test_named_spec_without_the_release_figures_is_refused_naming_them() -> None:
+def test_every_named_spec_is_planned_and_fits() -> None:
+    specs = [p for p in sorted((ROOT / "k8s").glob("*.yaml")) if "kind: RayJob" in p.read_text()]
+    assert len(specs) >= 3
+    for spec in specs:
+        checks = plan_stores(spec)
+        assert checks and all(c.ok for c in checks), spec
+
+
+def test_named_spec_with_half_the_release_figures_is_refused_naming_the_other() -> None:
+    assert check_rayjob([], TrainerConfig(), ANN, "job") is None  # neither: not planned
+    half = {**ANN, "r3flow.io/plan-store-unacked-tokens": "1000"}
     with pytest.raises(UserError, match="r3flow.io/plan-group-size is missing"):
-        check_rayjob([], TrainerConfig(), ANN, "job")
+        check_rayjob([], TrainerConfig(), half, "job")

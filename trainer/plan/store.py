@@ -6,7 +6,8 @@ The store bounds them by `max_unacked_tokens` (the chart sizes Redis for it besi
 `max_backlog_tokens`); at that bound the trainer checkpoints early instead of at its cadence.
 A job whose checkpoint interval does not fit the bound is refused here, so the cadence a spec
 asks for is the one it gets. Inputs, from the same manifest when it has them (a rendered chart),
-else from the RayJob's annotations (a k8s/ spec run against a release):
+else from the RayJob's annotations (a k8s/ spec run against a release; a manifest with neither
+is not planned, and tests/unit/test_plan_store.py requires them on every k8s/ RayJob):
   r3flow.io/plan-group-size            samples per prompt (the rollouts' sampling.n)
   r3flow.io/plan-store-unacked-tokens  the release's store max_unacked_tokens
 """
@@ -60,6 +61,9 @@ class StoreCheck:
                        "lower run.checkpoint_every")
 
 
+ANNOTATIONS = ("group-size", "store-unacked-tokens")
+
+
 def _config(docs: list[dict], key: str) -> dict | None:
     """The first ConfigMap's `key` file (store.yaml, rollout.yaml) in the manifest, parsed."""
     for d in docs:
@@ -76,9 +80,12 @@ def _annotated(ann: dict[str, str], key: str, where: str) -> int:
 
 
 def check_rayjob(docs: list[dict], cfg: TrainerConfig, ann: dict[str, str],
-                 where: str) -> StoreCheck:
-    """The job's checkpoint interval against the store config in `docs`, else its annotations."""
+                 where: str) -> StoreCheck | None:
+    """The job's checkpoint interval against the store config in `docs`, else its annotations;
+    None for a manifest that has neither (not planned: the k8s/ specs must have them)."""
     rollout, store = _config(docs, "rollout.yaml"), _config(docs, "store.yaml")
+    if store is None and not any(PREFIX + k in ann for k in ANNOTATIONS):
+        return None
     group = int((rollout.get("sampling") or {}).get("n", 1)) if rollout is not None \
         else _annotated(ann, "group-size", where)
     if store is not None:
@@ -98,5 +105,7 @@ def plan_stores(path: str | Path) -> list[StoreCheck]:
         if d["kind"] == "RayJob":
             job, cfg = trainer_of(docs, d)
             where = f"{path} RayJob/{job.metadata.name}"
-            out.append(check_rayjob(docs, cfg, job.metadata.annotations, where))
+            check = check_rayjob(docs, cfg, job.metadata.annotations, where)
+            if check is not None:
+                out.append(check)
     return out
