@@ -88,6 +88,7 @@ PPO_KL, KL_REF = _m("r3flow_trainer_ppo_kl"), _m("r3flow_trainer_kl_ref")
 DIFF_STALE = _m("r3flow_trainer_logprob_diff_mean_by_staleness")
 AGREEMENT = _m("r3flow_trainer_routing_agreement_ratio")
 BACKLOG = _m("r3flow_store_backlog_tokens")
+UNACKED = _m("r3flow_store_unacked_tokens")
 ROLLOUT_VERSION, TRAINER_VERSION = _m("r3flow_rollout_policy_version"), _m(
     "r3flow_trainer_policy_version")
 
@@ -249,7 +250,9 @@ PIPELINE_PANELS = (
         _q("sum(r3flow_rollout_inflight_requests)", "in flight"),
         _q("sum(rate(r3flow_rollout_aborts_total[5m])) * 60", "aborted / min"),
         _q("sum(rate(r3flow_rollout_resumes_total[5m])) * 60", "resumed / min"))),
-    Panel("store backlog", (_q(f"sum({BACKLOG})", "tokens"),), "short", CATALOG[BACKLOG].help),
+    Panel("store backlog", (_q(f"sum({BACKLOG})", "undelivered tokens"),
+                            _q(f"sum({UNACKED})", "delivered, not acked tokens")), "short",
+          f"{CATALOG[BACKLOG].help}; {CATALOG[UNACKED].help}"),
     Panel("groups ready", (_q("sum(r3flow_store_groups_ready)", "groups"),)),
     Panel("staleness drops", (
         _q("sum by (reason) (rate(r3flow_store_dropped_total[5m])) * 60", "{{reason}} / min"),)),
