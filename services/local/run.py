@@ -303,7 +303,7 @@ class LocalRun:
                                 prometheus=self.monitor.report())
         report.plot_report(rows, self.dir / "report.png", f"r3flow local — replay="
                            f"{self.cfg.replay}, {len(rows)} of {over.steps} GRPO steps "
-                           f"(out of budget)")
+                           f"({'stalled' if isinstance(over, Stalled) else 'out of budget'})")
         return summary
 
     def finish(self, rows: list[dict]) -> dict:
