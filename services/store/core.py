@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry
 
 from services.common.metrics import create_metrics
 from services.common.pb.r3flow.v1 import store_pb2
+from services.common.staleness import too_stale
 from services.store import lua
 from services.store.append import Appender, AppendResult
 from services.store.assemble import Delivery, assemble_group
@@ -249,9 +250,8 @@ class TrajectoryStoreCore:
             return "missing"
         if not d.trajectory_bytes:
             return "aborted"  # every member aborted; counted when they finished
-        lag = self.cfg.max_policy_lag
-        if lag is not None and not renewed and \
-                self.policy_version() - d.min_policy_version > lag:
+        if not renewed and too_stale(self.policy_version(), d.min_policy_version,
+                                     self.cfg.max_policy_lag):
             return "stale"
         return ""
 
