@@ -153,7 +153,7 @@ class MicroBatch:
     train_old_lp: torch.Tensor | None = None
     ref_lp: torch.Tensor | None = None
     replay_rows: list[torch.Tensor] | None = None
-    is_weight_BS: torch.Tensor | None = None  # TIS weight per token (trainer.objectives)
+    is_weight_BS: torch.Tensor | None = None  # TIS weight per token (trainer.losses.objectives)
 
     @property
     def num_tokens(self) -> int:

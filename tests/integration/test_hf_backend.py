@@ -150,7 +150,7 @@ def test_grpo_step_r3_with_replaying_reference(hf_trainer, plain, model_dir):
 
 
 def test_objectives_tis_gspo_take_a_step(hf_trainer, plain, model_dir):
-    """trainer.objectives' choices through the hf backend (packed micro-batches)."""
+    """trainer.losses.objectives' choices through the hf backend (packed micro-batches)."""
     reload(hf_trainer, model_dir)
     saved = hf_trainer.cfg.loss
     hf_trainer.cfg.loss = saved.model_copy(update={

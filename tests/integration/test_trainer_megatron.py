@@ -311,7 +311,7 @@ def test_grpo_step_r3_with_reference(trainer, hf, model_dir):
 
 
 def test_objectives_tis_mis_gspo_kl_in_reward_take_a_step(trainer, hf, model_dir):
-    """trainer.objectives' choices through the megatron backend: finite step, IS metrics."""
+    """trainer.losses.objectives' choices through the megatron backend: finite step, IS metrics."""
     reload(trainer, model_dir)
     saved = trainer.cfg.loss
     trainer.cfg.loss = saved.model_copy(update={
