@@ -12,7 +12,7 @@ from services.common.staleness import DEFAULT_MAX_POLICY_LAG, MaxPolicyLag
 from services.common.weight_sync.config import WeightSyncConfig
 from trainer.hooks import HookConfig
 from trainer.losses.loss_config import LossConfig
-from trainer.ray_config import RayLaunchConfig
+from trainer.ranks.ray_config import RayLaunchConfig
 from trainer.registry import Section, check_backend
 from trainer.replay import ReplayMode
 

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.batch import MicroBatch, Sample, sample_spans
-from trainer.collectives import max_over_ranks
+from trainer.ranks.collectives import max_over_ranks
 from trainer.replay import ReplayDesyncError, RoutingAgreementError
 
 log = logging.getLogger(__name__)

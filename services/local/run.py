@@ -48,7 +48,7 @@ CHILD_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
              "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false",
              "VLLM_LOGGING_LEVEL": "WARNING", "PYTHONUNBUFFERED": "1"}
 
-# One OpenMP thread for the warm start, as the trainer's Ray rank has (trainer.ray_launch): with
+# One OpenMP thread for the warm start, as the trainer's Ray rank has (trainer.ranks.ray_launch): with
 # torch's default of one per core, a 2-core box busy with other work made each SFT step wait on
 # a descheduled sibling thread: 25 s a step at load 20 against 1.5 s alone (issue 46).
 WARM_START_ENV = {"OMP_NUM_THREADS": "1"}

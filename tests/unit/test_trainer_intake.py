@@ -12,7 +12,7 @@ from services.common.pb.r3flow.v1 import store_pb2
 from services.store.synthetic import build_trajectory
 from trainer.alignment import LayerMap
 from trainer.config import TrainerConfig
-from trainer.worker import RankWorker
+from trainer.ranks.worker import RankWorker
 
 MOE_LAYERS = (1, 2)  # HF layer 0 is dense
 

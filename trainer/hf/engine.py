@@ -23,7 +23,6 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from trainer.alignment import check_routes
 from trainer.batch import MicroBatch, Sample, filler_microbatch, split_microbatches
 from trainer.checkpoint import ShardedState
-from trainer.collectives import max_over_ranks
 from trainer.config import TrainerConfig
 from trainer.guard import Level, PeerFault, checkpoint
 from trainer.hf.config import HFBackendConfig, hf_section
@@ -58,6 +57,7 @@ from trainer.hf.ulysses import (
 )
 from trainer.megatron.config import model_section
 from trainer.protocol import LossFn
+from trainer.ranks.collectives import max_over_ranks
 from trainer.replay import ReplayMode, drive
 
 log = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ The driver (trainer.loop.loop.TrainLoop) pulls groups from the store and hands e
 as serialized `PulledGroup` bytes (the wire format, never pickled tensors). The rank decodes them,
 aligns their routing and quarantines bad groups (trainer.intake), trains (`train`), saves/resumes its checkpoint shard and
 exports HF weights (to the weight push; to `<run_dir>/hf/` for evaluation: `export_hf_dir`).
-The same class runs in-process (1 rank) or as a Ray actor (trainer.ray_launch).
+The same class runs in-process (1 rank) or as a Ray actor (trainer.ranks.ray_launch).
 """
 
 from __future__ import annotations
