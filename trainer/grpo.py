@@ -37,8 +37,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainer.alignment import LayerMap
-from trainer.batch import MicroBatch, Sample, response_logprobs, update_schedule
 from trainer.guard import Fault, gather, nonfinite_groups, nonfinite_logprob_groups, run_pass
 from trainer.losses.corrections import (
     apply_rollout_correction,
@@ -52,6 +50,8 @@ from trainer.losses.loss import logprob_diff, mismatch_sums, ppo_loss, sft_loss,
 from trainer.losses.objectives import UpdateNorm, aggregate, sequence_index, update_norm
 from trainer.protocol import TrainBackend
 from trainer.replay import ReplayMode
+from trainer.samples.alignment import LayerMap
+from trainer.samples.batch import MicroBatch, Sample, response_logprobs, update_schedule
 
 log = logging.getLogger(__name__)
 

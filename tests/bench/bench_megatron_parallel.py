@@ -63,7 +63,7 @@ def _flops_per_token(cfg: dict, seq: int, lm_head: bool = True) -> float:
 
 
 def _samples(n: int, seq: int, moe_layers: int, top_k: int, experts: int, seed: int) -> list:
-    from trainer.batch import Sample
+    from trainer.samples.batch import Sample
 
     rng = np.random.default_rng(seed)
     out, prompt = [], seq // 4

@@ -62,8 +62,8 @@ def hf_trainer(model_dir, megatron):  # after megatron: shares its 1-rank proces
 
 
 def make_samples(plain, n=4, seed=0, routing="natural", prompt_len=6):
-    from trainer.alignment import LayerMap
-    from trainer.batch import Sample
+    from trainer.samples.alignment import LayerMap
+    from trainer.samples.batch import Sample
 
     rng = np.random.default_rng(seed)
     lm = LayerMap.build((0, 1), ENGINE_LAYERS)

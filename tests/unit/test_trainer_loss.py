@@ -115,8 +115,8 @@ def test_logprobs_entropy_and_ppo_use_the_sampling_temperature():
 
 
 def test_diff_metrics_weights_two_micro_batches_by_their_tokens():
-    from trainer.batch import MicroBatch
     from trainer.grpo import diff_metrics
+    from trainer.samples.batch import MicroBatch
 
     def mb(rollout: list[float], mask: list[float]) -> MicroBatch:
         z = torch.zeros(1, len(mask))

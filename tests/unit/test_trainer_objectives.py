@@ -10,7 +10,6 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from trainer.batch import Sample, make_microbatch
 from trainer.config import TrainerConfig
 from trainer.hf.packing import pack_microbatch
 from trainer.losses.corrections import shaped_rewards, staleness_metrics
@@ -28,6 +27,7 @@ from trainer.losses.objectives import (
     sequence_index,
     update_norm,
 )
+from trainer.samples.batch import Sample, make_microbatch
 
 
 def _sample(prompt: int, resp: int, reward: float = 0.0, group: str = "g", version: int = 0

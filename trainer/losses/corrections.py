@@ -18,7 +18,6 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from trainer.batch import MicroBatch, Sample, response_logprobs
 from trainer.losses.loss import group_advantages
 from trainer.losses.loss_config import LossConfig, RolloutCorrectionConfig
 from trainer.losses.objectives import (
@@ -28,6 +27,7 @@ from trainer.losses.objectives import (
     rollout_weights,
     sequence_index,
 )
+from trainer.samples.batch import MicroBatch, Sample, response_logprobs
 
 
 def shaped_rewards(samples: Sequence[Sample], cfg: LossConfig,

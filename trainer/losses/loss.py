@@ -2,7 +2,7 @@
 optional KL to a reference model; the choices and their maths are trainer.losses.objectives'.
 
 All token-level tensors are [B, S] where position i holds the logprob of token i+1 (see
-trainer.batch); `mask_BS` selects trained response tokens. `temperature_BS` is the sampling
+trainer.samples.batch); `mask_BS` selects trained response tokens. `temperature_BS` is the sampling
 temperature of the token each position predicts: rollouts sample from softmax(logits / T), so the
 PPO ratio, the KL and the entropy are of that distribution (None = T 1 everywhere). `ppo_loss`
 returns masked SUMS (metrics) and the per-token loss, which trainer.losses.objectives.aggregate divides

@@ -18,7 +18,7 @@ import torch
 
 from services.common.pb.r3flow.v1 import trajectory_pb2
 from services.common.routing_rules import RoutingRuleError, RoutingSpec, check_layout, expected_rows
-from trainer.alignment import (
+from trainer.samples.alignment import (
     LayerMap,
     RoutingChunk,
     RoutingLayoutError,
