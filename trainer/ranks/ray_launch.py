@@ -24,7 +24,7 @@ from services.common.procenv import pythonpath
 from trainer.config import TrainerConfig
 from trainer.ranks.ray_config import RayLaunchConfig
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 LOCAL_RAY_IP = "127.0.0.1"  # the private Ray of `r3flow local` only; a cluster never uses it
 
 log = logging.getLogger(__name__)
