@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from services.local.config import LocalConfig
+from services.local.config import LocalConfig, resolved
 
 OUT_OF_BUDGET_EXIT = 124  # the exit code of a run past its budget (as timeout(1))
 
@@ -60,7 +60,7 @@ class Budget:
 
     @classmethod
     def of(cls, cfg: LocalConfig) -> Budget:
-        return cls(cfg.grpo.steps, cfg.budget_boot_s, cfg.budget_step_s,
+        return cls(resolved(cfg, "trainer").run.steps, cfg.budget_boot_s, cfg.budget_step_s,
                    cfg.budget_follows_rate, cfg.timeout_s)
 
     def total(self) -> float:

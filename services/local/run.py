@@ -26,6 +26,7 @@ from services.local.accounting import Accounting
 from services.local.budget import OUT_OF_BUDGET_EXIT, Budget, OutOfBudget, Stalled
 from services.local.config import (
     LocalConfig,
+    resolved,
     rollout_concurrency,
     rollout_config,
     seeded,
@@ -47,7 +48,7 @@ CHILD_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
              "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false",
              "VLLM_LOGGING_LEVEL": "WARNING", "PYTHONUNBUFFERED": "1"}
 
-# One OpenMP thread for the warm start, as the trainer's Ray rank has (trainer.ray_launch): with
+# One OpenMP thread for the warm start, as the trainer's Ray rank has (trainer.ranks.ray_launch): with
 # torch's default of one per core, a 2-core box busy with other work made each SFT step wait on
 # a descheduled sibling thread: 25 s a step at load 20 against 1.5 s alone (issue 46).
 WARM_START_ENV = {"OMP_NUM_THREADS": "1"}
@@ -78,9 +79,12 @@ class LocalRun:
 
     def __init__(self, cfg: LocalConfig) -> None:
         self.cfg = cfg
+        # what the run's children get (the sections over the preset; paths aside)
+        self.store_cfg, self.rollout_cfg, self.trainer_cfg = (
+            resolved(cfg, name) for name in ("store", "rollout", "trainer"))
         # boot: the family's backend (a refused megatron fails here, before any folder or child)
         self.plan = family.plan(cfg.family, cfg.trainer_backend, seeded(cfg)[1])
-        family.log_plan(self.plan, cfg.grpo.dtype)
+        family.log_plan(self.plan, self.trainer_cfg.model.dtype)
         self.dir = new_run_dir(cfg.runs_dir)
         self.sup = Supervisor(self.dir / "logs", env=CHILD_ENV)
         self.redis: EmbeddedRedis | None = None
@@ -90,7 +94,7 @@ class LocalRun:
         self.budget = Budget.of(cfg)
         self.stalls = StallWatch(self.store_facts)
         self.stops: dict[str, dict] = {}  # child -> how its stop went (stop_child)
-        tqdm.write(f"budget: {self.budget.total():.0f} s for {cfg.grpo.steps} GRPO steps "
+        tqdm.write(f"budget: {self.budget.total():.0f} s for {self.trainer_cfg.run.steps} GRPO steps "
                    f"({self.budget.describe()}); a run past it stops, reports the steps done "
                    f"and exits {OUT_OF_BUDGET_EXIT}")
 
@@ -201,8 +205,8 @@ class LocalRun:
     def _follow(self, trainer) -> list[dict]:
         """Print a table row per step as the trainer logs it; wait for the trainer to exit."""
         log_path = self.dir / "trainer" / "train_log.jsonl"
-        steps = self.cfg.grpo.steps
-        bar = tqdm(total=steps, desc=f"GRPO ({self.cfg.replay})", unit="step")
+        steps = self.trainer_cfg.run.steps
+        bar = tqdm(total=steps, desc=f"GRPO ({self.trainer_cfg.replay.mode})", unit="step")
         tqdm.write(report.table_header())
         seen: list[dict] = []
         while trainer.alive() and not self.budget.over(time.monotonic() - self.started):
@@ -302,8 +306,8 @@ class LocalRun:
         summary = self._summary(rows, trajectories, out_of_budget=failure,
                                 prometheus=self.monitor.report())
         report.plot_report(rows, self.dir / "report.png", f"r3flow local — replay="
-                           f"{self.cfg.replay}, {len(rows)} of {over.steps} GRPO steps "
-                           f"({'stalled' if isinstance(over, Stalled) else 'out of budget'})")
+                           f"{self.trainer_cfg.replay.mode}, {len(rows)} of {over.steps} GRPO "
+                           f"steps ({'stalled' if isinstance(over, Stalled) else 'out of budget'})")
         return summary
 
     def finish(self, rows: list[dict]) -> dict:
@@ -313,7 +317,7 @@ class LocalRun:
         summary = self._summary(rows, self._account().as_dict(),
                                 prometheus=self.monitor.report())
         report.plot_report(rows, self.dir / "report.png",
-                           f"r3flow local — replay={self.cfg.replay}, {len(rows)} GRPO steps")
+                           f"r3flow local — replay={self.trainer_cfg.replay.mode}, {len(rows)} GRPO steps")
         return summary
 
     def abort(self, died: ChildDied) -> dict:
@@ -337,12 +341,12 @@ class LocalRun:
     def _account(self) -> Accounting:
         in_flight = self.cfg.workers * rollout_concurrency(self.cfg)
         return Accounting.collect(self.store_addr, self.worker_summaries(),
-                                  self.cfg.grpo.group_size, in_flight)
+                                  self.rollout_cfg.sampling.n, in_flight)
 
     def _summary(self, rows: list[dict], trajectories: dict, **extra: object) -> dict:
-        summary = {"run_dir": str(self.dir), "replay": self.cfg.replay, "steps": len(rows),
-                   "max_policy_lag": self.cfg.grpo.max_policy_lag,
-                   "measure_every": self.cfg.grpo.measure_every,
+        summary = {"run_dir": str(self.dir), "replay": self.trainer_cfg.replay.mode.value,
+                   "steps": len(rows), "max_policy_lag": self.store_cfg.max_policy_lag,
+                   "measure_every": self.trainer_cfg.replay.compare_off_every,
                    "budget_s": round(self.budget.total(), 1), "stops": self.stops,
                    "wall_seconds": round(time.monotonic() - self.started, 1),
                    **report.summarize(rows), "trajectories": trajectories,

@@ -9,6 +9,7 @@ from pydantic import Field, field_validator, model_validator
 
 from services.common.auth import ClientAuthConfig
 from services.common.config import StrictConfig, multiple_of
+from services.common.staleness import DEFAULT_MAX_POLICY_LAG, MaxPolicyLag
 
 
 class EngineConfig(StrictConfig):
@@ -149,9 +150,9 @@ class RolloutConfig(StrictConfig):
                             "disjoint shard (the chart sets rollout.replicas)")
     shard: int | None = Field(None, ge=0, description="this worker's shard; unset = the trailing "
                               "-N of worker_id (a StatefulSet pod's ordinal), or 0 with one shard")
-    max_policy_lag: int | None = Field(
-        None, ge=0,
-        description="hold new groups while the trainer's published version is ahead by more")
+    max_policy_lag: MaxPolicyLag = Field(
+        DEFAULT_MAX_POLICY_LAG, description="hold new groups while the trainer's published "
+        "version is ahead of this engine's by more (services.common.staleness; None = never)")
     weight_digests_file: str | None = Field(
         None, description="test/debug aid, off when unset: after each weight push received, "
         "write {version, worker_id, digests: HF name -> tensor_digest of each tensor handed to "

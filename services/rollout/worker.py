@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.common.pb.r3flow.v1 import trajectory_pb2
+from services.common.staleness import too_stale
 from services.rollout.agent import (
     AgentLoop,
     ChatSession,
@@ -368,9 +369,8 @@ class RolloutWorker:
         this engine, then while the store's backlog budget has no room for it and for this
         worker's groups not sent yet. The budget hold needs no new version to end it: it lasts
         exactly as long as the trainer consumes nothing (down, restarting, checkpointing)."""
-        lag = self.cfg.max_policy_lag
-        while lag is not None and self.trainer_version is not None and \
-                self.trainer_version - self.engine.policy_version > lag:
+        while self.trainer_version is not None and too_stale(
+                self.trainer_version, self.engine.policy_version, self.cfg.max_policy_lag):
             await asyncio.sleep(0.1)
         if self.sink is not None:
             await wait_for_room(self.sink, lambda: summary.groups_in_flight,

@@ -8,6 +8,7 @@ from pydantic import Field, field_serializer, field_validator
 
 from services.common.auth import AuthConfig, redact_url
 from services.common.config import StrictConfig
+from services.common.staleness import DEFAULT_MAX_POLICY_LAG, MaxPolicyLag
 
 
 class EmbeddedRedisConfig(StrictConfig):
@@ -95,8 +96,9 @@ class StoreConfig(StrictConfig):
         "dropped `dead_letter` and in r3flow_store_dead_lettered_total; None = redeliver "
         "forever")
     backpressure_retry_ms: int = Field(500, ge=1, description="retry hint sent with refusals")
-    max_policy_lag: int | None = Field(
-        4, ge=0, description="drop groups whose oldest segment lags more versions (None = never)")
+    max_policy_lag: MaxPolicyLag = Field(
+        DEFAULT_MAX_POLICY_LAG, description="drop at delivery groups whose oldest segment lags "
+        "the published policy version by more (services.common.staleness; None = never)")
     lease_seconds: int = Field(300, ge=1, description="lease of a pull that does not ask for one")
     max_wait_ms: int = Field(30_000, ge=0, description="cap on a Pull's wait_ms")
     group_timeout_seconds: float = Field(

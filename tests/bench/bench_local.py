@@ -209,8 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     config = None
     if args.smoke:
         args.steps, args.rounds, args.no_baseline = 2, 1, True
-        config = {"model": {}, "warm_start_steps": 1, "metrics_linger_s": 0, "prometheus": False,
-                  "grpo": {"groups_per_step": 4}}
+        config = {"model": {}, "warm_start_steps": 1, "prometheus": False,
+                  "trainer": {"data": {"groups_per_step": 4}, "run": {"metrics_linger_s": 0}}}
     base = None if args.no_baseline else baseline_tree(args.baseline_rev)
     head = REPO if args.smoke else head_tree()
     runs: list[dict] = []

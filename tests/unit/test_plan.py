@@ -214,7 +214,7 @@ def test_plan_matches_the_chunked_loss_measurement(tp, micro_batch, measured):
 
 
 def test_the_planned_loss_chunk_is_the_trainers():
-    from trainer.logprobs import CHUNK
+    from trainer.losses.logprobs import CHUNK
     from trainer.plan.memory import LOSS_CHUNK_ROWS
 
     assert LOSS_CHUNK_ROWS == CHUNK

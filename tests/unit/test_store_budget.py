@@ -3,7 +3,6 @@ max_redeliveries, and lease renewal by the holder's own session (real embedded r
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Iterator
 
@@ -65,7 +64,7 @@ def test_group_redelivered_past_the_limit_is_dead_lettered(redis_url: str) -> No
         counts.append(got["poison"].delivery_count)
         if "good" in got:
             core.ack(consumer, [got["good"].delivery_id])
-        time.sleep(1.05)
+        core.clock.advance(1.05)
     assert counts == [1, 2, 3]
     assert core.pull("d", 2, lease_seconds=1) == []  # never delivered again
     stats = core.stats()
@@ -87,7 +86,7 @@ def test_own_session_renews_its_lease_without_counting(redis_url: str) -> None:
     for _ in range(3):
         [d] = core.pull("t", 1, lease_seconds=1, session="s1")
         assert d.delivery_count == 1
-        time.sleep(1.05)
+        core.clock.advance(1.05)
     assert core.stats().counters.get("redeliveries", 0) == 0
     assert core.pull("t", 1, lease_seconds=1, session="s2") == []  # 2nd delivery > 0 allowed
     assert core.stats().counters["groups_dead_lettered"] == 1
@@ -100,10 +99,10 @@ def test_a_renewal_is_never_dropped_stale(redis_url: str) -> None:
     append_group(core, "g")
     [d] = core.pull("t", 1, lease_seconds=1, session="s1")
     core.publish_policy_version(5)
-    time.sleep(1.05)
+    core.clock.advance(1.05)
     [again] = core.pull("t", 1, lease_seconds=1, session="s1")
     assert again.delivery_id == d.delivery_id
-    time.sleep(1.05)
+    core.clock.advance(1.05)
     assert core.pull("t", 1, session="s2") == []
     assert core.stats().dropped_by_reason() == {"stale": 2}
 

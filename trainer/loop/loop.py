@@ -37,7 +37,7 @@ from trainer.loop.dynamic_sampling import DynamicSampler, equal_reward_groups
 from trainer.loop.ledger import TrainedIdsLedger
 from trainer.loop.metrics import TrainerMetrics, reduce_metrics
 from trainer.loop.ranks import Ranks, RankTransport
-from trainer.loop.staleness import staleness
+from trainer.loop.staleness import is_stale, staleness
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +174,7 @@ class TrainLoop:
         if lag is None:
             return groups
         v = self.pos.policy_version
-        stale = [g for g in groups if staleness(g, v) > lag]
+        stale = [g for g in groups if is_stale(g, v, lag)]
         if stale:
             self.client.ack(self.cfg.data.consumer, [], dropped=[
                 (g.delivery_id, "stale", len(g.trajectories)) for g in stale])

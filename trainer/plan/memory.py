@@ -42,14 +42,14 @@ An estimate written down so that it can be checked by hand (tests/unit/test_plan
     each layer keeps the kernel's fp32 logsumexp, 4 B x micro_batch x heads/TP x seq_len;
   * loss: the trainer's loss works on the full [B, S, V] logits (the trainer gathers them over
     TP, parallel_output=False, so every TP rank holds the full vocabulary; PP: the last
-    stage). trainer/loss.py's ppo_loss takes two fp32 log-softmaxes (token_logprobs and
+    stage). trainer/losses/loss.py's ppo_loss takes two fp32 log-softmaxes (token_logprobs and
     token_entropy each upcast and normalise the logits) and exp of the second; autograd keeps
     all three (3 x 4 B per logit), and the entropy's backward materialises three more fp32
     gradients of that size before any is freed: 24 B per logit at the peak, at the start of
     the update's backward when every layer's activations are still held (any model dtype;
     measured on CPU with ru_maxrss over ppo_loss forward + backward: 6.05 x 4 B bf16, 6.05 x
     4 B fp32; forward alone 4.5 x 4 B). With loss.chunked_logprobs (Layout.chunked_logprobs,
-    trainer/logprobs.py) no fp32 [B, S, V] tensor: the bf16 logits it saves for backward and
+    trainer/losses/logprobs.py) no fp32 [B, S, V] tensor: the bf16 logits it saves for backward and
     their bf16 gradient (4 B per logit), plus one chunk's fp32 temporaries in the backward
     (~6 x LOSS_CHUNK_ROWS x V x 4 B: logp, p, the gradient and their products; fitted to the
     four H200 peaks of BENCHMARKS.md "Call 5", within 6 %);
@@ -222,7 +222,7 @@ def fsdp_state_bytes(arch: Arch, lay: Layout) -> dict[str, float]:
             "reference model": 4 * shard if lay.reference else 0.0}
 
 
-LOSS_CHUNK_ROWS = 1024  # trainer.logprobs.CHUNK (tests/unit/test_plan.py keeps them equal)
+LOSS_CHUNK_ROWS = 1024  # trainer.losses.logprobs.CHUNK (tests/unit/test_plan.py keeps them equal)
 
 
 def attention_elems(arch: Arch) -> int:
