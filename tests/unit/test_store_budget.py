@@ -138,7 +138,7 @@ def test_unacked_bound_refuses_new_groups_until_an_ack(redis_url: str) -> None:
     with pytest.raises(CapacityError, match="max_unacked_tokens=60") as err:
         core.pull("t", 2)
     assert err.value.reason == "unacked"
-    time.sleep(1.05)  # a crashed trainer's groups: redelivered whatever the bound
+    core.clock.advance(1.05)  # a crashed trainer's groups: redelivered whatever the bound
     again = core.pull("t2", 4)
     assert sorted(d.group_id for d in again) == sorted(d.group_id for d in first)
     assert core.ack("t2", [d.delivery_id for d in again]) == 2
