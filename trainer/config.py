@@ -11,6 +11,7 @@ from services.common.config import StrictConfig
 from services.common.weight_sync.config import WeightSyncConfig
 from trainer.hooks import HookConfig
 from trainer.loss_config import LossConfig
+from trainer.lr_schedule import learning_rate
 from trainer.ray_config import RayLaunchConfig
 from trainer.registry import Section, check_backend
 from trainer.replay import ReplayMode
@@ -72,7 +73,17 @@ class HFSection(Protocol):
 class OptimConfig(StrictConfig):
     """Adam through megatron's get_megatron_optimizer."""
 
-    lr: float = Field(1e-5, gt=0)
+    lr: float = Field(1e-5, gt=0, description="peak learning rate (the schedule scales it)")
+    lr_schedule: Literal["constant", "cosine"] = Field(
+        "constant", description="lr after the warmup (trainer.lr_schedule): constant = lr; "
+        "cosine = from lr down to min_lr over decay_steps")
+    warmup_steps: int = Field(
+        0, ge=0, description="linear warmup: step s (0-based) of the first warmup_steps runs at "
+        "lr x (s + 1) / warmup_steps; 0 = none")
+    decay_steps: int | None = Field(
+        None, ge=1, description="cosine: steps of the decay after the warmup (min_lr after "
+        "them); None = run.steps - warmup_steps (needs run.steps > warmup_steps)")
+    min_lr: float = Field(0.0, ge=0, description="cosine: the lr at the end of the decay")
     weight_decay: float = Field(0.0, ge=0)
     adam_beta1: float = Field(0.9, ge=0, lt=1)
     adam_beta2: float = Field(0.999, ge=0, lt=1)
@@ -108,6 +119,12 @@ class OptimConfig(StrictConfig):
     mini_batches: int = Field(
         1, ge=1, description="optimizer updates per pass (the batch's micro-batches split "
         "between them); ppo_epochs * mini_batches updates per step, one policy version")
+
+    @model_validator(mode="after")
+    def _schedule(self) -> OptimConfig:
+        if self.min_lr > self.lr:
+            raise ValueError(f"optim.min_lr: {self.min_lr} above optim.lr {self.lr}")
+        return self
 
     @model_validator(mode="after")
     def _overlap_param_gather(self) -> OptimConfig:
@@ -305,6 +322,19 @@ class TrainerConfig(StrictConfig):
             raise ValueError("loss.rollout_correction: TIS/MIS weigh the trainer's old-policy "
                              "logprobs against the rollout's; set data.old_logprobs: trainer")
         return self
+
+    @model_validator(mode="after")
+    def _cosine_length(self) -> TrainerConfig:
+        o = self.optim
+        if o.lr_schedule == "cosine" and o.decay_steps is None and \
+                self.run.steps <= o.warmup_steps:
+            raise ValueError(f"optim.decay_steps: cosine needs it when run.steps ({self.run.steps}"
+                             f") is not above optim.warmup_steps ({o.warmup_steps})")
+        return self
+
+    def learning_rate(self, step: int) -> float:
+        """The lr of the step taken after `step` completed steps (trainer.lr_schedule)."""
+        return learning_rate(self.optim, step, self.run.steps)
 
     @model_validator(mode="after")
     def _launcher_world(self) -> TrainerConfig:

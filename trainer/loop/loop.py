@@ -164,6 +164,13 @@ class TrainLoop:
         dropped = {g.group_id for g in stale}
         return [g for g in groups if g.group_id not in dropped]
 
+    def lr_scale(self, hooks_scale: float) -> float:
+        """The coming step's lr as a multiple of optim.lr: the schedule's (trainer.lr_schedule,
+        a function of the step, so resumed runs continue it) times the step hooks'."""
+        if hooks_scale != 1.0:
+            log.warning("step %d at lr x %g (a step hook)", self.pos.step + 1, hooks_scale)
+        return self.cfg.learning_rate(self.pos.step) / self.cfg.optim.lr * hooks_scale
+
     def train_step(self, groups: list, lr_scale: float = 1.0) -> dict:
         """Scatter whole groups to the ranks; each aligns routing and steps (its updates at lr x
         `lr_scale`); reduce metrics."""
@@ -172,6 +179,7 @@ class TrainLoop:
         per_rank = self.ranks.train(shares, lr_scale)
         dropped = {g: why for m in per_rank for g, why in m.pop("dropped", {}).items()}
         metrics = reduce_metrics(per_rank)
+        metrics["learning_rate"] = self.cfg.optim.lr * lr_scale
         self.quarantine([g for g in groups if g.group_id in dropped], dropped)
         groups = [g for g in groups if g.group_id not in dropped]
         metrics["groups_quarantined"] = len(dropped)
@@ -276,7 +284,7 @@ class TrainLoop:
             if not groups:
                 break
             t1 = time.perf_counter()
-            metrics = self.train_step(groups, control.lr_scale)
+            metrics = self.train_step(groups, self.lr_scale(control.lr_scale))
             self.publish_version()
             t2 = time.perf_counter()
             if not stop():  # stopping: the engines are going too (SIGTERM between passes)
