@@ -200,6 +200,10 @@ class DataConfig(StrictConfig):
         "counted in r3flow_trainer_groups_stale_total, never trained); the trainer's version "
         "moves at every update. Set it to the store's max_policy_lag; None = no check here "
         "(the store's drop at delivery only)")
+    correct_reward: float = Field(
+        1.0, description="a trajectory counts as correct (the step's `accuracy`, the evals' "
+        "accuracy and pass@k) when its reward is at least this (the built-in verifiers give 1 "
+        "for a right answer)")
     dynamic_sampling: bool = Field(
         False, description="DAPO dynamic sampling: a pulled group whose rewards are all equal "
         "(no advantage, no policy gradient) is acked as dropped and the batch refilled from the "
@@ -233,6 +237,12 @@ class RunConfig(StrictConfig):
     metrics_linger_s: float = Field(
         0.0, ge=0, le=600, description="after the last step, keep serving /metrics this long "
         "(a short job's final values reach a scraper; SIGTERM ends it early)")
+    sample_rows: int = Field(
+        4, ge=0, description="per step, this many trained groups' first trajectory (prompt, "
+        "response, reward) appended to <run_dir>/samples.jsonl; 0 = none")
+    peak_tflops: float | None = Field(
+        None, gt=0, description="one trainer device's peak TFLOP/s for the step's `mfu`; None "
+        "= the CUDA device's bf16 dense peak when known (trainer.loop.batch_stats), else no MFU")
     push_weights_every: int = Field(1, ge=0, description="weight push every N steps (0 = never)")
     exit_engine_wait_s: float = Field(
         30.0, ge=0, le=600, description="at exit, wait at most this long for every registered "

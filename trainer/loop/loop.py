@@ -31,6 +31,7 @@ from typing import Any
 from trainer.checkpoint import DataPosition
 from trainer.config import TrainerConfig
 from trainer.hooks import StepHook, before_step, load_hooks
+from trainer.loop.batch_stats import StepStats
 from trainer.loop.dynamic_sampling import REASON as EQUAL_REWARDS
 from trainer.loop.dynamic_sampling import DynamicSampler, equal_reward_groups
 from trainer.loop.ledger import TrainedIdsLedger
@@ -68,6 +69,7 @@ class TrainLoop:
         self.pos = DataPosition()
         self.run_log = Path(cfg.run.run_dir) / "train_log.jsonl"
         self.ledger = TrainedIdsLedger(Path(cfg.run.run_dir) / "trained_ids.jsonl")
+        self.stats = StepStats(cfg, self.ranks.world_size)
         self.run_log.parent.mkdir(parents=True, exist_ok=True)
 
     def resume(self) -> None:
@@ -188,6 +190,7 @@ class TrainLoop:
         metrics["groups_equal_rewards"] = equal_reward_groups(groups)
         metrics |= self.sampler.metrics(len(groups))
         self.pos.step += 1
+        metrics |= self.stats.of(self.pos.step, groups, metrics)
         self.pos.policy_version = int(metrics["policy_version"])
         self.pos.remember([g.group_id for g in groups])
         self.pending_acks += [g.delivery_id for g in groups]
