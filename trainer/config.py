@@ -10,6 +10,7 @@ from services.common.auth import ClientAuthConfig
 from services.common.config import StrictConfig
 from services.common.weight_sync.config import WeightSyncConfig
 from trainer.hooks import HookConfig
+from trainer.loop.tracking import TrackingConfig
 from trainer.loss_config import LossConfig
 from trainer.lr_schedule import learning_rate
 from trainer.ray_config import RayLaunchConfig
@@ -282,6 +283,9 @@ class TrainerConfig(StrictConfig):
     ray: RayLaunchConfig = Field(
         default_factory=RayLaunchConfig,  # type: ignore[arg-type]
         description="ray launcher: cluster to join, rank placement")
+    tracking: TrackingConfig = Field(
+        default_factory=TrackingConfig, description="step metrics to TensorBoard (default), "
+        "W&B, MLflow (trainer.loop.tracking)")
     hooks: list[HookConfig] = Field(
         default_factory=list, description="step hooks the loop consults before every step "
         "(trainer.hooks: 'module.path:factory' or {path, options}; they may scale the step's "

@@ -38,6 +38,7 @@ from trainer.loop.ledger import TrainedIdsLedger
 from trainer.loop.metrics import TrainerMetrics, reduce_metrics
 from trainer.loop.ranks import Ranks, RankTransport
 from trainer.loop.staleness import staleness
+from trainer.loop.tracking import Tracker, open_trackers, scalars_of
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,8 @@ class TrainLoop:
 
     def __init__(self, cfg: TrainerConfig, ranks: Ranks | RankTransport, client,
                  metrics: dict[str, Any] | None = None, push_fn: PushFn | None = None,
-                 hooks: Sequence[StepHook] | None = None) -> None:
+                 hooks: Sequence[StepHook] | None = None,
+                 trackers: Sequence[Tracker] | None = None) -> None:
         if cfg.data.groups_per_step % ranks.world_size:
             raise ValueError(f"data.groups_per_step: {cfg.data.groups_per_step} not divisible "
                              f"by {ranks.world_size} ranks")
@@ -70,6 +72,9 @@ class TrainLoop:
         self.run_log = Path(cfg.run.run_dir) / "train_log.jsonl"
         self.ledger = TrainedIdsLedger(Path(cfg.run.run_dir) / "trained_ids.jsonl")
         self.stats = StepStats(cfg, self.ranks.world_size)
+        # TensorBoard (and W&B / MLflow) of the step metrics; the CLI passes its own and closes
+        self.trackers = (open_trackers(cfg.tracking, self.run_log.parent) if trackers is None
+                         else list(trackers))
         self.run_log.parent.mkdir(parents=True, exist_ok=True)
 
     def resume(self) -> None:
@@ -324,10 +329,13 @@ class TrainLoop:
 
     # ------------------------------------------------------------------ observability
     def record(self, m: dict) -> None:
-        """Export a step's metrics to Prometheus and append them to the JSONL run log."""
+        """Export a step's metrics to Prometheus, the JSONL run log and the trackers."""
         self.metrics.export_step(m)
         with self.run_log.open("a") as f:
             f.write(json.dumps({"step": self.pos.step, "time": time.time(), **m}) + "\n")
+        scalars = scalars_of(m)
+        for t in self.trackers:
+            t.log(self.pos.step, scalars)
 
 
 def _prompt_of(group) -> tuple[str, int, str]:  # noqa: ANN001 (a store_pb2.PulledGroup)
