@@ -139,6 +139,15 @@ ROLLOUT = [
     MetricSpec("r3flow_rollout_policy_version", "gauge", "policy version the engine serves"),
     MetricSpec("r3flow_rollout_trajectories_total", "counter", "finished trajectories, by outcome",
                ("outcome",)),
+    MetricSpec("r3flow_rollout_eval_accuracy", "gauge",
+               "held-out greedy accuracy of the last eval of a set (`source`: the set's name): "
+               "share of prompts whose greedy answer's reward is at least eval.correct_reward",
+               ("source",)),
+    MetricSpec("r3flow_rollout_eval_pass_at_k", "gauge",
+               "held-out pass@k of the last eval of a set (unbiased estimate from eval.samples "
+               "samples per prompt)", ("source", "k")),
+    MetricSpec("r3flow_rollout_eval_policy_version", "gauge",
+               "policy version the last eval of a set scored", ("source",)),
     MetricSpec("r3flow_rollout_routing_check_failures_total", "counter",
                "captured routing that failed a sanity check (row count, range, all-zero)"),
 ]

@@ -22,6 +22,7 @@ from services.rollout.capture_check import AfterLoadCheck
 from services.rollout.config import RolloutConfig
 from services.rollout.dataset import PromptRecord, iterate_prompts
 from services.rollout.engine import EngineDead, RolloutEngine
+from services.rollout.evaluation import Evaluator
 from services.rollout.report import RepeatedLog, WorkerSummary, write_json_atomic
 from services.rollout.segments import RoutingCheckError, check_routing
 from services.rollout.sink import TrajectorySink, wait_for_room
@@ -87,6 +88,29 @@ class RolloutWorker:
         self._failures_in_row = 0
         # Called with the live summary whenever a group starts or ends (progress file).
         self.on_progress: Callable[[WorkerSummary], None] = lambda _: None
+        self.evaluator = self._evaluator() if cfg.eval is not None else None
+
+    def _evaluator(self) -> Evaluator:
+        """The held-out scorer (services.rollout.evaluation): greedy and n-sample loops over
+        this engine, every request under the worker's request limit."""
+        ev, sp = self.cfg.eval, self.cfg.sampling
+        assert ev is not None
+        sampled = sp.model_copy(update={"max_tokens": ev.max_tokens or sp.max_tokens})
+        greedy = sampled.model_copy(update={"n": 1, "temperature": 0.0})
+        policy = self.cfg.partial_rollout_policy
+        return Evaluator(ev, AgentLoop(self.engine, greedy, policy=policy),
+                         AgentLoop(self.engine, sampled, policy=policy), self.reward_of,
+                         self.tokenizer.encode, self._limited, self.metrics)
+
+    async def _limited(self, aw: Any) -> Any:
+        async with self._requests:
+            return await aw
+
+    def _maybe_eval(self) -> None:
+        """Start a held-out score of the weights served now, when one is due."""
+        v = self.engine.policy_version
+        if self.evaluator is not None and self.evaluator.due(v):
+            self.evaluator.start(v, lambda: self.engine.policy_version)
 
     def request_stop(self) -> None:
         """Take no new prompt; `run` lets in-flight groups finish within its grace period."""
@@ -105,6 +129,12 @@ class RolloutWorker:
         """Roll out `epochs` passes (or `num_prompts` groups) over `records`; after
         `request_stop`, groups still running `stop_grace_s` later are cancelled (abandoned)."""
         summary, t0 = WorkerSummary(), time.perf_counter()
+        if self.evaluator is not None and self.evaluator.cfg.only:
+            summary.eval = await self.evaluator.run(self.engine.policy_version,
+                                                    lambda: self.engine.policy_version)
+            summary.seconds = time.perf_counter() - t0
+            return summary
+        self._maybe_eval()
         # Twice the groups the engine can hold: a group that is being sent keeps its slot
         # without starving the engine, and when the store pushes back, sending groups fill
         # every slot and no new group starts (the worker slows down, nothing is dropped).
@@ -134,6 +164,9 @@ class RolloutWorker:
         watchdog.cancel()
         grace = min(stop_grace_s, FATAL_GRACE_S) if summary.fatal else stop_grace_s
         await self._finish_in_flight(set(tasks), summary, grace)
+        if self.evaluator is not None:
+            await self.evaluator.finish(grace)
+            summary.eval = list(self.evaluator.rows)
         summary.seconds = time.perf_counter() - t0
         self._errors.flush()
         return summary
@@ -269,8 +302,7 @@ class RolloutWorker:
         """Reward, routing checks (RoutingCheckError), and the wire message when there is a
         sink to send it to (a dry run skips the encoding)."""
         state = res.state
-        text = self.tokenizer.decode(state.response_ids, skip_special_tokens=True)
-        res.reward = float(verifier(text, rec.answer))
+        res.reward = self.reward_of(res, rec, verifier)
         if self.engine.cfg.capture_routing:
             self._check(meta.trajectory_id, res)
         if self.sink is None:
@@ -278,6 +310,13 @@ class RolloutWorker:
         layout = self.layout if self.engine.cfg.capture_routing else None
         return trajectory_to_proto(meta, state, reward=res.reward,
                                    finish_reason=res.finish_reason, layout=layout)
+
+    def reward_of(self, res: RolloutResult, rec: PromptRecord, verifier: Any = None) -> float:
+        """The verifier's reward of a finished result's response text (the record's verifier,
+        else the configured one, unless `verifier` is given)."""
+        verifier = verifier or self.verifiers.get(rec.verifier or self.cfg.verifier)
+        text = self.tokenizer.decode(res.state.response_ids, skip_special_tokens=True)
+        return float(verifier(text, rec.answer))
 
     def _check(self, trajectory_id: str, res: RolloutResult) -> None:
         state = res.state
@@ -299,6 +338,7 @@ class RolloutWorker:
         count = await self.engine.load_safetensors_file(path, version=version)
         self.capture_check.after_load(self.engine.policy_version)
         await self.report_version()
+        self._maybe_eval()
         return count
 
     async def update_weights_from_tensors(self, named: dict[str, Any],
@@ -306,6 +346,7 @@ class RolloutWorker:
         count = await self.engine.load_named_tensors(named, version=version)
         self.capture_check.after_load(self.engine.policy_version)
         await self.report_version()
+        self._maybe_eval()
         return count
 
     async def apply_weight_sync(self, plan: Any) -> int:
@@ -328,6 +369,7 @@ class RolloutWorker:
             write_json_atomic(digests, {"version": plan.version, "worker_id": self.cfg.worker_id,
                                         "digests": got})
         await self.report_version()
+        self._maybe_eval()
         return count
 
     async def report_version(self) -> int | None:
