@@ -244,6 +244,10 @@ class RunConfig(StrictConfig):
     peak_tflops: float | None = Field(
         None, gt=0, description="one trainer device's peak TFLOP/s for the step's `mfu`; None "
         "= the CUDA device's bf16 dense peak when known (trainer.loop.batch_stats), else no MFU")
+    eval_log: str | None = Field(
+        None, description="the rollout workers' eval.log (held-out accuracy and pass@k, "
+        "services.rollout.evaluation) when this process can read it: each step's log record "
+        "and trackers get the rows written since the last step (trainer.loop.eval_feed)")
     push_weights_every: int = Field(1, ge=0, description="weight push every N steps (0 = never)")
     exit_engine_wait_s: float = Field(
         30.0, ge=0, le=600, description="at exit, wait at most this long for every registered "

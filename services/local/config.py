@@ -220,6 +220,9 @@ def store_config(cfg: LocalConfig, run_dir: Path) -> dict:
             "backpressure_retry_ms": 200}
 
 
+EVAL_LOG = "eval_log.jsonl"  # in the run folder: worker 0's held-out scores
+
+
 def rollout_concurrency(cfg: LocalConfig) -> int:
     """Requests a worker keeps in its engine (whole groups)."""
     return 4 * cfg.grpo.group_size
@@ -245,7 +248,17 @@ def rollout_config(cfg: LocalConfig, run_dir: Path, model_dir: Path, worker: int
         "max_policy_lag": g.max_policy_lag,
         # Outlive a store restart or a ~30 s outage: the client backs off up to 5 s per retry.
         "store_max_retries": 30,
+        **({"eval": eval_section(cfg, run_dir)} if worker == 0 else {}),
     }
+
+
+def eval_section(cfg: LocalConfig, run_dir: Path) -> dict:
+    """Worker 0 scores the held-out set (data/eval.jsonl) at start and every quarter of the
+    run, at least every 10 versions (services.rollout.evaluation); the trainer reads its log
+    into the step log."""
+    return {"sets": [{"name": cfg.task.name, "dataset": str(run_dir / "data" / "eval.jsonl")}],
+            "every_versions": max(1, min(cfg.grpo.steps // 4, 10)), "samples": 4, "k": [1, 4],
+            "log": str(run_dir / EVAL_LOG)}
 
 
 # grpo.rollout_correction -> the trainer's loss.rollout_correction
@@ -288,7 +301,7 @@ def trainer_config(cfg: LocalConfig, run_dir: Path, model_dir: Path,
         "run": {"run_dir": str(run_dir / "trainer"), "steps": g.steps,
                 "checkpoint_every": g.checkpoint_every,
                 "push_weights_every": 1, "launcher": launcher,
-                "metrics_linger_s": cfg.metrics_linger_s},
+                "metrics_linger_s": cfg.metrics_linger_s, "eval_log": str(run_dir / EVAL_LOG)},
         # A private Ray on loopback even when the user's shell has RAY_ADDRESS set.
         "ray": {"address": "local"},
     }

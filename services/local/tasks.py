@@ -46,6 +46,15 @@ def write_datasets(cfg: TaskConfig, out_dir: Path) -> tuple[Path, Path]:
     return rl_path, sft_path
 
 
+def write_eval_set(cfg: TaskConfig, out_dir: Path, n: int = 32) -> Path:
+    """`eval.jsonl`: `n` prompts drawn with a third seed, the held-out set the rollout worker
+    scores during the run (with single-digit operands the problems repeat the training ones)."""
+    path, rng = out_dir / "eval.jsonl", random.Random(cfg.seed + 2_000_003)
+    path.write_text("".join(json.dumps({"id": f"eval-{i}", **addition_example(
+        rng, cfg.max_operand)}) + "\n" for i in range(n)))
+    return path
+
+
 def closeness_reward(completion: str, answer: str) -> float:
     """1.0 for the exact answer; a number off by d scores 0.8 * exp(-d / 4); anything else 0.
 

@@ -41,6 +41,10 @@ class EvalConfig(StrictConfig):
         False, description="score the sets once on the weights at start and exit, no "
         "rollouts (the evaluation job, k8s/eval-job.yaml)")
 
+    linger_s: float = Field(
+        0.0, ge=0, le=600, description="with only: keep serving /metrics this long after the "
+        "score, so a scraper gets the final gauges (SIGTERM ends it early)")
+
     @model_validator(mode="after")
     def _k_within_samples(self) -> Self:
         bad = [k for k in self.k if not 1 <= k <= self.samples]

@@ -133,6 +133,7 @@ class RolloutWorker:
             summary.eval = await self.evaluator.run(self.engine.policy_version,
                                                     lambda: self.engine.policy_version)
             summary.seconds = time.perf_counter() - t0
+            await self._until_stop(asyncio.sleep(self.evaluator.cfg.linger_s))
             return summary
         self._maybe_eval()
         # Twice the groups the engine can hold: a group that is being sent keeps its slot

@@ -5,6 +5,7 @@ name their missing package."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import struct
 
 import pytest
@@ -12,6 +13,7 @@ import pytest
 from services.common.config import ConfigError, build_config
 from tests.support.fake_loop import FakeRanks, FakeStore, loop_config, pulled_group
 from trainer.config import TrainerConfig
+from trainer.loop.eval_feed import EvalFeed, flat
 from trainer.loop.loop import TrainLoop
 from trainer.loop.tb_events import Event, EventWriter, crc32c, frame, read_records, read_scalars
 from trainer.loop.tracking import TB_DIR, open_trackers, scalars_of
@@ -91,3 +93,27 @@ def test_wandb_offline(tmp_path, monkeypatch) -> None:
     t.log(1, {"reward_mean": 0.5})
     t.close()
     assert list((tmp_path / "wandb").glob("offline-run-*"))
+
+
+def test_eval_rows_reach_the_step_log_and_tensorboard(tmp_path) -> None:
+    """run.eval_log: the rows the rollout workers' evals append (services.rollout.evaluation)
+    go into the next step's record, each once; a row still being written waits."""
+    evals = tmp_path / "eval_log.jsonl"
+    row = {"policy_version": 0, "source": "gsm8k", "accuracy": 0.25, "prompts": 4,
+           "pass_at_k": {"1": 0.2, "4": 0.5}}
+    evals.write_text(json.dumps(row) + "\n" + '{"policy_version": 1, "sou')
+    cfg = loop_config(tmp_path)
+    cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"eval_log": str(evals)})})
+    history = TrainLoop(cfg, FakeRanks(1), FakeStore([pulled_group(i) for i in range(4)])).run(2)
+    assert history[0]["eval/gsm8k/accuracy"] == 0.25 and history[0]["eval/gsm8k/pass@4"] == 0.5
+    assert "eval/gsm8k/accuracy" not in history[1]  # nothing new by step 2
+    logged = [json.loads(x) for x in (tmp_path / "train_log.jsonl").read_text().splitlines()]
+    assert logged[0]["eval/gsm8k/policy_version"] == 0
+    assert read_scalars(tmp_path / TB_DIR)["eval/gsm8k/accuracy"] == [(1, 0.25)]
+    with evals.open("a") as f:
+        f.write('rce": "gsm8k", "accuracy": 0.5}\n')
+    assert flat(row) == {"eval/gsm8k/policy_version": 0, "eval/gsm8k/accuracy": 0.25,
+                         "eval/gsm8k/pass@1": 0.2, "eval/gsm8k/pass@4": 0.5}
+    feed = EvalFeed(str(evals))
+    assert feed.new_metrics()["eval/gsm8k/accuracy"] == 0.5  # the later row wins
+    assert feed.new_metrics() == {}

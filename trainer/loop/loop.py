@@ -34,6 +34,7 @@ from trainer.hooks import StepHook, before_step, load_hooks
 from trainer.loop.batch_stats import StepStats
 from trainer.loop.dynamic_sampling import REASON as EQUAL_REWARDS
 from trainer.loop.dynamic_sampling import DynamicSampler, equal_reward_groups
+from trainer.loop.eval_feed import EvalFeed
 from trainer.loop.ledger import TrainedIdsLedger
 from trainer.loop.metrics import TrainerMetrics, reduce_metrics
 from trainer.loop.ranks import Ranks, RankTransport
@@ -72,6 +73,7 @@ class TrainLoop:
         self.run_log = Path(cfg.run.run_dir) / "train_log.jsonl"
         self.ledger = TrainedIdsLedger(Path(cfg.run.run_dir) / "trained_ids.jsonl")
         self.stats = StepStats(cfg, self.ranks.world_size)
+        self.evals = EvalFeed(cfg.run.eval_log)
         # TensorBoard (and W&B / MLflow) of the step metrics; the CLI passes its own and closes
         self.trackers = (open_trackers(cfg.tracking, self.run_log.parent) if trackers is None
                          else list(trackers))
@@ -330,6 +332,7 @@ class TrainLoop:
     # ------------------------------------------------------------------ observability
     def record(self, m: dict) -> None:
         """Export a step's metrics to Prometheus, the JSONL run log and the trackers."""
+        m |= self.evals.new_metrics()
         self.metrics.export_step(m)
         with self.run_log.open("a") as f:
             f.write(json.dumps({"step": self.pos.step, "time": time.time(), **m}) + "\n")
