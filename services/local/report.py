@@ -16,6 +16,7 @@ from pathlib import Path
 TABLE_COLUMNS = [
     ("step", "step", "{:>4d}"),
     ("reward", "reward_mean", "{:>7.3f}"),
+    ("acc", "accuracy", "{:>5.2f}"),
     ("ppo_kl", "ppo_kl", "{:>9.2e}"),
     ("kl_ref", "kl_ref", "{:>9.2e}"),
     ("|Δlp| r3", "logprob_diff_mean", "{:>9.2e}"),
