@@ -22,9 +22,9 @@ class EvalConfig(StrictConfig):
 
     sets: list[EvalSet] = Field(..., min_length=1, description="the held-out prompt sets")
     every_versions: int = Field(
-        1, ge=1, description="score the sets on the weights the worker serves at start and "
-        "after each weight load whose policy version is a multiple of this (a version that "
-        "comes while a score runs is skipped)")
+        1, ge=1, description="score the sets on the weights the worker starts with and after "
+        "each weight load whose policy version is a multiple of this (a version that comes "
+        "while a score runs is skipped)")
     samples: int = Field(
         4, ge=0, description="n samples per prompt at sampling.temperature for pass@k (besides "
         "the greedy one for accuracy); 0 = greedy only")
@@ -41,9 +41,17 @@ class EvalConfig(StrictConfig):
         False, description="score the sets once on the weights at start and exit, no "
         "rollouts (the evaluation job, k8s/eval-job.yaml)")
 
+    on_shard: int | None = Field(
+        0, ge=0, description="only the worker of this shard scores (every pod of the chart's "
+        "StatefulSet gets the same config; one score per version is enough); None = each "
+        "worker")
     linger_s: float = Field(
         0.0, ge=0, le=600, description="with only: keep serving /metrics this long after the "
         "score, so a scraper gets the final gauges (SIGTERM ends it early)")
+
+    def runs_on(self, shard: int) -> bool:
+        """Whether the worker of `shard` scores the sets."""
+        return self.on_shard is None or self.on_shard == shard
 
     @model_validator(mode="after")
     def _k_within_samples(self) -> Self:

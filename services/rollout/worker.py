@@ -88,7 +88,8 @@ class RolloutWorker:
         self._failures_in_row = 0
         # Called with the live summary whenever a group starts or ends (progress file).
         self.on_progress: Callable[[WorkerSummary], None] = lambda _: None
-        self.evaluator = self._evaluator() if cfg.eval is not None else None
+        self.evaluator = self._evaluator() if cfg.eval is not None and cfg.eval.runs_on(
+            cfg.shard_index) else None
 
     def _evaluator(self) -> Evaluator:
         """The held-out scorer (services.rollout.evaluation): greedy and n-sample loops over
@@ -135,7 +136,8 @@ class RolloutWorker:
             summary.seconds = time.perf_counter() - t0
             await self._until_stop(asyncio.sleep(self.evaluator.cfg.linger_s))
             return summary
-        self._maybe_eval()
+        if self.evaluator is not None:  # the weights it starts on, whatever their version
+            self.evaluator.start(self.engine.policy_version, lambda: self.engine.policy_version)
         # Twice the groups the engine can hold: a group that is being sent keeps its slot
         # without starving the engine, and when the store pushes back, sending groups fill
         # every slot and no new group starts (the worker slows down, nothing is dropped).

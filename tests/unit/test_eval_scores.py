@@ -44,3 +44,13 @@ def test_a_bad_eval_section_names_its_field(ev, says) -> None:
 def test_eval_defaults() -> None:
     ev = _cfg({"sets": [{"name": "gsm8k", "dataset": "x"}]}).eval
     assert ev is not None and (ev.every_versions, ev.samples, ev.k, ev.only) == (1, 4, [1], False)
+
+
+def test_only_the_named_shard_scores() -> None:
+    ev = {"sets": [{"name": "a", "dataset": "x"}]}
+    cfg = build_config(RolloutConfig, {"engine": {"model": "m"}, "dataset": "d.jsonl",
+                                       "num_shards": 4, "worker_id": "r-2", "eval": ev})
+    assert cfg.eval is not None and cfg.shard_index == 2
+    assert not cfg.eval.runs_on(cfg.shard_index) and cfg.eval.runs_on(0)
+    every = cfg.eval.model_copy(update={"on_shard": None})
+    assert all(every.runs_on(s) for s in range(4))
