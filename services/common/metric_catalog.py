@@ -150,6 +150,9 @@ ROLLOUT = [
                "policy version the last eval of a set scored", ("source",)),
     MetricSpec("r3flow_rollout_routing_check_failures_total", "counter",
                "captured routing that failed a sanity check (row count, range, all-zero)"),
+    MetricSpec("r3flow_rollout_reward_failures_total", "counter",
+               "reward calls that scored the fallback, by reason (timeout, error, invalid)",
+               ("reason",), initial=("timeout", "error", "invalid")),
 ]
 
 ALL: dict[str, list[MetricSpec]] = {"trainer": TRAINER, "store": STORE, "rollout": ROLLOUT}

@@ -1,7 +1,9 @@
 """Verifiable toy tasks for the local run: data sets and their reward functions.
 
-`addition`: "37+45=" -> "82". The reward grades a wrong number by how far off it is, so a tiny
-model's progress shows up as a smooth signal; an exact answer scores 1.0.
+`addition`: "37+45=" -> "82". The RL prompts are messages (one user turn) that the rollout
+renders with the tiny model's chat template, to the same tokens as the warm start's text
+prompts. The reward grades a wrong number by how far off it is, so a tiny model's progress
+shows up as a smooth signal; an answer the math verifier accepts scores 1.0.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 from pydantic import Field
 
 from services.common.config import StrictConfig
+from services.rollout.math_grader import math_reward
 
 
 class TaskConfig(StrictConfig):
@@ -31,6 +34,12 @@ def addition_example(rng: random.Random, max_operand: int) -> dict[str, str]:
     return {"prompt": f"{a}+{b}=", "answer": str(a + b)}
 
 
+def rl_row(row_id: str, ex: dict[str, str]) -> str:
+    """One RL prompt row (a JSONL line): the problem as a one-turn messages prompt."""
+    messages = [{"role": "user", "content": ex["prompt"]}]
+    return json.dumps({"id": row_id, "prompt": messages, "answer": ex["answer"]}) + "\n"
+
+
 def write_datasets(cfg: TaskConfig, out_dir: Path) -> tuple[Path, Path]:
     """Write `rl.jsonl` (prompts for rollouts) and `sft.jsonl` (prompt+answer pairs); disjoint seeds."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -38,8 +47,7 @@ def write_datasets(cfg: TaskConfig, out_dir: Path) -> tuple[Path, Path]:
     rl_rng, sft_rng = random.Random(cfg.seed), random.Random(cfg.seed + 1_000_003)
     with rl_path.open("w") as f:
         for i in range(cfg.num_prompts):
-            ex = addition_example(rl_rng, cfg.max_operand)
-            f.write(json.dumps({"id": f"add-{i}", **ex}) + "\n")
+            f.write(rl_row(f"add-{i}", addition_example(rl_rng, cfg.max_operand)))
     with sft_path.open("w") as f:
         for _ in range(cfg.num_sft_examples):
             f.write(json.dumps(addition_example(sft_rng, cfg.max_operand)) + "\n")
@@ -50,20 +58,21 @@ def write_eval_set(cfg: TaskConfig, out_dir: Path, n: int = 32) -> Path:
     """`eval.jsonl`: `n` prompts drawn with a third seed, the held-out set the rollout worker
     scores during the run (with single-digit operands the problems repeat the training ones)."""
     path, rng = out_dir / "eval.jsonl", random.Random(cfg.seed + 2_000_003)
-    path.write_text("".join(json.dumps({"id": f"eval-{i}", **addition_example(
-        rng, cfg.max_operand)}) + "\n" for i in range(n)))
+    path.write_text("".join(rl_row(f"eval-{i}", addition_example(rng, cfg.max_operand))
+                            for i in range(n)))
     return path
 
 
 def closeness_reward(completion: str, answer: str) -> float:
-    """1.0 for the exact answer; a number off by d scores 0.8 * exp(-d / 4); anything else 0.
+    """A bare number: 1.0 when the `math` verifier accepts it, else 0.8 * exp(-d / 4) for a
+    number off by d; anything else 0.
 
     Graded by numeric distance so that two wrong answers are not equally wrong: a group whose
     samples are all wrong still ranks them, which gives GRPO a signal from the first step.
     """
     text = completion.strip()
-    if text == answer:
-        return 1.0
     if not text.isdigit():
         return 0.0
+    if math_reward(text, answer) == 1.0:
+        return 1.0
     return 0.8 * math.exp(-abs(int(text) - int(answer)) / 4.0)

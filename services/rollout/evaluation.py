@@ -25,12 +25,14 @@ from pathlib import Path
 from typing import Any
 
 from services.rollout.agent import AgentLoop, RolloutResult
-from services.rollout.dataset import PromptRecord, load_dataset
+from services.rollout.dataset import PromptRecord, RenderedPrompt, load_dataset
 from services.rollout.eval_config import EvalConfig
 
 log = logging.getLogger(__name__)
 
-Score = Callable[[RolloutResult, PromptRecord], float]  # the worker's reward of a result
+# the worker's reward of a result (services.rollout.rewards.Reward: .score)
+Score = Callable[[RolloutResult, PromptRecord, RenderedPrompt], Awaitable[Any]]
+Render = Callable[[PromptRecord], RenderedPrompt]  # the worker's prompt renderer
 Limit = Callable[[Awaitable], Awaitable]  # runs one request under the worker's request limit
 
 
@@ -55,10 +57,9 @@ class Evaluator:
     """Scores the eval sets on an engine; one score at a time."""
 
     def __init__(self, cfg: EvalConfig, greedy: AgentLoop, sampled: AgentLoop, score: Score,
-                 encode: Callable[[str], list[int]], limit: Limit,
-                 metrics: dict[str, Any]) -> None:
+                 render: Render, limit: Limit, metrics: dict[str, Any]) -> None:
         self.cfg, self.greedy, self.sampled, self.score = cfg, greedy, sampled, score
-        self.encode, self.limit, self.metrics = encode, limit, metrics
+        self.render, self.limit, self.metrics = render, limit, metrics
         self.sets = {s.name: load_dataset(s.dataset)[:cfg.max_prompts] for s in cfg.sets}
         self.task: asyncio.Task | None = None
         self.rows: list[dict] = []  # every row scored, in order
@@ -101,12 +102,14 @@ class Evaluator:
 
     async def _prompt(self, rid: str, rec: PromptRecord) -> tuple[bool, int]:
         """(greedy answer correct, correct samples of n) of one prompt."""
-        ids = rec.token_ids(self.encode)
+        prompt = self.render(rec)
+        ids = prompt.token_ids
         runs = [self.limit(self.greedy.run(f"{rid}-g", ids, seed=0))]
         runs += [self.limit(self.sampled.run(f"{rid}-s{j}", ids, seed=j))
                  for j in range(self.cfg.samples)]
         results = await asyncio.gather(*runs)
-        ok = [self.score(r, rec) >= self.cfg.correct_reward for r in results]
+        rewards = await asyncio.gather(*[self.score(r, rec, prompt) for r in results])
+        ok = [r.score >= self.cfg.correct_reward for r in rewards]
         return ok[0], sum(ok[1:])
 
     def _publish(self, row: dict) -> None:

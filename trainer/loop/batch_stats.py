@@ -16,12 +16,11 @@ from pathlib import Path
 
 import numpy as np
 
+from services.common import families
 from services.common.errors import UserError
 from services.common.pb.r3flow.v1 import trajectory_pb2
 from trainer.config import TrainerConfig
-from trainer.plan.memory import Arch
 from trainer.plan.models import load_model_config
-from trainer.plan.rollout import active_params
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +141,7 @@ def _active_params(model_dir: str) -> int | None:
     if not model_dir:
         return None
     try:
-        return active_params(Arch.from_hf_config(load_model_config(model_dir)))
+        return families.model_shape(load_model_config(model_dir)).active_params()
     except (UserError, ValueError) as e:
         log.warning("no MFU in the step metrics: %s", e)
         return None

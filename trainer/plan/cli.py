@@ -18,8 +18,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--manifest", action="append", default=[],
                      help="k8s/ spec or `helm template` output; every RayJob in it is planned")
     src.add_argument("--config", help="trainer config file (TrainerConfig)")
-    src.add_argument("--model", help="known name (Qwen3-30B-A3B, tiny-moe), HF model dir or "
-                     "config.json (default with --config: its model_dir)")
+    src.add_argument("--model", help="known name (Qwen3-30B-A3B, Mixtral-8x7B, DeepSeek-V3, "
+                     "tiny-moe), HF model dir or config.json of a registered family's model_type "
+                     "(default with --config: its model_dir)")
     src.add_argument("--gpu-memory-gib", type=positive(float), help="memory of one GPU (with --config)")
     src.add_argument("--seq-len", type=positive(int), help="tokens per sequence (with --config)")
     what = p.add_argument_group("what-if overrides")

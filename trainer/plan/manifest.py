@@ -195,7 +195,10 @@ class RolloutCheck:
     def describe(self, label: str) -> str:
         verdict = "as planned" if self.ok else (
             f"NOT AS PLANNED: the pod's engine runs TP {self.tp} on {self.gpus} GPU(s); set "
-            f"rollout.gpus to {self.plan.tp}" if self.plan.fits else "NOT AS PLANNED")
+            f"rollout.gpus to {self.plan.tp}" if self.plan.fits else
+            f"NOT AS PLANNED: no engine of up to TP {self.plan.tp} holds the weights and the "
+            f"batch's KV cache; lower engine.max_num_seqs or engine.max_model_len, or plan "
+            f"GPUs with more memory")
         return f"{self.plan.describe(label)}\n  rendered: TP {self.tp}: {verdict}"
 
 
