@@ -13,6 +13,7 @@ import argparse
 import logging
 import signal
 import threading
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -77,9 +78,11 @@ def train(cfg) -> int:
     from services.store.client import StoreClient
     from trainer.hooks import load_hooks
     from trainer.loop.loop import TrainLoop
+    from trainer.loop.tracking import open_trackers
     from trainer.weight_push import StoreWeightPush
 
     hooks = load_hooks(cfg.hooks)  # a bad hook fails here, before the ranks start
+    trackers = open_trackers(cfg.tracking, Path(cfg.run.run_dir))  # a missing package too
     stop = threading.Event()
     _stop_on_sigterm(stop)
     registry = CollectorRegistry()
@@ -95,12 +98,15 @@ def train(cfg) -> int:
             push = (StoreWeightPush(client,
                                     metrics.get("r3flow_trainer_weight_push_failures_total"))
                     if cfg.run.push_weights_every else None)
-            loop = TrainLoop(cfg, ranks, client, metrics, push_fn=push, hooks=hooks)
+            loop = TrainLoop(cfg, ranks, client, metrics, push_fn=push, hooks=hooks,
+                             trackers=trackers)
             loop.resume()
             history = loop.run(cfg.run.steps, stop=stop.is_set)
         stop.wait(cfg.run.metrics_linger_s)  # the final values, for one more scrape
     finally:
         server.stop()
+        for t in trackers:
+            t.close()
     log.info("trained %d steps (%s backend); policy version %d", len(history), cfg.backend,
              loop.pos.policy_version)
     return 0

@@ -11,7 +11,9 @@ from services.common.config import StrictConfig
 from services.common.staleness import DEFAULT_MAX_POLICY_LAG, MaxPolicyLag
 from services.common.weight_sync.config import WeightSyncConfig
 from trainer.hooks import HookConfig
+from trainer.loop.tracking import TrackingConfig
 from trainer.losses.loss_config import LossConfig
+from trainer.lr_schedule import learning_rate
 from trainer.ranks.ray_config import RayLaunchConfig
 from trainer.registry import Section, check_backend
 from trainer.replay import ReplayMode
@@ -73,7 +75,17 @@ class HFSection(Protocol):
 class OptimConfig(StrictConfig):
     """Adam through megatron's get_megatron_optimizer."""
 
-    lr: float = Field(1e-5, gt=0)
+    lr: float = Field(1e-5, gt=0, description="peak learning rate (the schedule scales it)")
+    lr_schedule: Literal["constant", "cosine"] = Field(
+        "constant", description="lr after the warmup (trainer.lr_schedule): constant = lr; "
+        "cosine = from lr down to min_lr over decay_steps")
+    warmup_steps: int = Field(
+        0, ge=0, description="linear warmup: step s (0-based) of the first warmup_steps runs at "
+        "lr x (s + 1) / warmup_steps; 0 = none")
+    decay_steps: int | None = Field(
+        None, ge=1, description="cosine: steps of the decay after the warmup (min_lr after "
+        "them); None = run.steps - warmup_steps (needs run.steps > warmup_steps)")
+    min_lr: float = Field(0.0, ge=0, description="cosine: the lr at the end of the decay")
     weight_decay: float = Field(0.0, ge=0)
     adam_beta1: float = Field(0.9, ge=0, lt=1)
     adam_beta2: float = Field(0.999, ge=0, lt=1)
@@ -109,6 +121,12 @@ class OptimConfig(StrictConfig):
     mini_batches: int = Field(
         1, ge=1, description="optimizer updates per pass (the batch's micro-batches split "
         "between them); ppo_epochs * mini_batches updates per step, one policy version")
+
+    @model_validator(mode="after")
+    def _schedule(self) -> OptimConfig:
+        if self.min_lr > self.lr:
+            raise ValueError(f"optim.min_lr: {self.min_lr} above optim.lr {self.lr}")
+        return self
 
     @model_validator(mode="after")
     def _overlap_param_gather(self) -> OptimConfig:
@@ -184,6 +202,10 @@ class DataConfig(StrictConfig):
         "counted in r3flow_trainer_groups_stale_total, never trained); the trainer's version "
         "moves at every update. Set it to the store's max_policy_lag; None = no check here "
         "(the store's drop at delivery only)")
+    correct_reward: float = Field(
+        1.0, description="a trajectory counts as correct (the step's `accuracy`, the evals' "
+        "accuracy and pass@k) when its reward is at least this (the built-in verifiers give 1 "
+        "for a right answer)")
     dynamic_sampling: bool = Field(
         False, description="DAPO dynamic sampling: a pulled group whose rewards are all equal "
         "(no advantage, no policy gradient) is acked as dropped and the batch refilled from the "
@@ -217,6 +239,16 @@ class RunConfig(StrictConfig):
     metrics_linger_s: float = Field(
         0.0, ge=0, le=600, description="after the last step, keep serving /metrics this long "
         "(a short job's final values reach a scraper; SIGTERM ends it early)")
+    sample_rows: int = Field(
+        4, ge=0, description="per step, this many trained groups' first trajectory (prompt, "
+        "response, reward) appended to <run_dir>/samples.jsonl; 0 = none")
+    peak_tflops: float | None = Field(
+        None, gt=0, description="one trainer device's peak TFLOP/s for the step's `mfu`; None "
+        "= the CUDA device's bf16 dense peak when known (trainer.loop.batch_stats), else no MFU")
+    eval_log: str | None = Field(
+        None, description="the rollout workers' eval.log (held-out accuracy and pass@k, "
+        "services.rollout.evaluation) when this process can read it: each step's log record "
+        "and trackers get the rows written since the last step (trainer.loop.eval_feed)")
     push_weights_every: int = Field(1, ge=0, description="weight push every N steps (0 = never)")
     exit_engine_wait_s: float = Field(
         30.0, ge=0, le=600, description="at exit, wait at most this long for every registered "
@@ -256,6 +288,9 @@ class TrainerConfig(StrictConfig):
     ray: RayLaunchConfig = Field(
         default_factory=RayLaunchConfig,  # type: ignore[arg-type]
         description="ray launcher: cluster to join, rank placement")
+    tracking: TrackingConfig = Field(
+        default_factory=TrackingConfig, description="step metrics to TensorBoard (default), "
+        "W&B, MLflow (trainer.loop.tracking)")
     hooks: list[HookConfig] = Field(
         default_factory=list, description="step hooks the loop consults before every step "
         "(trainer.hooks: 'module.path:factory' or {path, options}; they may scale the step's "
@@ -306,6 +341,19 @@ class TrainerConfig(StrictConfig):
             raise ValueError("loss.rollout_correction: TIS/MIS weigh the trainer's old-policy "
                              "logprobs against the rollout's; set data.old_logprobs: trainer")
         return self
+
+    @model_validator(mode="after")
+    def _cosine_length(self) -> TrainerConfig:
+        o = self.optim
+        if o.lr_schedule == "cosine" and o.decay_steps is None and \
+                self.run.steps <= o.warmup_steps:
+            raise ValueError(f"optim.decay_steps: cosine needs it when run.steps ({self.run.steps}"
+                             f") is not above optim.warmup_steps ({o.warmup_steps})")
+        return self
+
+    def learning_rate(self, step: int) -> float:
+        """The lr of the step taken after `step` completed steps (trainer.lr_schedule)."""
+        return learning_rate(self.optim, step, self.run.steps)
 
     @model_validator(mode="after")
     def _launcher_world(self) -> TrainerConfig:

@@ -26,7 +26,6 @@ Legend: B batch rows, S sequence.
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 from collections.abc import Iterator, Sequence
@@ -52,8 +51,6 @@ from trainer.protocol import TrainBackend
 from trainer.replay import ReplayMode
 from trainer.samples.alignment import LayerMap
 from trainer.samples.batch import MicroBatch, Sample, response_logprobs, update_schedule
-
-log = logging.getLogger(__name__)
 
 PPO_SUMS = ("ppo_kl", "kl_ref", "clipped", "clipped_dual", "entropy")
 
@@ -302,14 +299,13 @@ class GRPOStep:
 
     @contextmanager
     def _scaled_lr(self, scale: float) -> Iterator[None]:
-        """This step's updates at lr x `scale` (a step hook's), restored after it."""
+        """This step's updates at lr x `scale` (the lr schedule's and step hooks'), restored
+        after it."""
         if scale == 1.0:
             yield
             return
         groups = self.backend.checkpoint_state()[1].param_groups
         saved = [g["lr"] for g in groups]
-        log.warning("step to policy version %d at lr x %g (a step hook)",
-                    self.policy_version + 1, scale)
         for g in groups:
             g["lr"] *= scale
         try:

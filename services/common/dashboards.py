@@ -214,6 +214,22 @@ TRAINING_PANELS = (
     _gauge("grad norm", _m("r3flow_trainer_grad_norm")),
     _gauge("entropy", _m("r3flow_trainer_entropy")),
     _gauge("reward (batch mean)", _m("r3flow_trainer_reward_mean")),
+    Panel("held-out eval (rollout workers)", (
+        _q("max by (source) (r3flow_rollout_eval_accuracy)", "{{source}} greedy accuracy"),
+        _q("max by (source, k) (r3flow_rollout_eval_pass_at_k)", "{{source}} pass@{{k}}")),
+        "percentunit", "the last score of each held-out set (rollout eval section, "
+        "services/rollout/evaluation.py): greedy accuracy and pass@k from n samples"),
+    Panel("batch accuracy and reward spread", (
+        _q("r3flow_trainer_accuracy", "accuracy"), _q("r3flow_trainer_reward_std", "reward std")),
+        "short", "share of the trained batch's answers scored correct (reward >= "
+        "data.correct_reward) and the std of its rewards"),
+    Panel("response length (tokens)", (_q("r3flow_trainer_response_length_mean", "mean"),
+                                       _q("r3flow_trainer_response_length_max", "max"))),
+    _gauge("responses truncated at max_tokens", _m("r3flow_trainer_truncated_share"),
+           "percentunit"),
+    _gauge("learning rate", _m("r3flow_trainer_learning_rate")),
+    Panel("step time by part", (_q("max by (part) (r3flow_trainer_time_seconds)", "{{part}}"),),
+          "s", CATALOG["r3flow_trainer_time_seconds"].help),
     Panel("step seconds", _quantiles(_m("r3flow_trainer_step_seconds")), "s"),
     Panel("|rollout - train logprob| by staleness", (_q(
         f'{DIFF_STALE}{{routing="run"}}', "{{staleness}}"), _q(

@@ -85,6 +85,11 @@ def _fmt(x) -> str:
     return f"{x:.4g}" if isinstance(x, float) else str(x)
 
 
+def _pass(figures: dict) -> str:
+    return ", ".join(f"@{k} {_fmt(v)}" for k, v in (figures.get("pass_at_k") or {}).items()) \
+        or "n/a"
+
+
 def print_summary(s: dict) -> None:
     t = s["trajectories"]
     print("\n=== r3flow local: summary ===")
@@ -109,6 +114,14 @@ def print_summary(s: dict) -> None:
           f"{_fmt(s.get('mismatch_kl'))}, kl_ref {_fmt(s.get('kl_ref'))} (on "
           f"{s.get('kl_ref_steps', '?')} steps)")
     print(f"routing agreement {_fmt(s['routing_agreement'])}")
+    for source, e in s.get("eval", {}).items():
+        a, b = e["start"], e["end"]
+        print(f"held-out eval     {source}: greedy accuracy {_fmt(a['accuracy'])} at v"
+              f"{a['policy_version']} -> {_fmt(b['accuracy'])} at v{b['policy_version']}, "
+              f"pass@k {_pass(a)} -> {_pass(b)} ({e['scores']} scores, {s['eval_log']})")
+    if "tensorboard_dir" in s:
+        print(f"tensorboard       tensorboard --logdir {s['tensorboard_dir']}  "
+              f"({s['tensorboard_files']} event file(s); sample rows in {s['samples_file']})")
     dropped = ", ".join(f"{k} {v} ({v / max(t['produced'], 1):.1%})"
                         for k, v in t["dropped"].items()) or "none"
     print(f"trajectories      produced {t['produced']} = trained {t['trained']} + dropped ({dropped}) "

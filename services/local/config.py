@@ -283,6 +283,9 @@ def store_config(cfg: LocalConfig, run_dir: Path) -> dict:
     return deep_merge(PRESET["store"], {"max_backlog_tokens": backlog_tokens(cfg)}, cfg.store)
 
 
+EVAL_LOG = "eval_log.jsonl"  # in the run folder: worker 0's held-out scores
+
+
 def rollout_concurrency(cfg: LocalConfig) -> int:
     """Requests a worker keeps in its engine (whole groups)."""
     return resolved(cfg, "rollout").concurrency
@@ -299,8 +302,19 @@ def rollout_config(cfg: LocalConfig, run_dir: Path, model_dir: Path, worker: int
                "max_policy_lag": checked("store", section(cfg, "store")).max_policy_lag}
     run = {"engine": {"model": str(model_dir), "seed": cfg.seed + worker,
                       **({"dtype": plan.engine_dtype} if plan and plan.engine_dtype else {})},
-           "dataset": str(run_dir / "data" / "rl.jsonl"), "worker_id": f"rollout-{worker}"}
+           "dataset": str(run_dir / "data" / "rl.jsonl"), "worker_id": f"rollout-{worker}",
+           **({"eval": eval_section(cfg, run_dir)} if worker == 0 else {})}
     return deep_merge(PRESET["rollout"], derived, cfg.rollout, run)
+
+
+def eval_section(cfg: LocalConfig, run_dir: Path) -> dict:
+    """Worker 0 scores the held-out set (data/eval.jsonl) at start and every quarter of the
+    run, at least every 10 versions (services.rollout.evaluation); the trainer reads its log
+    into the step log."""
+    steps = resolved(cfg, "trainer").run.steps
+    return {"sets": [{"name": cfg.task.name, "dataset": str(run_dir / "data" / "eval.jsonl")}],
+            "every_versions": max(1, min(steps // 4, 10)), "samples": 4, "k": [1, 4],
+            "log": str(run_dir / EVAL_LOG)}
 
 
 # The --compare arms' rollout corrections -> the trainer's loss.rollout_correction
@@ -324,8 +338,8 @@ def trainer_config(cfg: LocalConfig, run_dir: Path, model_dir: Path,
     lag = checked("store", section(cfg, "store")).max_policy_lag
     run = {**backend, "model_dir": str(model_dir), "data": {"max_policy_lag": lag},
            # the hf backend runs one in-process rank (run.launcher local only)
-           "run": {"run_dir": str(run_dir / "trainer"), **({"launcher": "local"} if backend
-                                                             else {})}}
+           "run": {"run_dir": str(run_dir / "trainer"), "eval_log": str(run_dir / EVAL_LOG),
+                   **({"launcher": "local"} if backend else {})}}
     return deep_merge(PRESET["trainer"], cfg.trainer, run)
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 TABLE_COLUMNS = [
     ("step", "step", "{:>4d}"),
     ("reward", "reward_mean", "{:>7.3f}"),
+    ("acc", "accuracy", "{:>5.2f}"),
     ("ppo_kl", "ppo_kl", "{:>9.2e}"),
     ("kl_ref", "kl_ref", "{:>9.2e}"),
     ("|Δlp| r3", "logprob_diff_mean", "{:>9.2e}"),
@@ -152,3 +153,30 @@ def step1_diffs(rows: list[dict]) -> dict[str, float | None]:
     on, off = first.get("logprob_diff_mean"), first.get("logprob_diff_mean_off")
     return {"logprob_diff_step1": on, "logprob_diff_step1_off": off,
             "logprob_diff_step1_ratio": on / off if on is not None and off else None}
+
+
+def eval_rows(path: Path) -> list[dict]:
+    """The held-out eval rows worker 0 wrote (services.rollout.evaluation), in order."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def eval_start_end(rows: list[dict]) -> dict[str, dict]:
+    """Per eval set: its first and last score (policy version, greedy accuracy, pass@k)."""
+    out: dict[str, dict] = {}
+    for r in rows:
+        figures = {k: r.get(k) for k in ("policy_version", "accuracy", "pass_at_k")}
+        out.setdefault(r["source"], {"start": figures, "scores": 0})
+        out[r["source"]] |= {"end": figures, "scores": out[r["source"]]["scores"] + 1}
+    return out
+
+
+def tracking(run_dir: Path) -> dict:
+    """Where the run's tracking went: TensorBoard event files, sample rows, held-out evals."""
+    tb = run_dir / "trainer" / "tensorboard"
+    return {"tensorboard_dir": str(tb),
+            "tensorboard_files": len(list(tb.glob("events.out.tfevents.*"))),
+            "samples_file": str(run_dir / "trainer" / "samples.jsonl"),
+            "eval_log": str(run_dir / "eval_log.jsonl"),
+            "eval": eval_start_end(eval_rows(run_dir / "eval_log.jsonl"))}

@@ -100,12 +100,13 @@ class LocalRun:
 
     # ------------------------------------------------------------------ steps
     def prepare(self) -> Path:
-        from services.local.tasks import write_datasets
+        from services.local.tasks import write_datasets, write_eval_set
 
         write_json(self.dir / "config.json", self.cfg.model_dump(mode="json"))
         write_json(self.dir / "family.json", dataclasses.asdict(self.plan))
         task, model = seeded(self.cfg)
         write_datasets(task, self.dir / "data")
+        write_eval_set(task, self.dir / "data")
         return family.build_model(self.dir / "model-init", self.cfg.family, model)
 
     def warm_start(self, init_dir: Path) -> Path:
@@ -349,7 +350,8 @@ class LocalRun:
                    "measure_every": self.trainer_cfg.replay.compare_off_every,
                    "budget_s": round(self.budget.total(), 1), "stops": self.stops,
                    "wall_seconds": round(time.monotonic() - self.started, 1),
-                   **report.summarize(rows), "trajectories": trajectories,
+                   **report.summarize(rows), **report.tracking(self.dir),
+                   "trajectories": trajectories,
                    "stopped_by_alert": self.monitor.stopped_by_alert, **extra}
         write_json(self.dir / "summary.json", summary)
         return summary

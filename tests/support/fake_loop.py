@@ -3,6 +3,8 @@ client's pull / ack / publish), shared by the loop, step-hook and HF-export test
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from services.common.pb.r3flow.v1 import store_pb2
 from trainer.config import TrainerConfig
 
@@ -39,6 +41,12 @@ class FakeStore:
 
     def publish_policy_version(self, v):
         self.versions.append(v)
+
+    def list_workers(self):
+        return []
+
+    def stats(self):
+        return SimpleNamespace(policy_version=max(self.versions, default=0))
 
 
 def pulled_group(i: int, delivery: str | None = None):

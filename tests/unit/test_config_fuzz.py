@@ -31,7 +31,8 @@ from trainer.config import TrainerConfig
 # Each config with the smallest mapping that validates.
 CONFIGS: dict[str, tuple[type[BaseModel], dict[str, Any]]] = {
     "store": (StoreConfig, {}),
-    "rollout": (RolloutConfig, {"engine": {"model": "m"}, "dataset": "d.jsonl"}),
+    "rollout": (RolloutConfig, {"engine": {"model": "m"}, "dataset": "d.jsonl",
+                                "eval": {"sets": [{"name": "a", "dataset": "e.jsonl"}]}}),
     "trainer": (TrainerConfig, {}),
     "local": (LocalConfig, {}),
     "warm_start": (WarmStartConfig, {}),

@@ -32,12 +32,15 @@ from services.store.errors import RateLimit, UnackedFull
 from trainer.checkpoint import DataPosition
 from trainer.config import TrainerConfig
 from trainer.hooks import StepHook, before_step, load_hooks
+from trainer.loop.batch_stats import StepStats
 from trainer.loop.dynamic_sampling import REASON as EQUAL_REWARDS
 from trainer.loop.dynamic_sampling import DynamicSampler, equal_reward_groups
+from trainer.loop.eval_feed import EvalFeed
 from trainer.loop.ledger import TrainedIdsLedger
 from trainer.loop.metrics import TrainerMetrics, reduce_metrics
 from trainer.loop.ranks import Ranks, RankTransport
 from trainer.loop.staleness import is_stale, staleness
+from trainer.loop.tracking import Tracker, open_trackers, scalars_of
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +54,8 @@ class TrainLoop:
 
     def __init__(self, cfg: TrainerConfig, ranks: Ranks | RankTransport, client,
                  metrics: dict[str, Any] | None = None, push_fn: PushFn | None = None,
-                 hooks: Sequence[StepHook] | None = None) -> None:
+                 hooks: Sequence[StepHook] | None = None,
+                 trackers: Sequence[Tracker] | None = None) -> None:
         if cfg.data.groups_per_step % ranks.world_size:
             raise ValueError(f"data.groups_per_step: {cfg.data.groups_per_step} not divisible "
                              f"by {ranks.world_size} ranks")
@@ -71,6 +75,11 @@ class TrainLoop:
         self.pos = DataPosition()
         self.run_log = Path(cfg.run.run_dir) / "train_log.jsonl"
         self.ledger = TrainedIdsLedger(Path(cfg.run.run_dir) / "trained_ids.jsonl")
+        self.stats = StepStats(cfg, self.ranks.world_size)
+        self.evals = EvalFeed(cfg.run.eval_log)
+        # TensorBoard (and W&B / MLflow) of the step metrics; the CLI passes its own and closes
+        self.trackers = (open_trackers(cfg.tracking, self.run_log.parent) if trackers is None
+                         else list(trackers))
         self.run_log.parent.mkdir(parents=True, exist_ok=True)
 
     def resume(self) -> None:
@@ -185,6 +194,13 @@ class TrainLoop:
         dropped = {g.group_id for g in stale}
         return [g for g in groups if g.group_id not in dropped]
 
+    def lr_scale(self, hooks_scale: float) -> float:
+        """The coming step's lr as a multiple of optim.lr: the schedule's (trainer.lr_schedule,
+        a function of the step, so resumed runs continue it) times the step hooks'."""
+        if hooks_scale != 1.0:
+            log.warning("step %d at lr x %g (a step hook)", self.pos.step + 1, hooks_scale)
+        return self.cfg.learning_rate(self.pos.step) / self.cfg.optim.lr * hooks_scale
+
     def train_step(self, groups: list, lr_scale: float = 1.0) -> dict:
         """Scatter whole groups to the ranks; each aligns routing and steps (its updates at lr x
         `lr_scale`); reduce metrics."""
@@ -193,6 +209,7 @@ class TrainLoop:
         per_rank = self.ranks.train(shares, lr_scale)
         dropped = {g: why for m in per_rank for g, why in m.pop("dropped", {}).items()}
         metrics = reduce_metrics(per_rank)
+        metrics["learning_rate"] = self.cfg.optim.lr * lr_scale
         self.quarantine([g for g in groups if g.group_id in dropped], dropped)
         groups = [g for g in groups if g.group_id not in dropped]
         metrics["groups_quarantined"] = len(dropped)
@@ -201,6 +218,7 @@ class TrainLoop:
         metrics["groups_equal_rewards"] = equal_reward_groups(groups)
         metrics |= self.sampler.metrics(len(groups))
         self.pos.step += 1
+        metrics |= self.stats.of(self.pos.step, groups, metrics)
         self.pos.policy_version = int(metrics["policy_version"])
         self.pos.remember([g.group_id for g in groups])
         self.pending_acks += [g.delivery_id for g in groups]
@@ -297,7 +315,7 @@ class TrainLoop:
             if not groups:
                 break
             t1 = time.perf_counter()
-            metrics = self.train_step(groups, control.lr_scale)
+            metrics = self.train_step(groups, self.lr_scale(control.lr_scale))
             self.publish_version()
             t2 = time.perf_counter()
             if not stop():  # stopping: the engines are going too (SIGTERM between passes)
@@ -334,10 +352,14 @@ class TrainLoop:
 
     # ------------------------------------------------------------------ observability
     def record(self, m: dict) -> None:
-        """Export a step's metrics to Prometheus and append them to the JSONL run log."""
+        """Export a step's metrics to Prometheus, the JSONL run log and the trackers."""
+        m |= self.evals.new_metrics()
         self.metrics.export_step(m)
         with self.run_log.open("a") as f:
             f.write(json.dumps({"step": self.pos.step, "time": time.time(), **m}) + "\n")
+        scalars = scalars_of(m)
+        for t in self.trackers:
+            t.log(self.pos.step, scalars)
 
 
 def _prompt_of(group) -> tuple[str, int, str]:  # noqa: ANN001 (a store_pb2.PulledGroup)

@@ -19,7 +19,13 @@ GAUGE_KEYS = ("ppo_kl", "kl_ref", "clip_ratio", "logprob_diff_mean", "logprob_di
               "logprob_diff_far_share",
               "grad_norm", "entropy", "reward_mean", "tokens_per_second", "policy_version",
               "clip_ratio_dual", "is_weight_mean", "is_weight_max", "is_truncated_share",
-              "is_masked_share", "mismatch_kl", "dynamic_sampling_dropped_share")
+              "is_masked_share", "mismatch_kl", "dynamic_sampling_dropped_share",
+              "reward_std", "accuracy", "response_length_mean", "response_length_max",
+              "truncated_share", "learning_rate", "mfu")
+# where a step's time went: step-metric key -> r3flow_trainer_time_seconds{part}
+TIME_PARTS = {"batch_wait_seconds": "batch_wait", "step_seconds": "ranks_step",
+              "update_seconds": "updates", "weight_push_seconds": "weight_push",
+              "checkpoint_seconds": "checkpoint"}
 # |rollout - trainer| logprob by staleness: step-metric key -> (staleness, routing) labels
 DIFF_BY_STALENESS = {f"logprob_diff_mean{r}_{s}": (s, routing)
                      for r, routing in (("", "run"), ("_off", "off")) for s in ("fresh", "stale")}
@@ -81,6 +87,7 @@ class TrainerMetrics:
     last_step_time: Any = None  # unix time of the last completed step (the stall alert's)
     step_interval: Any = None
     last_step_at: float = 0.0
+    time_by_part: Any = None
 
     @classmethod
     def of(cls, registered: dict[str, Any] | None) -> TrainerMetrics:
@@ -99,7 +106,8 @@ class TrainerMetrics:
             updates_skipped=r.get(PREFIX + "updates_skipped_total"),
             updates_rerun=r.get(PREFIX + "updates_rerun_total"),
             last_step_time=r.get(PREFIX + "last_step_timestamp_seconds"),
-            step_interval=r.get(PREFIX + "step_interval_seconds"))
+            step_interval=r.get(PREFIX + "step_interval_seconds"),
+            time_by_part=r.get(PREFIX + "time_seconds"))
 
     def export_step(self, m: dict) -> None:
         """Set the gauges, agreement per layer (`layer`: the model's layer number), step time,
@@ -116,6 +124,10 @@ class TrainerMetrics:
                              (self.updates_rerun, "updates_rerun")):
             if counter is not None and m.get(key):
                 counter.inc(m[key])
+        if self.time_by_part is not None:
+            for key, part in TIME_PARTS.items():
+                if m.get(key) is not None:
+                    self.time_by_part.labels(part=part).set(m[key])
         if self.step_seconds is not None:
             self.step_seconds.observe(m.get("step_seconds", 0.0))
         if self.steps is not None:
