@@ -180,6 +180,7 @@ class HFBackend:
             # moved it already (pinning a CUDA tensor raised: r3 failed on every GPU)
             if self.device.type == "cuda" and ids.device.type == "cpu":
                 ids = ids.pin_memory().to(self.device, non_blocking=True)
+            ids = ids.long()  # host routing is uint8/uint16 until MicroBatch.to widened it
             check_routes(ids, mb.valid_rows_BS, self.num_experts, self.moe_layers, self.top_k)
             rows = hf_router_rows(ids)
             mb._hf_r3_rows = rows  # type: ignore[attr-defined]

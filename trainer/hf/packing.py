@@ -34,7 +34,8 @@ def _packed_routing(samples: Sequence[Sample], total: int) -> torch.Tensor | Non
     if any(s.routing_TLK is None for s in samples):
         return None
     num_layers, k = samples[0].routing_TLK.shape[1:]  # type: ignore[union-attr]
-    out_TLK = np.empty((total, num_layers, k), dtype=np.int64)
+    dtype = np.result_type(*(s.routing_TLK.dtype for s in samples))  # type: ignore[union-attr]
+    out_TLK = np.empty((total, num_layers, k), dtype=dtype)  # widened by MicroBatch.to
     out_TLK[:] = filler_row(num_layers, k)
     for off, s in zip(sample_offsets(samples), samples, strict=True):
         out_TLK[off:off + s.tokens.size] = pad_last_row(s.routing_TLK)  # type: ignore[arg-type]

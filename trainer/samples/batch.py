@@ -40,7 +40,7 @@ class Sample:
     reward: float = 0.0
     group_id: str = ""
     advantage: float = 0.0
-    routing_TLK: np.ndarray | None = None  # [P+R-1, L_moe, K] trainer MoE layers, or None
+    routing_TLK: np.ndarray | None = None  # [P+R-1, L_moe, K] trainer MoE layers (codec dtype)
     policy_version: int = 0
     temperature: np.ndarray | None = None  # [R] sampling temperature per token (None = 1)
     trajectory_id: str = ""
@@ -145,7 +145,7 @@ class MicroBatch:
     loss_mask_BS: torch.Tensor  # float: 1 where label i+1 is a trained response token
     old_logprobs_BS: torch.Tensor  # behaviour (rollout) logprob of label i+1
     advantages_BS: torch.Tensor
-    routing_BSLK: torch.Tensor | None  # padded, last row of each sample filled
+    routing_BSLK: torch.Tensor | None  # padded, last row filled; uint8/16 until `to`, then int64
     valid_rows_BS: torch.Tensor  # bool: rows that carry real engine routing
     samples: list[Sample] = field(default_factory=list)
     temperature_BS: torch.Tensor | None = None  # sampling temperature of label i+1 (1 elsewhere)
@@ -162,12 +162,15 @@ class MicroBatch:
     def to(self, device: torch.device) -> MicroBatch:
         """Move the model inputs, loss tensors and rollout routing to `device`. Routing moves
         once per step here: left on the host, every replaying forward copied each layer's ids
-        from pageable memory (a host sync per layer; r3 steps took 1.79x off on 4 x H100)."""
+        from pageable memory (a host sync per layer; r3 steps took 1.79x off on 4 x H100).
+        Host routing is the codec's uint8/uint16; it widens to int64 on `device` (the host
+        never holds a batch's ids as int64 on a GPU trainer)."""
         for name in ("tokens_BS", "position_ids_BS", "labels_BS", "loss_mask_BS",
-                     "old_logprobs_BS", "advantages_BS", "valid_rows_BS", "temperature_BS",
-                     "routing_BSLK"):
+                     "old_logprobs_BS", "advantages_BS", "valid_rows_BS", "temperature_BS"):
             if getattr(self, name) is not None:
                 setattr(self, name, getattr(self, name).to(device))
+        if self.routing_BSLK is not None:
+            self.routing_BSLK = self.routing_BSLK.to(device).long()
         return self
 
 
