@@ -105,3 +105,23 @@ def test_segment_temperature_reaches_the_microbatch_and_truncation_is_refused():
         setattr(bad.segments[1].sampling, field, value)
         with pytest.raises(UnreproducibleSamplingError, match=f"segment 1 sampling.*{match}"):
             sample_from_trajectory(bad, None, num_experts=8)
+
+
+def test_host_routing_stays_in_the_codec_dtype_until_the_device():
+    """Issue 54: a sample and its micro-batch hold routing as the codec's uint8 (1/8 of int64);
+    MicroBatch.to widens it to the int64 the routers index with, values unchanged."""
+    traj, ids = _traj()
+    s = sample_from_trajectory(traj, LayerMap.build((1, 2), (0, 1, 2)), num_experts=8)
+    assert s.routing_TLK.dtype == np.uint8
+    mb = make_microbatch([s], pad_multiple=8)
+    assert mb.routing_BSLK.dtype == torch.uint8
+    host = mb.routing_BSLK.clone()
+    mb.to(torch.device("cpu"))
+    assert mb.routing_BSLK.dtype == torch.int64 and torch.equal(mb.routing_BSLK, host.long())
+    assert np.array_equal(np.sort(mb.routing_BSLK[0, :14].numpy(), -1), np.sort(ids[:, 1:], -1))
+
+
+def test_layer_map_of_every_column_in_order_does_not_copy():
+    ids_TLK = np.zeros((4, 3, 2), np.uint8)
+    assert LayerMap.build((0, 1, 2), (0, 1, 2)).select(ids_TLK) is ids_TLK
+    assert LayerMap.build((2, 0), (0, 1, 2)).select(ids_TLK).shape == (4, 2, 2)
