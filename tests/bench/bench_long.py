@@ -11,9 +11,10 @@ synthetic routing). Processes, each measured by its own peak RSS (VmHWM):
     `--chunk-rows` rows, encoded by the codec), then the finish. It never holds more than one
     segment: it measures the wire and store path, not vLLM's own capture buffers;
   * trainer: pulls the group, decodes it into samples (`trainer.intake.intake_groups`, r3),
-    cuts micro-batches of one sample (`split_microbatches`, as both engines do) and builds each
-    micro-batch's replay ids in router order (`to_router_rows` of its int64 ids, what the
-    device holds during a replaying pass), one micro-batch at a time.
+    cuts micro-batches of one sample moved to the trainer's device as each is built
+    (`split_microbatches(..., device)`, as both engines do; `--device meta` stands in for a GPU:
+    what moves there leaves the host) and builds each micro-batch's replay ids in router order
+    (`to_router_rows`), one micro-batch at a time; `dev/mb` is their size on the device.
 Synthetic routing is drawn once (`--chunk-rows` rows) and every chunk re-uses its encoding
 (start_row differs): sizes are those of real skewed routing, generation costs nothing per token.
 Writes bench-results/long.json and prints a table (MiB). Legend: T rows, L layers, K top-k.
@@ -134,15 +135,14 @@ def rollout_client(address: str, tokens: int, seg_tokens: int, chunk_rows: int, 
 
 
 # ---- the trainer's side ----------------------------------------------------------------------
-def trainer_consumer(address: str, out) -> None:  # noqa: ANN001
+def trainer_consumer(address: str, device: str, out) -> None:  # noqa: ANN001
     import torch
 
+    from services.store.client import StoreClient
     from trainer.alignment import LayerMap, to_router_rows
     from trainer.batch import split_microbatches
     from trainer.intake import intake_groups
     from trainer.replay import ReplayMode
-
-    from services.store.client import StoreClient
 
     torch.set_num_threads(1)
     base, marks, t0 = current_rss(), {}, time.perf_counter()
@@ -156,12 +156,12 @@ def trainer_consumer(address: str, out) -> None:  # noqa: ANN001
                                          EXPERTS, TOPK)
         assert not dropped and len(samples) == GROUP, dropped
         marks["samples"] = peak_rss()
-        mbs = split_microbatches(samples, 1, 8)
+        mbs = split_microbatches(samples, 1, 8, torch.device(device))  # as both engines do
         marks["microbatches"] = peak_rss()
         device_bytes = 0
-        for mb in mbs:  # one replaying pass at a time: its ids are what the device holds
-            assert mb.routing_BSLK is not None
-            rows = to_router_rows(mb.routing_BSLK.long())
+        for mb in mbs:  # one replaying pass at a time: its router-order ids
+            assert mb.routing_BSLK is not None and mb.routing_BSLK.dtype == torch.int64
+            rows = to_router_rows(mb.routing_BSLK)
             device_bytes = max(device_bytes, sum(r.numel() * r.element_size() for r in rows))
             del rows
         marks["replay"] = peak_rss()
@@ -173,7 +173,8 @@ def trainer_consumer(address: str, out) -> None:  # noqa: ANN001
 
 
 # ---- one length --------------------------------------------------------------------------
-def run_length(tokens: int, seg_tokens: int, chunk_rows: int, workdir: Path) -> dict:
+def run_length(tokens: int, seg_tokens: int, chunk_rows: int, device: str, workdir: Path
+               ) -> dict:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     with EmbeddedRedis(workdir / f"redis-{tokens}") as server:
@@ -197,7 +198,7 @@ def run_length(tokens: int, seg_tokens: int, chunk_rows: int, workdir: Path) -> 
             res = out.get(timeout=3600)
             writer.join()
             assert writer.exitcode == 0, f"client exited with {writer.exitcode}"
-            reader = ctx.Process(target=trainer_consumer, args=(address, out))
+            reader = ctx.Process(target=trainer_consumer, args=(address, device, out))
             reader.start()
             res |= out.get(timeout=3600)
             reader.join()
@@ -233,6 +234,9 @@ def main() -> None:
                    help="response tokens per appended segment (one Append stream each)")
     p.add_argument("--chunk-rows", type=int, default=4096,
                    help="routing rows per RoutedExperts chunk")
+    p.add_argument("--device", default="meta", help="the trainer's device: `meta` stands in for "
+                   "a GPU (micro-batches leave the host, nothing is allocated), `cpu` is the CPU "
+                   "backend (every micro-batch's int64 ids stay on the host)")
     p.add_argument("--smoke", action="store_true", help="make test's run: 512 tokens")
     p.add_argument("--out", default=str(REPO / "bench-results/long.json"))
     args = p.parse_args()
@@ -241,13 +245,14 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for n in args.tokens:
-            rows.append(run_length(n, args.segment_tokens, args.chunk_rows, Path(tmp)))
+            rows.append(run_length(n, args.segment_tokens, args.chunk_rows, args.device,
+                                   Path(tmp)))
             print(f"{n} tokens done: {json.dumps(rows[-1])}", flush=True)
     print_table(rows)
     result = {"layout": {"layers": LAYERS, "topk": TOPK, "num_experts": EXPERTS,
                          "group": GROUP, "generator": "skewed"},
               "segment_tokens": args.segment_tokens, "chunk_rows": args.chunk_rows,
-              "smoke": args.smoke, "runs": rows, "load_avg_1m": os.getloadavg()[0],
+              "smoke": args.smoke, "device": args.device, "runs": rows, "load_avg_1m": os.getloadavg()[0],
               "cpu_count": os.cpu_count()}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -240,7 +240,7 @@ class HFBackend:
         pad = math.lcm(d.pad_multiple, self.sp)  # every rank of a group takes 1/P of a row
         if self.sp > 1:  # the group's ranks train the same rows
             samples = group_samples(list(samples), self.sp_group, self.sp, self.sp_rank)
-        mbs = cut(samples, d.micro_batch_size, pad)
+        mbs = cut(samples, d.micro_batch_size, pad, self.device)
         if self.sharded:  # every forward gathers parameters: as many on every rank
             n = max_over_ranks(len(mbs))
             self.padded = n - len(mbs)

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from trainer.samples.alignment import filler_row, pad_last_row
-from trainer.samples.batch import MicroBatch, Sample
+from trainer.samples.batch import MicroBatch, Sample, moved
 
 
 def _pad_len(n: int, multiple: int) -> int:
@@ -71,9 +71,11 @@ def pack_microbatch(samples: Sequence[Sample], pad_multiple: int = 8) -> MicroBa
 
 
 def pack_microbatches(samples: Sequence[Sample], micro_batch_size: int,
-                      pad_multiple: int = 8) -> list[MicroBatch]:
-    """Cut `samples` (in order) into packed micro-batches of `micro_batch_size` samples."""
-    return [pack_microbatch(samples[i:i + micro_batch_size], pad_multiple)
+                      pad_multiple: int = 8, device: torch.device | None = None
+                      ) -> list[MicroBatch]:
+    """Cut `samples` (in order) into packed micro-batches of `micro_batch_size` samples, each
+    moved to `device` as soon as it is built (`split_microbatches`)."""
+    return [moved(pack_microbatch(samples[i:i + micro_batch_size], pad_multiple), device)
             for i in range(0, len(samples), micro_batch_size)]
 
 

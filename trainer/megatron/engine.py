@@ -158,7 +158,7 @@ class MegatronBackend:
         that train nothing (`filler_microbatch`); `padded` counts them."""
         d = self.cfg.data
         mbs = split_microbatches(model_parallel_samples(samples), d.micro_batch_size,
-                                 d.pad_multiple)
+                                 d.pad_multiple, self.device)
         n = max_over_ranks(len(mbs))
         self.padded = n - len(mbs)
         if self.padded:

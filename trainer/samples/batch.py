@@ -225,11 +225,18 @@ def filler_microbatch(seq_len: int, num_layers: int, top_k: int) -> MicroBatch:
 
 
 def split_microbatches(samples: Sequence[Sample], micro_batch_size: int,
-                       pad_multiple: int = 8) -> list[MicroBatch]:
-    """Sort by length (less padding) and cut into micro-batches of `micro_batch_size`."""
+                       pad_multiple: int = 8, device: torch.device | None = None
+                       ) -> list[MicroBatch]:
+    """Sort by length (less padding) and cut into micro-batches of `micro_batch_size`; each
+    moved to `device` as soon as it is built (the host holds one micro-batch's copy at a time)."""
     order = sorted(samples, key=lambda x: x.tokens.size)
-    return [make_microbatch(order[i:i + micro_batch_size], pad_multiple)
+    return [moved(make_microbatch(order[i:i + micro_batch_size], pad_multiple), device)
             for i in range(0, len(order), micro_batch_size)]
+
+
+def moved(mb: MicroBatch, device: torch.device | None) -> MicroBatch:
+    """`mb` on `device` (as built when None)."""
+    return mb if device is None else mb.to(device)
 
 
 def update_schedule(mbs: Sequence[MicroBatch], epochs: int = 1,
