@@ -125,3 +125,19 @@ def test_layer_map_of_every_column_in_order_does_not_copy():
     ids_TLK = np.zeros((4, 3, 2), np.uint8)
     assert LayerMap.build((0, 1, 2), (0, 1, 2)).select(ids_TLK) is ids_TLK
     assert LayerMap.build((2, 0), (0, 1, 2)).select(ids_TLK).shape == (4, 2, 2)
+
+
+def test_packed_and_padded_microbatches_move_to_the_device_as_built():
+    """Both cuts take the device: each micro-batch arrives there with int64 routing equal to
+    its host (uint8) rows; the packed one holds both samples back to back."""
+    from trainer.hf.packing import pack_microbatches
+
+    lmap = LayerMap.build((1, 2), (0, 1, 2))
+    samples = [sample_from_trajectory(_traj(seed)[0], lmap, num_experts=8) for seed in (0, 1)]
+    host = pack_microbatches(samples, 2, 8)[0].routing_BSLK
+    assert host.dtype == torch.uint8 and host.shape == (1, 32, 2, 2)
+    packed = pack_microbatches(samples, 2, 8, torch.device("cpu"))[0].routing_BSLK
+    assert packed.dtype == torch.int64 and torch.equal(packed, host.long())
+    assert torch.equal(packed[0, 15:29], torch.from_numpy(samples[1].routing_TLK).long())
+    padded = split_microbatches(samples, 1, 8, torch.device("cpu"))
+    assert [mb.routing_BSLK.dtype for mb in padded] == [torch.int64, torch.int64]
