@@ -141,3 +141,24 @@ def test_packed_and_padded_microbatches_move_to_the_device_as_built():
     assert torch.equal(packed[0, 15:29], torch.from_numpy(samples[1].routing_TLK).long())
     padded = split_microbatches(samples, 1, 8, torch.device("cpu"))
     assert [mb.routing_BSLK.dtype for mb in padded] == [torch.int64, torch.int64]
+
+
+def test_128k_trajectory_spliced_across_a_weight_update_pause_assembles_exactly():
+    """Issue 54: a 131,072-token trajectory (16k prompt, three segments, the weight update
+    between segments 1 and 2) reassembles its routing row for row from the segments' chunks,
+    in uint8, every segment's rows where the wire convention puts them."""
+    from services.store.synthetic import build_trajectory
+
+    prompt, segments = 16_384, (50_000, 30_000, 34_688)
+    rows = prompt + sum(segments) - 1
+    keys = np.random.default_rng(0).random((rows, 8))
+    ids = np.argsort(keys, axis=1)[:, :2].astype(np.uint8).reshape(rows, 1, 2)
+    traj = build_trajectory("long", "g", 1, prompt_ids_TLK=ids[:prompt],
+                            response_ids_TLK=ids[prompt:], segment_lengths=list(segments),
+                            num_experts=8, policy_versions=[3, 3, 4])
+    s = sample_from_trajectory(traj, LayerMap.build((0,), (0,)), num_experts=8)
+    assert s.tokens.size == 131_072 and s.routing_TLK.dtype == np.uint8
+    assert np.array_equal(np.sort(s.routing_TLK, -1), np.sort(ids, -1))
+    assert s.policy_version == 3 and s.segment_lens == segments
+    assert [u[1:] for u in s.agreement_units()] == [
+        (0, 16_383), (16_383, 66_383), (66_383, 96_383), (96_383, 131_071)]
