@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.samples.alignment import LayerMap
+from trainer.samples.alignment import LayerMap, to_router_rows
 from trainer.samples.batch import (
     make_microbatch,
+    routed_ids,
     sample_from_trajectory,
     split_microbatches,
     update_schedule,
@@ -108,17 +109,18 @@ def test_segment_temperature_reaches_the_microbatch_and_truncation_is_refused():
 
 
 def test_host_routing_stays_in_the_codec_dtype_until_the_device():
-    """Issue 54: a sample and its micro-batch hold routing as the codec's uint8 (1/8 of int64);
-    MicroBatch.to widens it to the int64 the routers index with, values unchanged."""
+    """Issue 54: a sample and its micro-batch hold routing as the codec's uint8 (1/8 of int64),
+    on the host and on the device; routed_ids widens one micro-batch to the int64 the routing
+    rules and routers take, values unchanged."""
     traj, ids = _traj()
     s = sample_from_trajectory(traj, LayerMap.build((1, 2), (0, 1, 2)), num_experts=8)
     assert s.routing_TLK.dtype == np.uint8
-    mb = make_microbatch([s], pad_multiple=8)
+    mb = make_microbatch([s], pad_multiple=8).to(torch.device("cpu"))
     assert mb.routing_BSLK.dtype == torch.uint8
-    host = mb.routing_BSLK.clone()
-    mb.to(torch.device("cpu"))
-    assert mb.routing_BSLK.dtype == torch.int64 and torch.equal(mb.routing_BSLK, host.long())
-    assert np.array_equal(np.sort(mb.routing_BSLK[0, :14].numpy(), -1), np.sort(ids[:, 1:], -1))
+    wide = routed_ids(mb.routing_BSLK)
+    assert wide.dtype == torch.int64 and torch.equal(wide.to(torch.uint8), mb.routing_BSLK)
+    assert np.array_equal(np.sort(wide[0, :14].numpy(), -1), np.sort(ids[:, 1:], -1))
+    assert to_router_rows(mb.routing_BSLK)[0].dtype == torch.int64
 
 
 def test_layer_map_of_every_column_in_order_does_not_copy():
@@ -128,8 +130,8 @@ def test_layer_map_of_every_column_in_order_does_not_copy():
 
 
 def test_packed_and_padded_microbatches_move_to_the_device_as_built():
-    """Both cuts take the device: each micro-batch arrives there with int64 routing equal to
-    its host (uint8) rows; the packed one holds both samples back to back."""
+    """Both cuts take the device: each micro-batch arrives there with its uint8 routing; the
+    packed one holds both samples back to back."""
     from trainer.hf.packing import pack_microbatches
 
     lmap = LayerMap.build((1, 2), (0, 1, 2))
@@ -137,10 +139,10 @@ def test_packed_and_padded_microbatches_move_to_the_device_as_built():
     host = pack_microbatches(samples, 2, 8)[0].routing_BSLK
     assert host.dtype == torch.uint8 and host.shape == (1, 32, 2, 2)
     packed = pack_microbatches(samples, 2, 8, torch.device("cpu"))[0].routing_BSLK
-    assert packed.dtype == torch.int64 and torch.equal(packed, host.long())
-    assert torch.equal(packed[0, 15:29], torch.from_numpy(samples[1].routing_TLK).long())
+    assert torch.equal(packed, host)
+    assert torch.equal(packed[0, 15:29], torch.from_numpy(samples[1].routing_TLK))
     padded = split_microbatches(samples, 1, 8, torch.device("cpu"))
-    assert [mb.routing_BSLK.dtype for mb in padded] == [torch.int64, torch.int64]
+    assert [mb.routing_BSLK.shape for mb in padded] == [(1, 16, 2, 2)] * 2
 
 
 def test_128k_trajectory_spliced_across_a_weight_update_pause_assembles_exactly():
