@@ -10,11 +10,12 @@ synthetic routing). Processes, each measured by its own peak RSS (VmHWM):
     stream per segment of `--segment-tokens` response tokens (its routing in chunks of at most
     `--chunk-rows` rows, encoded by the codec), then the finish. It never holds more than one
     segment: it measures the wire and store path, not vLLM's own capture buffers;
-  * trainer: pulls the group, decodes it into samples (`trainer.intake.intake_groups`, r3),
-    cuts micro-batches of one sample moved to the trainer's device as each is built
-    (`split_microbatches(..., device)`, as both engines do; `--device meta` stands in for a GPU:
-    what moves there leaves the host) and builds each micro-batch's replay ids in router order
-    (`to_router_rows`), one micro-batch at a time; `dev/mb` is their size on the device.
+  * trainer: pulls the group, decodes it into samples (r3,
+    `trainer.samples.intake.intake_groups`), cuts micro-batches of one sample moved to the
+    trainer's device as each is built (`split_microbatches(..., device)`, as both engines do;
+    `--device meta` stands in for a GPU: what moves there leaves the host) and builds each
+    micro-batch's replay ids in router order (`to_router_rows`), one micro-batch at a time;
+    `dev/mb` is their size on the device.
 Synthetic routing is drawn once (`--chunk-rows` rows) and every chunk re-uses its encoding
 (start_row differs): sizes are those of real skewed routing, generation costs nothing per token.
 Writes bench-results/long.json and prints a table (MiB). Legend: T rows, L layers, K top-k.
@@ -119,7 +120,8 @@ def append_trajectory(client, pool: ChunkPool, tid: str, gid: str, prompt: int, 
                                            finish=finish)])
 
 
-def rollout_client(address: str, tokens: int, seg_tokens: int, chunk_rows: int, out) -> None:  # noqa: ANN001
+def rollout_client(address: str, tokens: int, seg_tokens: int, chunk_rows: int,
+                   out) -> None:  # noqa: ANN001
     from services.store.client import StoreClient
 
     prompt = max(2, tokens // 8)
@@ -139,10 +141,10 @@ def trainer_consumer(address: str, device: str, out) -> None:  # noqa: ANN001
     import torch
 
     from services.store.client import StoreClient
-    from trainer.alignment import LayerMap, to_router_rows
-    from trainer.batch import split_microbatches
-    from trainer.intake import intake_groups
     from trainer.replay import ReplayMode
+    from trainer.samples.alignment import LayerMap, to_router_rows
+    from trainer.samples.batch import split_microbatches
+    from trainer.samples.intake import intake_groups
 
     torch.set_num_threads(1)
     base, marks, t0 = current_rss(), {}, time.perf_counter()
@@ -160,8 +162,8 @@ def trainer_consumer(address: str, device: str, out) -> None:  # noqa: ANN001
         marks["microbatches"] = peak_rss()
         device_bytes = 0
         for mb in mbs:  # one replaying pass at a time: its router-order ids
-            assert mb.routing_BSLK is not None and mb.routing_BSLK.dtype == torch.int64
-            rows = to_router_rows(mb.routing_BSLK)
+            assert mb.routing_BSLK is not None
+            rows = to_router_rows(mb.routing_BSLK)  # int64, this micro-batch only
             device_bytes = max(device_bytes, sum(r.numel() * r.element_size() for r in rows))
             del rows
         marks["replay"] = peak_rss()
@@ -252,7 +254,8 @@ def main() -> None:
     result = {"layout": {"layers": LAYERS, "topk": TOPK, "num_experts": EXPERTS,
                          "group": GROUP, "generator": "skewed"},
               "segment_tokens": args.segment_tokens, "chunk_rows": args.chunk_rows,
-              "smoke": args.smoke, "device": args.device, "runs": rows, "load_avg_1m": os.getloadavg()[0],
+              "smoke": args.smoke, "device": args.device, "runs": rows,
+              "load_avg_1m": os.getloadavg()[0],
               "cpu_count": os.cpu_count()}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
