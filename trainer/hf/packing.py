@@ -35,7 +35,7 @@ def _packed_routing(samples: Sequence[Sample], total: int) -> torch.Tensor | Non
         return None
     num_layers, k = samples[0].routing_TLK.shape[1:]  # type: ignore[union-attr]
     dtype = np.result_type(*(s.routing_TLK.dtype for s in samples))  # type: ignore[union-attr]
-    out_TLK = np.empty((total, num_layers, k), dtype=dtype)  # widened by MicroBatch.to
+    out_TLK = np.empty((total, num_layers, k), dtype=dtype)  # widened when used (routed_ids)
     out_TLK[:] = filler_row(num_layers, k)
     for off, s in zip(sample_offsets(samples), samples, strict=True):
         out_TLK[off:off + s.tokens.size] = pad_last_row(s.routing_TLK)  # type: ignore[arg-type]

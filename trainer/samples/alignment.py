@@ -41,7 +41,8 @@ def assemble_rows(chunks: Sequence[RoutingChunk], total_rows: int,
                   field: str = "routing") -> tuple[np.ndarray, tuple[int, ...]]:
     """Place chunks by start_row into [total_rows, L, K]; every row exactly once. The rows keep
     the chunks' dtype (the codec's uint8/uint16: a 128k-token trajectory at 48 layers top-8 is
-    50 MB, not the 393 MB of int64); ids widen to int64 per micro-batch (`MicroBatch.to`)."""
+    50 MB, not the 393 MB of int64); they widen to int64 one micro-batch at a time on the
+    device (`batch.routed_ids`)."""
     if not chunks:
         raise ValueError(f"{field}: no routing chunks")
     layer_ids, k = chunks[0].layer_ids, chunks[0].ids_TLK.shape[2]
@@ -110,7 +111,7 @@ def filler_row(num_layers: int, k: int) -> np.ndarray:
 
 def pack_routing(per_sample_TLK: Sequence[np.ndarray], seq_len: int) -> np.ndarray:
     """Per-sample [T_i, L, K] (T_i <= seq_len) -> padded [B, S, L, K] with filler rows, in the
-    samples' dtype (uint8/uint16 from the codec: `MicroBatch.to` widens on the device)."""
+    samples' dtype (uint8/uint16 from the codec: widened per micro-batch on the device)."""
     num_layers, k = per_sample_TLK[0].shape[1:]
     dtype = np.result_type(*(ids.dtype for ids in per_sample_TLK))
     out_BSLK = np.empty((len(per_sample_TLK), seq_len, num_layers, k), dtype=dtype)
