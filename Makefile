@@ -12,7 +12,7 @@ unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: gpu-vllm-wheels gpu-local-wheels setup run test test-unit test-integration lint proto proto-check bench bench-codec \
         bench-store bench-rollout bench-trainer bench-weights bench-hf bench-constriction bench-smoke \
-        bench-local \
+        bench-local bench-long \
         chart-check \
         test-faults test-cluster test-flaky clean
 
@@ -75,6 +75,11 @@ bench-rollout: setup
 
 bench-trainer: setup
 	$(PY) tests/bench/bench_trainer.py
+
+# Peak RSS per process (client, store, redis, trainer) for a group of 8 trajectories of 8k / 32k /
+# 128k tokens with Qwen3-30B-A3B routing (issue 54; bench-results/long.json). Not in `bench`.
+bench-long: setup
+	$(PY) tests/bench/bench_long.py
 
 bench-weights: setup
 	$(PY) tests/bench/bench_weights.py

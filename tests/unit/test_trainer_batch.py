@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.samples.alignment import LayerMap
+from trainer.samples.alignment import LayerMap, to_router_rows
 from trainer.samples.batch import (
     make_microbatch,
+    routed_ids,
     sample_from_trajectory,
     split_microbatches,
     update_schedule,
@@ -105,3 +106,61 @@ def test_segment_temperature_reaches_the_microbatch_and_truncation_is_refused():
         setattr(bad.segments[1].sampling, field, value)
         with pytest.raises(UnreproducibleSamplingError, match=f"segment 1 sampling.*{match}"):
             sample_from_trajectory(bad, None, num_experts=8)
+
+
+def test_host_routing_stays_in_the_codec_dtype_until_the_device():
+    """Issue 54: a sample and its micro-batch hold routing as the codec's uint8 (1/8 of int64),
+    on the host and on the device; routed_ids widens one micro-batch to the int64 the routing
+    rules and routers take, values unchanged."""
+    traj, ids = _traj()
+    s = sample_from_trajectory(traj, LayerMap.build((1, 2), (0, 1, 2)), num_experts=8)
+    assert s.routing_TLK.dtype == np.uint8
+    mb = make_microbatch([s], pad_multiple=8).to(torch.device("cpu"))
+    assert mb.routing_BSLK.dtype == torch.uint8
+    wide = routed_ids(mb.routing_BSLK)
+    assert wide.dtype == torch.int64 and torch.equal(wide.to(torch.uint8), mb.routing_BSLK)
+    assert np.array_equal(np.sort(wide[0, :14].numpy(), -1), np.sort(ids[:, 1:], -1))
+    assert to_router_rows(mb.routing_BSLK)[0].dtype == torch.int64
+
+
+def test_layer_map_of_every_column_in_order_does_not_copy():
+    ids_TLK = np.zeros((4, 3, 2), np.uint8)
+    assert LayerMap.build((0, 1, 2), (0, 1, 2)).select(ids_TLK) is ids_TLK
+    assert LayerMap.build((2, 0), (0, 1, 2)).select(ids_TLK).shape == (4, 2, 2)
+
+
+def test_packed_and_padded_microbatches_move_to_the_device_as_built():
+    """Both cuts take the device: each micro-batch arrives there with its uint8 routing; the
+    packed one holds both samples back to back."""
+    from trainer.hf.packing import pack_microbatches
+
+    lmap = LayerMap.build((1, 2), (0, 1, 2))
+    samples = [sample_from_trajectory(_traj(seed)[0], lmap, num_experts=8) for seed in (0, 1)]
+    host = pack_microbatches(samples, 2, 8)[0].routing_BSLK
+    assert host.dtype == torch.uint8 and host.shape == (1, 32, 2, 2)
+    packed = pack_microbatches(samples, 2, 8, torch.device("cpu"))[0].routing_BSLK
+    assert torch.equal(packed, host)
+    assert torch.equal(packed[0, 15:29], torch.from_numpy(samples[1].routing_TLK))
+    padded = split_microbatches(samples, 1, 8, torch.device("cpu"))
+    assert [mb.routing_BSLK.shape for mb in padded] == [(1, 16, 2, 2)] * 2
+
+
+def test_128k_trajectory_spliced_across_a_weight_update_pause_assembles_exactly():
+    """Issue 54: a 131,072-token trajectory (16k prompt, three segments, the weight update
+    between segments 1 and 2) reassembles its routing row for row from the segments' chunks,
+    in uint8, every segment's rows where the wire convention puts them."""
+    from services.store.synthetic import build_trajectory
+
+    prompt, segments = 16_384, (50_000, 30_000, 34_688)
+    rows = prompt + sum(segments) - 1
+    keys = np.random.default_rng(0).random((rows, 8))
+    ids = np.argsort(keys, axis=1)[:, :2].astype(np.uint8).reshape(rows, 1, 2)
+    traj = build_trajectory("long", "g", 1, prompt_ids_TLK=ids[:prompt],
+                            response_ids_TLK=ids[prompt:], segment_lengths=list(segments),
+                            num_experts=8, policy_versions=[3, 3, 4])
+    s = sample_from_trajectory(traj, LayerMap.build((0,), (0,)), num_experts=8)
+    assert s.tokens.size == 131_072 and s.routing_TLK.dtype == np.uint8
+    assert np.array_equal(np.sort(s.routing_TLK, -1), np.sort(ids, -1))
+    assert s.policy_version == 3 and s.segment_lens == segments
+    assert [u[1:] for u in s.agreement_units()] == [
+        (0, 16_383), (16_383, 66_383), (66_383, 96_383), (96_383, 131_071)]

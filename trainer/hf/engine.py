@@ -58,7 +58,13 @@ from trainer.protocol import LossFn
 from trainer.ranks.collectives import max_over_ranks
 from trainer.replay import ReplayMode, drive
 from trainer.samples.alignment import check_routes
-from trainer.samples.batch import MicroBatch, Sample, filler_microbatch, split_microbatches
+from trainer.samples.batch import (
+    MicroBatch,
+    Sample,
+    filler_microbatch,
+    routed_ids,
+    split_microbatches,
+)
 
 log = logging.getLogger(__name__)
 
@@ -180,6 +186,7 @@ class HFBackend:
             # moved it already (pinning a CUDA tensor raised: r3 failed on every GPU)
             if self.device.type == "cuda" and ids.device.type == "cpu":
                 ids = ids.pin_memory().to(self.device, non_blocking=True)
+            ids = routed_ids(ids)  # uint8/uint16 on the device: int64 for this micro-batch
             check_routes(ids, mb.valid_rows_BS, self.num_experts, self.moe_layers, self.top_k)
             rows = hf_router_rows(ids)
             mb._hf_r3_rows = rows  # type: ignore[attr-defined]
@@ -239,7 +246,7 @@ class HFBackend:
         pad = math.lcm(d.pad_multiple, self.sp)  # every rank of a group takes 1/P of a row
         if self.sp > 1:  # the group's ranks train the same rows
             samples = group_samples(list(samples), self.sp_group, self.sp, self.sp_rank)
-        mbs = cut(samples, d.micro_batch_size, pad)
+        mbs = cut(samples, d.micro_batch_size, pad, self.device)
         if self.sharded:  # every forward gathers parameters: as many on every rank
             n = max_over_ranks(len(mbs))
             self.padded = n - len(mbs)

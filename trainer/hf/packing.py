@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from trainer.samples.alignment import filler_row, pad_last_row
-from trainer.samples.batch import MicroBatch, Sample
+from trainer.samples.batch import MicroBatch, Sample, moved
 
 
 def _pad_len(n: int, multiple: int) -> int:
@@ -34,7 +34,8 @@ def _packed_routing(samples: Sequence[Sample], total: int) -> torch.Tensor | Non
     if any(s.routing_TLK is None for s in samples):
         return None
     num_layers, k = samples[0].routing_TLK.shape[1:]  # type: ignore[union-attr]
-    out_TLK = np.empty((total, num_layers, k), dtype=np.int64)
+    dtype = np.result_type(*(s.routing_TLK.dtype for s in samples))  # type: ignore[union-attr]
+    out_TLK = np.empty((total, num_layers, k), dtype=dtype)  # widened when used (routed_ids)
     out_TLK[:] = filler_row(num_layers, k)
     for off, s in zip(sample_offsets(samples), samples, strict=True):
         out_TLK[off:off + s.tokens.size] = pad_last_row(s.routing_TLK)  # type: ignore[arg-type]
@@ -70,9 +71,11 @@ def pack_microbatch(samples: Sequence[Sample], pad_multiple: int = 8) -> MicroBa
 
 
 def pack_microbatches(samples: Sequence[Sample], micro_batch_size: int,
-                      pad_multiple: int = 8) -> list[MicroBatch]:
-    """Cut `samples` (in order) into packed micro-batches of `micro_batch_size` samples."""
-    return [pack_microbatch(samples[i:i + micro_batch_size], pad_multiple)
+                      pad_multiple: int = 8, device: torch.device | None = None
+                      ) -> list[MicroBatch]:
+    """Cut `samples` (in order) into packed micro-batches of `micro_batch_size` samples, each
+    moved to `device` as soon as it is built (`split_microbatches`)."""
+    return [moved(pack_microbatch(samples[i:i + micro_batch_size], pad_multiple), device)
             for i in range(0, len(samples), micro_batch_size)]
 
 

@@ -58,7 +58,13 @@ from trainer.protocol import LossFn
 from trainer.ranks.collectives import max_over_ranks
 from trainer.replay import ReplayMode, drive
 from trainer.samples.alignment import check_routes, local_routing, to_router_rows
-from trainer.samples.batch import MicroBatch, Sample, filler_microbatch, split_microbatches
+from trainer.samples.batch import (
+    MicroBatch,
+    Sample,
+    filler_microbatch,
+    routed_ids,
+    split_microbatches,
+)
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +164,7 @@ class MegatronBackend:
         that train nothing (`filler_microbatch`); `padded` counts them."""
         d = self.cfg.data
         mbs = split_microbatches(model_parallel_samples(samples), d.micro_batch_size,
-                                 d.pad_multiple)
+                                 d.pad_multiple, self.device)
         n = max_over_ranks(len(mbs))
         self.padded = n - len(mbs)
         if self.padded:
@@ -182,6 +188,7 @@ class MegatronBackend:
                 raise ValueError("replay.mode: r3 needs rollout routing on every sample")
             ids_BSLK, valid_BS = local_routing(mb.routing_BSLK, mb.valid_rows_BS,
                                                self.stage_columns, self._positions(mb))
+            ids_BSLK = routed_ids(ids_BSLK)  # this rank's slice of one micro-batch, int64
             check_routes(ids_BSLK, valid_BS, self.arch.num_experts, self.policy.moe_layers,
                          self.arch.top_k)
             return to_router_rows(ids_BSLK)

@@ -40,7 +40,7 @@ class Sample:
     reward: float = 0.0
     group_id: str = ""
     advantage: float = 0.0
-    routing_TLK: np.ndarray | None = None  # [P+R-1, L_moe, K] trainer MoE layers, or None
+    routing_TLK: np.ndarray | None = None  # [P+R-1, L_moe, K] trainer MoE layers (codec dtype)
     policy_version: int = 0
     temperature: np.ndarray | None = None  # [R] sampling temperature per token (None = 1)
     trajectory_id: str = ""
@@ -145,7 +145,7 @@ class MicroBatch:
     loss_mask_BS: torch.Tensor  # float: 1 where label i+1 is a trained response token
     old_logprobs_BS: torch.Tensor  # behaviour (rollout) logprob of label i+1
     advantages_BS: torch.Tensor
-    routing_BSLK: torch.Tensor | None  # padded, last row of each sample filled
+    routing_BSLK: torch.Tensor | None  # padded, last row filled; codec dtype (`routed_ids`)
     valid_rows_BS: torch.Tensor  # bool: rows that carry real engine routing
     samples: list[Sample] = field(default_factory=list)
     temperature_BS: torch.Tensor | None = None  # sampling temperature of label i+1 (1 elsewhere)
@@ -162,13 +162,22 @@ class MicroBatch:
     def to(self, device: torch.device) -> MicroBatch:
         """Move the model inputs, loss tensors and rollout routing to `device`. Routing moves
         once per step here: left on the host, every replaying forward copied each layer's ids
-        from pageable memory (a host sync per layer; r3 steps took 1.79x off on 4 x H100)."""
+        from pageable memory (a host sync per layer; r3 steps took 1.79x off on 4 x H100).
+        Routing keeps the codec's uint8/uint16 there too (every micro-batch of a step stays
+        on the device for the step: 384 B per token at 48 layers top-8, not 3 KiB of int64);
+        its users widen one micro-batch at a time (`to_router_rows`, `routed_ids`)."""
         for name in ("tokens_BS", "position_ids_BS", "labels_BS", "loss_mask_BS",
                      "old_logprobs_BS", "advantages_BS", "valid_rows_BS", "temperature_BS",
                      "routing_BSLK"):
             if getattr(self, name) is not None:
                 setattr(self, name, getattr(self, name).to(device))
         return self
+
+
+def routed_ids(ids_BSLK: torch.Tensor) -> torch.Tensor:
+    """A micro-batch's routing as int64, on its device: what the routing rules and routers
+    take (a uint8 tensor compared with num_experts = 256 would wrap)."""
+    return ids_BSLK.long()
 
 
 def sample_spans(mb: MicroBatch) -> list[tuple[Sample, int, int]]:
@@ -222,11 +231,18 @@ def filler_microbatch(seq_len: int, num_layers: int, top_k: int) -> MicroBatch:
 
 
 def split_microbatches(samples: Sequence[Sample], micro_batch_size: int,
-                       pad_multiple: int = 8) -> list[MicroBatch]:
-    """Sort by length (less padding) and cut into micro-batches of `micro_batch_size`."""
+                       pad_multiple: int = 8, device: torch.device | None = None
+                       ) -> list[MicroBatch]:
+    """Sort by length (less padding) and cut into micro-batches of `micro_batch_size`; each
+    moved to `device` as soon as it is built (the host holds one micro-batch's copy at a time)."""
     order = sorted(samples, key=lambda x: x.tokens.size)
-    return [make_microbatch(order[i:i + micro_batch_size], pad_multiple)
+    return [moved(make_microbatch(order[i:i + micro_batch_size], pad_multiple), device)
             for i in range(0, len(order), micro_batch_size)]
+
+
+def moved(mb: MicroBatch, device: torch.device | None) -> MicroBatch:
+    """`mb` on `device` (as built when None)."""
+    return mb if device is None else mb.to(device)
 
 
 def update_schedule(mbs: Sequence[MicroBatch], epochs: int = 1,
