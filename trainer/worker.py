@@ -37,7 +37,8 @@ class RankWorker:
         self.rank, self.node_ip = rank, node_ip
         self.cfg = TrainerConfig.model_validate_json(cfg_json)
         self.trainer = make_trainer(self.cfg)
-        self.ckpt = CheckpointManager(self.cfg.run.run_dir, self.cfg.run.keep_checkpoints)
+        self.ckpt = CheckpointManager(self.cfg.run.run_dir, self.cfg.run.keep_checkpoints,
+                                      background=self.cfg.run.async_checkpoint)
         self.hf_export = HFExport(self.cfg.run.run_dir, self.cfg.model_dir, self.cfg.run.hf_keep)
 
     def train(self, groups_bytes: Sequence[bytes], lr_scale: float = 1.0) -> dict:
@@ -56,6 +57,12 @@ class RankWorker:
 
     def save(self, pos: dict) -> str:
         return str(self.ckpt.save(*self.trainer.backend.checkpoint_state(), DataPosition(**pos)))
+
+    def finish_checkpoint(self, block: bool = False) -> str | None:
+        """Publish the background save in flight once every rank wrote it (a collective); the
+        published directory, or None (none in flight, or still writing without `block`)."""
+        path = self.ckpt.finish(block)
+        return None if path is None else str(path)
 
     def resume(self) -> dict | None:
         """Load the latest checkpoint if there is one; returns its data position."""

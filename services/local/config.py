@@ -86,8 +86,10 @@ class GrpoConfig(StrictConfig):
         256, ge=1, description="trainer micro-batch (rows): a step's 256 short rows in one "
         "forward instead of 16 (the same update: the loss is normalised over the whole step)")
     checkpoint_every: int = Field(
-        1, ge=1, description="trainer checkpoint every N steps (and at the end); a larger "
-        "model on a GPU (configs/local-gpu-h200.yaml) saves only at the end")
+        1, ge=1, description="trainer checkpoint every N steps (and at the end)")
+    async_checkpoint: bool = Field(
+        False, description="trainer run.async_checkpoint: checkpoints written in the "
+        "background from a host snapshot (configs/local-gpu-h200.yaml)")
     hooks: list[HookConfig] = Field(
         default_factory=list, description="the trainer's step hooks (trainer config `hooks`, "
         "trainer.hooks): 'module.path:factory' or {path, options}, importable by the trainer")
@@ -105,6 +107,9 @@ class LocalEngineConfig(StrictConfig):
         "it); with the trainer on the same GPU, what the trainer does not need")
     max_num_seqs: int = Field(32, ge=1, description="engine batch size (sequences per step)")
     max_model_len: int = Field(64, ge=8, description="prompt + generated tokens")
+    quantization: Literal["none", "fp8"] = Field(
+        "none", description="rollout engine.quantization (fp8: vLLM's online FP8 against the "
+        "bf16 trainer; GPU only)")
 
 
 def local_model() -> TinyMoeConfig:
@@ -234,7 +239,8 @@ def rollout_config(cfg: LocalConfig, run_dir: Path, model_dir: Path, worker: int
                    "seed": cfg.seed + worker, "dtype": dtype,
                    "max_num_seqs": cfg.engine.max_num_seqs,
                    "enforce_eager": cfg.engine.enforce_eager,
-                   "gpu_memory_utilization": cfg.engine.gpu_memory_utilization},
+                   "gpu_memory_utilization": cfg.engine.gpu_memory_utilization,
+                   "quantization": cfg.engine.quantization},
         "sampling": {"n": g.group_size, "max_tokens": g.max_tokens, "temperature": g.temperature},
         "dataset": str(run_dir / "data" / "rl.jsonl"),
         "verifier": "services.local.tasks:closeness_reward",
@@ -286,7 +292,7 @@ def trainer_config(cfg: LocalConfig, run_dir: Path, model_dir: Path,
                  "max_policy_lag": g.max_policy_lag},
         "weight_sync": {"timeout_s": g.weight_push_timeout_s},
         "run": {"run_dir": str(run_dir / "trainer"), "steps": g.steps,
-                "checkpoint_every": g.checkpoint_every,
+                "checkpoint_every": g.checkpoint_every, "async_checkpoint": g.async_checkpoint,
                 "push_weights_every": 1, "launcher": launcher,
                 "metrics_linger_s": cfg.metrics_linger_s},
         # A private Ray on loopback even when the user's shell has RAY_ADDRESS set.

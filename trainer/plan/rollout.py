@@ -5,7 +5,8 @@ A MoE model with few active parameters (Qwen3-30B-A3B: 3.3B of 30.5B) decodes fa
 smallest engines that still hold the whole batch's KV cache: each engine runs its own batch
 (data parallel), and every extra TP rank adds an all-reduce per layer to every decode step. So
 the plan takes the smallest power-of-two TP whose engine holds, inside
-`gpu_memory_utilization` of its GPUs, the bf16 weights (split over TP) plus the KV cache of
+`gpu_memory_utilization` of its GPUs, the weights (bf16, or FP8 linears with
+`engine.quantization: fp8`; split over TP) plus the KV cache of
 `max_num_seqs` sequences of `max_model_len` tokens (vLLM's worst case for the engine's batch);
 node_gpus / TP engines then share one node. The chart runs one engine per rollout pod
 (`rollout.gpus` = TP), so several pods share a node; chart-check refuses a rendered rollout whose
@@ -59,9 +60,20 @@ def active_params(arch: Arch) -> int:
     return arch.total_params() - routed
 
 
+def engine_weight_bytes(arch: Arch, quantization: str = "none") -> float:
+    """The engine's weights: bf16, or with vLLM's online FP8 one byte per parameter of every
+    linear layer (attention, MLPs, experts; per-tensor scales negligible) while the
+    embeddings, output layer, norms and routers stay bf16."""
+    if quantization == "none":
+        return arch.total_params() * 2.0
+    emb = arch.vocab * arch.hidden * (1 if arch.tied_embeddings else 2)
+    kept = emb + arch.hidden * (2 * arch.num_layers + 1) + arch.moe_layers * arch.hidden * arch.experts
+    return (arch.total_params() - kept) * 1.0 + kept * 2.0
+
+
 def engine_plan(arch: Arch, tp: int, gpu_gib: float, util: float, max_model_len: int,
-                max_num_seqs: int, node_gpus: int) -> RolloutPlan:
-    weights = arch.total_params() * 2 / tp  # bf16
+                max_num_seqs: int, node_gpus: int, quantization: str = "none") -> RolloutPlan:
+    weights = engine_weight_bytes(arch, quantization) / tp
     usable = gpu_gib * GiB * util - ACTIVATION_GIB * GiB
     kv = max(0.0, (usable - weights) * tp)
     tokens = int(kv // kv_bytes_per_token(arch))
@@ -70,7 +82,8 @@ def engine_plan(arch: Arch, tp: int, gpu_gib: float, util: float, max_model_len:
 
 
 def plan_rollout(arch: Arch, gpu_gib: float, util: float, max_model_len: int,
-                 max_num_seqs: int, node_gpus: int = 8) -> RolloutPlan:
+                 max_num_seqs: int, node_gpus: int = 8, quantization: str = "none"
+                 ) -> RolloutPlan:
     """The smallest power-of-two TP (dividing the attention heads, at most node_gpus) whose
     engine holds its weights and its batch's KV cache."""
     if not 0 < util <= 1:
@@ -78,7 +91,8 @@ def plan_rollout(arch: Arch, gpu_gib: float, util: float, max_model_len: int,
     tp, best = 1, None
     while tp <= node_gpus:
         if arch.heads % tp == 0:
-            best = engine_plan(arch, tp, gpu_gib, util, max_model_len, max_num_seqs, node_gpus)
+            best = engine_plan(arch, tp, gpu_gib, util, max_model_len, max_num_seqs, node_gpus,
+                               quantization)
             if best.fits:
                 return best
         tp *= 2
