@@ -214,6 +214,7 @@ class RolloutEngine:
         self._gate = asyncio.Lock()
         self._progress: dict[str, int] = {}
         self.pids = engine_pids(llm)
+        self.device_uuid: str | None = None  # engine_gpu()
         metrics["r3flow_rollout_policy_version"].set(self.policy_version)
         log.info("engine ready: %s; processes %s", self.info, self.pids)
 
@@ -379,6 +380,14 @@ class RolloutEngine:
         self.metrics["r3flow_rollout_weight_sync_seconds"].observe(dt)
         self.metrics["r3flow_rollout_policy_version"].set(self.policy_version)
         log.info("weights updated in %.2fs; policy version %d", dt, self.policy_version)
+
+    async def engine_gpu(self) -> str:
+        """The GPU UUID of a single-rank engine ("" on vLLM-CPU or with several ranks), asked
+        of the worker extension once; kept in `device_uuid` for the registration renewals."""
+        if self.device_uuid is None:
+            uuids = await self.llm.collective_rpc("device_uuid")
+            self.device_uuid = str(uuids[0]) if len(uuids) == 1 else ""
+        return self.device_uuid
 
     async def update_weights(self, method: str, *args: Any, version: int | None = None,
                              torn_on_failure: bool = False) -> int:
