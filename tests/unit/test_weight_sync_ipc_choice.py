@@ -66,3 +66,24 @@ def test_ipc_group_waits_on_the_host_and_needs_no_default_group():
     group.abort()
     with pytest.raises(RuntimeError, match="aborted"):
         group.broadcast([torch.zeros(4)]).is_completed()
+
+
+def test_the_push_runs_the_plans_backend_not_the_configured_one():
+    """An IPC plan waits on the host and forms an IpcGroup even where the config says NCCL."""
+    from services.common.weight_sync.push import Push
+
+    cfg = WeightSyncConfig.model_construct(**(WeightSyncConfig(
+        timeout_s=5, heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0).model_dump()
+        | {"backend": "nccl"}))
+    sender = WeightSender(WeightSyncConfig(timeout_s=5, heartbeat_interval_s=0.1,
+                                           heartbeat_timeout_s=1.0))
+    try:
+        sender.cfg, sender.gpu = cfg, GPU
+        plan = sender.plan(1, [_member("r0", GPU)])
+        push = Push(sender, plan)
+        assert plan.backend == "ipc" and push.host_blocking
+        push.store.set("join/1", "new")
+        push._form_group()
+        assert isinstance(push.pg, IpcGroup) and (push.pg.rank, push.pg.size) == (0, 2)
+    finally:
+        sender.close()
