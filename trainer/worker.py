@@ -52,6 +52,8 @@ class RankWorker:
             [store_pb2.PulledGroup.FromString(b) for b in groups_bytes], self.cfg.replay.mode,
             self.trainer.layer_map, arch.num_experts, arch.top_k)
         metrics = self.trainer.train_step(samples, lr_scale=lr_scale)
+        if self.cfg.run.async_checkpoint and not self.ckpt.reserved:
+            self.ckpt.reserve(*self.trainer.backend.checkpoint_state())
         metrics["dropped"] = dropped | metrics.get("dropped", {})
         return metrics
 

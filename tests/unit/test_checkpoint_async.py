@@ -151,3 +151,23 @@ def test_step_parts_line():
     line = step_parts({"batch_wait_seconds": 0.5, "update_seconds": 0.25, "old_pass_seconds": 0.1,
                        "checkpoint_seconds": 0.01, "ref_pass_seconds": None})
     assert line == "wait 0.50 s, old 0.10 s, update 0.25 s, checkpoint 0.01 s"
+
+
+def test_reserve_pins_ahead_and_old_checkpoints_go_in_the_background(tmp_path):
+    module, opt = _model()
+    ckpt = CheckpointManager(tmp_path, keep=1, background=True)
+    assert not ckpt.reserved
+    _step(module, opt)
+    ckpt.reserve(module, opt)  # after the first update: the Adam state exists
+    assert ckpt.reserved
+    ckpt._reserving.join()
+    buffers = list(ckpt._snapshot._buffers)
+    assert len(buffers) == len(list(module.parameters())) * 4  # weight, 2 moments, step each
+    for step in (1, 2, 3):
+        _step(module, opt)
+        ckpt.save(module, opt, DataPosition(step=step, policy_version=step))
+        ckpt.finish(block=True)
+    assert all(a is b for a, b in zip(buffers, ckpt._snapshot._buffers, strict=True))
+    for t in ckpt._cleanup:
+        t.join()
+    assert sorted(p.name for p in ckpt.root.iterdir()) == ["latest", "step_000003"]

@@ -102,7 +102,7 @@ class IpcGroup:
             from torch.multiprocessing.reductions import reduce_tensor
 
             torch.cuda.current_stream(tensor.device).synchronize()  # the pack has landed
-            self.store.set(key, pickle.dumps(reduce_tensor(tensor)[1]))
+            self.store.set(key, pickle.dumps(reduce_tensor(tensor)[1]))  # type: ignore[arg-type]  # c10d takes bytes
 
             def released() -> None:
                 for k in [key, *done]:
