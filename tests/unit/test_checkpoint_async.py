@@ -171,3 +171,27 @@ def test_reserve_pins_ahead_and_old_checkpoints_go_in_the_background(tmp_path):
     for t in ckpt._cleanup:
         t.join()
     assert sorted(p.name for p in ckpt.root.iterdir()) == ["latest", "step_000003"]
+
+
+class _Starved(FakeStore):
+    """A store whose room only an ack frees: once steps 1-2 took four groups, it delivers none
+    until they are acked (and counts the empty pulls)."""
+
+    empty_pulls = 0
+
+    def pull(self, consumer, max_groups, lease_seconds=0, wait_ms=0, session=""):
+        if not self.acked and len(self.ready) <= 4:
+            self.empty_pulls += 1
+            return []
+        return super().pull(consumer, max_groups, lease_seconds, wait_ms, session)
+
+
+def test_an_idle_loop_publishes_the_background_save_that_frees_the_store(tmp_path):
+    cfg = loop_config(tmp_path)
+    cfg.run.async_checkpoint = True
+    store = _Starved([pulled_group(i) for i in range(8)])
+    loop = TrainLoop(cfg, _SlowRanks(), store)
+    # without the publish while idle, step 3 would wait for groups forever (stopped at 20 pulls)
+    history = loop.run(3, stop=lambda: store.empty_pulls >= 20)
+    assert len(history) == 3 and store.empty_pulls == 1
+    assert store.acked[0] == ["d0", "d1", "d2", "d3"]

@@ -142,6 +142,9 @@ class TrainLoop:
                                    lease_seconds=d.lease_seconds, wait_ms=d.wait_ms,
                                    session=self.session)
             if not got:
+                # a background save's acks free the store's backlog: a save written while the
+                # store waits for room must be published now, not after a batch that cannot come
+                self.finish_checkpoint(block=False)
                 self.resync_lagging_workers()
             # A group already in the batch (its lease renewed while the batch waited) was
             # judged when it came: it is taken as its newest delivery, never dropped now.
