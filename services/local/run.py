@@ -23,7 +23,7 @@ from tqdm import tqdm
 from services.common.net import free_port
 from services.local import family, report
 from services.local.accounting import Accounting
-from services.local.budget import OUT_OF_BUDGET_EXIT, Budget, OutOfBudget
+from services.local.budget import OUT_OF_BUDGET_EXIT, Budget, OutOfBudget, Stalled
 from services.local.config import (
     LocalConfig,
     rollout_concurrency,
@@ -33,7 +33,7 @@ from services.local.config import (
     trainer_config,
     warm_start_config,
 )
-from services.local.monitor import RunMonitor
+from services.local.monitor import RunMonitor, StallWatch, StoreFacts
 from services.local.procs import ChildDied, Supervisor, tail
 from services.rollout.shutdown import SHUTDOWN_S
 
@@ -88,6 +88,7 @@ class LocalRun:
         self.monitor = RunMonitor(cfg, self.dir)
         self.started = time.monotonic()
         self.budget = Budget.of(cfg)
+        self.stalls = StallWatch(self.store_facts)
         self.stops: dict[str, dict] = {}  # child -> how its stop went (stop_child)
         tqdm.write(f"budget: {self.budget.total():.0f} s for {cfg.grpo.steps} GRPO steps "
                    f"({self.budget.describe()}); a run past it stops, reports the steps done "
@@ -214,6 +215,7 @@ class LocalRun:
             line = self.budget.update([r["time"] for r in rows], time.monotonic() - self.started)
             if line:
                 tqdm.write(line)
+            self.check_stall([r["time"] for r in rows])
             if rows and self.monitor.snapshot_due():
                 self.monitor.snapshot()
             if rows and self.monitor.alert_fired():
@@ -230,6 +232,34 @@ class LocalRun:
         for rec in rows[len(seen):]:
             tqdm.write(report.table_row(rec))
         return rows
+
+    def check_stall(self, step_times: list[float]) -> None:
+        """Stalled (one line: the component and the cause) once no step came for
+        STALL_FACTOR x the recent step time, instead of waiting out the budget."""
+        idle = self.stalls.idle(step_times, time.monotonic())
+        if idle is not None:
+            component, cause = self.stalls.cause(self.dead_rollouts())
+            raise Stalled(self.budget, len(step_times), component, cause, idle)
+
+    def store_facts(self) -> StoreFacts:
+        from services.store.client import StoreClient
+
+        with StoreClient(self.store_addr, timeout_s=5, max_retries=2) as client:
+            stats, workers = client.stats(), client.list_workers()
+        return StoreFacts.read(stats, workers, self.monitor.text("store"))
+
+    def dead_rollouts(self) -> dict[str, str]:
+        """Rollout worker -> why it is no use: exited, or its engine reported dead."""
+        dead = {}
+        for c in self.sup.children:
+            if not c.name.startswith("rollout"):
+                continue
+            if not c.alive():
+                rc = None if c.proc is None else c.proc.returncode
+                dead[c.name] = f"rollout worker exited with code {rc}"
+            elif self.monitor.unhealthy(c.name):
+                dead[c.name] = "engine dead (its /health reports it; see its log)"
+        return dead
 
     def print_endpoints(self) -> None:
         tqdm.write(f"store gRPC on {self.store_addr} (loopback, no TLS: local mode)")
@@ -266,11 +296,14 @@ class LocalRun:
         rows = report.read_log(self.dir / "trainer" / "train_log.jsonl")
         failure = {"budget_s": round(over.budget.deadline(), 1), "budget": over.budget.describe(),
                    "step": len(rows), "steps": over.steps, "message": over.message(len(rows))}
+        if isinstance(over, Stalled):
+            failure["stalled"] = {"component": over.component, "cause": over.cause,
+                                  "idle_s": round(over.idle_s, 1)}
         summary = self._summary(rows, trajectories, out_of_budget=failure,
                                 prometheus=self.monitor.report())
         report.plot_report(rows, self.dir / "report.png", f"r3flow local — replay="
                            f"{self.cfg.replay}, {len(rows)} of {over.steps} GRPO steps "
-                           f"(out of budget)")
+                           f"({'stalled' if isinstance(over, Stalled) else 'out of budget'})")
         return summary
 
     def finish(self, rows: list[dict]) -> dict:

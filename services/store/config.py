@@ -67,7 +67,15 @@ class StoreConfig(StrictConfig):
     max_inflight_trajectories: int = Field(
         100_000, ge=1, description="begun, not yet finished trajectories")
     max_backlog_tokens: int = Field(
-        1 << 30, ge=1, description="tokens appended, not yet acked; above it begins are refused")
+        1 << 30, ge=1, description="the admission budget: tokens appended and not yet "
+        "delivered to a trainer (begun and complete groups); above it begins are refused. "
+        "Delivered, not yet acked tokens do not count (max_unacked_tokens bounds them)")
+    max_unacked_tokens: int | None = Field(
+        1 << 30, ge=1, description="tokens delivered to trainers and not yet acked (a trainer "
+        "acks at its checkpoint). At it a pull gets no new groups (expired leases are still "
+        "redelivered) and a pull that would get none is refused (RESOURCE_EXHAUSTED, reason "
+        "`unacked`): the trainer then checkpoints early, which acks them. Size it for a "
+        "checkpoint interval of groups (`r3flow plan`); None = unbounded")
     redis_memory_reserve: float = Field(
         0.05, ge=0, lt=1, description="fraction of Redis maxmemory kept free: above "
         "(1 - reserve) x maxmemory new trajectories are refused (RESOURCE_EXHAUSTED), so open "

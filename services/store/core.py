@@ -93,7 +93,7 @@ class TrajectoryStoreCore:
         self.metrics = create_metrics(registry or CollectorRegistry(), "store")
         self.version_changed = threading.Condition()
         self._scripts = {name: client.register_script(getattr(lua, name)) for name in
-                         ("RELEASE", "TIMEOUT", "SET_MAX")}
+                         ("RELEASE", "TIMEOUT", "SET_MAX", "MARK_DELIVERED")}
         self.appender = Appender(client, config, self.keys, self._metric)
         self.ensure_stream()
 
@@ -150,8 +150,11 @@ class TrajectoryStoreCore:
         out: list[Delivery] = []
         while len(out) < max_groups:
             entries = self._claim_expired(who, max_groups - len(out))
-            entries += self._read_new(who.consumer, max_groups - len(out) - len(entries),
-                                      None if entries else block)
+            if self._unacked_full(bool(out or entries)):
+                new_count = 0  # what was delivered must be acked before more is
+            else:
+                new_count = max_groups - len(out) - len(entries)
+            entries += self._read_new(who.consumer, new_count, None if entries else block)
             if not entries:
                 break
             block = None  # only the first read waits
@@ -210,6 +213,25 @@ class TrajectoryStoreCore:
             log.error("group %s dead-lettered: %s (%d trajectories; record in %s)", gid,
                       rec.reason, n, self.keys.dead_letters)
 
+    def _unacked_full(self, delivering: bool) -> bool:
+        """Whether delivered, not yet acked tokens reached max_unacked_tokens. Groups whose
+        lease expired are still delivered (claimed again, never gated); new groups wait. A pull
+        that would get nothing at all is refused (reason `unacked`): the trainer then
+        checkpoints early, which acks what it holds (docs/store.md "Admission and acks")."""
+        limit = self.cfg.max_unacked_tokens
+        if limit is None:
+            return False
+        held = int(self.r.hget(self.keys.stats, "delivered_tokens") or 0)
+        if held < limit:
+            return False
+        if not delivering:
+            self._metric("r3flow_store_rejections_total", "unacked").inc()
+            raise CapacityError(
+                f"pull: store over max_unacked_tokens={limit} (delivered, not yet acked: "
+                f"{held} tokens); ack (checkpoint) before pulling more", reason="unacked",
+                retry_after_ms=self.cfg.backpressure_retry_ms)
+        return True
+
     def _read_new(self, consumer: str, count: int, block_ms: int | None) -> list[_Entry]:
         if count <= 0:
             return []
@@ -238,6 +260,7 @@ class TrajectoryStoreCore:
             self._metric("r3flow_store_dropped_total", reason).inc(n)
             log.info("dropped group %s (%s, %d trajectories)", gid, reason, n)
             return None
+        self._scripts["MARK_DELIVERED"](keys=[self.keys.stats], args=[self.keys.prefix, gid])
         return d
 
     def _drop_reason(self, d: Delivery | None, renewed: bool = False) -> str:
@@ -330,7 +353,10 @@ class TrajectoryStoreCore:
         n_pending = int(pending["pending"]) if isinstance(pending, dict) else 0
         snap = StatsSnapshot(counters, max(0, int(length) - n_pending), n_pending, int(pv or 0),
                              int(n_open or 0))
-        self._metric("r3flow_store_backlog_tokens").set(counters.get("backlog_tokens", 0))
+        delivered = counters.get("delivered_tokens", 0)
+        self._metric("r3flow_store_backlog_tokens").set(
+            counters.get("backlog_tokens", 0) - delivered)
+        self._metric("r3flow_store_unacked_tokens").set(delivered)
         self._metric("r3flow_store_groups_ready").set(snap.groups_ready)
         self._metric("r3flow_store_policy_version").set(snap.policy_version)
         return snap

@@ -95,12 +95,16 @@ def load(args: argparse.Namespace) -> list[tuple[str, Any, Any]]:
 def run(args: argparse.Namespace) -> int:
     from trainer.plan.manifest import plan_rollouts
     from trainer.plan.memory import format_plan
+    from trainer.plan.store import plan_stores
 
     ok = True
     for path in args.manifest:  # rollout engines sized for the model (trainer/plan/rollout.py)
         for check in plan_rollouts(path):
             print(check.describe(f"{check.where}:"))
             ok &= check.ok
+        for store in plan_stores(path):  # un-acked groups of a checkpoint interval (store.py)
+            print(store.describe(f"{store.where}:"))
+            ok &= store.ok
     for label, p, job in load(args):
         print(format_plan(p, label))
         if job is None:

@@ -138,17 +138,23 @@ def _device_memory(workers: list[k8s.PodGroup], world: int, ann: dict[str, str],
     return quantity_bytes(memory) / -(-world // pods) / GiB
 
 
-def plan_rayjob(docs: list[dict], doc: dict, overhead_gib: float | None = None) -> JobPlan:
-    """Plan one RayJob of `docs` (the documents of its file)."""
+def trainer_of(docs: list[dict], doc: dict) -> tuple[k8s.RayJob, TrainerConfig]:
+    """A RayJob document of `docs` and the trainer config its pods mount."""
     job = k8s.parse(k8s.RayJob, doc, f"RayJob/{(doc.get('metadata') or {}).get('name', '?')}")
     where = f"RayJob/{job.metadata.name}"
-    ann = job.metadata.annotations
     text = _config_map_text(docs, job, where)
     try:
         data = yaml.load(text, Loader=YAML_LOADER)  # noqa: S506 (a safe loader)
     except yaml.YAMLError as e:
         raise syntax_error(f"{where}: train.yaml", e) from None
-    cfg = build_config(TrainerConfig, data, source=f"{where}: train.yaml")
+    return job, build_config(TrainerConfig, data, source=f"{where}: train.yaml")
+
+
+def plan_rayjob(docs: list[dict], doc: dict, overhead_gib: float | None = None) -> JobPlan:
+    """Plan one RayJob of `docs` (the documents of its file)."""
+    job, cfg = trainer_of(docs, doc)
+    where = f"RayJob/{job.metadata.name}"
+    ann = job.metadata.annotations
     for key in ("model", "seq-len"):
         if PREFIX + key not in ann:
             raise UserError(f"{where}: annotation {PREFIX}{key} is missing")
