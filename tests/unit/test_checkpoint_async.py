@@ -195,3 +195,28 @@ def test_an_idle_loop_publishes_the_background_save_that_frees_the_store(tmp_pat
     history = loop.run(3, stop=lambda: store.empty_pulls >= 20)
     assert len(history) == 3 and store.empty_pulls == 1
     assert store.acked[0] == ["d0", "d1", "d2", "d3"]
+
+
+class _Full(FakeStore):
+    """Refuses pulls (UnackedFull) while the first four groups are delivered and unacked."""
+
+    refusals = 0
+
+    def pull(self, consumer, max_groups, lease_seconds=0, wait_ms=0, session=""):
+        from services.store.errors import UnackedFull
+
+        if not self.acked and len(self.ready) <= 4:
+            self.refusals += 1
+            raise UnackedFull("pull: store over max_unacked_tokens")
+        return super().pull(consumer, max_groups, lease_seconds, wait_ms, session)
+
+
+def test_a_full_store_waits_for_the_background_save_that_holds_its_acks(tmp_path):
+    cfg = loop_config(tmp_path)
+    cfg.run.async_checkpoint = True
+    store = _Full([pulled_group(i) for i in range(8)])
+    ranks = _SlowRanks()
+    history = TrainLoop(cfg, ranks, store).run(3, stop=lambda: store.refusals >= 20)
+    assert len(history) == 3 and store.refusals == 1  # published at once, no sleep-and-retry
+    assert ("finish_checkpoint", [(True,)]) in ranks.calls
+    assert store.acked[0] == ["d0", "d1", "d2", "d3"]

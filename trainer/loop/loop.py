@@ -169,6 +169,8 @@ class TrainLoop:
                 log.warning("step %d: early checkpoint to ack %d groups: %s", self.pos.step,
                             len(self.pending_acks), full)
                 self.checkpoint(force=True)
+            elif self.saving_acks:  # a background save holds them: its publish acks them
+                self.finish_checkpoint(block=True)
             else:  # what the store holds is this batch's or another session's (leases expire)
                 if self._unacked_log.due("wait"):
                     log.warning("step %d: nothing to ack, waiting: %s (is max_unacked_tokens "
