@@ -78,7 +78,7 @@ for section in $SECTIONS; do
       # graphs: greedy tokens and routing against HF with the same weights
       [ -f "$W/tiny/config.json" ] || { mkdir -p "$W"; step buildtiny 0 build --kind tiny --layers 4 --out "$W/tiny"; }
       say "weight load into a running engine (tiny, float32, ${LOAD_MODE:-graphs})"
-      step "load_${LOAD_MODE:-graphs}" 0 load --model "$W/tiny" --mode "${LOAD_MODE:-graphs}" --out "$W/load_${LOAD_MODE:-graphs}.json"
+      step "load_${LOAD_MODE:-graphs}" 0 load --model "$W/tiny" --mode "${LOAD_MODE:-graphs}" --via "${LOAD_VIA:-rpc}" --out "$W/load_${LOAD_MODE:-graphs}.json"
       merge;;
     local)
       # `r3flow local` on this GPU (issue 41 item 4): store + vLLM rollout (CUDA graphs) + one

@@ -222,6 +222,12 @@ class RunConfig(StrictConfig):
     run_dir: str = Field("runs/train", description="checkpoints and the JSONL run log")
     steps: int = Field(10, ge=0, description="optimizer steps to take (0 = until stopped)")
     checkpoint_every: int = Field(5, ge=1, description="save a checkpoint every N steps")
+    async_checkpoint: bool = Field(
+        False, description="write checkpoints in the background: the step boundary only copies "
+        "the rank's weights and optimizer state to host memory, a thread writes the files and "
+        "the checkpoint is published (meta.json, latest; the store acked) at a later boundary "
+        "once every rank's files are written; a kill mid-write resumes from the last complete "
+        "one (trainer.checkpoint)")
     keep_checkpoints: int = Field(
         3, ge=0, description="keep the newest N checkpoints, deleting older ones after each "
         "save (never the latest or the one this run resumed from); 0 = keep all")

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from services.common import families
+from services.common.errors import UserError
 from services.rollout.config import EngineConfig
 from services.rollout.segments import CallOutput
 from services.rollout.vllm_compat import check_routed_prompt_start, generated_tokens
@@ -166,7 +167,39 @@ def engine_args(cfg: EngineConfig) -> Any:
         # Logprobs of the distribution tokens are sampled from (after temperature), not the
         # raw T=1 ones: they are the PPO behaviour logprobs the trainer compares against.
         logprobs_mode="processed_logprobs",
+        quantization=None if cfg.quantization == "none" else cfg.quantization,
         worker_extension_cls=WORKER_EXTENSION, disable_log_stats=True)
+
+
+# vLLM's online FP8 runs FP8 kernels from compute capability 8.9 (Ada, Hopper) and a
+# weight-only FP8 (Marlin) from 8.0; below that, and on vLLM-CPU, it has none
+FP8_MIN_CAPABILITY = (8, 0)
+
+
+def quantization_refusal(quantization: str, capability: tuple[int, int] | None) -> str | None:
+    """One line refusing `engine.quantization` where this device cannot run it (`capability`:
+    the CUDA device's, None without one); None when it can."""
+    if quantization == "none":
+        return None
+    if capability is None:
+        return (f"engine.quantization: {quantization} needs a CUDA GPU (vLLM's online FP8); "
+                "this engine runs on the CPU: set engine.quantization: none")
+    if capability < FP8_MIN_CAPABILITY:
+        return (f"engine.quantization: {quantization} needs compute capability >= "
+                f"{FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]}, this GPU has "
+                f"{capability[0]}.{capability[1]}: set engine.quantization: none")
+    return None
+
+
+def device_capability() -> tuple[int, int] | None:
+    """The first CUDA device's compute capability; None on vLLM-CPU or without a GPU."""
+    import torch
+
+    from services.rollout.cpu_shims import on_cpu
+
+    if on_cpu() or not torch.cuda.is_available():
+        return None
+    return tuple(torch.cuda.get_device_capability(0))  # type: ignore[return-value]
 
 
 class RolloutEngine:
@@ -181,6 +214,7 @@ class RolloutEngine:
         self._gate = asyncio.Lock()
         self._progress: dict[str, int] = {}
         self.pids = engine_pids(llm)
+        self.device_uuid: str | None = None  # engine_gpu()
         metrics["r3flow_rollout_policy_version"].set(self.policy_version)
         log.info("engine ready: %s; processes %s", self.info, self.pids)
 
@@ -194,6 +228,9 @@ class RolloutEngine:
         from services.rollout.mla_rope import check_mla_rope_on_cpu
 
         set_cpu_env_defaults()
+        refusal = quantization_refusal(cfg.quantization, device_capability())
+        if refusal:
+            raise UserError(refusal)
         check_mla_rope_on_cpu(AutoConfig.from_pretrained(cfg.model), on_cpu())
         log.info("starting the engine for %s", cfg.model)
         # No local names the AsyncLLM: vLLM keeps a traceback of an import it caught during
@@ -343,6 +380,14 @@ class RolloutEngine:
         self.metrics["r3flow_rollout_weight_sync_seconds"].observe(dt)
         self.metrics["r3flow_rollout_policy_version"].set(self.policy_version)
         log.info("weights updated in %.2fs; policy version %d", dt, self.policy_version)
+
+    async def engine_gpu(self) -> str:
+        """The GPU UUID of a single-rank engine ("" on vLLM-CPU or with several ranks), asked
+        of the worker extension once; kept in `device_uuid` for the registration renewals."""
+        if self.device_uuid is None:
+            uuids = await self.llm.collective_rpc("device_uuid")
+            self.device_uuid = str(uuids[0]) if len(uuids) == 1 else ""
+        return self.device_uuid
 
     async def update_weights(self, method: str, *args: Any, version: int | None = None,
                              torn_on_failure: bool = False) -> int:

@@ -409,7 +409,8 @@ class RolloutWorker:
         the registration's TTL in seconds (None without a store)."""
         if self.sink is None:
             return None
-        return await self.sink.report_version(self.cfg.worker_id, self.engine.policy_version)
+        return await self.sink.report_version(self.cfg.worker_id, self.engine.policy_version,
+                                              await self.engine.engine_gpu())
 
     async def _wait_for_room(self, summary: WorkerSummary) -> None:
         """Hold a new group while the trainer is more than max_policy_lag versions ahead of

@@ -127,6 +127,14 @@ class R3WorkerExtension:
         return self.load_named_tensors(((n, t.clone()) for n, t in stream_weights(rx, plan)),
                                        digests)
 
+    def device_uuid(self) -> str:
+        """UUID of this worker's GPU ("" on vLLM-CPU): the store's WorkerInfo carries it, and the
+        trainer pushes by CUDA IPC when it holds the same GPU (weight_sync.ipc)."""
+        device = torch.device(getattr(self, "device", "cpu"))
+        if device.type != "cuda":
+            return ""
+        return str(torch.cuda.get_device_properties(device).uuid)
+
     def moe_reprepack_count(self) -> int:
         """How many MoE layer re-prepacks the CPU shim has done (0 off CPU)."""
         model = self.model_runner.get_model()

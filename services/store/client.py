@@ -248,10 +248,11 @@ class StoreClient:
             store_pb2.StatsRequest(), timeout=self.timeout_s, metadata=self._metadata), "stats")
 
     def register_worker(self, worker_id: str, host: str, world_size: int = 1,
-                        policy_version: int = 0) -> int:
-        """Register (or renew) a rollout worker; returns the TTL in seconds."""
+                        policy_version: int = 0, device_uuid: str = "") -> int:
+        """Register (or renew) a rollout worker (`device_uuid`: its single-rank engine's GPU);
+        returns the TTL in seconds."""
         info = store_pb2.WorkerInfo(worker_id=worker_id, host=host, world_size=world_size,
-                                    policy_version=policy_version)
+                                    policy_version=policy_version, device_uuid=device_uuid)
         return self._with_retry(lambda: self._stub.RegisterWorker(
             info, timeout=self.timeout_s, metadata=self._metadata).ttl_seconds, "register")
 

@@ -153,6 +153,31 @@ async def pair_main(a: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
+async def push_into(engine: Any, hf: Any, dtype: str, res: dict[str, Any]) -> int:
+    """Push `hf`'s weights into the engine as the trainer does (WeightSender -> the worker
+    extension's receive_weights), from this process on the engine's GPU: the sender picks CUDA
+    IPC (issue 57). Records the backend and the push's seconds in `res`."""
+    from services.common.pb.r3flow.v1 import store_pb2
+    from services.common.weight_sync import WeightSender, WeightSyncConfig
+
+    sender = WeightSender(WeightSyncConfig(timeout_s=120, wire_dtype=dtype))
+    member = store_pb2.WorkerInfo(worker_id="bench", host="127.0.0.1", world_size=1,
+                                  device_uuid=await engine.engine_gpu())
+    try:
+        plan = sender.plan(1, [member])
+        report, n = await asyncio.gather(
+            asyncio.to_thread(sender.push, plan, list(hf.state_dict().items())),
+            engine.update_weights("receive_weights", plan.SerializeToString(), "bench",
+                                  version=1))
+    finally:
+        sender.close()
+    res.update(backend=plan.backend, push_s=round(report.seconds, 3),
+               push_mb=round(report.num_bytes / 1e6, 1))
+    print(f"[push] {plan.backend}: {report.num_bytes / 1e6:.1f} MB in {report.seconds:.3f} s",
+          flush=True)
+    return n
+
+
 async def load_main(a: argparse.Namespace) -> dict[str, Any]:
     """New weights into a running engine through the worker extension (safetensors bytes over
     collective_rpc, vLLM's reload_weights), then greedy tokens and captured routing against HF
@@ -182,7 +207,10 @@ async def load_main(a: argparse.Namespace) -> dict[str, Any]:
                 if "norm" not in name:
                     p.copy_((torch.randn(p.shape, generator=gen) * 0.08).to(p))
         t0 = time.perf_counter()
-        n = await engine.load_named_tensors(dict(hf.state_dict()), version=1)
+        if a.via == "push":
+            n = await push_into(engine, hf, a.dtype, res)
+        else:
+            n = await engine.load_named_tensors(dict(hf.state_dict()), version=1)
         res["load_s"], res["tensors"] = round(time.perf_counter() - t0, 2), n
         await check_capture(engine, SamplingConfig(n=1, max_tokens=8), ps[0], seed=0,
                             when="check after loading weights v1")
@@ -444,6 +472,9 @@ def main() -> int:
     ld.add_argument("--max-model-len", type=int, default=512)
     ld.add_argument("--max-num-seqs", type=int, default=64)
     ld.add_argument("--gpu-mem", type=float, default=0.5)
+    ld.add_argument("--via", choices=["rpc", "push"], default="rpc",
+                    help="rpc: safetensors bytes over collective_rpc; push: the trainer's weight "
+                    "push from this process (CUDA IPC on the engine's GPU)")
     c = sub.add_parser("compare")
     c.add_argument("--model", required=True)
     c.add_argument("--npz", nargs="+", required=True)

@@ -29,6 +29,12 @@ COLUMNS = [
     ("reward", "reward_mean", "{:.3f}"),
     ("trainer tok/s", "tokens_per_second", "{:,.0f}"),
     ("push s", "weight_push_seconds", "{:.2f}"),
+    # where a step's time went (the trainer's step line names the same parts)
+    ("wait s", "batch_wait_seconds", "{:.2f}"),
+    ("old s", "old_pass_seconds", "{:.2f}"),
+    ("no-replay s", "compare_off_seconds", "{:.2f}"),
+    ("update s", "update_seconds", "{:.2f}"),
+    ("ckpt s", "checkpoint_seconds", "{:.2f}"),
 ]
 
 
@@ -58,6 +64,7 @@ def run_figures(run_dir: Path) -> dict:
             "rollout_tokens_per_s": tokens / seconds if seconds else None,
             "wall_seconds": summary.get("wall_seconds"), "failure": summary.get("failure"),
             "out_of_budget": summary.get("out_of_budget"),
+            "grpo_seconds": rows[-1]["time"] - rows[0]["time"] if len(rows) > 1 else None,
             "rows": [{k: r.get(k) for k in ["step", *keys, "reward_mean", "time"]} for r in rows]}
 
 

@@ -130,7 +130,8 @@ def test_gpu_config_file_reaches_the_rollout_and_trainer_configs(tmp_path: Path)
     assert (engine["enforce_eager"], engine["gpu_memory_utilization"]) == (False, 0.35)
     assert engine["max_num_seqs"] == 64 and engine["dtype"] == "bfloat16"
     tc = TrainerConfig.model_validate(trainer_config(cfg, tmp_path, tmp_path))
-    assert (tc.run.launcher, tc.run.checkpoint_every, tc.replay.mode) == ("local", 1000, "off")
+    assert (tc.run.launcher, tc.run.checkpoint_every, tc.replay.mode) == ("local", 20, "off")
+    assert tc.run.async_checkpoint and engine.get("quantization", "none") == "none"
     assert (tc.replay.compare_off_every, tc.data.max_policy_lag) == (1, 0)
     # the CPU default is unchanged: eager, a checkpoint every step
     cpu = LocalConfig()

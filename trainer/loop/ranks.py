@@ -16,7 +16,8 @@ from typing import Any, Literal, Protocol, get_args
 from trainer.checkpoint import DataPosition
 
 # The RankWorker methods the loop and the weight push call on every rank.
-RankMethod = Literal["resume", "set_policy_version", "train", "save", "export_hf_dir",
+RankMethod = Literal["resume", "set_policy_version", "train", "save", "finish_checkpoint",
+                     "export_hf_dir",
                      "export_hf", "plan_push", "push_weights"]
 RANK_METHODS: tuple[str, ...] = get_args(RankMethod)
 
@@ -59,6 +60,11 @@ class Ranks:
 
     def save(self, pos: DataPosition) -> None:
         self._all("save", asdict(pos))
+
+    def finish_checkpoint(self, block: bool = False) -> str | None:
+        """Every rank publishes the background save in flight if all have written it; the
+        published directory (None: none in flight, or still being written)."""
+        return self._all("finish_checkpoint", block)[0]
 
     def export_hf_dir(self, step: int) -> str | None:
         """Every rank joins the HF export of `step`; the directory rank 0 wrote."""

@@ -233,6 +233,7 @@ def plan_rollouts(path: str | Path) -> list[RolloutCheck]:
         plan_ = plan_rollout(arch, float(_number(ann, "gpu-memory-gib", float, where)),
                              float(eng.get("gpu_memory_utilization", 0.85)),
                              int(eng.get("max_model_len", 1024)),
-                             int(eng.get("max_num_seqs", 32)))
+                             int(eng.get("max_num_seqs", 32)),
+                             quantization=str(eng.get("quantization", "none")))
         out.append(RolloutCheck(where, plan_, int(eng.get("tensor_parallel_size", 1)), gpus))
     return out

@@ -5,11 +5,11 @@ A MoE model with few active parameters (Qwen3-30B-A3B: 3.3B of 30.5B) decodes fa
 smallest engines that still hold the whole batch's KV cache: each engine runs its own batch
 (data parallel), and every extra TP rank adds an all-reduce per layer to every decode step. So
 the plan takes the smallest power-of-two TP whose engine holds, inside
-`gpu_memory_utilization` of its GPUs, the bf16 weights (split over TP) plus the KV cache of
-`max_num_seqs` sequences of `max_model_len` tokens (vLLM's worst case for the engine's batch;
-per token and layer the family's attention decides it: GQA's KV heads split over TP, at least
-one per rank, MLA's latent and rope key whole on every rank, a sliding-window layer only its
-window);
+`gpu_memory_utilization` of its GPUs, the weights (bf16, or FP8 linears with
+`engine.quantization: fp8`; split over TP) plus the KV cache of `max_num_seqs` sequences of
+`max_model_len` tokens (vLLM's worst case for the engine's batch; per token and layer the
+family's attention decides it: GQA's KV heads split over TP, at least one per rank, MLA's latent
+and rope key whole on every rank, a sliding-window layer only its window);
 node_gpus / TP engines then share one node. The chart runs one engine per rollout pod
 (`rollout.gpus` = TP), so several pods share a node; chart-check refuses a rendered rollout whose
 TP is not the plan's (annotations r3flow.io/plan-model and r3flow.io/plan-gpu-memory-gib).
@@ -60,9 +60,20 @@ def kv_bytes_per_token(arch: Arch, tp: int = 1, seq_len: int = 0, dtype_bytes: i
     return layers * arch.attention.kv_cache_elems(tp) * dtype_bytes
 
 
+def engine_weight_bytes(arch: Arch, quantization: str = "none") -> float:
+    """The engine's weights: bf16, or with vLLM's online FP8 one byte per parameter of every
+    linear layer (attention, MLPs, experts; per-tensor scales negligible) while the
+    embeddings, output layer, norms and routers stay bf16."""
+    if quantization == "none":
+        return arch.total_params() * 2.0
+    emb = arch.vocab * arch.hidden * (1 if arch.tied_embeddings else 2)
+    kept = emb + arch.hidden * (2 * arch.num_layers + 1) + arch.moe_layers * arch.hidden * arch.experts
+    return (arch.total_params() - kept) * 1.0 + kept * 2.0
+
+
 def engine_plan(arch: Arch, tp: int, gpu_gib: float, util: float, max_model_len: int,
-                max_num_seqs: int, node_gpus: int) -> RolloutPlan:
-    weights = arch.total_params() * 2 / tp  # bf16
+                max_num_seqs: int, node_gpus: int, quantization: str = "none") -> RolloutPlan:
+    weights = engine_weight_bytes(arch, quantization) / tp
     usable = gpu_gib * GiB * util - ACTIVATION_GIB * GiB
     free = max(0.0, usable - weights)  # per GPU
     tokens = int(free // kv_bytes_per_token(arch, tp, max_model_len))
@@ -71,7 +82,8 @@ def engine_plan(arch: Arch, tp: int, gpu_gib: float, util: float, max_model_len:
 
 
 def plan_rollout(arch: Arch, gpu_gib: float, util: float, max_model_len: int,
-                 max_num_seqs: int, node_gpus: int = 8) -> RolloutPlan:
+                 max_num_seqs: int, node_gpus: int = 8, quantization: str = "none"
+                 ) -> RolloutPlan:
     """The smallest power-of-two TP (dividing the attention heads, at most node_gpus) whose
     engine holds its weights and its batch's KV cache."""
     if not 0 < util <= 1:
@@ -79,7 +91,8 @@ def plan_rollout(arch: Arch, gpu_gib: float, util: float, max_model_len: int,
     tp, best = 1, None
     while tp <= node_gpus:
         if arch.heads % tp == 0:
-            best = engine_plan(arch, tp, gpu_gib, util, max_model_len, max_num_seqs, node_gpus)
+            best = engine_plan(arch, tp, gpu_gib, util, max_model_len, max_num_seqs, node_gpus,
+                               quantization)
             if best.fits:
                 return best
         tp *= 2

@@ -37,7 +37,8 @@ class RankWorker:
         self.rank, self.node_ip = rank, node_ip
         self.cfg = TrainerConfig.model_validate_json(cfg_json)
         self.trainer = make_trainer(self.cfg)
-        self.ckpt = CheckpointManager(self.cfg.run.run_dir, self.cfg.run.keep_checkpoints)
+        self.ckpt = CheckpointManager(self.cfg.run.run_dir, self.cfg.run.keep_checkpoints,
+                                      background=self.cfg.run.async_checkpoint)
         self.hf_export = HFExport(self.cfg.run.run_dir, self.cfg.model_dir, self.cfg.run.hf_keep)
 
     def train(self, groups_bytes: Sequence[bytes], lr_scale: float = 1.0) -> dict:
@@ -51,11 +52,19 @@ class RankWorker:
             [store_pb2.PulledGroup.FromString(b) for b in groups_bytes], self.cfg.replay.mode,
             self.trainer.layer_map, arch.num_experts, arch.top_k)
         metrics = self.trainer.train_step(samples, lr_scale=lr_scale)
+        if self.cfg.run.async_checkpoint and not self.ckpt.reserved:
+            self.ckpt.reserve(*self.trainer.backend.checkpoint_state())
         metrics["dropped"] = dropped | metrics.get("dropped", {})
         return metrics
 
     def save(self, pos: dict) -> str:
         return str(self.ckpt.save(*self.trainer.backend.checkpoint_state(), DataPosition(**pos)))
+
+    def finish_checkpoint(self, block: bool = False) -> str | None:
+        """Publish the background save in flight once every rank wrote it (a collective); the
+        published directory, or None (none in flight, or still writing without `block`)."""
+        path = self.ckpt.finish(block)
+        return None if path is None else str(path)
 
     def resume(self) -> dict | None:
         """Load the latest checkpoint if there is one; returns its data position."""

@@ -17,6 +17,10 @@ class WeightSyncConfig(StrictConfig):
     """gloo for CPU tensors, nccl for CUDA tensors (the same code path)."""
     device: str = "cpu"
     """Where the sender packs buckets: 'cpu' for gloo, 'cuda' / 'cuda:N' for nccl."""
+    colocated_ipc: bool = True
+    """Push by CUDA IPC handles instead of `backend` when every engine of a plan runs on the
+    trainer's own GPU (its registered GPU UUID; `r3flow local` on one GPU): the buckets never
+    leave the device (weight_sync.ipc). Said in one log line whenever the choice changes."""
     wire_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     """Dtype of floating tensors on the wire; integer/bool tensors are sent as-is."""
     bucket_bytes: int | None = Field(default=None, gt=0)

@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from services.common.pb.r3flow.v1 import store_pb2
 
-BACKENDS = ("gloo", "nccl")
+BACKENDS = ("gloo", "nccl", "ipc")
 
 
 class WeightSyncError(RuntimeError):
@@ -192,13 +192,17 @@ def make_process_group(store: dist.Store, rank: int, size: int, backend: str,
         # NCCL's watchdog would otherwise tear the whole trainer process down.
         opts._timeout = timedelta(seconds=timeout_s * 4 + 60)
         return ProcessGroupNCCL(store, rank, size, opts)
+    if backend == "ipc":  # members on the sender's GPU (weight_sync.ipc)
+        from services.common.weight_sync.ipc import IpcGroup
+
+        return IpcGroup(store, rank, size)
     raise ValueError(f"backend: {backend!r} is not one of {BACKENDS}")
 
 
 def waits_on_host(backend: str) -> bool:
-    """gloo ops complete on the host (waited for in slices); NCCL ops are stream-ordered: the
-    host only polls them where it must (the last bucket, the acks)."""
-    return backend == "gloo"
+    """gloo and IPC ops complete on the host (waited for in slices); NCCL ops are
+    stream-ordered: the host only polls them where it must (the last bucket, the acks)."""
+    return backend in ("gloo", "ipc")
 
 
 def broadcast(pg: dist.ProcessGroup, tensor: torch.Tensor) -> dist.Work:

@@ -112,7 +112,7 @@ class Push:
                                      self.cfg.heartbeat_timeout_s)
         self.pg: dist.ProcessGroup | None = None
         self.new_group = True
-        self.host_blocking = waits_on_host(self.cfg.backend)
+        self.host_blocking = waits_on_host(plan.backend)  # the plan's: CUDA IPC or the config's
         self.layout_sent = self.streamed = self.packed = False
         self.published = 0  # the header key receivers may wait on next (written or not)
         self.t0 = time.perf_counter()
@@ -185,7 +185,7 @@ class Push:
         self.store.set(Keys.GO, "new")
         with self._transport_errors():
             self.pg = make_process_group(self.store, 0, len(self.members) + 1,
-                                         self.cfg.backend, self.cfg.timeout_s,
+                                         self.plan.backend, self.cfg.timeout_s,
                                          self.s.addr)
 
     def _no_errors(self) -> None:
@@ -329,8 +329,8 @@ class Push:
                 wait_work(work, self.monitor.check, self._deadline(), self.host_blocking)
             else:
                 work.wait()
-                if event is not None:  # the slot's checksum (side stream) read it too
-                    torch.cuda.current_stream(self.s.device).wait_event(event)
+            if event is not None:  # the slot's checksum (side stream) read it too
+                torch.cuda.current_stream(self.s.device).wait_event(event)
         self.last_work = work
         self.inflight.popleft()
 

@@ -6,6 +6,7 @@ One push's execution (group, buckets in flight, acks) is `weight_sync.push.Push`
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -21,6 +22,7 @@ from services.common.weight_sync.group import (
     nccl_version,
     push_store,
 )
+from services.common.weight_sync.ipc import IPC, gpu_uuid, push_backend
 from services.common.weight_sync.layout import BucketLayout, PackedLayout, StreamLayout
 from services.common.weight_sync.push import Push, PushReport
 
@@ -32,6 +34,7 @@ if TYPE_CHECKING:  # the sender only reads attributes: the GPU bench runs withou
 # Where a sender without an advertise_addr listens. The trainer never leaves it empty: its rank 0
 # advertises its node's address (trainer/ranks/worker.py).
 STANDALONE_ADDR = "127.0.0.1"
+log = logging.getLogger(__name__)
 
 
 class WeightSender:
@@ -58,6 +61,8 @@ class WeightSender:
         self._streamed = StreamLayout()  # the last streamed (generator) push's buckets
         self._packed = PackedLayout()  # the last push of packed buckets' headers
         self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.gpu = gpu_uuid() if getattr(cfg, "colocated_ipc", False) else ""
+        self._backend = ""  # the last plan's choice (logged when it changes)
 
     @property
     def port(self) -> int:
@@ -69,9 +74,14 @@ class WeightSender:
             raise ValueError(f"version: {version} must exceed the last push's {self._last_version}")
         if not workers:
             raise ValueError("workers: a weight-sync plan needs at least one member")
+        backend, why = push_backend(self.cfg.backend, getattr(self.cfg, "colocated_ipc", False),
+                                    self.gpu, workers)
+        if backend != self._backend:
+            log.info("weight push: %s (%s)", "CUDA IPC" if backend == IPC else backend, why)
+            self._backend = backend
         plan = store_pb2.WeightSyncPlan(
             version=version, master_addr=self.addr, master_port=self.port,
-            members=list(workers), backend=self.cfg.backend, wire_dtype=self.cfg.wire_dtype,
+            members=list(workers), backend=backend, wire_dtype=self.cfg.wire_dtype,
             bucket_bytes=self.bucket_bytes)
         g = self._group
         self._reuse = g.version if g is not None and g.signature == group_signature(plan) else None
@@ -99,7 +109,21 @@ class WeightSender:
         if plan.version == self._pushed_version:  # its keys (an abort, say) are still there
             raise ValueError(f"plan: v{plan.version} was pushed already; make a new plan")
         self._pushed_version = plan.version
-        return Push(self, plan).run(named)
+        self._use_device(torch.device("cuda", torch.cuda.current_device())
+                         if plan.backend == IPC else torch.device(self.cfg.device))
+        report = Push(self, plan).run(named)
+        if plan.backend == IPC:
+            torch.cuda.ipc_collect()  # frees what the members opened and have let go
+        return report
+
+    def _use_device(self, device: torch.device) -> None:
+        """Pack on `device` (the configured one; the GPU for an IPC push): buffers, layouts
+        and the side stream are made anew when it changes."""
+        if device == self.device:
+            return
+        self.device, self._pool = device, [None] * self.cfg.inflight_buckets
+        self._layout, self._streamed, self._packed = None, StreamLayout(), PackedLayout()
+        self._side = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def close(self) -> None:
         self._pool = [None] * self.cfg.inflight_buckets

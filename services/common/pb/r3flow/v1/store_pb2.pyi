@@ -180,16 +180,18 @@ class StoreStats(_message.Message):
     def __init__(self, trajectories_appended: _Optional[int] = ..., trajectories_complete: _Optional[int] = ..., groups_ready: _Optional[int] = ..., groups_delivered: _Optional[int] = ..., groups_acked: _Optional[int] = ..., backlog_tokens: _Optional[int] = ..., dropped_stale: _Optional[int] = ..., redeliveries: _Optional[int] = ..., policy_version: _Optional[int] = ..., dropped_by_reason: _Optional[_Mapping[str, int]] = ..., groups_leased: _Optional[int] = ..., groups_open: _Optional[int] = ..., max_groups_ahead: _Optional[int] = ..., groups_dead_lettered: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "host", "world_size", "policy_version")
+    __slots__ = ("worker_id", "host", "world_size", "policy_version", "device_uuid")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     host: str
     world_size: int
     policy_version: int
-    def __init__(self, worker_id: _Optional[str] = ..., host: _Optional[str] = ..., world_size: _Optional[int] = ..., policy_version: _Optional[int] = ...) -> None: ...
+    device_uuid: str
+    def __init__(self, worker_id: _Optional[str] = ..., host: _Optional[str] = ..., world_size: _Optional[int] = ..., policy_version: _Optional[int] = ..., device_uuid: _Optional[str] = ...) -> None: ...
 
 class RegisterWorkerResponse(_message.Message):
     __slots__ = ("ttl_seconds",)
