@@ -101,7 +101,7 @@ class LossConfig(StrictConfig):
         "passes their logprobs; torch = the chunked torch loop; auto = triton where the logits "
         "are on a CUDA device and Triton imports, torch otherwise (issue 44)")
     skip_old_policy_pass: Literal["auto", "on", "off"] = Field(
-        "off", description="when each batch takes exactly one update (optim.ppo_epochs 1, "
+        "auto", description="when each batch takes exactly one update (optim.ppo_epochs 1, "
         "optim.mini_batches 1) the old policy is the policy being updated: on = no separate "
         "old-policy forward, the PPO ratio's denominator is the update pass's own logprobs "
         "(detached), which also feed the logprob diffs, the TIS weights and the agreement "
