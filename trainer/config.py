@@ -350,7 +350,9 @@ class TrainerConfig(StrictConfig):
             return "model.pipeline_parallel > 1: the update's logprobs exist on the last stage only"
         if self.backend == "hf" and mode == "r3" and self.replay.check_agreement:
             return "backend hf: its update pass does not check the routing agreement"
-        if mode == "r2" and getattr(m, "recomputes_router", False):
+        recomputes = getattr(m, "recomputes_router", False) if self.backend == "megatron" \
+            else getattr(self.hf, "gradient_checkpointing", False)
+        if mode == "r2" and recomputes:
             return ("r2 with MoE recompute: the backward recompute would route again instead of "
                     "replaying the forward's own routing")
         return None

@@ -85,6 +85,7 @@ def test_on_is_refused_where_it_cannot_apply_and_auto_falls_back(model_dir):
                "backend hf": {"backend": "hf"},
                "r2 with MoE recompute": {"replay": {"mode": "r2"},
                                          "model": {"recompute_moe": True}}}
+    hf_r2 = {"backend": "hf", "replay": {"mode": "r2"}, "hf": {"gradient_checkpointing": True}}
     for why, kw in refused.items():
         loss = kw.get("loss", {})
         with pytest.raises(ValueError, match=f"loss.skip_old_policy_pass: on does not apply: "
@@ -94,5 +95,8 @@ def test_on_is_refused_where_it_cannot_apply_and_auto_falls_back(model_dir):
         auto = TrainerConfig.model_validate(
             {"model_dir": str(model_dir)} | kw | {"loss": loss | {"skip_old_policy_pass": "auto"}})
         assert why in (auto.old_pass_refusal(auto.replay.mode) or "")
+    with pytest.raises(ValueError, match="on does not apply: r2 with MoE recompute"):
+        TrainerConfig.model_validate({"model_dir": str(model_dir), "loss": {
+            "skip_old_policy_pass": "on"}} | hf_r2)
     plain = TrainerConfig(model_dir=str(model_dir), loss={"skip_old_policy_pass": "on"})
     assert plain.old_pass_refusal("r3") is None and plain.old_pass_refusal("r2") is None
