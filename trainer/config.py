@@ -341,6 +341,35 @@ class TrainerConfig(StrictConfig):
                 f"batch_first_logits {m.batch_first_logits}, fused_adam {self.optim.fused_adam}, chunked_logprobs "
                 f"{self.loss.chunked_logprobs}, logprob_kernel {self.loss.logprob_kernel})")
 
+    def old_pass_refusal(self, mode: str) -> str | None:
+        """Why the old-policy pass cannot be skipped for a step in replay `mode` (None: it
+        can; loss.skip_old_policy_pass, trainer.grpo)."""
+        loss, m = self.loss, self.model
+        if self.optim.ppo_epochs * self.optim.mini_batches != 1:
+            return "needs one update per batch (optim.ppo_epochs 1, optim.mini_batches 1)"
+        if loss.kl_in == "reward" and loss.kl_coef > 0:
+            return "kl_in reward shapes the advantages with the old policy's KL before the update"
+        if loss.rollout_correction.mask_level != "off":
+            return ("rollout_correction.mask_level: MIS masks tokens out of the update's "
+                    "normaliser before the update")
+        if getattr(m, "pipeline_parallel", 1) > 1:
+            return "model.pipeline_parallel > 1: the update's logprobs exist on the last stage only"
+        if self.backend == "hf" and mode == "r3" and self.replay.check_agreement:
+            return "backend hf: its update pass does not check the routing agreement"
+        recomputes = getattr(m, "recomputes_router", False) if self.backend == "megatron" \
+            else getattr(self.hf, "gradient_checkpointing", False)
+        if mode == "r2" and recomputes:
+            return ("r2 with MoE recompute: the backward recompute would route again instead of "
+                    "replaying the forward's own routing")
+        return None
+
+    @model_validator(mode="after")
+    def _skip_old_pass(self) -> TrainerConfig:
+        why = self.loss.skip_old_policy_pass == "on" and self.old_pass_refusal(self.replay.mode)
+        if why:
+            raise ValueError(f"loss.skip_old_policy_pass: on does not apply: {why}")
+        return self
+
     @model_validator(mode="after")
     def _rollout_correction_source(self) -> TrainerConfig:
         if self.loss.rollout_correction.enabled and self.data.old_logprobs != "trainer":

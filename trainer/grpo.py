@@ -5,7 +5,12 @@
   2. old-policy logprob pass (no grad): r3 replays the rollout routing and measures routing
      agreement per (trajectory unit, MoE layer) (RoutingAgreementError below the floor names
      the groups to quarantine), r2 records the policy's own routing, off routes naturally;
-     |rollout - trainer| logprob diff is measured;
+     |rollout - trainer| logprob diff is measured. Skipped (loss.skip_old_policy_pass) when
+     the batch takes one update: the old policy is then the policy the update starts from, so
+     the update pass's own logprobs, detached, are the ratio's denominator, and that pass
+     gives the diffs, the TIS weights and (r3) the agreement check before its optimizer step;
+     r2 then routes the update with the policy's own routing, which is exactly what its
+     recording pass would have recorded (same weights, same tokens) and replayed;
   3. reference pass (kl_coef > 0 or kl_metric) replaying the same routing; KL in reward,
      rollout correction (TIS/MIS) and the off-policy metrics (trainer.losses.corrections);
   4. updates: `optim.ppo_epochs` x `optim.mini_batches` backend updates with the PPO loss,
@@ -45,8 +50,21 @@ from trainer.losses.corrections import (
     staleness_metrics,
 )
 from trainer.losses.logprobs import logprob_entropy
-from trainer.losses.loss import logprob_diff, mismatch_sums, ppo_loss, sft_loss, token_logprobs
-from trainer.losses.objectives import UpdateNorm, aggregate, sequence_index, update_norm
+from trainer.losses.loss import (
+    logprob_diff,
+    mismatch_sums,
+    policy_logprobs,
+    ppo_terms,
+    sft_loss,
+    token_logprobs,
+)
+from trainer.losses.objectives import (
+    UpdateNorm,
+    aggregate,
+    rollout_weights,
+    sequence_index,
+    update_norm,
+)
 from trainer.protocol import TrainBackend
 from trainer.replay import ReplayMode
 from trainer.samples.alignment import LayerMap
@@ -75,6 +93,13 @@ def diff_metrics(mbs: Sequence[MicroBatch], lps: Sequence[torch.Tensor], suffix:
 def _agreement_min(m: dict[str, Any]) -> float:
     """Sort key of a pass's metrics by their worst agreement cell (none: after every cell)."""
     return m.get("routing_agreement_min", 2.0)
+
+
+def _old_lps(mbs: Sequence[MicroBatch]) -> list[torch.Tensor]:
+    """The trainer's old-policy logprobs of each micro-batch (set by the pass that made them)."""
+    out = [mb.train_old_lp for mb in mbs]
+    assert all(lp is not None for lp in out), "old-policy logprobs first"
+    return out  # type: ignore[return-value]
 
 
 def _tokens(mbs: Sequence[MicroBatch]) -> float:
@@ -129,40 +154,72 @@ class GRPOStep:
         set_advantages(samples, self.cfg.loss)
         return self.backend.microbatches(samples)
 
-    def old_policy_pass(self, mbs: Sequence[MicroBatch], mode: ReplayMode) -> dict:
-        """Old-policy logprobs (+ agreement in r3), reference logprobs; returns metrics."""
-        agreement = self.backend.agreement
-        check = self._checks_agreement(mode)
-        agreement.reset()
-        agreement.enabled = check
+    def old_policy_pass(self, mbs: Sequence[MicroBatch], mode: ReplayMode,
+                        skip: bool = False) -> dict:
+        """Old-policy logprobs (+ agreement in r3), reference logprobs; returns metrics. With
+        `skip` only the reference (and compare_off) passes run: the update pass measures the
+        rest (`after_skipped_pass`)."""
         t0 = time.perf_counter()
-        try:
-            old = self.compute_logprobs(mbs, mode)
-        finally:
-            agreement.enabled = False
+        if not skip:
+            self._old_logprobs(mbs, mode)
         t1 = time.perf_counter()
-        reference = self.cfg.loss.uses_reference and self.cfg.loss.reference_due(
-            self.policy_version)
-        for mb, lp in zip(mbs, old, strict=True):
-            mb.train_old_lp = lp
-            if reference:
+        if self.cfg.loss.uses_reference and self.cfg.loss.reference_due(self.policy_version):
+            for mb in mbs:
                 mb.ref_lp = self.compute_logprobs([mb], mode, reference=True)[0]
         # seconds per pass (where a step's time goes; r3flow local's bench reads them)
-        metrics: dict[str, Any] = self._diffs(mbs, old, "") | {
-            "old_pass_seconds": t1 - t0, "ref_pass_seconds": time.perf_counter() - t1}
+        metrics: dict[str, Any] = {"old_pass_seconds": t1 - t0, "old_pass_skipped": skip,
+                                   "ref_pass_seconds": time.perf_counter() - t1}
+        if not skip:
+            metrics |= self._diffs(mbs, _old_lps(mbs), "")
         r = self.cfg.replay
         if r.compare_off and mode != ReplayMode.OFF and self.policy_version % r.compare_off_every == 0:
             # Same batch, same weights, natural routing: what replay bought on this step.
             t2 = time.perf_counter()
             metrics |= self._diffs(mbs, self.compute_logprobs(mbs, ReplayMode.OFF), "_off")
             metrics["compare_off_seconds"] = time.perf_counter() - t2
+        if skip:
+            return metrics
         metrics |= self._off_policy(mbs)
+        agreement = self.backend.agreement
         agreement.check_used()
-        if check:
+        if self._checks_agreement(mode):
             metrics |= self._agreement_metrics()
             agreement.check(self.cfg.replay.floor(self.backend.top_k, self.backend.num_experts),
                             self.cfg.replay.agreement_min_ids)
         return metrics
+
+    def _old_logprobs(self, mbs: Sequence[MicroBatch], mode: ReplayMode) -> None:
+        """The old-policy pass: `train_old_lp` on every micro-batch (agreement counted in r3)."""
+        agreement = self.backend.agreement
+        agreement.reset()
+        agreement.enabled = self._checks_agreement(mode)
+        try:
+            old = self.compute_logprobs(mbs, mode)
+        finally:
+            agreement.enabled = False
+        for mb, lp in zip(mbs, old, strict=True):
+            mb.train_old_lp = lp
+
+    def after_skipped_pass(self, mbs: Sequence[MicroBatch], mode: ReplayMode) -> dict:
+        """What the skipped old-policy pass would have measured, from the update pass's
+        logprobs (`train_old_lp`, set by `_ppo_loss`) and agreement counters (the backend
+        checked the floor before its optimizer step): diffs, off-policy metrics (the TIS weights
+        were applied in the loss), agreement."""
+        metrics = self._diffs(mbs, _old_lps(mbs), "") | \
+            self._off_policy(mbs, apply=False)
+        return metrics | (self._agreement_metrics() if self._checks_agreement(mode) else {})
+
+    def skips_old_pass(self, mode: ReplayMode) -> bool:
+        """loss.skip_old_policy_pass for a step in `mode`: auto where it applies, on refused
+        (one line) where it cannot."""
+        setting = self.cfg.loss.skip_old_policy_pass
+        if setting == "off":
+            return False
+        why = self.cfg.old_pass_refusal(mode.value)
+        if why and setting == "on":
+            raise ValueError(f"loss.skip_old_policy_pass: on does not apply to a {mode.value} "
+                             f"step: {why}")
+        return why is None
 
     def _diffs(self, mbs: Sequence[MicroBatch], lps: Sequence[torch.Tensor], suffix: str
                ) -> dict[str, Any]:
@@ -170,15 +227,15 @@ class GRPOStep:
         return diff_metrics(mbs, lps, suffix) | diff_by_staleness(mbs, lps, self.policy_version,
                                                                   suffix)
 
-    def _off_policy(self, mbs: Sequence[MicroBatch]) -> dict[str, Any]:
-        """After the diffs: KL in the reward, staleness, IS weights and mismatch KL, and the
-        rollout correction set on `mbs` (MIS changes their loss masks)."""
+    def _off_policy(self, mbs: Sequence[MicroBatch], apply: bool = True) -> dict[str, Any]:
+        """After the diffs: KL in the reward, staleness, IS weights and mismatch KL, and (with
+        `apply`) the rollout correction set on `mbs` (MIS changes their loss masks)."""
         loss = self.cfg.loss
         if loss.kl_in == "reward" and loss.kl_coef > 0:
             kl_in_reward(mbs, loss)
         samples = [s for mb in mbs for s in mb.samples]
         return staleness_metrics(samples, self.policy_version) | apply_rollout_correction(
-            mbs, loss.rollout_correction, apply=loss.rollout_correction.enabled)
+            mbs, loss.rollout_correction, apply=apply and loss.rollout_correction.enabled)
 
     def _agreement_metrics(self) -> dict[str, Any]:
         a = self.backend.agreement
@@ -201,23 +258,29 @@ class GRPOStep:
     def _in_flight(self) -> MicroBatch | None:
         return self.backend.current
 
-    def _old_policy(self, samples: list[Sample], mode: ReplayMode
+    def _old_policy(self, samples: list[Sample], mode: ReplayMode, skip: bool
                     ) -> tuple[list[MicroBatch], dict, Fault | None]:
         """Micro-batches and the old-policy pass over them, decided on every rank together."""
         mbs = self.prepare(samples)  # a collective (micro-batch count): outside the guard
-        metrics, fault = run_pass(lambda: self.old_policy_pass(mbs, mode) if mbs else {},
+        metrics, fault = run_pass(lambda: self.old_policy_pass(mbs, mode, skip) if mbs else {},
                                   self._in_flight)
         return mbs, metrics or {}, fault
 
     # ------------------------------------------------------------------ steps
-    def _ppo_loss(self, norm: UpdateNorm, acc: dict, blamed: dict[str, str], mb: MicroBatch,
-                  logits: torch.Tensor) -> torch.Tensor:
+    def _ppo_loss(self, norm: UpdateNorm, acc: dict, blamed: dict[str, str], skip: bool,
+                  mb: MicroBatch, logits: torch.Tensor) -> torch.Tensor:
+        cfg, seq, n = self.cfg.loss, sequence_index(mb), len(mb.samples)
+        lp, ent = policy_logprobs(logits, mb.labels_BS, cfg, mb.temperature_BS)
+        if skip:  # this update's policy is the old policy: its logprobs, detached
+            mb.train_old_lp = lp.detach()
+            rc = cfg.rollout_correction
+            if rc.is_level != "off":  # TIS against the rollout (MIS is refused: normaliser)
+                mb.is_weight_BS = rollout_weights(mb.train_old_lp, mb.old_logprobs_BS,
+                                                  mb.loss_mask_BS, seq, n, rc).is_weight_BS
         old = mb.old_logprobs_BS if self.cfg.data.old_logprobs == "rollout" else mb.train_old_lp
         assert old is not None, "old-policy pass must run before the update"
-        cfg, seq, n = self.cfg.loss, sequence_index(mb), len(mb.samples)
-        sums = ppo_loss(logits, mb.labels_BS, mb.loss_mask_BS, mb.advantages_BS, old,
-                        mb.ref_lp, cfg, mb.temperature_BS, seq_BS=seq, n_seqs=n,
-                        is_weight_BS=mb.is_weight_BS)
+        sums = ppo_terms(lp, ent, mb.loss_mask_BS, mb.advantages_BS, old, mb.ref_lp, cfg,
+                         seq_BS=seq, n_seqs=n, is_weight_BS=mb.is_weight_BS)
         for k in PPO_SUMS:
             acc[k] = acc.get(k, 0.0) + getattr(sums, k)
         assert sums.loss_BS is not None
@@ -230,7 +293,7 @@ class GRPOStep:
         acc["loss"] = acc.get("loss", 0.0) + value
         return loss
 
-    def _updates(self, mbs: list[MicroBatch], mode: ReplayMode
+    def _updates(self, mbs: list[MicroBatch], mode: ReplayMode, skip: bool = False
                  ) -> tuple[dict, list[float], Fault | None]:
         """The step's updates until one faults: (PPO sums of the applied ones, their grad
         norms, the fault). A non-finite gradient no group's loss explains quarantines every
@@ -241,7 +304,7 @@ class GRPOStep:
         for u in update_schedule(mbs, self.cfg.optim.ppo_epochs, self.cfg.optim.mini_batches):
             mine: dict = {}
             blamed: dict[str, str] = {}
-            loss_fn = partial(self._ppo_loss, update_norm(u, dp), mine, blamed)  # collective
+            loss_fn = partial(self._ppo_loss, update_norm(u, dp), mine, blamed, skip)  # coll.
             norm, fault = run_pass(partial(self.backend.update, u, mode, loss_fn),
                                    self._in_flight, blamed)
             if fault is not None:
@@ -267,15 +330,18 @@ class GRPOStep:
         samples = [s for s in samples if s.group_id not in dropped]
         skipped, rerun = 0, 0
         worst: list[dict[str, Any]] = [{}]  # the worst agreement cell of each faulting pass
+        skip = self.skips_old_pass(mode)
         with self._scaled_lr(lr_scale):
             while True:
-                mbs, metrics, fault = self._old_policy(samples, mode)
+                mbs, metrics, fault = self._old_policy(samples, mode, skip)
                 acc: dict = {}
                 norms: list[float] = []
                 if fault is None and mbs:  # as many micro-batches on every rank
                     t1 = time.perf_counter()
-                    acc, norms, fault = self._updates(mbs, mode)
+                    acc, norms, fault = self._updates(mbs, mode, skip)
                     metrics["update_seconds"] = time.perf_counter() - t1
+                    if skip and fault is None:
+                        metrics |= self.after_skipped_pass(mbs, mode)
                 if fault is not None:
                     if not set(fault.groups) - set(dropped):  # the same union on every rank
                         raise RuntimeError(f"a step fault repeats with no new group to "

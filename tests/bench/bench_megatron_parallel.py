@@ -4,10 +4,12 @@
 Model: Qwen3-30B-A3B's widths (hidden 2048, 128 experts top-8, expert FFN 768, 32 heads / 4 KV
 heads, head dim 128, vocab 151,936) with `--layers` layers, random init (no weights), bf16.
 Each rank trains `--samples` sequences of `--seq-len` tokens per step (`--micro-batch` 1); rollout
-routing is random distinct ids (r3 replays them; r2 records then replays the policy's own).
+routing is random distinct ids (r3 replays them; r2 records then replays the policy's own, or routes
+the update with it where the old-policy pass is skipped).
 Modes run round-robin (off, r3, r2, then the next round) after a warm-up step each, so drift
 hits all alike. MFU counts the model FLOPs of the update (6 x active params x tokens +
-attention) and of the old-policy forward (2 x ... + attention), against the card's dense bf16
+attention) and of the old-policy forward (2 x ... + attention; not where
+loss.skip_old_policy_pass skipped it: `old_pass_skipped` per mode), against the card's dense bf16
 peak (`--peak-tflops`, H100/H200 SXM: 989); "MFU dec" leaves the lm head out (decoder only).
 The fast path's switches (issue 30): --experts grouped --attention sdpa [--overlap-grad-reduce
 --overlap-param-gather --fused-adam --chunked-logprobs [--logprob-kernel torch|triton]
@@ -99,12 +101,15 @@ def _rank(args: argparse.Namespace, model_dir: str, out: str) -> None:
                         | _optim_switches(args),
                         loss=({"chunked_logprobs": True} if args.chunked_logprobs else {})
                         | ({"logprob_kernel": args.logprob_kernel}
-                           if args.logprob_kernel != "auto" else {}))
+                           if args.logprob_kernel != "auto" else {})
+                        | ({"skip_old_policy_pass": args.skip_old_pass}
+                           if args.skip_old_pass else {}))  # else the default (older: absent)
     tr = make_trainer(cfg)
     b = tr.backend
     samples = _samples(args.samples, args.seq_len, len(b.moe_layers), b.top_k, b.num_experts,
                        torch.distributed.get_rank())
     times: dict[str, list[float]] = {m: [] for m in MODES}
+    skipped = dict.fromkeys(MODES, False)  # loss.skip_old_policy_pass took the pass away
     for r in range(args.rounds + 1):
         for mode in MODES:
             if mode == "r2":
@@ -112,8 +117,9 @@ def _rank(args: argparse.Namespace, model_dir: str, out: str) -> None:
                     s.routing_TLK = None
             torch.cuda.synchronize() if torch.cuda.is_available() else None
             t0 = time.perf_counter()
-            tr.train_step(samples, mode)
+            m = tr.train_step(samples, mode)
             torch.cuda.synchronize() if torch.cuda.is_available() else None
+            skipped[mode] = bool(m.get("old_pass_skipped"))
             if r:
                 times[mode].append(time.perf_counter() - t0)
         samples = _samples(args.samples, args.seq_len, len(b.moe_layers), b.top_k,
@@ -123,7 +129,7 @@ def _rank(args: argparse.Namespace, model_dir: str, out: str) -> None:
     if args.cprofile:
         _cprofile(tr, samples)
     peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
-    Path(out).write_text(json.dumps({"times": times, "peak_bytes": peak,
+    Path(out).write_text(json.dumps({"times": times, "peak_bytes": peak, "skipped": skipped,
                                      "rank": torch.distributed.get_rank()}))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
@@ -313,6 +319,9 @@ def main() -> None:
     p.add_argument("--batch-first-logits", action=argparse.BooleanOptionalAction, default=None,
                    help="model.batch_first_logits (no copy of the logits for megatron's "
                    "[S, B, V] -> [B, S, V]; default: the field's default, off)")
+    p.add_argument("--skip-old-pass", choices=("auto", "on", "off"), default=None,
+                   help="loss.skip_old_policy_pass (no old-policy forward when a batch takes "
+                   "one update; default: the field's default, auto)")
     p.add_argument("--chunked-logprobs", action="store_true", help="loss.chunked_logprobs")
     p.add_argument("--logprob-kernel", choices=("auto", "torch", "triton"), default="auto",
                    help="loss.logprob_kernel (with --chunked-logprobs: torch = the chunked torch "
@@ -344,12 +353,16 @@ def main() -> None:
                                 for i in range(args.rounds)) for m in MODES}
     tokens = args.samples * args.seq_len * args.gpus  # trained per step (every rank's share)
     fpt, dec = _flops_per_token(cfg, args.seq_len), _flops_per_token(cfg, args.seq_len, False)
+    # forward + backward (3 x a forward's FLOPs) + the old-policy forward, unless it was skipped
+    skipped = {m: any(r.get("skipped", {}).get(m, False) for r in ranks) for m in MODES}
+    passes = {m: 3 if skipped[m] else 4 for m in MODES}
     res = {"config": vars(args), "step_seconds": med,
            "tokens_per_s_per_gpu": {m: tokens / med[m] / args.gpus for m in MODES},
-           "mfu": {m: 4 * fpt * tokens / med[m] / args.gpus / (args.peak_tflops * 1e12)
-                   for m in MODES},
-           "mfu_decoder": {m: 4 * dec * tokens / med[m] / args.gpus / (args.peak_tflops * 1e12)
-                           for m in MODES},
+           "old_pass_skipped": skipped,
+           "mfu": {m: passes[m] * fpt * tokens / med[m] / args.gpus
+                   / (args.peak_tflops * 1e12) for m in MODES},
+           "mfu_decoder": {m: passes[m] * dec * tokens / med[m] / args.gpus
+                           / (args.peak_tflops * 1e12) for m in MODES},
            "r3_over_off": med["r3"] / med["off"], "r2_over_off": med["r2"] / med["off"],
            "peak_gib_per_rank": [r["peak_bytes"] / 2**30 for r in ranks],
            "plan_gib_no_overhead": _plan(args, cfg) / 2**30, "recompute_plan": pick_line}
@@ -365,7 +378,8 @@ def main() -> None:
           f"check_agreement {args.check_agreement}, optim {_optim_switches(args) or 'plain'}, "
           f"chunked_logprobs {args.chunked_logprobs} ({args.logprob_kernel}), micro-batch {args.micro_batch}, "
           f"recompute_moe {args.recompute_moe}, planned_dispatch {args.planned_dispatch}, "
-          f"batch_first_logits {'default' if args.batch_first_logits is None else args.batch_first_logits}")
+          f"batch_first_logits {'default' if args.batch_first_logits is None else args.batch_first_logits}, "
+          f"old pass skipped {[m for m in MODES if skipped[m]] or 'none'}")
     print(f"{'mode':5s} {'step s':>8s} {'tok/s/GPU':>10s} {'MFU':>6s} {'MFU dec':>7s}")
     for m in MODES:
         print(f"{m:5s} {med[m]:8.3f} {res['tokens_per_s_per_gpu'][m]:10.0f} {res['mfu'][m]:6.3f} "

@@ -1,6 +1,7 @@
 """model.batch_first_logits (issue 44) against megatron's own logits on CPU (real megatron-core
 0.19.2, gloo, 1 rank, fp32, same checkpoint): the output layer fed [B, S, H] makes the [B, S, V]
-logits that GPTModel returns without its transpose copy. Every logit is the same dot product
+logits that GPTModel returns without its transpose copy (a GPTModel subclass whose output
+layer is a ColumnParallelLinear subclass; no forward rebound on an instance). Every logit is the same dot product
 (equal bit for bit); the output layer's weight gradient sums the tokens in another order (fp32
 rounding). On CUDA in bf16: tests/gpu/test_batch_first_logits_gpu.py; the bench has not measured
 its time yet (docs/benchmarks/megatron-parallel.md), so it is off by default.
@@ -50,7 +51,9 @@ def test_batch_first_logits_equal_megatrons_without_the_copy(model_dir):
     torch.manual_seed(0)
     tokens = torch.randint(4, 100, (3, 20))  # B 3 != S: a swapped layout would show
     base, base_own, g_base = _run(_build(model_dir), tokens)
-    first, first_own, g_first = _run(_build(model_dir, batch_first_logits=True), tokens)
+    built = _build(model_dir, batch_first_logits=True)
+    assert type(built.module).__name__ == "BatchFirstGPTModel"
+    first, first_own, g_first = _run(built, tokens)
     assert tuple(first.shape) == (3, 20, base.shape[-1]) and first.is_contiguous()
     assert not base_own and first_own  # megatron copies its [S, B, V] logits; this does not
     assert torch.equal(first, base)
@@ -81,14 +84,17 @@ def test_a_trainer_step_with_it_matches_megatrons(model_dir):
 
     from trainer.backend import make_trainer
     from trainer.config import TrainerConfig
+    from trainer.megatron.batch_first_logits import BatchFirstOutputLayer
 
     out = {}
     for switch in (False, True):
         tr = make_trainer(TrainerConfig(model_dir=str(model_dir),
                                         model={"batch_first_logits": switch},
                                         data={"micro_batch_size": 2}, optim={"lr": 1e-4}))
-        assert (tr.backend.policy.module.output_layer.forward.__class__.__name__
-                == "_BatchFirst") is switch
+        layer = tr.backend.policy.module.output_layer
+        assert isinstance(layer, BatchFirstOutputLayer) is switch
+        assert "forward" not in vars(layer)  # a subclass, nothing rebound on the instance
+        assert layer.weight.is_embedding_or_output_parameter  # megatron's tag, as on its own
         out[switch] = tr.train_step(toy_samples(7), "r2")
     for key in ("loss", "grad_norm"):
         assert out[True][key] == pytest.approx(out[False][key], rel=1e-5), key

@@ -88,6 +88,18 @@ def clipped_surrogate(ratio: torch.Tensor, adv_BS: torch.Tensor, cfg: LossConfig
     return loss, clipped, dual
 
 
+def policy_logprobs(logits_BSV: torch.Tensor, labels_BS: torch.Tensor, cfg: LossConfig,
+                    temperature_BS: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, S] logprobs of the labels and entropies (differentiable) the PPO loss is made of:
+    the chunked log-softmax (its Triton kernels where they run) or torch.log_softmax."""
+    if cfg.chunked_for(logits_BSV):
+        return logprob_entropy(logits_BSV, labels_BS, temperature_BS, cfg.entropy_coef != 0,
+                               kernel="triton" if cfg.triton_for(logits_BSV) else "torch")
+    return (token_logprobs(logits_BSV, labels_BS, temperature_BS),
+            token_entropy(logits_BSV, temperature_BS))
+
+
 def ppo_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor, mask_BS: torch.Tensor,
              adv_BS: torch.Tensor, old_lp_BS: torch.Tensor, ref_lp_BS: torch.Tensor | None,
              cfg: LossConfig, temperature_BS: torch.Tensor | None = None, *,
@@ -97,10 +109,16 @@ def ppo_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor, mask_BS: torch.T
     `seq_BS`, trainer.losses.objectives.sequence_index) on sampled-token logprobs, times the TIS
     weight, + kl_coef * KL to the reference (kl_in loss), - entropy bonus, all under the
     sampling temperature."""
-    lp, ent = logprob_entropy(logits_BSV, labels_BS, temperature_BS, cfg.entropy_coef != 0,
-                              kernel="triton" if cfg.triton_for(logits_BSV) else "torch") \
-        if cfg.chunked_for(logits_BSV) else (token_logprobs(logits_BSV, labels_BS, temperature_BS),
-                                      token_entropy(logits_BSV, temperature_BS))
+    lp, ent = policy_logprobs(logits_BSV, labels_BS, cfg, temperature_BS)
+    return ppo_terms(lp, ent, mask_BS, adv_BS, old_lp_BS, ref_lp_BS, cfg, seq_BS=seq_BS,
+                     n_seqs=n_seqs, is_weight_BS=is_weight_BS)
+
+
+def ppo_terms(lp: torch.Tensor, ent: torch.Tensor, mask_BS: torch.Tensor, adv_BS: torch.Tensor,
+              old_lp_BS: torch.Tensor, ref_lp_BS: torch.Tensor | None, cfg: LossConfig, *,
+              seq_BS: torch.Tensor | None = None, n_seqs: int = 0,
+              is_weight_BS: torch.Tensor | None = None) -> LossSums:
+    """`ppo_loss` from the policy's logprobs and entropies (policy_logprobs)."""
     log_ratio = lp - old_lp_BS
     if cfg.ratio_level == "sequence":
         assert seq_BS is not None, "GSPO needs the micro-batch's sequence index"

@@ -100,6 +100,13 @@ class LossConfig(StrictConfig):
         "(trainer.losses.logprobs_triton; CUDA only), which also gives the old-policy and reference "
         "passes their logprobs; torch = the chunked torch loop; auto = triton where the logits "
         "are on a CUDA device and Triton imports, torch otherwise (issue 44)")
+    skip_old_policy_pass: Literal["auto", "on", "off"] = Field(
+        "auto", description="when each batch takes exactly one update (optim.ppo_epochs 1, "
+        "optim.mini_batches 1) the old policy is the policy being updated: on = no separate "
+        "old-policy forward, the PPO ratio's denominator is the update pass's own logprobs "
+        "(detached), which also feed the logprob diffs, the TIS weights and the agreement "
+        "check; auto = on where it applies (TrainerConfig.old_pass_refusal), off = always the "
+        "separate pass")
     adv_eps: float = Field(1e-6, gt=0, description="std floor of group-normalised advantages")
     adv_std_normalize: bool = Field(True, description="divide by the group reward std (GRPO)")
     rollout_correction: RolloutCorrectionConfig = Field(

@@ -16,7 +16,6 @@ from typing import Any
 import torch
 
 from services.common import families
-from trainer.megatron.batch_first_logits import batch_first_output
 from trainer.megatron.config import ModelConfig
 from trainer.megatron.families import config_overrides
 from trainer.megatron.family_deepseek_v3 import mla_config_kwargs
@@ -212,26 +211,28 @@ def build_model(hf_dir: str | Path, cfg: ModelConfig, load_weights: bool = True)
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
+    from trainer.megatron.batch_first_logits import BatchFirstGPTModel
+
     arch = load_arch(hf_dir)
     cfg = cfg.fast_path(torch.cuda.is_available(), arch.family)  # `auto` left by a direct caller
     tcfg = transformer_config(arch, cfg)
     # The replay instance list is class-level: each model must own exactly its routers.
     RouterReplay.clear_global_router_replay_instances()
     spec = decoder_spec(tcfg, arch.fam, cfg.experts, cfg.attention, cfg.planned_dispatch is True)
+    # model.batch_first_logits: no [S, B, V] -> [B, S, V] copy of the logits
+    model_cls = BatchFirstGPTModel if cfg.batch_first_logits is True else GPTModel
     # parallel_output=False: the logits are gathered over TP (the loss is computed on [B, S, V])
-    module = GPTModel(config=tcfg, transformer_layer_spec=spec, vocab_size=arch.vocab_size,
-                      max_sequence_length=arch.max_positions,
-                      pre_process=ps.is_pipeline_first_stage(),
-                      post_process=ps.is_pipeline_last_stage(), parallel_output=False,
-                      share_embeddings_and_output_weights=False, **rope_kwargs(arch))
+    module = model_cls(config=tcfg, transformer_layer_spec=spec, vocab_size=arch.vocab_size,
+                       max_sequence_length=arch.max_positions,
+                       pre_process=ps.is_pipeline_first_stage(),
+                       post_process=ps.is_pipeline_last_stage(), parallel_output=False,
+                       share_embeddings_and_output_weights=False, **rope_kwargs(arch))
     if cfg.dtype == "bf16":
         # What megatron's Float16Module does to the weights: norms too (the local spec builds
         # them in fp32), so every layer runs in bf16 like the rollout engine's bf16 weights.
         module = module.bfloat16()
     if torch.cuda.is_available():
         module = module.cuda()
-    if cfg.batch_first_logits is True:  # no [S, B, V] -> [B, S, V] copy of the logits
-        batch_first_output(module)
     routers = _routers(module)
     freeze_expert_bias(routers)  # a checkpoint constant in RL (trainer.megatron.grouped_router)
     built = BuiltModel(module, arch, tcfg, routers, [r.router_replay for r in routers],
