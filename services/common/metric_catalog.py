@@ -97,8 +97,9 @@ STORE = [
                "routing bytes kept in Redis after the codec and prompt dedup"),
     MetricSpec("r3flow_store_backlog_tokens", "gauge", "tokens of appended, not yet acked trajectories"),
     MetricSpec("r3flow_store_groups_ready", "gauge", "complete GRPO groups waiting for a trainer"),
-    MetricSpec("r3flow_store_dropped_total", "counter", "trajectories dropped, by reason",
-               ("reason",), initial=("stale",)),
+    MetricSpec("r3flow_store_dropped_total", "counter",
+               "trajectories dropped, by reason (other_run: sampled by another training run's "
+               "weights, docs/store.md run fencing)", ("reason",), initial=("stale", "other_run")),
     MetricSpec("r3flow_store_redeliveries_total", "counter",
                "groups redelivered after their lease expired"),
     MetricSpec("r3flow_store_dead_lettered_total", "counter",

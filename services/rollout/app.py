@@ -76,7 +76,7 @@ class Registration:
             try:
                 self.ttl_s = self.client.register_worker(
                     self.worker.cfg.worker_id, socket.gethostname(), 1,
-                    self.worker.engine.policy_version)
+                    self.worker.engine.policy_version, self.worker.engine.run_id)
             except Exception as e:  # noqa: BLE001 (the store may be restarting: retry)
                 failures.error(f"registration renewal failed: {e}")
 

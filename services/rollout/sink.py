@@ -47,7 +47,8 @@ class StoreRejected(ValueError):
 class TrajectorySink(Protocol):
     async def send_group(self, trajs: list[trajectory_pb2.Trajectory]) -> None: ...
 
-    async def report_version(self, worker_id: str, version: int) -> int | None: ...
+    async def report_version(self, worker_id: str, version: int,
+                             run_id: str = "") -> int | None: ...
 
     async def room(self) -> int | None:
         """Groups the store can still take within its backlog budget (None: no budget)."""
@@ -64,7 +65,8 @@ class MemorySink:
     async def send_group(self, trajs: list[trajectory_pb2.Trajectory]) -> None:
         self.trajectories.extend(trajs)
 
-    async def report_version(self, worker_id: str, version: int) -> int | None:
+    async def report_version(self, worker_id: str, version: int,
+                             run_id: str = "") -> int | None:
         self.versions.append(version)
         return None
 
@@ -210,10 +212,11 @@ class StoreSink:
             return None
         return int(stats.max_groups_ahead) - int(stats.groups_ready) - int(stats.groups_open)
 
-    async def report_version(self, worker_id: str, version: int) -> int | None:
-        """RegisterWorker with this worker's policy version; returns the TTL in seconds."""
+    async def report_version(self, worker_id: str, version: int,
+                             run_id: str = "") -> int | None:
+        """RegisterWorker with this worker's policy version and run; returns the TTL in s."""
         return await asyncio.to_thread(self.client.register_worker, worker_id,
-                                       socket.gethostname(), 1, version)
+                                       socket.gethostname(), 1, version, run_id)
 
 
 async def wait_for_room(sink: TrajectorySink, unsent: Callable[[], int], poll_s: float) -> None:

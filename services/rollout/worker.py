@@ -240,6 +240,7 @@ class RolloutWorker:
         prompt_ids = rec.token_ids(self.tokenizer.encode)
         self.engine.validate_prompt(group_id, prompt_ids)
         n = self.cfg.sampling.n
+        run_id = self.engine.run_id  # the run whose weights sample this group (run fencing)
         results = await asyncio.gather(*[
             self._sample(f"{group_id}-{i}", prompt_ids, rec,
                          None if seed is None else seed * 1009 + i) for i in range(n)],
@@ -251,7 +252,7 @@ class RolloutWorker:
         trajs, tokens = [], 0
         for i, res in enumerate(done):
             meta = TrajectoryMeta(f"{group_id}-{i}", group_id, n, rec.prompt_id,
-                                  self.cfg.worker_id, epoch)
+                                  self.cfg.worker_id, epoch, run_id)
             traj = self._finish(meta, res, rec, verifier)
             if traj is not None:
                 trajs.append(traj)
@@ -322,6 +323,7 @@ class RolloutWorker:
         count = await self.engine.update_weights(
             "receive_weights", plan.SerializeToString(), self.cfg.worker_id, bool(digests),
             version=plan.version, torn_on_failure=True)  # loaded as it arrives
+        self.engine.run_id = plan.run_id  # groups begun from now on are this run's
         self.capture_check.after_load(plan.version)
         if digests:
             got = (await self.engine.llm.collective_rpc("last_load_digests"))[0]
@@ -335,7 +337,8 @@ class RolloutWorker:
         the registration's TTL in seconds (None without a store)."""
         if self.sink is None:
             return None
-        return await self.sink.report_version(self.cfg.worker_id, self.engine.policy_version)
+        return await self.sink.report_version(self.cfg.worker_id, self.engine.policy_version,
+                                              self.engine.run_id)
 
     async def _wait_for_room(self, summary: WorkerSummary) -> None:
         """Hold a new group while the trainer is more than max_policy_lag versions ahead of

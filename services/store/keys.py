@@ -72,6 +72,11 @@ class Keys:
         return f"{self.prefix}pv"
 
     @property
+    def run(self) -> str:
+        """Hash: `id` and `start` (policy version) of the current training run (run fencing)."""
+        return f"{self.prefix}run"
+
+    @property
     def weight_sync(self) -> str:
         """Latest WeightSyncPlan (serialized)."""
         return f"{self.prefix}ws"

@@ -149,7 +149,12 @@ class TrajectoryStoreServicer(store_pb2_grpc.TrajectoryStoreServicer):
 
     @_unary
     def PublishPolicyVersion(self, request, context):  # noqa: N802
-        return store_pb2.PolicyVersion(version=self.core.publish_policy_version(request.version))
+        if not request.run_id:
+            return store_pb2.PolicyVersion(
+                version=self.core.publish_policy_version(request.version))
+        run = self.core.start_run(request.run_id, request.version)
+        return store_pb2.PolicyVersion(version=self.core.policy_version(), run_id=run.run_id,
+                                       run_start_version=run.start_version)
 
     @_streaming
     def WatchPolicyVersion(self, request, context):  # noqa: N802
@@ -213,7 +218,8 @@ def stats_to_proto(s: StatsSnapshot, max_groups_ahead: int = 0) -> store_pb2.Sto
         policy_version=s.policy_version, dropped_by_reason=s.dropped_by_reason(),
         groups_leased=s.groups_pending, groups_open=s.groups_open,
         max_groups_ahead=max_groups_ahead,
-        groups_dead_lettered=c.get("groups_dead_lettered", 0))
+        groups_dead_lettered=c.get("groups_dead_lettered", 0),
+        run_id=s.run.run_id if s.run else "", run_start_version=s.run.start_version if s.run else 0)
 
 
 class _HandlerCapture:
