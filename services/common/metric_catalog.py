@@ -119,6 +119,8 @@ ROLLOUT = [
     MetricSpec("r3flow_rollout_weight_sync_seconds", "histogram",
                "pause + receive + load + resume time of one weight update", buckets=_SECONDS),
     MetricSpec("r3flow_rollout_policy_version", "gauge", "policy version the engine serves"),
+    MetricSpec("r3flow_rollout_trainer_gone", "gauge",
+               "1 while a trainer that was present is gone (the job ended): no new group starts"),
     MetricSpec("r3flow_rollout_trajectories_total", "counter", "finished trajectories, by outcome",
                ("outcome",)),
     MetricSpec("r3flow_rollout_routing_check_failures_total", "counter",

@@ -76,6 +76,9 @@ class RolloutWorker:
             log.warning("engine.capture_routing is off: groups are not sent to the store "
                         "(it requires routing for every segment)")
         self.trainer_version: int | None = None
+        # Cleared while a trainer that was present is gone (the job ended): no new group then
+        self.trainer_present = asyncio.Event()
+        self.trainer_present.set()
         # The routing capture check after each weight load (services/rollout/capture_check.py)
         self.capture_check = AfterLoadCheck(engine, cfg.sampling, cfg.engine.seed,
                                             cfg.partial_rollout_policy, self._refuse)
@@ -340,11 +343,22 @@ class RolloutWorker:
         return await self.sink.report_version(self.cfg.worker_id, self.engine.policy_version,
                                               self.engine.run_id)
 
+    def trainer_state(self, version: int, gone: bool) -> None:
+        """The store's policy version and trainer presence (WatchPolicyVersion), on the loop."""
+        self.trainer_version = version
+        if gone == self.trainer_present.is_set():
+            log.warning("trainer %s: %s", *(("gone", "no new group until one is present")
+                                            if gone else ("present", "generating again")))
+            self.metrics["r3flow_rollout_trainer_gone"].set(int(gone))
+            (self.trainer_present.clear if gone else self.trainer_present.set)()
+
     async def _wait_for_room(self, summary: WorkerSummary) -> None:
-        """Hold a new group while the trainer is more than max_policy_lag versions ahead of
+        """Hold a new group while a trainer that was present is gone (the job ended: stopping
+        it stops the spend), while the trainer is more than max_policy_lag versions ahead of
         this engine, then while the store's backlog budget has no room for it and for this
         worker's groups not sent yet. The budget hold needs no new version to end it: it lasts
         exactly as long as the trainer consumes nothing (down, restarting, checkpointing)."""
+        await self.trainer_present.wait()
         lag = self.cfg.max_policy_lag
         while lag is not None and self.trainer_version is not None and \
                 self.trainer_version - self.engine.policy_version > lag:

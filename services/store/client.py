@@ -219,12 +219,19 @@ class StoreClient:
         return self._with_retry(lambda: self._stub.PublishPolicyVersion(
             req, timeout=self.timeout_s, metadata=self._metadata), "start run")
 
-    def watch_policy_version(self, known_version: int = -1) -> Iterator[int]:
-        """Yield each policy version newer than `known_version` (reconnects on failure)."""
-        for msg in self._watch(lambda known: self._stub.WatchPolicyVersion(
-                store_pb2.WatchPolicyVersionRequest(known_version=known),
-                metadata=self._metadata), known_version):
-            yield msg.version
+    def watch_policy_version(self, known_version: int = -1
+                             ) -> Iterator[store_pb2.PolicyVersion]:
+        """Yield each policy version newer than `known_version`, and each change of
+        `trainer_gone` (reconnects on failure)."""
+        yield from self._watch(lambda known: self._stub.WatchPolicyVersion(
+            store_pb2.WatchPolicyVersionRequest(known_version=known),
+            metadata=self._metadata), known_version)
+
+    def trainer_heartbeat(self, consumer: str, run_id: str = "", leaving: bool = False) -> int:
+        """The trainer is present (renew within the returned TTL in seconds) or leaving."""
+        req = store_pb2.TrainerPresence(consumer=consumer, run_id=run_id, leaving=leaving)
+        return self._with_retry(lambda: self._stub.TrainerHeartbeat(
+            req, timeout=self.timeout_s, metadata=self._metadata).ttl_seconds, "heartbeat")
 
     def stats(self) -> store_pb2.StoreStats:
         return self._with_retry(lambda: self._stub.GetStats(

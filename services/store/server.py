@@ -158,18 +158,27 @@ class TrajectoryStoreServicer(store_pb2_grpc.TrajectoryStoreServicer):
 
     @_streaming
     def WatchPolicyVersion(self, request, context):  # noqa: N802
-        known = request.known_version
+        known, gone_sent = request.known_version, False
         while context.is_active() and not self.stop.is_set():
-            version = self.core.policy_version()
-            if version > known:
-                known = version
-                yield store_pb2.PolicyVersion(version=version)
+            version, gone = self.core.policy_version(), self.control.trainer_gone()
+            if version > known or gone != gone_sent:
+                known, gone_sent = max(known, version), gone
+                yield store_pb2.PolicyVersion(version=version, trainer_gone=gone)
             else:
                 self._wait_for_change()
 
     @_unary
     def GetStats(self, request, context):  # noqa: N802
-        return stats_to_proto(self.core.stats(), self.core.cfg.max_groups_ahead or 0)
+        stats = stats_to_proto(self.core.stats(), self.core.cfg.max_groups_ahead or 0)
+        stats.trainer_gone = self.control.trainer_gone()
+        return stats
+
+    @_unary
+    def TrainerHeartbeat(self, request, context):  # noqa: N802
+        ttl = self.control.trainer_heartbeat(request)
+        with self.core.version_changed:  # watchers learn at once that it left
+            self.core.version_changed.notify_all()
+        return store_pb2.TrainerPresenceResponse(ttl_seconds=ttl)
 
     @_unary
     def RegisterWorker(self, request, context):  # noqa: N802
@@ -311,7 +320,8 @@ class StoreServer:
                 # truncated stream would be committed. The transport cap is a last resort.
                 ("grpc.max_receive_message_length", transport_cap(config.max_message_bytes)),
                 ("grpc.max_send_message_length", config.max_pull_message_bytes)])
-        control = ControlPlane(core.r, core.keys, config.worker_ttl_seconds)
+        control = ControlPlane(core.r, core.keys, config.worker_ttl_seconds,
+                               config.trainer_ttl_seconds)
         add_servicer(TrajectoryStoreServicer(core, control, self._stop), self.grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         reflection.enable_server_reflection(

@@ -14,7 +14,7 @@ from services.rollout.app import Registration, _leave
 
 def _worker(version: int = 7) -> SimpleNamespace:
     return SimpleNamespace(cfg=SimpleNamespace(worker_id="w1"),
-                           engine=SimpleNamespace(policy_version=version))
+                           engine=SimpleNamespace(policy_version=version, run_id="run-a"))
 
 
 class _Client:
@@ -23,7 +23,9 @@ class _Client:
     def __init__(self, log: list[str], fail: bool = False, rpc_s: float = 0.3) -> None:
         self.log, self.fail, self.rpc_s = log, fail, rpc_s
 
-    def register_worker(self, worker_id: str, host: str, world_size: int, version: int) -> int:
+    def register_worker(self, worker_id: str, host: str, world_size: int, version: int,
+                        run_id: str) -> int:
+        assert run_id == "run-a"  # the run whose weights it serves
         time.sleep(self.rpc_s)
         if self.fail:
             raise ConnectionError("store gone")

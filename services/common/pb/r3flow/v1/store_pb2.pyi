@@ -127,14 +127,32 @@ class AckResponse(_message.Message):
     def __init__(self, acked: _Optional[int] = ...) -> None: ...
 
 class PolicyVersion(_message.Message):
-    __slots__ = ("version", "run_id", "run_start_version")
+    __slots__ = ("version", "run_id", "run_start_version", "trainer_gone")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_START_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_GONE_FIELD_NUMBER: _ClassVar[int]
     version: int
     run_id: str
     run_start_version: int
-    def __init__(self, version: _Optional[int] = ..., run_id: _Optional[str] = ..., run_start_version: _Optional[int] = ...) -> None: ...
+    trainer_gone: bool
+    def __init__(self, version: _Optional[int] = ..., run_id: _Optional[str] = ..., run_start_version: _Optional[int] = ..., trainer_gone: _Optional[bool] = ...) -> None: ...
+
+class TrainerPresence(_message.Message):
+    __slots__ = ("consumer", "run_id", "leaving")
+    CONSUMER_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    LEAVING_FIELD_NUMBER: _ClassVar[int]
+    consumer: str
+    run_id: str
+    leaving: bool
+    def __init__(self, consumer: _Optional[str] = ..., run_id: _Optional[str] = ..., leaving: _Optional[bool] = ...) -> None: ...
+
+class TrainerPresenceResponse(_message.Message):
+    __slots__ = ("ttl_seconds",)
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ttl_seconds: int
+    def __init__(self, ttl_seconds: _Optional[int] = ...) -> None: ...
 
 class WatchPolicyVersionRequest(_message.Message):
     __slots__ = ("known_version",)
@@ -147,7 +165,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StoreStats(_message.Message):
-    __slots__ = ("trajectories_appended", "trajectories_complete", "groups_ready", "groups_delivered", "groups_acked", "backlog_tokens", "dropped_stale", "redeliveries", "policy_version", "dropped_by_reason", "groups_leased", "groups_open", "max_groups_ahead", "groups_dead_lettered", "run_id", "run_start_version")
+    __slots__ = ("trajectories_appended", "trajectories_complete", "groups_ready", "groups_delivered", "groups_acked", "backlog_tokens", "dropped_stale", "redeliveries", "policy_version", "dropped_by_reason", "groups_leased", "groups_open", "max_groups_ahead", "groups_dead_lettered", "run_id", "run_start_version", "trainer_gone")
     class DroppedByReasonEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -171,6 +189,7 @@ class StoreStats(_message.Message):
     GROUPS_DEAD_LETTERED_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_START_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_GONE_FIELD_NUMBER: _ClassVar[int]
     trajectories_appended: int
     trajectories_complete: int
     groups_ready: int
@@ -187,7 +206,8 @@ class StoreStats(_message.Message):
     groups_dead_lettered: int
     run_id: str
     run_start_version: int
-    def __init__(self, trajectories_appended: _Optional[int] = ..., trajectories_complete: _Optional[int] = ..., groups_ready: _Optional[int] = ..., groups_delivered: _Optional[int] = ..., groups_acked: _Optional[int] = ..., backlog_tokens: _Optional[int] = ..., dropped_stale: _Optional[int] = ..., redeliveries: _Optional[int] = ..., policy_version: _Optional[int] = ..., dropped_by_reason: _Optional[_Mapping[str, int]] = ..., groups_leased: _Optional[int] = ..., groups_open: _Optional[int] = ..., max_groups_ahead: _Optional[int] = ..., groups_dead_lettered: _Optional[int] = ..., run_id: _Optional[str] = ..., run_start_version: _Optional[int] = ...) -> None: ...
+    trainer_gone: bool
+    def __init__(self, trajectories_appended: _Optional[int] = ..., trajectories_complete: _Optional[int] = ..., groups_ready: _Optional[int] = ..., groups_delivered: _Optional[int] = ..., groups_acked: _Optional[int] = ..., backlog_tokens: _Optional[int] = ..., dropped_stale: _Optional[int] = ..., redeliveries: _Optional[int] = ..., policy_version: _Optional[int] = ..., dropped_by_reason: _Optional[_Mapping[str, int]] = ..., groups_leased: _Optional[int] = ..., groups_open: _Optional[int] = ..., max_groups_ahead: _Optional[int] = ..., groups_dead_lettered: _Optional[int] = ..., run_id: _Optional[str] = ..., run_start_version: _Optional[int] = ..., trainer_gone: _Optional[bool] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
     __slots__ = ("worker_id", "host", "world_size", "policy_version", "run_id")
