@@ -158,7 +158,8 @@ class TrajectoryStoreServicer(store_pb2_grpc.TrajectoryStoreServicer):
 
     @_streaming
     def WatchPolicyVersion(self, request, context):  # noqa: N802
-        known, gone_sent = request.known_version, False
+        # the first answer is at once: a reconnecting watcher learns trainer_gone either way
+        known, gone_sent = request.known_version, None
         while context.is_active() and not self.stop.is_set():
             version, gone = self.core.policy_version(), self.control.trainer_gone()
             if version > known or gone != gone_sent:

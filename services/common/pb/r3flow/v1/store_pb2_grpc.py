@@ -137,8 +137,9 @@ class TrajectoryStoreServicer:
         raise NotImplementedError('Method not implemented!')
 
     def WatchPolicyVersion(self, request, context):
-        """Answers at once when the version is newer than known_version (or no trainer is present),
-        then on every new version and every change of trainer_gone.
+        """Answers at once (the current version and trainer_gone, also when the version is not newer
+        than known_version: a reconnecting watcher), then on every new version and every change of
+        trainer_gone.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
