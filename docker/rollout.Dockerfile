@@ -17,8 +17,8 @@ FROM vllm/vllm-openai:v0.24.0
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 HOME=/tmp
 WORKDIR /opt/r3flow
 
-COPY docker/requirements-store.txt /tmp/requirements-store.txt
-RUN pip install --no-cache-dir -r /tmp/requirements-store.txt
+COPY docker/requirements-store.txt docker/requirements-rollout.txt /tmp/
+RUN pip install --no-cache-dir -r /tmp/requirements-store.txt -r /tmp/requirements-rollout.txt
 
 COPY pyproject.toml README.md ./
 COPY proto ./proto

@@ -96,6 +96,12 @@ check_specs() {  # k8s/ job specs: core kinds and KubeRay CRs
   local spec args=()
   for spec in k8s/*.yaml; do args+=(--manifest "$spec"); done
   .venv/bin/r3flow plan "${args[@]}"
+  # Other families' layouts (tests/chart/specs: Mixtral-8x7B fits, DeepSeek-V3 does not and
+  # says what to change): each planned from its family's reading of config.json, to the verdict
+  # its spec expects (tests/chart/test_plan_families.py also plans such a chart render).
+  args=()
+  for spec in tests/chart/specs/*.yaml; do args+=(--manifest "$spec"); done
+  .venv/bin/r3flow plan --check-expected "${args[@]}"
 }
 
 check_observability() {  # committed dashboards and alert rules, and the rules' unit tests

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Everything r3flow measures on a lent GPU machine, in one call (device tool; see BENCHMARKS.md):
-#   run(command="bash scripts/gpu_run.sh", kind="nvidia-h100-x4", carry=[".gpu"])
+# Everything r3flow measures on a GPU machine, in one call (docs/gpu.md), in a checkout that holds
+# .gpu/ (`make gpu-wheels`):
+#   bash scripts/gpu_run.sh
 # or some sections only: `bash scripts/gpu_run.sh parallel` (trainer | parallel | bench | hf |
 # push | weights | cpu | fastpath | fastpath-tests; the default runs all but bench, hf, push, cpu
 # and the fastpath ones).

@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
 # Device side of the vLLM staging (issue 41; scripts/gpu_vllm_stage.sh makes the parts here).
-# On a held device machine, one call per part, back to back (files under /tmp live as long as
-# the machine is held, and it is given back ~30 s after a call ends):
-#   run(command="bash scripts/gpu_vllm_install.sh stage 0", kind="nvidia-h200-x4", carry=[".gpu/stage/0"])
-#   ... stage 1 .. stage N-2 likewise ...
-#   run(command="bash scripts/gpu_vllm_install.sh stage N-1 install", carry=[".gpu/stage/N-1"])
+# On the GPU machine, in a checkout holding .gpu/stage/N for each part (docs/gpu.md; the parts
+# can come one at a time: the staged files under /tmp last as long as the machine does):
+#   bash scripts/gpu_vllm_install.sh stage 0      # ... stage N-1, one part each
+#   bash scripts/gpu_vllm_install.sh install
 # `install` checks every part and the whole tar against MANIFEST (sha256), installs the wheels
 # with pip --no-deps into /tmp/vllm-site and prints the vLLM, torch and NCCL versions.
 # Later calls on the same machine: `source scripts/gpu_vllm_install.sh env` (PYTHONPATH, NCCL).

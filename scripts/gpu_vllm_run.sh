@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Issue 41 on a held 4-GPU H200 machine with vLLM staged (scripts/gpu_vllm_install.sh): routing
 # capture under CUDA graphs through the service's RolloutEngine (tests/bench/bench_vllm_gpu.py).
-#   run(command="bash scripts/gpu_vllm_run.sh", kind="nvidia-h200-x4")   # no carry: /tmp holds vLLM
-#   run(command="REPLAYS=r3 bash scripts/gpu_vllm_run.sh local", carry=[".gpu/local-wheels"])
+#   bash scripts/gpu_vllm_run.sh                      # vLLM is staged under /tmp (docs/gpu.md)
+#   REPLAYS=r3 bash scripts/gpu_vllm_run.sh local     # needs .gpu/local-wheels (make gpu-local-wheels)
 # Sections (default both): `engines`: one engine per GPU, in parallel: Qwen3-30B-A3B widths
 # (LAYERS deep, first layer dense) with CUDA graphs + capture, graphs without capture, eager +
 # capture, and the tiny model's three engines (4 GPUs: one lane each; 2 GPUs: graphs with and

@@ -3,7 +3,7 @@ Python, against the package registry (`pip install --dry-run --report`; nothing 
 and check the versions docker/versions.env records (make chart-check; issue 42).
 
   store:   docker/requirements-store.txt on Python STORE_PYTHON
-  rollout: vllm==VLLM's base (its torch pin) + docker/requirements-store.txt on GPU_PYTHON
+  rollout: vllm==VLLM's base (its torch pin) + docker/requirements-{store,rollout}.txt on GPU_PYTHON
   trainer: the same base + docker/requirements-store.txt + docker/requirements-trainer.txt
 
 The GPU images install vLLM from their base image (vllm/vllm-openai), so the resolve takes the
@@ -111,7 +111,8 @@ def pin(metadata: dict, name: str) -> str:
 
 def main() -> int:
     v = versions()
-    files = {n: str(ROOT / "docker" / f"requirements-{n}.txt") for n in ("store", "trainer")}
+    files = {n: str(ROOT / "docker" / f"requirements-{n}.txt")
+             for n in ("store", "rollout", "trainer")}
     vllm = resolve([f"vllm=={v['VLLM']}"], v["GPU_PYTHON"], no_deps=True)["vllm"]
     base_torch = pin(vllm, "torch")
     problems = [] if base_torch == v["TORCH"] else [
@@ -130,7 +131,7 @@ def main() -> int:
                         f"says NCCL {v['NCCL']}")
     store = resolve(["-r", files["store"]], v["STORE_PYTHON"])
     print(f"store: {len(store)} packages resolve on linux x86_64 / Python {v['STORE_PYTHON']}")
-    sets = {"rollout": [f"torch=={base_torch}", "-r " + files["store"]],
+    sets = {"rollout": [f"torch=={base_torch}", "-r " + files["store"], "-r " + files["rollout"]],
             "trainer": [f"torch=={base_torch}", "-r " + files["store"], "-r " + files["trainer"]]}
     got = {}
     for image, reqs in sets.items():

@@ -48,10 +48,10 @@ def load(args: argparse.Namespace):
 
 def _ranks(cfg):
     if cfg.run.launcher == "ray":
-        from trainer.ray_launch import RayRanks
+        from trainer.ranks.ray_launch import RayRanks
 
         return RayRanks(cfg, cfg.run.world_size)
-    from trainer.local_ranks import LocalRanks
+    from trainer.ranks.local_ranks import LocalRanks
 
     return LocalRanks(cfg)
 

@@ -8,10 +8,11 @@ from pydantic import Field, model_validator
 
 from services.common.auth import ClientAuthConfig
 from services.common.config import StrictConfig
+from services.common.staleness import DEFAULT_MAX_POLICY_LAG, MaxPolicyLag
 from services.common.weight_sync.config import WeightSyncConfig
 from trainer.hooks import HookConfig
-from trainer.loss_config import LossConfig
-from trainer.ray_config import RayLaunchConfig
+from trainer.losses.loss_config import LossConfig
+from trainer.ranks.ray_config import RayLaunchConfig
 from trainer.registry import Section, check_backend
 from trainer.replay import ReplayMode
 
@@ -177,8 +178,8 @@ class DataConfig(StrictConfig):
     old_logprobs: Literal["trainer", "rollout"] = Field(
         "trainer", description="PPO ratio denominator: the trainer's old-policy pass "
         "(standard) or the rollout engine's sampled-token logprobs")
-    max_policy_lag: int | None = Field(
-        None, ge=0, description="drop at intake every group whose oldest segment's policy "
+    max_policy_lag: MaxPolicyLag = Field(
+        DEFAULT_MAX_POLICY_LAG, description="drop at intake every group whose oldest segment's policy "
         "version lags the trainer's by more than this (acked to the store as dropped `stale`, "
         "counted in r3flow_trainer_groups_stale_total, never trained); the trainer's version "
         "moves at every update. Set it to the store's max_policy_lag; None = no check here "

@@ -7,9 +7,9 @@
      the groups to quarantine), r2 records the policy's own routing, off routes naturally;
      |rollout - trainer| logprob diff is measured;
   3. reference pass (kl_coef > 0 or kl_metric) replaying the same routing; KL in reward,
-     rollout correction (TIS/MIS) and the off-policy metrics (trainer.corrections);
+     rollout correction (TIS/MIS) and the off-policy metrics (trainer.losses.corrections);
   4. updates: `optim.ppo_epochs` x `optim.mini_batches` backend updates with the PPO loss,
-     normalised over the whole update on every data-parallel rank (trainer.objectives); a
+     normalised over the whole update on every data-parallel rank (trainer.losses.objectives); a
      non-finite loss or gradient on any rank skips the update on every rank (the backends'
      vote point before the optimizer step).
 The passes run through trainer.guard.run_pass: a fault one group's data caused (agreement,
@@ -37,21 +37,21 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainer.alignment import LayerMap
-from trainer.batch import MicroBatch, Sample, response_logprobs, update_schedule
-from trainer.corrections import (
+from trainer.guard import Fault, gather, nonfinite_groups, nonfinite_logprob_groups, run_pass
+from trainer.losses.corrections import (
     apply_rollout_correction,
     diff_by_staleness,
     kl_in_reward,
     set_advantages,
     staleness_metrics,
 )
-from trainer.guard import Fault, gather, nonfinite_groups, nonfinite_logprob_groups, run_pass
-from trainer.logprobs import logprob_entropy
-from trainer.loss import logprob_diff, mismatch_sums, ppo_loss, sft_loss, token_logprobs
-from trainer.objectives import UpdateNorm, aggregate, sequence_index, update_norm
+from trainer.losses.logprobs import logprob_entropy
+from trainer.losses.loss import logprob_diff, mismatch_sums, ppo_loss, sft_loss, token_logprobs
+from trainer.losses.objectives import UpdateNorm, aggregate, sequence_index, update_norm
 from trainer.protocol import TrainBackend
 from trainer.replay import ReplayMode
+from trainer.samples.alignment import LayerMap
+from trainer.samples.batch import MicroBatch, Sample, response_logprobs, update_schedule
 
 log = logging.getLogger(__name__)
 

@@ -34,9 +34,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from trainer.batch import MicroBatch, Sample, sample_spans
-from trainer.collectives import max_over_ranks
+from trainer.ranks.collectives import max_over_ranks
 from trainer.replay import ReplayDesyncError, RoutingAgreementError
+from trainer.samples.batch import MicroBatch, Sample, sample_spans
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -13,9 +13,9 @@ from typing import Any, Protocol
 
 import torch
 
-from trainer.batch import MicroBatch, Sample
 from trainer.config import TrainerConfig
 from trainer.replay import AgreementStats, ReplayMode
+from trainer.samples.batch import MicroBatch, Sample
 
 # (micro-batch, its logits) -> its share of the update's loss (already divided by the update's
 # token count); a backend whose schedule averages over micro-batches undoes that itself.

@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from trainer.batch import sample_spans
+from trainer.samples.batch import sample_spans
 
 
 class ReplayMode(StrEnum):

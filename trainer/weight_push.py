@@ -121,7 +121,7 @@ def write_export_digests(cfg: WeightSyncConfig, version: int, digests: Mapping[s
 class StoreWeightPush:
     """`TrainLoop.push_fn(ranks, version, run_id)`: rank 0 of `ranks` sends (see the module docstring).
 
-    `Ranks.plan_push(version, workers)` and `Ranks.push_weights(plan)` (trainer.worker); every
+    `Ranks.plan_push(version, workers)` and `Ranks.push_weights(plan)` (trainer.ranks.worker); every
     rank takes part in `push_weights` (the export is a collective), only rank 0 answers."""
 
     def __init__(self, client, failure_counter=None) -> None:

@@ -47,14 +47,27 @@ def multiple_of(n: int, why: str) -> AfterValidator:
     return AfterValidator(check)
 
 
-def _describe(err: ValidationError, source: str) -> str:
+def describe(err: ValidationError, source: str = "", section: str = "") -> str:
+    """`err` as `source: key: what` per bad key, `; `-joined, each key under `section` (a
+    dotted path; "" = the root). A model-level check names its keys itself: no `<root>`."""
     lines = []
     for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        key = ".".join(str(p) for p in (section, *e["loc"]) if p != "")
         kind = "unknown key" if e["type"] == "extra_forbidden" else e["msg"].removeprefix(
             "Value error, ")
-        lines.append(f"{source}: {key}: {kind}")
+        lines.append(": ".join(p for p in (source, key, kind) if p))
     return "; ".join(lines)
+
+
+def deep_merge(*layers: dict[str, Any]) -> dict[str, Any]:
+    """The layers' mappings merged key by key, later layers winning (lists are replaced)."""
+    out: dict[str, Any] = {}
+    for layer in layers:
+        for k, v in layer.items():
+            if isinstance(v, dict):
+                v = deep_merge(out[k] if isinstance(out.get(k), dict) else {}, v)
+            out[k] = v
+    return out
 
 
 def read_mapping(path: str | Path) -> dict[str, Any]:
@@ -91,7 +104,7 @@ def build_config(cls: type[C], data: dict[str, Any], source: str = "config") -> 
     try:
         return cls.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(_describe(e, source)) from None
+        raise ConfigError(describe(e, source)) from None
 
 
 def load_config(cls: type[C], path: str | Path | None, overrides: dict[str, Any] | None = None) -> C:

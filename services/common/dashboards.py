@@ -88,6 +88,7 @@ PPO_KL, KL_REF = _m("r3flow_trainer_ppo_kl"), _m("r3flow_trainer_kl_ref")
 DIFF_STALE = _m("r3flow_trainer_logprob_diff_mean_by_staleness")
 AGREEMENT = _m("r3flow_trainer_routing_agreement_ratio")
 BACKLOG = _m("r3flow_store_backlog_tokens")
+UNACKED = _m("r3flow_store_unacked_tokens")
 ROLLOUT_VERSION, TRAINER_VERSION = _m("r3flow_rollout_policy_version"), _m(
     "r3flow_trainer_policy_version")
 
@@ -117,6 +118,14 @@ BACKLOG_GROWING = (f"{BACKLOG} > 10000 and "
 STALE_POLICY = (f"{ROLLOUT_VERSION} < on({', '.join(SCOPE)}) group_left() "
                 f"(max {_BY_SCOPE} ({TRAINER_VERSION}) - 2)")
 
+# No step completed for 5x the longest recent step (a checkpoint step included), and at least
+# 5 minutes: the pipeline stalled (the store's WARNING log names a refused append's limit).
+LAST_STEP = _m("r3flow_trainer_last_step_timestamp_seconds")
+STEP_INTERVAL = _m("r3flow_trainer_step_interval_seconds")
+_IDLE = f"(time() - max {_BY_SCOPE} ({LAST_STEP}))"
+TRAINER_STALLED = (f"{_IDLE} > 5 * max {_BY_SCOPE} (max_over_time({STEP_INTERVAL}[1h])) "
+                   f"and {_IDLE} > 300 and max {_BY_SCOPE} ({LAST_STEP}) > 0")
+
 # Any group the trainer set aside (bad routing or sampling, agreement below floor).
 QUARANTINED = "increase(r3flow_trainer_groups_quarantined_total[10m]) > 0"
 
@@ -136,6 +145,11 @@ ALERTS = (
           "trainer quarantined GRPO groups ({{ $labels.reason }})",
           "Groups were acked as dropped instead of trained on; the trainer log names each "
           "group and what failed (see docs/replay_guarantees.md)."),
+    Alert("R3flowTrainerStalled", TRAINER_STALLED, "1m", "critical",
+          "no trainer step for {{ $value | humanizeDuration }} (over 5x the recent step time)",
+          "The pipeline stopped: the store's log names a refused append's limit and numbers "
+          "(budget, undelivered, delivered-unacked); check that rollout workers are registered "
+          "and the trainer pulls (docs/store.md \"Admission and acks\")."),
     Alert("R3flowStoreBacklogGrowing", BACKLOG_GROWING, "10m", "warning",
           "store backlog keeps growing ({{ $value | humanize }} tokens)",
           "Rollouts produce faster than trainers consume, or trainers are not acking."),
@@ -236,7 +250,9 @@ PIPELINE_PANELS = (
         _q("sum(r3flow_rollout_inflight_requests)", "in flight"),
         _q("sum(rate(r3flow_rollout_aborts_total[5m])) * 60", "aborted / min"),
         _q("sum(rate(r3flow_rollout_resumes_total[5m])) * 60", "resumed / min"))),
-    Panel("store backlog", (_q(f"sum({BACKLOG})", "tokens"),), "short", CATALOG[BACKLOG].help),
+    Panel("store backlog", (_q(f"sum({BACKLOG})", "undelivered tokens"),
+                            _q(f"sum({UNACKED})", "delivered, not acked tokens")), "short",
+          f"{CATALOG[BACKLOG].help}; {CATALOG[UNACKED].help}"),
     Panel("groups ready", (_q("sum(r3flow_store_groups_ready)", "groups"),)),
     Panel("staleness drops", (
         _q("sum by (reason) (rate(r3flow_store_dropped_total[5m])) * 60", "{{reason}} / min"),)),

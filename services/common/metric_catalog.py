@@ -46,6 +46,10 @@ TRAINER = [
                buckets=_SECONDS),
     MetricSpec("r3flow_trainer_tokens_per_second", "gauge", "trained tokens per second, last step"),
     MetricSpec("r3flow_trainer_steps_total", "counter", "optimizer steps taken"),
+    MetricSpec("r3flow_trainer_last_step_timestamp_seconds", "gauge",
+               "unix time the last optimizer step completed (0 before the first)"),
+    MetricSpec("r3flow_trainer_step_interval_seconds", "gauge",
+               "wall time between the last two completed steps (pull, train, push, checkpoint)"),
     MetricSpec("r3flow_trainer_groups_quarantined_total", "counter",
                "GRPO groups set aside (acked to the store as dropped), by reason",
                ("reason",)),
@@ -95,7 +99,10 @@ STORE = [
                "routing bytes received, as uint8 ids (tokens*layers*topk)"),
     MetricSpec("r3flow_store_routing_encoded_bytes_total", "counter",
                "routing bytes kept in Redis after the codec and prompt dedup"),
-    MetricSpec("r3flow_store_backlog_tokens", "gauge", "tokens of appended, not yet acked trajectories"),
+    MetricSpec("r3flow_store_backlog_tokens", "gauge",
+               "tokens of appended, not yet delivered trajectories (the admission budget's)"),
+    MetricSpec("r3flow_store_unacked_tokens", "gauge",
+               "tokens of groups delivered to trainers, not yet acked (max_unacked_tokens's)"),
     MetricSpec("r3flow_store_groups_ready", "gauge", "complete GRPO groups waiting for a trainer"),
     MetricSpec("r3flow_store_dropped_total", "counter",
                "trajectories dropped, by reason (other_run: sampled by another training run's "
@@ -125,6 +132,9 @@ ROLLOUT = [
                ("outcome",)),
     MetricSpec("r3flow_rollout_routing_check_failures_total", "counter",
                "captured routing that failed a sanity check (row count, range, all-zero)"),
+    MetricSpec("r3flow_rollout_reward_failures_total", "counter",
+               "reward calls that scored the fallback, by reason (timeout, error, invalid)",
+               ("reason",), initial=("timeout", "error", "invalid")),
 ]
 
 ALL: dict[str, list[MetricSpec]] = {"trainer": TRAINER, "store": STORE, "rollout": ROLLOUT}

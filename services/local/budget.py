@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from services.local.config import LocalConfig
+from services.local.config import LocalConfig, resolved
 
 OUT_OF_BUDGET_EXIT = 124  # the exit code of a run past its budget (as timeout(1))
 
@@ -30,6 +30,20 @@ class OutOfBudget(RuntimeError):
                 f"at GRPO step {step} of {self.steps}")
 
 
+class Stalled(OutOfBudget):
+    """No GRPO step for several times the recent step time (monitor.StallWatch): the run stops
+    now, naming the component and the cause, instead of waiting out its budget."""
+
+    def __init__(self, budget: Budget, step: int, component: str, cause: str,
+                 idle_s: float) -> None:
+        self.component, self.cause, self.idle_s = component, cause, idle_s
+        super().__init__(budget, step)
+
+    def message(self, step: int) -> str:
+        return (f"stalled at GRPO step {step} of {self.steps} (no step for {self.idle_s:.0f} s): "
+                f"{self.component}: {self.cause}")
+
+
 @dataclasses.dataclass
 class Budget:
     """The run's time budget in seconds from its start: `fixed` (timeout_s), or `boot_s` to
@@ -46,7 +60,7 @@ class Budget:
 
     @classmethod
     def of(cls, cfg: LocalConfig) -> Budget:
-        return cls(cfg.grpo.steps, cfg.budget_boot_s, cfg.budget_step_s,
+        return cls(resolved(cfg, "trainer").run.steps, cfg.budget_boot_s, cfg.budget_step_s,
                    cfg.budget_follows_rate, cfg.timeout_s)
 
     def total(self) -> float:

@@ -53,20 +53,27 @@ def _arms(text: str) -> list[str]:
 
 
 def arm_config(cfg, arm: str, runs_dir: str):
-    """The LocalConfig of one --compare arm: its replay mode and rollout correction."""
+    """The LocalConfig of one --compare arm: its replay mode and rollout correction (which
+    takes its ratio against the trainer's old-policy pass)."""
+    from services.common.config import deep_merge
+    from services.local.config import CORRECTIONS, LocalConfig
+
     m = ARM.match(arm)
     assert m is not None, arm
     replay, corr = (m.group(1), m.group(2) or "off") if m.group(1) else ("off", m.group(3))
-    grpo = cfg.grpo.model_copy(update={"rollout_correction": corr})
-    return cfg.model_copy(update={"replay": replay, "grpo": grpo, "runs_dir": runs_dir})
+    arm_trainer = {"replay": {"mode": replay}, "loss": {"rollout_correction": CORRECTIONS[corr]},
+                   **({"data": {"old_logprobs": "trainer"}} if corr != "off" else {})}
+    return LocalConfig.model_validate({**cfg.model_dump(), "runs_dir": runs_dir,
+                                       "trainer": deep_merge(cfg.trainer, arm_trainer)})
 
 
 def load(args: argparse.Namespace):
     from services.common.config import load_config
     from services.local.config import LocalConfig
 
-    flags = {"replay": args.replay, "family": args.family,
-             "trainer_backend": args.trainer_backend, "grpo.steps": args.steps, "workers": args.workers,
+    flags = {"trainer.replay.mode": args.replay, "family": args.family,
+             "trainer.backend": args.trainer_backend, "trainer.run.steps": args.steps,
+             "workers": args.workers,
              "seed": args.seed, "warm_start_steps": args.warm_start_steps,
              "runs_dir": args.runs_dir}
     return load_config(LocalConfig, args.config, {k: v for k, v in flags.items() if v is not None})
@@ -89,7 +96,7 @@ def print_summary(s: dict) -> None:
           f"replay (same batches) {_fmt(s['logprob_diff_mean_off'])}, ratio "
           f"{_fmt(s['logprob_diff_ratio_vs_off'])} over the {s.get('compared_steps', '?')} steps "
           f"that measured both (step 1 and every {s.get('measure_every', 1)}th: "
-          f"grpo.measure_every); all {s['steps']} steps with replay {_fmt(s['logprob_diff_mean'])}")
+          f"trainer.replay.compare_off_every); all {s['steps']} steps with replay {_fmt(s['logprob_diff_mean'])}")
     print(f"  at step 1       with replay {_fmt(s.get('logprob_diff_step1'))}, without "
           f"{_fmt(s.get('logprob_diff_step1_off'))}, ratio {_fmt(s.get('logprob_diff_step1_ratio'))}"
           f" (rollout and trainer on the same weights: the engine/trainer mismatch alone; later"
@@ -138,12 +145,14 @@ def print_failure(s: dict) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from services.local.config import resolved
+
     cfg = load(args)
     # Ctrl-C / SIGTERM: stop every child by pid before leaving.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     if not args.compare:
         return run_one(cfg)[0]
-    return run_arms(cfg, list(dict.fromkeys([cfg.replay, *args.compare])))
+    return run_arms(cfg, list(dict.fromkeys([resolved(cfg, "trainer").replay.mode.value, *args.compare])))
 
 
 def run_arms(cfg, arms: list[str]) -> int:

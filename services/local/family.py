@@ -46,11 +46,11 @@ def megatron_refusal(family: str, model: TinyMoeConfig) -> str | None:
 
 
 def plan(family: str, backend: str | None, model: TinyMoeConfig) -> FamilyPlan:
-    """The run's family plan; ConfigError (naming `trainer_backend`) when the user asked for a
+    """The run's family plan; ConfigError (naming `trainer.backend`) when the user asked for a
     backend that refuses the family."""
     refusal = megatron_refusal(family, model)
     if backend == "megatron" and refusal:
-        raise ConfigError(f"trainer_backend: megatron refuses family {family!r}: {refusal}")
+        raise ConfigError(f"trainer.backend: megatron refuses family {family!r}: {refusal}")
     if backend is not None:
         why = "set by the user"
     elif refusal:

@@ -5,8 +5,12 @@ fired and the dashboards drawn."""
 
 from __future__ import annotations
 
+import logging
 import time
+import urllib.error
 import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
@@ -14,6 +18,8 @@ from tqdm import tqdm
 from services.common.net import free_port
 from services.local.config import LocalConfig
 from services.local.prom import SCRAPE_S, LocalPrometheus, plot_dashboards
+
+log = logging.getLogger(__name__)
 
 SNAPSHOT_EVERY_S = 5.0  # /metrics snapshots while the trainer steps
 
@@ -99,6 +105,21 @@ class RunMonitor:
                 continue  # a child that already exited keeps its last snapshot
             (out / f"{name}.prom").write_text(text)
 
+    def unhealthy(self, name: str) -> bool:
+        """Whether child `name`'s /health answers 503 (a rollout worker: its engine died)."""
+        url = self.urls[name].removesuffix("/metrics") + "/health"
+        try:
+            urllib.request.urlopen(url, timeout=5).read()
+        except urllib.error.HTTPError as e:
+            return e.code == 503
+        except OSError:
+            return False  # not answering at all: the process check names it
+        return False
+
+    def text(self, name: str) -> str:
+        """Child `name`'s /metrics text now."""
+        return urllib.request.urlopen(self.urls[name], timeout=5).read().decode()
+
     def print_endpoints(self) -> None:
         if self.prom is not None:
             tqdm.write(f"prometheus {self.prom.url} (the chart's alert rules; data in "
@@ -109,3 +130,118 @@ class RunMonitor:
     def stop(self) -> None:
         if self.prom is not None:
             self.prom.stop()
+
+
+# ---- stalls ---------------------------------------------------------------------------------
+STALL_FACTOR = 5.0  # no step for this many times the recent step time: the run stalled
+STALL_MIN_S = 120.0  # and at least this long (slow steps on a loaded 2-core box are no stall)
+RECENT_STEPS = 5  # the recent step time: the longest of the last gaps between step records
+
+
+@dataclass(frozen=True)
+class StoreFacts:
+    """What the store says about the pipeline: its stats, its registered workers and its
+    refusals so far by limit (r3flow_store_rejections_total)."""
+
+    groups_ready: int
+    groups_leased: int
+    groups_open: int
+    groups_delivered: int
+    workers: int
+    refused: dict[str, float]
+    undelivered_tokens: float
+    unacked_tokens: float
+
+    @classmethod
+    def read(cls, stats, workers: list, metrics_text: str) -> StoreFacts:  # noqa: ANN001
+        """From StoreClient.stats() (read first: it refreshes the gauges), list_workers() and
+        the text of the store's /metrics."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        refused: dict[str, float] = {}
+        gauges: dict[str, float] = {}
+        for family in text_string_to_metric_families(metrics_text):
+            for sample in family.samples:
+                if sample.name == "r3flow_store_rejections_total":
+                    refused[sample.labels["reason"]] = sample.value
+                else:
+                    gauges[sample.name] = sample.value
+        return cls(stats.groups_ready, stats.groups_leased, stats.groups_open,
+                   stats.groups_delivered, len(workers), refused,
+                   gauges.get("r3flow_store_backlog_tokens", 0.0),
+                   gauges.get("r3flow_store_unacked_tokens", 0.0))
+
+
+# the store's refusal reasons -> what is full
+_FULL = {"backlog": "admission budget (max_backlog_tokens)",
+         "groups_ahead": "admission budget (max_groups_ahead)",
+         "inflight": "in-flight trajectories (max_inflight_trajectories)",
+         "unacked": "delivered, not yet acked groups (max_unacked_tokens)",
+         "redis_full": "Redis memory (maxmemory)"}
+
+
+def stall_cause(dead: dict[str, str], then: StoreFacts, now: StoreFacts) -> tuple[str, str]:
+    """(component, cause) of a stall, from the rollout children found dead (name -> why) and
+    the store's facts at the last step (`then`) and now."""
+    if dead:
+        name = sorted(dead)[0]
+        return name, dead[name]
+    if not now.workers:
+        return "rollout", "no rollout worker connected (none registered with the store)"
+    if now.groups_ready and now.groups_delivered == then.groups_delivered:
+        return "trainer", (f"trainer not pulling: {now.groups_ready} groups ready, none "
+                           "delivered since the last step")
+    refused = {r: n - then.refused.get(r, 0.0) for r, n in now.refused.items()}
+    refused = {r: n for r, n in refused.items() if n > 0 and r in _FULL}
+    if refused:
+        reason = max(refused, key=lambda r: refused[r])
+        return "store", (f"budget full: {refused[reason]:.0f} requests refused by the "
+                         f"{_FULL[reason]}; held: {now.undelivered_tokens:.0f} tokens "
+                         f"undelivered, {now.unacked_tokens:.0f} delivered and not yet acked, "
+                         f"{now.groups_open} groups open, {now.groups_leased} leased")
+    return "rollout", (f"no group completes: {now.workers} worker(s) registered, "
+                       f"{now.groups_open} groups open, none ready")
+
+
+class StallWatch:
+    """Whether the trainer stopped stepping for STALL_FACTOR x its recent step time, and why:
+    the store's facts are read at every step and again at the stall (`facts` reads them)."""
+
+    def __init__(self, facts: Callable[[], StoreFacts]) -> None:
+        self.facts = facts
+        self.steps = 0
+        self.last_step_at = 0.0  # monotonic
+        self.at_step: StoreFacts | None = None
+
+    def limit(self, step_times: list[float]) -> float | None:
+        """Seconds without a step that make a stall (None before two steps: the budget's
+        boot allowance covers the first)."""
+        gaps = [b - a for a, b in zip(step_times, step_times[1:], strict=False)]
+        if not gaps:
+            return None
+        return max(STALL_MIN_S, STALL_FACTOR * max(gaps[-RECENT_STEPS:]))
+
+    def idle(self, step_times: list[float], now: float) -> float | None:
+        """Seconds since the last step once over the limit, else None; at a new step the
+        store's facts are read (the baseline of the next stall)."""
+        if len(step_times) > self.steps:
+            self.steps, self.last_step_at = len(step_times), now
+            self.at_step = self._read() or self.at_step
+            return None
+        limit = self.limit(step_times)
+        idle = now - self.last_step_at
+        return idle if limit is not None and idle > limit else None
+
+    def cause(self, dead: dict[str, str]) -> tuple[str, str]:
+        """(component, cause) now, against the facts of the last step."""
+        now = self._read()
+        if now is None:
+            return "store", "not answering (stats, workers or /metrics)"
+        return stall_cause(dead, self.at_step or now, now)
+
+    def _read(self) -> StoreFacts | None:
+        try:
+            return self.facts()
+        except Exception as e:  # noqa: BLE001 (a store that does not answer is a cause itself)
+            log.warning("store facts unavailable: %s", e)
+            return None

@@ -23,9 +23,10 @@ from tqdm import tqdm
 from services.common.net import free_port
 from services.local import family, report
 from services.local.accounting import Accounting
-from services.local.budget import OUT_OF_BUDGET_EXIT, Budget, OutOfBudget
+from services.local.budget import OUT_OF_BUDGET_EXIT, Budget, OutOfBudget, Stalled
 from services.local.config import (
     LocalConfig,
+    resolved,
     rollout_concurrency,
     rollout_config,
     seeded,
@@ -33,7 +34,7 @@ from services.local.config import (
     trainer_config,
     warm_start_config,
 )
-from services.local.monitor import RunMonitor
+from services.local.monitor import RunMonitor, StallWatch, StoreFacts
 from services.local.procs import ChildDied, Supervisor, tail
 from services.rollout.shutdown import SHUTDOWN_S
 
@@ -47,7 +48,7 @@ CHILD_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
              "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false",
              "VLLM_LOGGING_LEVEL": "WARNING", "PYTHONUNBUFFERED": "1"}
 
-# One OpenMP thread for the warm start, as the trainer's Ray rank has (trainer.ray_launch): with
+# One OpenMP thread for the warm start, as the trainer's Ray rank has (trainer.ranks.ray_launch): with
 # torch's default of one per core, a 2-core box busy with other work made each SFT step wait on
 # a descheduled sibling thread: 25 s a step at load 20 against 1.5 s alone (issue 46).
 WARM_START_ENV = {"OMP_NUM_THREADS": "1"}
@@ -78,9 +79,12 @@ class LocalRun:
 
     def __init__(self, cfg: LocalConfig) -> None:
         self.cfg = cfg
+        # what the run's children get (the sections over the preset; paths aside)
+        self.store_cfg, self.rollout_cfg, self.trainer_cfg = (
+            resolved(cfg, name) for name in ("store", "rollout", "trainer"))
         # boot: the family's backend (a refused megatron fails here, before any folder or child)
         self.plan = family.plan(cfg.family, cfg.trainer_backend, seeded(cfg)[1])
-        family.log_plan(self.plan, cfg.grpo.dtype)
+        family.log_plan(self.plan, self.trainer_cfg.model.dtype)
         self.dir = new_run_dir(cfg.runs_dir)
         self.sup = Supervisor(self.dir / "logs", env=CHILD_ENV)
         self.redis: EmbeddedRedis | None = None
@@ -88,8 +92,9 @@ class LocalRun:
         self.monitor = RunMonitor(cfg, self.dir)
         self.started = time.monotonic()
         self.budget = Budget.of(cfg)
+        self.stalls = StallWatch(self.store_facts)
         self.stops: dict[str, dict] = {}  # child -> how its stop went (stop_child)
-        tqdm.write(f"budget: {self.budget.total():.0f} s for {cfg.grpo.steps} GRPO steps "
+        tqdm.write(f"budget: {self.budget.total():.0f} s for {self.trainer_cfg.run.steps} GRPO steps "
                    f"({self.budget.describe()}); a run past it stops, reports the steps done "
                    f"and exits {OUT_OF_BUDGET_EXIT}")
 
@@ -200,8 +205,8 @@ class LocalRun:
     def _follow(self, trainer) -> list[dict]:
         """Print a table row per step as the trainer logs it; wait for the trainer to exit."""
         log_path = self.dir / "trainer" / "train_log.jsonl"
-        steps = self.cfg.grpo.steps
-        bar = tqdm(total=steps, desc=f"GRPO ({self.cfg.replay})", unit="step")
+        steps = self.trainer_cfg.run.steps
+        bar = tqdm(total=steps, desc=f"GRPO ({self.trainer_cfg.replay.mode})", unit="step")
         tqdm.write(report.table_header())
         seen: list[dict] = []
         while trainer.alive() and not self.budget.over(time.monotonic() - self.started):
@@ -214,6 +219,7 @@ class LocalRun:
             line = self.budget.update([r["time"] for r in rows], time.monotonic() - self.started)
             if line:
                 tqdm.write(line)
+            self.check_stall([r["time"] for r in rows])
             if rows and self.monitor.snapshot_due():
                 self.monitor.snapshot()
             if rows and self.monitor.alert_fired():
@@ -230,6 +236,34 @@ class LocalRun:
         for rec in rows[len(seen):]:
             tqdm.write(report.table_row(rec))
         return rows
+
+    def check_stall(self, step_times: list[float]) -> None:
+        """Stalled (one line: the component and the cause) once no step came for
+        STALL_FACTOR x the recent step time, instead of waiting out the budget."""
+        idle = self.stalls.idle(step_times, time.monotonic())
+        if idle is not None:
+            component, cause = self.stalls.cause(self.dead_rollouts())
+            raise Stalled(self.budget, len(step_times), component, cause, idle)
+
+    def store_facts(self) -> StoreFacts:
+        from services.store.client import StoreClient
+
+        with StoreClient(self.store_addr, timeout_s=5, max_retries=2) as client:
+            stats, workers = client.stats(), client.list_workers()
+        return StoreFacts.read(stats, workers, self.monitor.text("store"))
+
+    def dead_rollouts(self) -> dict[str, str]:
+        """Rollout worker -> why it is no use: exited, or its engine reported dead."""
+        dead = {}
+        for c in self.sup.children:
+            if not c.name.startswith("rollout"):
+                continue
+            if not c.alive():
+                rc = None if c.proc is None else c.proc.returncode
+                dead[c.name] = f"rollout worker exited with code {rc}"
+            elif self.monitor.unhealthy(c.name):
+                dead[c.name] = "engine dead (its /health reports it; see its log)"
+        return dead
 
     def print_endpoints(self) -> None:
         tqdm.write(f"store gRPC on {self.store_addr} (loopback, no TLS: local mode)")
@@ -266,11 +300,14 @@ class LocalRun:
         rows = report.read_log(self.dir / "trainer" / "train_log.jsonl")
         failure = {"budget_s": round(over.budget.deadline(), 1), "budget": over.budget.describe(),
                    "step": len(rows), "steps": over.steps, "message": over.message(len(rows))}
+        if isinstance(over, Stalled):
+            failure["stalled"] = {"component": over.component, "cause": over.cause,
+                                  "idle_s": round(over.idle_s, 1)}
         summary = self._summary(rows, trajectories, out_of_budget=failure,
                                 prometheus=self.monitor.report())
         report.plot_report(rows, self.dir / "report.png", f"r3flow local — replay="
-                           f"{self.cfg.replay}, {len(rows)} of {over.steps} GRPO steps "
-                           f"(out of budget)")
+                           f"{self.trainer_cfg.replay.mode}, {len(rows)} of {over.steps} GRPO "
+                           f"steps ({'stalled' if isinstance(over, Stalled) else 'out of budget'})")
         return summary
 
     def finish(self, rows: list[dict]) -> dict:
@@ -280,7 +317,7 @@ class LocalRun:
         summary = self._summary(rows, self._account().as_dict(),
                                 prometheus=self.monitor.report())
         report.plot_report(rows, self.dir / "report.png",
-                           f"r3flow local — replay={self.cfg.replay}, {len(rows)} GRPO steps")
+                           f"r3flow local — replay={self.trainer_cfg.replay.mode}, {len(rows)} GRPO steps")
         return summary
 
     def abort(self, died: ChildDied) -> dict:
@@ -304,12 +341,12 @@ class LocalRun:
     def _account(self) -> Accounting:
         in_flight = self.cfg.workers * rollout_concurrency(self.cfg)
         return Accounting.collect(self.store_addr, self.worker_summaries(),
-                                  self.cfg.grpo.group_size, in_flight)
+                                  self.rollout_cfg.sampling.n, in_flight)
 
     def _summary(self, rows: list[dict], trajectories: dict, **extra: object) -> dict:
-        summary = {"run_dir": str(self.dir), "replay": self.cfg.replay, "steps": len(rows),
-                   "max_policy_lag": self.cfg.grpo.max_policy_lag,
-                   "measure_every": self.cfg.grpo.measure_every,
+        summary = {"run_dir": str(self.dir), "replay": self.trainer_cfg.replay.mode.value,
+                   "steps": len(rows), "max_policy_lag": self.store_cfg.max_policy_lag,
+                   "measure_every": self.trainer_cfg.replay.compare_off_every,
                    "budget_s": round(self.budget.total(), 1), "stops": self.stops,
                    "wall_seconds": round(time.monotonic() - self.started, 1),
                    **report.summarize(rows), "trajectories": trajectories,

@@ -1,7 +1,9 @@
 """Verifiable toy tasks for the local run: data sets and their reward functions.
 
-`addition`: "37+45=" -> "82". The reward grades a wrong number by how far off it is, so a tiny
-model's progress shows up as a smooth signal; an exact answer scores 1.0.
+`addition`: "37+45=" -> "82". The RL prompts are messages (one user turn) that the rollout
+renders with the tiny model's chat template, to the same tokens as the warm start's text
+prompts. The reward grades a wrong number by how far off it is, so a tiny model's progress
+shows up as a smooth signal; an answer the math verifier accepts scores 1.0.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 from pydantic import Field
 
 from services.common.config import StrictConfig
+from services.rollout.math_grader import math_reward
 
 
 class TaskConfig(StrictConfig):
@@ -39,7 +42,9 @@ def write_datasets(cfg: TaskConfig, out_dir: Path) -> tuple[Path, Path]:
     with rl_path.open("w") as f:
         for i in range(cfg.num_prompts):
             ex = addition_example(rl_rng, cfg.max_operand)
-            f.write(json.dumps({"id": f"add-{i}", **ex}) + "\n")
+            messages = [{"role": "user", "content": ex["prompt"]}]
+            f.write(json.dumps({"id": f"add-{i}", "prompt": messages,
+                                "answer": ex["answer"]}) + "\n")
     with sft_path.open("w") as f:
         for _ in range(cfg.num_sft_examples):
             f.write(json.dumps(addition_example(sft_rng, cfg.max_operand)) + "\n")
@@ -47,14 +52,15 @@ def write_datasets(cfg: TaskConfig, out_dir: Path) -> tuple[Path, Path]:
 
 
 def closeness_reward(completion: str, answer: str) -> float:
-    """1.0 for the exact answer; a number off by d scores 0.8 * exp(-d / 4); anything else 0.
+    """A bare number: 1.0 when the `math` verifier accepts it, else 0.8 * exp(-d / 4) for a
+    number off by d; anything else 0.
 
     Graded by numeric distance so that two wrong answers are not equally wrong: a group whose
     samples are all wrong still ranks them, which gives GRPO a signal from the first step.
     """
     text = completion.strip()
-    if text == answer:
-        return 1.0
     if not text.isdigit():
         return 0.0
+    if math_reward(text, answer) == 1.0:
+        return 1.0
     return 0.8 * math.exp(-abs(int(text) - int(answer)) / 4.0)

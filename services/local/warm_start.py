@@ -56,7 +56,7 @@ def tokenize_examples(model_dir: str, path: str) -> list[tuple[list[int], list[i
 
 
 def to_sample(prompt: list[int], answer: list[int]):
-    from trainer.batch import Sample
+    from trainer.samples.batch import Sample
 
     r = len(answer)
     return Sample(np.asarray(prompt + answer, np.int64), len(prompt), np.zeros(r, np.float32),

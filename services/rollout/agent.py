@@ -2,7 +2,10 @@
 calls a weight update aborted (partial rollouts).
 
 An `Environment` sees the whole token sequence after each turn and answers with tokens to
-append (tool output, user reply) or None when the episode is over. Environment tokens are
+append (tool output, user reply) or None when the episode is over. A `MessagesEnvironment`
+speaks messages instead: it sees the conversation (the prompt's messages, then each turn's
+assistant message with the tool calls the model wrote) and answers with messages (role `tool`
+or `user`), which the model's chat template renders into the tokens appended. Environment tokens are
 loss-masked and get their routing from the next turn's prefill; every call asks only for rows
 not yet held (`routed_experts_prompt_start`), so no row is requested or stored twice.
 """
@@ -28,8 +31,43 @@ class Environment(Protocol):
         ...
 
 
+@runtime_checkable
+class MessagesEnvironment(Protocol):
+    """One episode's environment over messages (may also be `async def step_messages`)."""
+
+    def step_messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+        """Messages to append after the assistant's turn, or None when the episode is done."""
+        ...
+
+
+class MessageRenderer(Protocol):
+    """What a conversation needs of the prompt renderer (services.rollout.dataset)."""
+
+    tokenizer: Any
+
+    def message_ids(self, new: list[dict[str, Any]]) -> list[int]: ...
+
+
+class ChatSession:
+    """The messages of one trajectory, kept beside its tokens for a MessagesEnvironment."""
+
+    def __init__(self, renderer: MessageRenderer, messages: list[dict[str, Any]]) -> None:
+        self.renderer = renderer
+        self.messages = messages
+
+    def assistant(self, turn_ids: Sequence[int]) -> None:
+        """Record the model's turn (its tokens, decoded) as an assistant message."""
+        text = self.renderer.tokenizer.decode(list(turn_ids), skip_special_tokens=True)
+        self.messages.append({"role": "assistant", "content": text})
+
+    def reply(self, new: list[dict[str, Any]]) -> list[int]:
+        """Record the environment's messages; the tokens that append them."""
+        self.messages.extend(new)
+        return self.renderer.message_ids(new)
+
+
 # Builds the environment of one trajectory from its dataset row.
-EnvironmentFactory = Callable[[Any], Environment]
+EnvironmentFactory = Callable[[Any], Environment | MessagesEnvironment]
 
 
 @dataclass
@@ -40,6 +78,7 @@ class RolloutResult:
     finish_reason: str
     calls: list[CallOutput] = field(default_factory=list)
     reward: float | None = None  # set by the worker's verifier
+    reward_components: dict[str, float] = field(default_factory=dict)
 
 
 def call_seed(seed: int | None, call_index: int) -> int | None:
@@ -47,11 +86,19 @@ def call_seed(seed: int | None, call_index: int) -> int | None:
     return None if seed is None else (seed * 1_000_003 + call_index) % (1 << 63)
 
 
-async def _env_step(env: Environment, tokens: list[int]) -> list[int] | None:
-    out = env.step(tokens)
-    if inspect.isawaitable(out):
-        out = await out
-    return None if out is None else [int(t) for t in out]
+async def _env_step(env: Environment | MessagesEnvironment, tokens: list[int],
+                    turn_start: int, chat: ChatSession | None) -> list[int] | None:
+    """The environment's answer to a turn as tokens (messages rendered through `chat`)."""
+    if chat is None:
+        assert isinstance(env, Environment)
+        ids: Any = env.step(tokens)
+        ids = await ids if inspect.isawaitable(ids) else ids
+        return None if ids is None else [int(t) for t in ids]
+    assert isinstance(env, MessagesEnvironment)
+    chat.assistant(tokens[turn_start:])
+    new: Any = env.step_messages(list(chat.messages))
+    new = await new if inspect.isawaitable(new) else new
+    return None if new is None else chat.reply(list(new))
 
 
 class AgentLoop:
@@ -64,15 +111,18 @@ class AgentLoop:
         self.policy = policy
 
     async def run(self, request_id: str, prompt_ids: list[int], *, seed: int | None = None,
-                  env: Environment | None = None) -> RolloutResult:
-        """Generate until the environment is done, max_turns, or the context is full."""
+                  env: Environment | MessagesEnvironment | None = None,
+                  chat: ChatSession | None = None) -> RolloutResult:
+        """Generate until the environment is done, max_turns, or the context is full; `chat`
+        is the conversation of a MessagesEnvironment."""
         self.engine.validate_prompt(request_id, prompt_ids)
         result = RolloutResult(RolloutState(list(prompt_ids), policy=self.policy), "stop")
         for turn in range(self.sampling.max_turns):
+            turn_start = len(result.state.context_ids())
             result.finish_reason = await self._turn(request_id, result, seed)
             if env is None or turn + 1 == self.sampling.max_turns:
                 break
-            env_ids = await _env_step(env, result.state.context_ids())
+            env_ids = await _env_step(env, result.state.context_ids(), turn_start, chat)
             if env_ids is None:
                 break
             if len(result.state.context_ids()) + len(env_ids) >= self.engine.cfg.max_model_len:

@@ -170,7 +170,7 @@ async def _capture_ok(worker: Any, rec: Any) -> bool:
     Once it passed, its prompt is the one the check after each weight load generates."""
     cfg = worker.cfg
     try:
-        probe_ids = rec.token_ids(worker.tokenizer.encode)
+        probe_ids = worker.prompts.render(rec).token_ids
         await check_capture(worker.engine, cfg.sampling, probe_ids, cfg.engine.seed,
                             cfg.partial_rollout_policy)
     except RoutingCaptureError as e:
@@ -206,7 +206,7 @@ async def serve(cfg: RolloutConfig, summary_file: str | None = None,
     from services.rollout.sink import StoreSink
     from services.rollout.worker import RolloutWorker, load_environment_factory
 
-    records = load_dataset(cfg.dataset)
+    records = load_dataset(cfg.dataset, cfg.prompts)
     env_factory = load_environment_factory(cfg.environment)
     registry = CollectorRegistry()
     metrics = create_metrics(registry, "rollout")

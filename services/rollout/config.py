@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal, Self
+from typing import Annotated, Any, Literal, Self
 
 from pydantic import Field, field_validator, model_validator
 
 from services.common.auth import ClientAuthConfig
 from services.common.config import StrictConfig, multiple_of
+from services.common.staleness import DEFAULT_MAX_POLICY_LAG, MaxPolicyLag
 
 
 class EngineConfig(StrictConfig):
@@ -57,14 +58,68 @@ class SamplingConfig(StrictConfig):
     max_turns: int = Field(1, ge=1, description="agent turns per trajectory (multi-turn envs)")
 
 
+class PromptConfig(StrictConfig):
+    """How dataset rows become prompt tokens: the column mapping, and the chat template."""
+
+    columns: Literal["r3flow", "verl"] = Field(
+        "r3flow", description="column preset: r3flow (id, prompt | prompt_token_ids, answer, "
+        "verifier; other columns refused) or verl (data_source, prompt, ability, reward_model."
+        "ground_truth, extra_info; columns not mapped become the row's extra fields)")
+    column_map: dict[str, str] = Field(
+        default_factory=dict, description="overrides of the preset: r3flow field (id, prompt, "
+        "prompt_token_ids, answer, verifier, data_source) -> source column, dotted for a struct "
+        "member (`reward_model.ground_truth`)")
+    chat_template: Literal["messages", "always", "never"] = Field(
+        "messages", description="messages: a messages-list prompt goes through the tokenizer's "
+        "chat template, a text prompt is tokenized as it is (as before); always: a text prompt "
+        "becomes one user message first; never: a messages prompt is refused")
+    system_prompt: str | None = Field(
+        None, description="a system message put first when the prompt has none")
+    add_generation_prompt: bool = Field(
+        True, description="end the rendered prompt with the assistant turn's header")
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="extra template variables, e.g. "
+        "{enable_thinking: false} for Qwen3")
+
+
+class RewardConfig(StrictConfig):
+    """How rewards run: off the generation loop, bounded, with a deadline and a fallback."""
+
+    max_concurrency: int = Field(
+        32, ge=1, description="reward calls running at once (sync ones in as many threads)")
+    timeout_s: float = Field(
+        30.0, gt=0, description="deadline of one reward call; past it the fallback is scored")
+    fallback: float = Field(
+        0.0, description="reward of a sample whose reward call timed out, raised or returned "
+        "no finite number (counted in r3flow_rollout_reward_failures_total by reason)")
+    format_pattern: str = Field(
+        r"\\boxed\{.+\}", description="regex the `format` verifier searches the response for")
+
+    remote_url: str | None = Field(
+        None, description="URL the `remote` verifier POSTs each sample to "
+        "(services/rollout/remote_reward.py)")
+
+    @field_validator("format_pattern")
+    @classmethod
+    def _compiles(cls, v: str) -> str:
+        try:
+            re.compile(v)
+        except re.error as e:
+            raise ValueError(f"not a regular expression: {e}") from None
+        return v
+
+
 class RolloutConfig(StrictConfig):
     """Everything `r3flow rollout` needs."""
 
     engine: EngineConfig
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     dataset: str = Field(..., description="JSONL or Parquet file of prompts")
+    prompts: PromptConfig = Field(default_factory=PromptConfig)
     verifier: str = Field(
-        "exact_match", description="built-in name (exact_match, numeric) or `pkg.mod:fn`")
+        "exact_match", description="built-in name (exact_match, numeric, math, format) or "
+        "`pkg.mod:fn` (docs/rollout.md#rewards)")
+    reward: RewardConfig = Field(default_factory=RewardConfig)
     environment: str | None = Field(
         None, description="multi-turn: `pkg.mod:factory`, factory(dataset row) -> Environment")
     concurrency: int = Field(16, ge=1, description="max requests in the engine at once")
@@ -95,14 +150,20 @@ class RolloutConfig(StrictConfig):
                             "disjoint shard (the chart sets rollout.replicas)")
     shard: int | None = Field(None, ge=0, description="this worker's shard; unset = the trailing "
                               "-N of worker_id (a StatefulSet pod's ordinal), or 0 with one shard")
-    max_policy_lag: int | None = Field(
-        None, ge=0,
-        description="hold new groups while the trainer's published version is ahead by more")
+    max_policy_lag: MaxPolicyLag = Field(
+        DEFAULT_MAX_POLICY_LAG, description="hold new groups while the trainer's published "
+        "version is ahead of this engine's by more (services.common.staleness; None = never)")
     weight_digests_file: str | None = Field(
         None, description="test/debug aid, off when unset: after each weight push received, "
         "write {version, worker_id, digests: HF name -> tensor_digest of each tensor handed to "
         "the loader} to this JSON file, atomically (compare with the trainer's "
         "weight_sync.export_digests_dir; reads every byte once more)")
+
+    @model_validator(mode="after")
+    def _remote_has_url(self) -> Self:
+        if self.verifier == "remote" and self.reward.remote_url is None:
+            raise ValueError("verifier remote: set reward.remote_url")
+        return self
 
     @model_validator(mode="after")
     def _shard_known(self) -> Self:

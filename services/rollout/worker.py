@@ -17,16 +17,24 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.common.pb.r3flow.v1 import trajectory_pb2
-from services.rollout.agent import AgentLoop, EnvironmentFactory, RolloutResult
+from services.common.staleness import too_stale
+from services.rollout.agent import (
+    AgentLoop,
+    ChatSession,
+    EnvironmentFactory,
+    MessagesEnvironment,
+    RolloutResult,
+)
 from services.rollout.capture_check import AfterLoadCheck
 from services.rollout.config import RolloutConfig
-from services.rollout.dataset import PromptRecord, iterate_prompts
+from services.rollout.dataset import PromptRecord, PromptRenderer, RenderedPrompt, iterate_prompts
 from services.rollout.engine import EngineDead, RolloutEngine
 from services.rollout.report import RepeatedLog, WorkerSummary, write_json_atomic
+from services.rollout.rewards import RewardRunner, build_registry
 from services.rollout.segments import RoutingCheckError, check_routing
 from services.rollout.sink import TrajectorySink, wait_for_room
 from services.rollout.trajectory_proto import RoutingLayout, TrajectoryMeta, trajectory_to_proto
-from services.rollout.verifiers import VerifierRegistry
+from services.rollout.verifiers import RewardFn, RewardInput
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +74,11 @@ class RolloutWorker:
         self.sink = sink
         self.tokenizer = tokenizer
         self.env_factory = env_factory
-        self.verifiers = VerifierRegistry()
+        self.prompts = PromptRenderer(tokenizer, cfg.prompts)
+        self.verifiers = build_registry(cfg.reward)
         self.verifiers.get(cfg.verifier)  # an unknown default verifier fails at boot
+        self._errors = RepeatedLog(log)
+        self.rewards = RewardRunner(cfg.reward, engine.metrics, self._errors)
         self.loop = AgentLoop(engine, cfg.sampling, policy=cfg.partial_rollout_policy)
         self.layout = RoutingLayout(engine.info.num_experts, engine.info.moe_layers,
                                     cfg.routing_codec_mode)
@@ -86,7 +97,6 @@ class RolloutWorker:
         self._nonce = uuid.uuid4().hex[:8]
         self._requests = asyncio.Semaphore(cfg.concurrency)
         self._stop = asyncio.Event()
-        self._errors = RepeatedLog(log)
         self._failures_in_row = 0
         # Called with the live summary whenever a group starts or ends (progress file).
         self.on_progress: Callable[[WorkerSummary], None] = lambda _: None
@@ -138,6 +148,7 @@ class RolloutWorker:
         grace = min(stop_grace_s, FATAL_GRACE_S) if summary.fatal else stop_grace_s
         await self._finish_in_flight(set(tasks), summary, grace)
         summary.seconds = time.perf_counter() - t0
+        await self.verifiers.aclose()
         self._errors.flush()
         return summary
 
@@ -238,14 +249,15 @@ class RolloutWorker:
 
     async def run_group(self, group_id: str, rec: PromptRecord, seed: int | None = None,
                         epoch: int = 0) -> GroupResult:
-        """n samples of one prompt -> rewards, routing checks, wire trajectories."""
+        """n samples of one prompt -> rewards (each as its sample ends), routing checks, wire
+        trajectories."""
         verifier = self.verifiers.get(rec.verifier or self.cfg.verifier)
-        prompt_ids = rec.token_ids(self.tokenizer.encode)
-        self.engine.validate_prompt(group_id, prompt_ids)
+        prompt = self.prompts.render(rec)
+        self.engine.validate_prompt(group_id, prompt.token_ids)
         n = self.cfg.sampling.n
         run_id = self.engine.run_id  # the run whose weights sample this group (run fencing)
         results = await asyncio.gather(*[
-            self._sample(f"{group_id}-{i}", prompt_ids, rec,
+            self._sample(f"{group_id}-{i}", prompt, rec, verifier,
                          None if seed is None else seed * 1009 + i) for i in range(n)],
             return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException)]
@@ -256,32 +268,47 @@ class RolloutWorker:
         for i, res in enumerate(done):
             meta = TrajectoryMeta(f"{group_id}-{i}", group_id, n, rec.prompt_id,
                                   self.cfg.worker_id, epoch, run_id)
-            traj = self._finish(meta, res, rec, verifier)
+            traj = self._finish(meta, res)
             if traj is not None:
                 trajs.append(traj)
             tokens += sum(sum(s.loss_mask) for s in res.state.segments)
         return GroupResult(trajs, done, tokens)
 
-    async def _sample(self, request_id: str, prompt_ids: list[int], rec: PromptRecord,
-                      seed: int | None) -> RolloutResult:
+    async def _sample(self, request_id: str, prompt: RenderedPrompt, rec: PromptRecord,
+                      verifier: RewardFn, seed: int | None) -> RolloutResult:
+        """One trajectory, then its reward (off the loop; the engine slot is free by then)."""
         env = self.env_factory(rec) if self.env_factory is not None else None
+        chat = self._chat(prompt, env)
         async with self._requests:
-            return await self.loop.run(request_id, prompt_ids, seed=seed, env=env)
+            res = await self.loop.run(request_id, prompt.token_ids, seed=seed, env=env,
+                                      chat=chat)
+        text = self.tokenizer.decode(res.state.response_ids, skip_special_tokens=True)
+        reward = await self.rewards.score(verifier, RewardInput(
+            text, rec.answer, prompt.text, rec.prompt_id, rec.data_source, rec.extra))
+        res.reward, res.reward_components = reward.score, reward.components
+        return res
 
-    def _finish(self, meta: TrajectoryMeta, res: RolloutResult, rec: PromptRecord,
-                verifier: Any) -> trajectory_pb2.Trajectory | None:
-        """Reward, routing checks (RoutingCheckError), and the wire message when there is a
-        sink to send it to (a dry run skips the encoding)."""
+    def _chat(self, prompt: RenderedPrompt, env: Any) -> ChatSession | None:
+        """The conversation a messages environment speaks (None for a token environment)."""
+        if not isinstance(env, MessagesEnvironment):
+            return None
+        return ChatSession(self.prompts, list(prompt.messages or
+                                              [{"role": "user", "content": prompt.text}]))
+
+    def _finish(self, meta: TrajectoryMeta, res: RolloutResult
+                ) -> trajectory_pb2.Trajectory | None:
+        """Routing checks (RoutingCheckError), and the wire message when there is a sink to
+        send it to (a dry run skips the encoding)."""
         state = res.state
-        text = self.tokenizer.decode(state.response_ids, skip_special_tokens=True)
-        res.reward = float(verifier(text, rec.answer))
+        assert res.reward is not None, "scored in _sample"
         if self.engine.cfg.capture_routing:
             self._check(meta.trajectory_id, res)
         if self.sink is None:
             return None
         layout = self.layout if self.engine.cfg.capture_routing else None
         return trajectory_to_proto(meta, state, reward=res.reward,
-                                   finish_reason=res.finish_reason, layout=layout)
+                                   finish_reason=res.finish_reason, layout=layout,
+                                   reward_components=res.reward_components)
 
     def _check(self, trajectory_id: str, res: RolloutResult) -> None:
         state = res.state
@@ -359,9 +386,8 @@ class RolloutWorker:
         worker's groups not sent yet. The budget hold needs no new version to end it: it lasts
         exactly as long as the trainer consumes nothing (down, restarting, checkpointing)."""
         await self.trainer_present.wait()
-        lag = self.cfg.max_policy_lag
-        while lag is not None and self.trainer_version is not None and \
-                self.trainer_version - self.engine.policy_version > lag:
+        while self.trainer_version is not None and too_stale(
+                self.trainer_version, self.engine.policy_version, self.cfg.max_policy_lag):
             await asyncio.sleep(0.1)
         if self.sink is not None:
             await wait_for_room(self.sink, lambda: summary.groups_in_flight,

@@ -19,7 +19,7 @@ import redis
 from services.common.pb.r3flow.v1 import store_pb2
 from services.store import lua, validate
 from services.store.config import StoreConfig
-from services.store.errors import CapacityError, SizeLimitError, is_redis_oom, redis_full
+from services.store.errors import CapacityError, RateLimit, SizeLimitError, is_redis_oom, redis_full
 from services.store.keys import CONSUMER_GROUP, Keys
 from services.store.routing_checks import RoutingChecks, in_context
 from services.store.validate import GroupState, TrajState, Write
@@ -29,6 +29,7 @@ MEMORY_INFO_MAX_AGE_S = 0.25  # Redis INFO memory reused for this long while far
 # Redis memory a byte of AppendRequest may take (hash and stream overhead on small fields):
 # bytes appended since the last INFO read count this many times toward "near the limit".
 REDIS_BYTES_PER_REQUEST_BYTE = 3
+REFUSAL_LOG_EVERY_S = 60.0  # a limit that keeps refusing begins is logged again this often
 
 _COMMIT_ERRORS = {  # Lua result -> (field, meaning) for writes that lost a race
     "group_size": "begin.group_size: group size changed concurrently",
@@ -61,6 +62,7 @@ class Appender:
             models=tuple((m.name, m.num_experts, m.top_k) for m in config.models))
         self._metric = metric
         self._memory: tuple[dict | None, float] = (None, 0.0)  # last INFO memory, when read
+        self._refusals = RateLimit(REFUSAL_LOG_EVERY_S)
         self._appended_since_info = 0  # request bytes committed since that read
         if not self.limits.decode_routing:
             log.warning("routing_validation=header: routing ids are not range/duplicate "
@@ -299,9 +301,22 @@ class Appender:
     def _refuse(self, code: str) -> None:
         self._metric("r3flow_store_rejections_total", code).inc()
         limit = _LIMITS[code]
-        value = getattr(self.cfg, limit)
-        raise CapacityError(f"begin: store over {limit}={value}; retry later", reason=code,
+        message = f"begin: store over {limit}={getattr(self.cfg, limit)} ({self._held()})"
+        if self._refusals.due(limit):  # then once a minute; every refusal is counted
+            log.warning("appends refused: %s; the rollout workers wait and retry", message)
+        raise CapacityError(f"{message}; retry later", reason=code,
                             retry_after_ms=self.cfg.backpressure_retry_ms)
+
+    def _held(self) -> str:
+        """What the store holds, for a refusal's message: the budget's numbers."""
+        with self.r.pipeline(transaction=False) as p:
+            p.hmget(self.keys.stats, "backlog_tokens", "delivered_tokens", "inflight")
+            p.zcard(self.keys.open_groups)
+            (backlog, delivered, inflight), n_open = p.execute()
+        backlog, delivered = int(backlog or 0), int(delivered or 0)
+        return (f"held: {backlog - delivered} tokens undelivered, {delivered} delivered and not "
+                f"yet acked (max_unacked_tokens={self.cfg.max_unacked_tokens}), "
+                f"{int(inflight or 0)} trajectories in flight, {n_open} groups open")
 
 
 # Lua refusal code -> the StoreConfig limit it enforces (RESOURCE_EXHAUSTED, retry later).

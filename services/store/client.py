@@ -27,7 +27,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.common.auth import ClientAuth
 from services.common.errors import UserError
 from services.common.pb.r3flow.v1 import store_pb2, store_pb2_grpc, trajectory_pb2
-from services.store.wire_metadata import APPEND_MESSAGES_KEY, RETRY_AFTER_KEY
+from services.store.errors import RateLimit, UnackedFull
+from services.store.wire_metadata import APPEND_MESSAGES_KEY, REFUSAL_REASON_KEY, RETRY_AFTER_KEY
 
 log = logging.getLogger(__name__)
 
@@ -64,11 +65,19 @@ def trajectory_requests(traj: trajectory_pb2.Trajectory) -> list[store_pb2.Appen
     return reqs
 
 
-def _retry_after_ms(err: grpc.RpcError) -> int | None:
+REFUSAL_LOG_EVERY_S = 60.0  # a limit that keeps refusing is logged again this often
+
+
+def _trailer(err: grpc.RpcError, name: str) -> str | None:
     for key, value in (err.trailing_metadata() or ()):
-        if key == RETRY_AFTER_KEY:
-            return int(value)
+        if key == name:
+            return value
     return None
+
+
+def _retry_after_ms(err: grpc.RpcError) -> int | None:
+    value = _trailer(err, RETRY_AFTER_KEY)
+    return None if value is None else int(value)
 
 
 class StoreClient:
@@ -83,6 +92,7 @@ class StoreClient:
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self.max_backpressure_wait_s = max_backpressure_wait_s
+        self._refusals = RateLimit(REFUSAL_LOG_EVERY_S)
         self.retries = 0  # transient failures retried so far (for tests and worker metrics)
         self._append_batch = True  # False once the store answered UNIMPLEMENTED
         auth = auth or ClientAuth()  # no TLS, no token: local mode
@@ -107,7 +117,7 @@ class StoreClient:
         failures, waited = 0, 0.0
         while True:
             try:
-                return call()
+                result = call()
             except grpc.RpcError as err:
                 delay = self._retry_delay(err, failures, waited)
                 if delay is None:
@@ -116,8 +126,22 @@ class StoreClient:
                     failures += 1
                 waited += delay
                 self.retries += 1
-                log.debug("%s failed (%s); retrying in %.2fs", what, err.code().name, delay)
+                self._log_retry(what, err, delay)
                 time.sleep(delay)
+            else:
+                return result
+
+    def _log_retry(self, what: str, err: grpc.RpcError, delay: float) -> None:
+        """A refusal is a WARNING naming the limit and what the store holds (its message) the
+        first time a limit refuses and then at most every REFUSAL_LOG_EVERY_S (a budget that
+        throttles the rollouts refuses all the time); other retries are DEBUG."""
+        if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            reason = _trailer(err, REFUSAL_REASON_KEY) or ""
+            if self._refusals.due(reason):
+                log.warning("%s refused by the store at %s: %s; retrying for up to %.0f s",
+                            what, self.address, err.details(), self.max_backpressure_wait_s)
+                return
+        log.debug("%s failed (%s); retrying in %.2fs", what, err.code().name, delay)
 
     def _retry_delay(self, err: grpc.RpcError, failures: int, waited: float) -> float | None:
         code = err.code()
@@ -186,7 +210,9 @@ class StoreClient:
             for group in self._stub.Pull(req, timeout=self.timeout_s + req.wait_ms / 1000,
                                          metadata=self._metadata):
                 got.append(group)
-        except grpc.RpcError:
+        except grpc.RpcError as err:
+            if not got and _trailer(err, REFUSAL_REASON_KEY) == "unacked":
+                raise UnackedFull(err.details()) from None  # only an ack helps: no retry
             if not got:
                 raise
             # Groups received are leased to us: hand them over rather than lose them until

@@ -8,6 +8,7 @@ from pydantic import Field, field_serializer, field_validator
 
 from services.common.auth import AuthConfig, redact_url
 from services.common.config import StrictConfig
+from services.common.staleness import DEFAULT_MAX_POLICY_LAG, MaxPolicyLag
 
 
 class EmbeddedRedisConfig(StrictConfig):
@@ -67,7 +68,15 @@ class StoreConfig(StrictConfig):
     max_inflight_trajectories: int = Field(
         100_000, ge=1, description="begun, not yet finished trajectories")
     max_backlog_tokens: int = Field(
-        1 << 30, ge=1, description="tokens appended, not yet acked; above it begins are refused")
+        1 << 30, ge=1, description="the admission budget: tokens appended and not yet "
+        "delivered to a trainer (begun and complete groups); above it begins are refused. "
+        "Delivered, not yet acked tokens do not count (max_unacked_tokens bounds them)")
+    max_unacked_tokens: int | None = Field(
+        1 << 30, ge=1, description="tokens delivered to trainers and not yet acked (a trainer "
+        "acks at its checkpoint). At it a pull gets no new groups (expired leases are still "
+        "redelivered) and a pull that would get none is refused (RESOURCE_EXHAUSTED, reason "
+        "`unacked`): the trainer then checkpoints early, which acks them. Size it for a "
+        "checkpoint interval of groups (`r3flow plan`); None = unbounded")
     redis_memory_reserve: float = Field(
         0.05, ge=0, lt=1, description="fraction of Redis maxmemory kept free: above "
         "(1 - reserve) x maxmemory new trajectories are refused (RESOURCE_EXHAUSTED), so open "
@@ -87,8 +96,9 @@ class StoreConfig(StrictConfig):
         "dropped `dead_letter` and in r3flow_store_dead_lettered_total; None = redeliver "
         "forever")
     backpressure_retry_ms: int = Field(500, ge=1, description="retry hint sent with refusals")
-    max_policy_lag: int | None = Field(
-        4, ge=0, description="drop groups whose oldest segment lags more versions (None = never)")
+    max_policy_lag: MaxPolicyLag = Field(
+        DEFAULT_MAX_POLICY_LAG, description="drop at delivery groups whose oldest segment lags "
+        "the published policy version by more (services.common.staleness; None = never)")
     lease_seconds: int = Field(300, ge=1, description="lease of a pull that does not ask for one")
     max_wait_ms: int = Field(30_000, ge=0, description="cap on a Pull's wait_ms")
     group_timeout_seconds: float = Field(

@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry
 
 from services.common.metrics import create_metrics
 from services.common.pb.r3flow.v1 import store_pb2
+from services.common.staleness import too_stale
 from services.store import lua
 from services.store.append import Appender, AppendResult
 from services.store.assemble import Delivery, assemble_group
@@ -97,18 +98,35 @@ def check_delivery_id(eid: str, field: str) -> None:
         raise ValueError(f"{field}: {eid[:64]!r} is not a delivery id (<ms>-<seq>)")
 
 
+class LeaseClock:
+    """The store's clock for leases, kept as an offset to Redis' own: a lease taken when the
+    clock stood `ahead_ms` ahead lasts its length plus that offset in Redis' idle time (the
+    leases hash records the sum), and it has run out once a pending entry's idle time plus
+    today's offset reaches it. A running store never moves it (offset 0: Redis' idle times
+    alone); tests `advance` it instead of sleeping a lease out."""
+
+    def __init__(self) -> None:
+        self.ahead_ms = 0
+
+    def advance(self, seconds: float) -> None:
+        """Move the store's time forward by `seconds` (leases run out as if they had passed)."""
+        self.ahead_ms += round(1000 * seconds)
+
+
 class TrajectoryStoreCore:
     """Append, pull, ack, policy version and stats over one Redis (see module docstring)."""
 
     def __init__(self, client: redis.Redis, config: StoreConfig,
-                 registry: CollectorRegistry | None = None) -> None:
+                 registry: CollectorRegistry | None = None,
+                 clock: LeaseClock | None = None) -> None:
         self.r: Any = client  # redis-py's annotations mix sync and async replies
         self.cfg = config
+        self.clock = clock or LeaseClock()
         self.keys = Keys(config.key_prefix)
         self.metrics = create_metrics(registry or CollectorRegistry(), "store")
         self.version_changed = threading.Condition()
         self._scripts = {name: client.register_script(getattr(lua, name)) for name in
-                         ("RELEASE", "TIMEOUT", "SET_MAX", "START_RUN")}
+                         ("RELEASE", "TIMEOUT", "SET_MAX", "MARK_DELIVERED", "START_RUN")}
         self.appender = Appender(client, config, self.keys, self._metric)
         self.ensure_stream()
 
@@ -165,18 +183,22 @@ class TrajectoryStoreCore:
         out: list[Delivery] = []
         while len(out) < max_groups:
             entries = self._claim_expired(who, max_groups - len(out))
-            entries += self._read_new(who.consumer, max_groups - len(out) - len(entries),
-                                      None if entries else block)
+            if self._unacked_full(bool(out or entries)):
+                new_count = 0  # what was delivered must be acked before more is
+            else:
+                new_count = max_groups - len(out) - len(entries)
+            entries += self._read_new(who.consumer, new_count, None if entries else block)
             if not entries:
                 break
             block = None  # only the first read waits
-            self._set_leases(entries, lease_ms, who.session)
+            self._set_leases(entries, lease_ms + self.clock.ahead_ms, who.session)
             out += [d for d in (self._deliver(e) for e in entries) if d is not None]
         return out
 
     def _claim_expired(self, who: _Puller, count: int) -> list[_Entry]:
+        ahead = self.clock.ahead_ms  # leases are >= 1 s: entries idle less are never due
         pending = self.r.xpending_range(self.keys.ready, CONSUMER_GROUP, "-", "+",
-                                        max(100, 4 * count), idle=1000)
+                                        max(100, 4 * count), idle=max(0, 1000 - ahead))
         if not pending:
             return []
         leases = self.r.hmget(self.keys.leases, [p["message_id"] for p in pending])
@@ -185,16 +207,17 @@ class TrajectoryStoreCore:
         limit = self.cfg.max_redeliveries
         for p, lease in zip(pending, leases, strict=True):
             lease_ms, holder = _parse_lease(lease, 1000 * self.cfg.lease_seconds)
-            if len(claimed) >= count or p["time_since_delivered"] < lease_ms:
+            if len(claimed) >= count or p["time_since_delivered"] + ahead < lease_ms:
                 continue
+            min_idle = max(0, lease_ms - ahead)  # in Redis' idle time
             eid, times = _s(p["message_id"]), int(p["times_delivered"])
             renew = bool(who.session) and holder == who.session
             if not renew and limit is not None and times > limit:
-                self._dead_letter(who.consumer, eid, times, _s(p["consumer"]), lease_ms)
+                self._dead_letter(who.consumer, eid, times, _s(p["consumer"]), min_idle)
                 continue
             # XCLAIM re-checks the idle time, so two pullers never both win one entry; without
             # JUSTID it also counts the delivery (a renewal by the same session does not).
-            got = self.r.xclaim(self.keys.ready, CONSUMER_GROUP, who.consumer, lease_ms, [eid],
+            got = self.r.xclaim(self.keys.ready, CONSUMER_GROUP, who.consumer, min_idle, [eid],
                                 justid=renew)
             if got and (renew or (got[0] and got[0][0])):
                 claimed.append(_Entry(eid, times if renew else times + 1, renew))
@@ -205,10 +228,10 @@ class TrajectoryStoreCore:
         return claimed
 
     def _dead_letter(self, consumer: str, eid: str, times: int, holder: str,
-                     lease_ms: int) -> None:
+                     min_idle_ms: int) -> None:
         """Set aside a group delivered `times` times without an ack: its record is kept,
         it is released as dropped `dead_letter` and never delivered again."""
-        if not self.r.xclaim(self.keys.ready, CONSUMER_GROUP, consumer, lease_ms, [eid],
+        if not self.r.xclaim(self.keys.ready, CONSUMER_GROUP, consumer, min_idle_ms, [eid],
                              justid=True):
             return  # another puller took it first
         found = self.r.xrange(self.keys.ready, eid, eid)
@@ -224,6 +247,25 @@ class TrajectoryStoreCore:
             self._metric("r3flow_store_dropped_total", DEAD_LETTER).inc(n)
             log.error("group %s dead-lettered: %s (%d trajectories; record in %s)", gid,
                       rec.reason, n, self.keys.dead_letters)
+
+    def _unacked_full(self, delivering: bool) -> bool:
+        """Whether delivered, not yet acked tokens reached max_unacked_tokens. Groups whose
+        lease expired are still delivered (claimed again, never gated); new groups wait. A pull
+        that would get nothing at all is refused (reason `unacked`): the trainer then
+        checkpoints early, which acks what it holds (docs/store.md "Admission and acks")."""
+        limit = self.cfg.max_unacked_tokens
+        if limit is None:
+            return False
+        held = int(self.r.hget(self.keys.stats, "delivered_tokens") or 0)
+        if held < limit:
+            return False
+        if not delivering:
+            self._metric("r3flow_store_rejections_total", "unacked").inc()
+            raise CapacityError(
+                f"pull: store over max_unacked_tokens={limit} (delivered, not yet acked: "
+                f"{held} tokens); ack (checkpoint) before pulling more", reason="unacked",
+                retry_after_ms=self.cfg.backpressure_retry_ms)
+        return True
 
     def _read_new(self, consumer: str, count: int, block_ms: int | None) -> list[_Entry]:
         if count <= 0:
@@ -253,6 +295,7 @@ class TrajectoryStoreCore:
             self._metric("r3flow_store_dropped_total", reason).inc(n)
             log.info("dropped group %s (%s, %d trajectories)", gid, reason, n)
             return None
+        self._scripts["MARK_DELIVERED"](keys=[self.keys.stats], args=[self.keys.prefix, gid])
         return d
 
     def _drop_reason(self, d: Delivery | None, renewed: bool = False) -> str:
@@ -267,9 +310,8 @@ class TrajectoryStoreCore:
         fence = self.run_fence()
         if fence is not None and not fence.admits(d):
             return OTHER_RUN
-        lag = self.cfg.max_policy_lag
-        if lag is not None and not renewed and \
-                self.policy_version() - d.min_policy_version > lag:
+        if not renewed and too_stale(self.policy_version(), d.min_policy_version,
+                                     self.cfg.max_policy_lag):
             return "stale"
         return ""
 
@@ -376,7 +418,10 @@ class TrajectoryStoreCore:
         snap = StatsSnapshot(counters, max(0, int(length) - n_pending), n_pending, int(pv or 0),
                              int(n_open or 0),
                              None if run[0] is None else RunFence(_s(run[0]), int(run[1] or 0)))
-        self._metric("r3flow_store_backlog_tokens").set(counters.get("backlog_tokens", 0))
+        delivered = counters.get("delivered_tokens", 0)
+        self._metric("r3flow_store_backlog_tokens").set(
+            counters.get("backlog_tokens", 0) - delivered)
+        self._metric("r3flow_store_unacked_tokens").set(delivered)
         self._metric("r3flow_store_groups_ready").set(snap.groups_ready)
         self._metric("r3flow_store_policy_version").set(snap.policy_version)
         return snap

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 
 class CapacityError(Exception):
     """A limit that clears with time (backlog, in-flight trajectories): RESOURCE_EXHAUSTED."""
@@ -10,6 +13,12 @@ class CapacityError(Exception):
         super().__init__(message)
         self.reason = reason
         self.retry_after_ms = retry_after_ms
+
+
+class UnackedFull(RuntimeError):
+    """A pull the store refused because trainers hold max_unacked_tokens of delivered, not yet
+    acked groups (StoreClient.pull raises it at once, unretried): the puller acks what it
+    trained (a trainer: an early checkpoint) and pulls again."""
 
 
 class SizeLimitError(Exception):
@@ -39,3 +48,21 @@ def redis_full(what: str, memory: dict, retry_after_ms: int) -> CapacityError:
         f"maxmemory-policy {policy}); nothing was stored. Trainers acking groups free memory; "
         f"otherwise lower store max_backlog_tokens or raise Redis maxmemory (chart: "
         f"redis.maxmemory); retry later", reason="redis_full", retry_after_ms=retry_after_ms)
+
+
+class RateLimit:
+    """Whether a message about `key` is due: the first time, then at most every `every_s`
+    (a refusal that repeats is logged once a minute, not once a retry)."""
+
+    def __init__(self, every_s: float) -> None:
+        self.every_s = every_s
+        self._last: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def due(self, key: str) -> bool:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last.get(key, -self.every_s) < self.every_s:
+                return False
+            self._last[key] = now
+            return True

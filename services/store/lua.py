@@ -27,7 +27,10 @@ local function delete_group(prefix, gid, ttl, stats)
   for _, tid in ipairs(redis.call('SMEMBERS', gm)) do
     tokens = tokens + delete_traj(prefix, tid, ttl, stats)
   end
-  redis.call('DEL', prefix .. 'g:' .. gid, gm)
+  local g = prefix .. 'g:' .. gid
+  local delivered = redis.call('HGET', g, 'dlv')
+  if delivered then redis.call('HINCRBY', stats, 'delivered_tokens', -tonumber(delivered)) end
+  redis.call('DEL', g, gm)
   redis.call('ZREM', prefix .. 'open', gid)
   redis.call('SET', prefix .. 'gd:' .. gid, 1, 'EX', ttl)
   redis.call('HINCRBY', stats, 'backlog_tokens', -tokens)
@@ -54,7 +57,10 @@ if redis.call('EXISTS', KEYS[5]) == 1 then return 'group_done' end
 local size = redis.call('HGET', KEYS[3], 'size')
 if size and tonumber(size) ~= tonumber(ARGV[3]) then return 'group_size' end
 if redis.call('SCARD', KEYS[4]) >= tonumber(ARGV[3]) then return 'group_full' end
-if tonumber(redis.call('HGET', KEYS[6], 'backlog_tokens') or '0') > tonumber(ARGV[5]) then
+-- Admission counts undelivered tokens only (begun + ready, not yet delivered): what a trainer
+-- holds until its checkpoint acks it is bounded by max_unacked_tokens at pull instead.
+local held = redis.call('HMGET', KEYS[6], 'backlog_tokens', 'delivered_tokens')
+if tonumber(held[1] or '0') - tonumber(held[2] or '0') > tonumber(ARGV[5]) then
   return 'backlog'
 end
 if tonumber(redis.call('HGET', KEYS[6], 'inflight') or '0') >= tonumber(ARGV[6]) then
@@ -72,6 +78,7 @@ if not size then
   redis.call('ZADD', KEYS[7], ARGV[7], ARGV[8])
 end
 redis.call('SADD', KEYS[4], ARGV[1])
+redis.call('HINCRBY', KEYS[3], 'tokens', ARGV[4])
 redis.call('HINCRBY', KEYS[6], 'backlog_tokens', ARGV[4])
 redis.call('HINCRBY', KEYS[6], 'inflight', 1)
 redis.call('HINCRBY', KEYS[6], 'trajectories_appended', 1)
@@ -118,6 +125,7 @@ local gmin = redis.call('HGET', KEYS[3], 'minpv')
 if (not gmin) or tonumber(ARGV[6]) < tonumber(gmin) then
   redis.call('HSET', KEYS[3], 'minpv', ARGV[6])
 end
+redis.call('HINCRBY', KEYS[3], 'tokens', ARGV[4])
 redis.call('HINCRBY', KEYS[4], 'backlog_tokens', ARGV[4])
 return {'ok', new_prompt}
 """
@@ -184,6 +192,7 @@ if ARGV[5] == 'release_partial' and complete > 0 then
     end
   end
   redis.call('HSET', g, 'size', complete)
+  redis.call('HINCRBY', g, 'tokens', -tokens)
   redis.call('HINCRBY', KEYS[2], 'backlog_tokens', -tokens)
   redis.call('HINCRBY', KEYS[2], 'dropped:group_timeout', dropped)
   redis.call('ZREM', KEYS[1], gid)
@@ -194,6 +203,22 @@ end
 delete_group(prefix, gid, ttl, KEYS[2])
 redis.call('HINCRBY', KEYS[2], 'dropped:group_timeout', #members)
 return {#members, 0}
+"""
+
+# Count groups as delivered (not yet acked): each group's tokens move from the undelivered
+# backlog to `delivered_tokens` once (a redelivery or a renewal adds nothing); RELEASE and
+# TIMEOUT take them back out when the group goes. Returns the delivered tokens after the call.
+# KEYS: stats; ARGV: prefix, group ids
+MARK_DELIVERED = """
+for i = 2, #ARGV do
+  local g = ARGV[1] .. 'g:' .. ARGV[i]
+  if redis.call('EXISTS', g) == 1 and not redis.call('HGET', g, 'dlv') then
+    local tokens = redis.call('HGET', g, 'tokens') or '0'
+    redis.call('HSET', g, 'dlv', tokens)
+    redis.call('HINCRBY', KEYS[1], 'delivered_tokens', tokens)
+  end
+end
+return tonumber(redis.call('HGET', KEYS[1], 'delivered_tokens') or '0')
 """
 
 # Monotonic max: KEYS: key; ARGV: candidate. Returns the stored value after the call.

@@ -33,7 +33,7 @@ from services.store.config import StoreConfig
 from services.store.control import ControlPlane
 from services.store.core import StatsSnapshot, TrajectoryStoreCore
 from services.store.errors import CapacityError, SizeLimitError, StreamCutShort, is_redis_oom
-from services.store.wire_metadata import APPEND_MESSAGES_KEY, RETRY_AFTER_KEY
+from services.store.wire_metadata import APPEND_MESSAGES_KEY, REFUSAL_REASON_KEY, RETRY_AFTER_KEY
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,8 @@ def _abort(context: grpc.ServicerContext, exc: Exception) -> None:
     if isinstance(exc, SizeLimitError):
         context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
     if isinstance(exc, CapacityError):
-        context.set_trailing_metadata(((RETRY_AFTER_KEY, str(exc.retry_after_ms)),))
+        context.set_trailing_metadata(((RETRY_AFTER_KEY, str(exc.retry_after_ms)),
+                                       (REFUSAL_REASON_KEY, exc.reason)))
         context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
     if isinstance(exc, StreamCutShort):
         context.abort(grpc.StatusCode.CANCELLED, str(exc))

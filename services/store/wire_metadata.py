@@ -6,6 +6,9 @@ from __future__ import annotations
 # Trailing metadata of a RESOURCE_EXHAUSTED answer that is backpressure: wait this many ms and
 # send again. A size refusal carries none (sending again cannot help).
 RETRY_AFTER_KEY = "retry-after-ms"
+# Beside it: which limit refused (CapacityError.reason: backlog, inflight, groups_ahead,
+# redis_full, unacked).
+REFUSAL_REASON_KEY = "r3flow-refusal-reason"
 
 # Invocation metadata of an Append stream: how many messages the client is sending. The store
 # commits a stream only when that many arrived: a message over gRPC's receive cap ends the

@@ -47,9 +47,9 @@ def score(family: str, model: Path, npz: Path, backend: str = "auto", smoke: boo
     from services.common import families
     from tests.support.vllm_sampling import load_rollouts, prefix_rollouts
     from trainer.backend import make_trainer
-    from trainer.batch import Sample
     from trainer.config import TrainerConfig
     from trainer.megatron.families import supported
+    from trainer.samples.batch import Sample
 
     if backend == "auto":
         backend = "megatron" if family in supported() else "hf"

@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO))
 
 def _samples(tr, n: int, prompt_len: int, resp_len: int, seed: int) -> list:
     """n samples with the policy's own routing as the rollout routing (one no-grad pass)."""
-    from trainer.batch import Sample
+    from trainer.samples.batch import Sample
 
     rng = np.random.default_rng(seed)
     out = []

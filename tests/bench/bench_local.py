@@ -106,25 +106,54 @@ def cpu_by_role(root: int) -> dict[str, float]:
 
 
 class CpuSampler(threading.Thread):
-    """(wall time, cpu_by_role) every second while the run lives."""
+    """CPU seconds by role when each GRPO step is reported: the run's train log is polled every
+    POLL_S and the processes are read as soon as a step's record appears, while they still
+    live. (A 1 s sampler paired with the records' times afterwards had no sample inside a
+    2-step smoke's window, or none after the last step before the run exited: the figures were
+    None, issue 59.)"""
 
-    def __init__(self, root: int) -> None:
+    def __init__(self, root: int, runs: Path) -> None:
         super().__init__(daemon=True)
-        self.root, self.samples, self.done = root, [], threading.Event()
+        self.root, self.runs, self.done = root, runs, threading.Event()
+        self.at_step: dict[int, tuple[float, dict[str, float]]] = {}  # step -> (time, cpu)
 
     def run(self) -> None:
-        while not self.done.wait(1.0):
-            self.samples.append((time.time(), cpu_by_role(self.root)))
+        seen = 0
+        while not self.done.wait(POLL_S):
+            steps = _logged_steps(self.runs)
+            if len(steps) > seen:
+                sample = (time.time(), cpu_by_role(self.root))
+                for step in steps[seen:]:
+                    self.at_step[step] = sample
+                seen = len(steps)
 
-    def between(self, t0: float, t1: float) -> dict[str, float]:
-        """CPU cores used by role between the samples nearest t0 and t1."""
-        if not self.samples:
-            return {}
-        a = min(self.samples, key=lambda s: abs(s[0] - t0))
-        b = min(self.samples, key=lambda s: abs(s[0] - t1))
-        if b[0] <= a[0]:
-            return {}
-        return {k: (b[1].get(k, 0.0) - a[1].get(k, 0.0)) / (b[0] - a[0]) for k in b[1]}
+    def between(self, first: int, last: int) -> dict[str, float]:
+        """CPU cores used by role from step `first`'s record to step `last`'s."""
+        if first not in self.at_step or last not in self.at_step:
+            raise RuntimeError(f"no CPU sample at step {first} or {last} (sampled at "
+                               f"{sorted(self.at_step)}): the run ended before it was read")
+        (t0, a), (t1, b) = self.at_step[first], self.at_step[last]
+        if t1 <= t0:
+            raise RuntimeError(f"steps {first} and {last} were read in one poll ({POLL_S} s)")
+        return {k: (b[k] - a.get(k, 0.0)) / (t1 - t0) for k in b}
+
+
+POLL_S = 0.1  # how often CpuSampler looks for a new step record
+
+
+def _grpo_rows(run_dir: Path) -> list[dict]:
+    log = run_dir / "trainer" / "train_log.jsonl"
+    rows = [json.loads(x) for x in log.read_text().splitlines() if x.strip()] \
+        if log.exists() else []
+    return [r for r in rows if "step" in r and r.get("kind", "grpo") == "grpo"]
+
+
+def _logged_steps(runs: Path) -> list[int]:
+    """The GRPO steps the run under `runs` logged so far (a line being written is skipped)."""
+    try:
+        return [r["step"] for d in runs.glob("local-*") for r in _grpo_rows(d)]
+    except json.JSONDecodeError:
+        return []
 
 
 def run_once(tree: Path, steps: int, config: dict | None, label: str, keep: bool) -> dict:
@@ -138,7 +167,7 @@ def run_once(tree: Path, steps: int, config: dict | None, label: str, keep: bool
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=tree, env=os.environ | {"PYTHONPATH": pythonpath(tree)},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    sampler = CpuSampler(proc.pid)
+    sampler = CpuSampler(proc.pid, runs)
     sampler.start()
     output, _ = proc.communicate()
     wall = time.monotonic() - t0
@@ -146,14 +175,12 @@ def run_once(tree: Path, steps: int, config: dict | None, label: str, keep: bool
     if proc.returncode != 0:
         raise RuntimeError(f"{label}: r3flow local exited {proc.returncode}:\n{output[-3000:]}")
     (run_dir,) = runs.glob("local-*")
-    rows = [json.loads(x) for x in (run_dir / "trainer" / "train_log.jsonl").read_text()
-            .splitlines() if x.strip()]
-    rows = [r for r in rows if "step" in r and r.get("kind", "grpo") == "grpo"]
+    rows = _grpo_rows(run_dir)
     if not keep:
         shutil.rmtree(runs, ignore_errors=True)  # a checkpoint a step: ~15 MB each
     t_first, t_last = rows[0]["time"], rows[-1]["time"]
     window = t_last - t_first
-    cores = sampler.between(t_first, t_last)
+    cores = sampler.between(rows[0]["step"], rows[-1]["step"])
     passes = {k: round(statistics.mean(r.get(k, 0.0) for r in rows[1:]), 3)
               for k in ("old_pass_seconds", "ref_pass_seconds", "compare_off_seconds",
                         "update_seconds", "batch_wait_seconds", "weight_push_seconds",
@@ -182,8 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     config = None
     if args.smoke:
         args.steps, args.rounds, args.no_baseline = 2, 1, True
-        config = {"model": {}, "warm_start_steps": 1, "metrics_linger_s": 0, "prometheus": False,
-                  "grpo": {"groups_per_step": 4}}
+        config = {"model": {}, "warm_start_steps": 1, "prometheus": False,
+                  "trainer": {"data": {"groups_per_step": 4}, "run": {"metrics_linger_s": 0}}}
     base = None if args.no_baseline else baseline_tree(args.baseline_rev)
     head = REPO if args.smoke else head_tree()
     runs: list[dict] = []

@@ -63,7 +63,7 @@ def _flops_per_token(cfg: dict, seq: int, lm_head: bool = True) -> float:
 
 
 def _samples(n: int, seq: int, moe_layers: int, top_k: int, experts: int, seed: int) -> list:
-    from trainer.batch import Sample
+    from trainer.samples.batch import Sample
 
     rng = np.random.default_rng(seed)
     out, prompt = [], seq // 4
@@ -316,7 +316,7 @@ def main() -> None:
     p.add_argument("--chunked-logprobs", action="store_true", help="loss.chunked_logprobs")
     p.add_argument("--logprob-kernel", choices=("auto", "torch", "triton"), default="auto",
                    help="loss.logprob_kernel (with --chunked-logprobs: torch = the chunked torch "
-                   "loop, triton = trainer.logprobs_triton; auto = triton on CUDA)")
+                   "loop, triton = trainer.losses.logprobs_triton; auto = triton on CUDA)")
     p.add_argument("--check-agreement", action=argparse.BooleanOptionalAction, default=False,
                    help="replay.check_agreement (the routing agreement check of r3/r2 passes)")
     p.add_argument("--profile", action="store_true", help="profile one off and one r3 step")

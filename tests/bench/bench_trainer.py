@@ -46,7 +46,7 @@ BENCH_MODEL = dict(REAL_LIKE_MOE)
 
 
 def _samples(rollouts, layer_map, rng):
-    from trainer.batch import Sample
+    from trainer.samples.batch import Sample
 
     return [Sample(t, PROMPT_LEN, lp, np.ones(lp.size, bool), float(rng.random()), f"g{i // 2}",
                    routing_TLK=layer_map.select(r)) for i, (t, lp, r) in enumerate(rollouts)]

@@ -48,8 +48,8 @@ def _samples(model_dir: Path, n: int = 8, prompt_len: int = 6) -> list:
     """n samples (groups of 2) whose routing and logprobs are the model's own (fp32)."""
     from transformers import AutoModelForCausalLM
 
-    from trainer.alignment import LayerMap
-    from trainer.batch import Sample
+    from trainer.samples.alignment import LayerMap
+    from trainer.samples.batch import Sample
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     layers = tuple(i for i, layer in enumerate(hf.model.layers) if hasattr(layer.mlp, "gate"))

@@ -91,17 +91,19 @@ def test_store_registers_the_model_the_release_serves(rendered, values, tmp_path
     # wrong model would fill the backlog with routing the trainer then refuses.
     from conftest import CHART, VALUES_FILES
 
+    from trainer.plan.memory import Arch
     from trainer.plan.models import load_model_config
 
     plan_model = yaml.safe_load((CHART / "values.yaml").read_text())["plan"]["model"]
     if VALUES_FILES[values]:
         override = yaml.safe_load(VALUES_FILES[values].read_text()) or {}
         plan_model = override.get("plan", {}).get("model", plan_model)
-    arch = load_model_config(plan_model)  # the architecture this release is planned for
+    # the architecture this release is planned for, as its family reads config.json
+    arch = Arch.from_hf_config(load_model_config(plan_model))
     (store,) = [check_loads(n, k, t, tmp_path) for n, k, t in config_files(rendered[values])
                 if k == "store.yaml"]
     layouts = {(m.num_experts, m.top_k) for m in store.models}  # type: ignore[attr-defined]
-    assert (arch["num_experts"], arch["num_experts_per_tok"]) in layouts
+    assert (arch.experts, arch.top_k) in layouts
 
 
 def test_store_models_value_is_the_only_source(helm, tmp_path):
@@ -111,3 +113,23 @@ def test_store_models_value_is_the_only_source(helm, tmp_path):
     bad.write_text("store:\n  config:\n    models: []\n")
     out = run_helm(helm, "template", "x", str(CHART), "-f", str(bad))
     assert out.returncode != 0 and "set the registered models in store.models" in out.stderr
+
+
+def test_user_code_configmap_is_mounted_on_the_pythonpath(helm, tmp_path):
+    """rollout.userCode.configMap: the rollout pods mount it read-only and import from it."""
+    from conftest import CHART, run_helm
+
+    values = tmp_path / "user-code.yaml"
+    values.write_text("rollout:\n  userCode:\n    configMap: my-rewards\n")
+    out = run_helm(helm, "template", "x", str(CHART), "-f", str(values))
+    assert out.returncode == 0, out.stderr
+    (sts,) = [d for d in yaml.safe_load_all(out.stdout) if d and d["kind"] == "StatefulSet"
+              and d["metadata"]["name"].endswith("rollout")]
+    pod = sts["spec"]["template"]["spec"]
+    (volume,) = [v for v in pod["volumes"] if v.get("configMap", {}).get("name") == "my-rewards"]
+    container = pod["containers"][0]
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == volume["name"]]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert mount["readOnly"] and env["PYTHONPATH"] == mount["mountPath"] == "/opt/r3flow-user"
+    default = run_helm(helm, "template", "x", str(CHART))
+    assert "PYTHONPATH" not in default.stdout and "user-code" not in default.stdout

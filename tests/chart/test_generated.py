@@ -57,7 +57,11 @@ def test_alerts_cover_the_issue_list():
     names = {a.name for a in gen.ALERTS}
     assert names == {"R3flowPpoKlSpike", "R3flowKlRefSpike", "R3flowRoutingAgreementLow",
                      "R3flowStoreBacklogGrowing", "R3flowRolloutStalePolicy",
-                     "R3flowTrainerGroupsQuarantined"}
+                     "R3flowTrainerGroupsQuarantined", "R3flowTrainerStalled"}
+    # a stall is judged against the run's own step time (with a floor), never before a step
+    assert "5 * max by (namespace, release) (max_over_time(r3flow_trainer_step_interval_seconds" \
+        in gen.TRAINER_STALLED and "r3flow_trainer_last_step_timestamp_seconds) > 0" \
+        in gen.TRAINER_STALLED
     # ppo_kl is judged against its own recent median, not a fixed number, over the samples
     # taken after the trainer's first step (the gauge's start-up zeros are left out).
     assert "quantile_over_time(0.5, (r3flow_trainer_ppo_kl and r3flow_trainer_steps_total > 0)" \

@@ -43,3 +43,17 @@ def test_operations_doc_has_the_versions_table():
                                                         r"\| (\S+) \|", doc, re.M)}
     assert rows == {"vLLM": v["VLLM"], "torch": v["TORCH"], "NCCL": v["NCCL"],
                     "megatron-core": v["MEGATRON_CORE"]}
+
+
+def test_image_requirement_pins_equal_the_cpu_lock():
+    """What the images install is what CI tests: a package pinned in docker/requirements-*.txt
+    (the rollout image's math-verify, the store's grpcio, ...) has cpu.lock's version."""
+    def pins(text: str) -> dict[str, str]:
+        return {m.group(1).lower().replace("_", "-"): m.group(2)
+                for m in re.finditer(r"^([A-Za-z0-9_.\-]+)==(\S+)\s*$", text, re.M)}
+
+    lock = pins((ROOT / "requirements" / "cpu.lock").read_text())
+    for path in sorted((ROOT / "docker").glob("requirements-*.txt")):
+        for name, version in pins(path.read_text()).items():
+            assert lock.get(name) == version, f"{path.name}: {name}=={version}, cpu.lock " \
+                f"{lock.get(name)}"

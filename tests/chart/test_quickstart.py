@@ -2,7 +2,7 @@
 of the release mounts or reads (volumes, env, envFrom, imagePullSecrets, a RayJob's authOptions)
 is either made by the chart or listed in NOTES.txt with the command that makes it; so is every
 one a named run (k8s/*.yaml) mounts, against the release the specs assume (`r3flow`,
-production values). README.md's quickstart lists the named run's too. A name nobody makes
+production values). docs/operations.md's quickstart lists the named run's too. A name nobody makes
 leaves its pods in ContainerCreating."""
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def test_every_mount_of_a_named_run_is_made_or_listed(helm, tmp_path, k8s_specs)
     docs = render(helm, path)
     notes = render(helm, path, notes=True, tmp_path=tmp_path)
     have = made(docs) | listed(notes)
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "operations.md").read_text()
     for name, spec in k8s_specs.items():
         if name.startswith("tiny-"):
             continue  # tiny-*: CPU smoke runs of tests/cluster, their own release
@@ -124,7 +124,8 @@ def test_every_mount_of_a_named_run_is_made_or_listed(helm, tmp_path, k8s_specs)
         assert not missing, f"{name}: mounts {sorted(missing)}, neither made by the release " \
                             f"nor listed in its NOTES.txt"
         for kind, ref in references(spec) - made(spec) - made(docs):
-            assert ref in readme, f"README.md's quickstart does not make {kind} {ref} ({name})"
+            assert ref in readme, f"docs/operations.md's quickstart does not make {kind} {ref} " \
+                                  f"({name})"
 
 
 def test_the_check_catches_an_unlisted_mount(helm, tmp_path):

@@ -20,6 +20,10 @@ REFUSED = {
     "ReadWriteOnce model PVC for several pods": (
         DOWNLOAD + "    datasetUri: s3://b/datasets\nrollout:\n  replicas: 2\n",
         "model.download.accessMode=ReadWriteOnce"),
+    # Redis holds the undelivered backlog and a checkpoint interval of delivered groups
+    "Redis too small for backlog + unacked": (
+        "store:\n  config:\n    max_unacked_tokens: 80000000\n",
+        "max_backlog_tokens (50000000) + max_unacked_tokens (80000000)"),
 }
 
 

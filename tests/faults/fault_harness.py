@@ -19,7 +19,7 @@ from pathlib import Path
 
 from services.common.tiny_moe import TinyMoeConfig
 from services.local.accounting import Accounting
-from services.local.config import GrpoConfig, LocalConfig, rollout_concurrency
+from services.local.config import LocalConfig, resolved, rollout_concurrency
 from services.local.procs import wait_for
 from services.local.run import LocalRun
 from services.store.client import StoreClient
@@ -32,12 +32,14 @@ FREEZE_S = 30.0  # the store unreachable (SIGSTOP) for this long
 
 def fault_config(runs_dir: Path, num_prompts: int) -> LocalConfig:
     """A small local run: one worker, groups of 4, 2 groups per step, short leases."""
-    grpo = GrpoConfig(steps=100_000, group_size=4, groups_per_step=2, max_tokens=6,
-                      lease_seconds=20, compare_off=False, max_policy_lag=2,
-                      weight_push_timeout_s=20)
-    return LocalConfig(runs_dir=str(runs_dir), workers=1, num_prompts=num_prompts,
-                       warm_start_steps=5, grpo=grpo, trainer_launcher="local",
-                       timeout_s=1200, model=TinyMoeConfig())
+    return LocalConfig(runs_dir=str(runs_dir), workers=1, warm_start_steps=5, timeout_s=1200,
+                       model=TinyMoeConfig(), store={"max_policy_lag": 2},
+                       rollout={"sampling": {"n": 4, "max_tokens": 6},
+                                "num_prompts": num_prompts},
+                       trainer={"run": {"steps": 100_000, "launcher": "local"},
+                                "data": {"groups_per_step": 2, "lease_seconds": 20},
+                                "replay": {"compare_off": False},
+                                "weight_sync": {"timeout_s": 20}})
 
 
 @dataclass
@@ -158,12 +160,12 @@ class FaultRun:
     def finish(self, timeout_s: float = 900) -> dict:
         """Wait for the workers to roll out all their prompts, let the trainer take what makes
         a full batch, stop it, wait out the leases of a partial batch, account."""
-        run, g = self.run, self.cfg.grpo
+        run, tc = self.run, resolved(self.cfg, "trainer")
         workers = [c for c in run.sup.children if c.name.startswith("rollout")]
         wait_for(lambda: not any(c.alive() for c in workers), timeout_s, "workers to finish",
                  interval_s=1.0, supervisor=run.sup)
         with StoreClient(run.store_addr, timeout_s=10, max_retries=5) as client:
-            wait_for(lambda: client.stats().groups_ready < g.groups_per_step, 300,
+            wait_for(lambda: client.stats().groups_ready < tc.data.groups_per_step, 300,
                      "trainer to take every full batch", interval_s=1.0, supervisor=run.sup)
             time.sleep(3)  # a step in progress ends with its checkpoint and ack
             run.sup.stop(run.child("trainer"), timeout_s=120)
@@ -173,8 +175,8 @@ class FaultRun:
         # none (delivered groups are all acked): nothing to wait for.
         log.info("the stopped trainer held %d leased group(s)", held)
         if held:
-            time.sleep(g.lease_seconds + 2)
-        acct = Accounting.collect(run.store_addr, run.worker_summaries(), g.group_size,
+            time.sleep(tc.data.lease_seconds + 2)
+        acct = Accounting.collect(run.store_addr, run.worker_summaries(), run.rollout_cfg.sampling.n,
                                   self.cfg.workers * rollout_concurrency(self.cfg))
         return self.report(acct)
 

@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from services.common.tiny_moe import TinyMoeConfig
-from services.local.config import GrpoConfig, LocalConfig
+from services.local.config import LocalConfig
 from services.local.procs import wait_for
 
 pytestmark = [pytest.mark.faults]
@@ -28,11 +28,13 @@ MAX_LOG_BYTES = 1 << 20
 
 
 def _config(runs: Path) -> Path:
-    grpo = GrpoConfig(steps=100_000, group_size=4, groups_per_step=2, max_tokens=6,
-                      lease_seconds=20, compare_off=False, max_policy_lag=2,
-                      weight_push_timeout_s=10)
-    cfg = LocalConfig(runs_dir=str(runs), workers=1, warm_start_steps=0, grpo=grpo,
-                      trainer_launcher="local", timeout_s=900, model=TinyMoeConfig())
+    cfg = LocalConfig(runs_dir=str(runs), workers=1, warm_start_steps=0, timeout_s=900,
+                      model=TinyMoeConfig(), store={"max_policy_lag": 2},
+                      rollout={"sampling": {"n": 4, "max_tokens": 6}},
+                      trainer={"run": {"steps": 100_000, "launcher": "local"},
+                               "data": {"groups_per_step": 2, "lease_seconds": 20},
+                               "replay": {"compare_off": False},
+                               "weight_sync": {"timeout_s": 10}})
     path = runs / "local.json"
     path.write_text(cfg.model_dump_json())
     return path

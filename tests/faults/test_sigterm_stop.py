@@ -25,7 +25,7 @@ import pytest
 import yaml
 
 from services.common.tiny_moe import TinyMoeConfig
-from services.local.config import GrpoConfig, LocalConfig
+from services.local.config import LocalConfig
 from services.local.procs import wait_for
 from services.local.run import LocalRun
 from services.store.client import StoreClient
@@ -91,10 +91,11 @@ def sigterm_and_time(kind: str, proc: subprocess.Popen, pgid: int | None,
 
 def test_every_process_kind_stops_on_sigterm_within_its_bound():
     runs = Path(tempfile.mkdtemp(prefix="r3flow-stop-"))
-    grpo = GrpoConfig(steps=100_000, group_size=4, groups_per_step=2, max_tokens=6,
-                      compare_off=False)
-    run = LocalRun(LocalConfig(runs_dir=str(runs), warm_start_steps=0, grpo=grpo,
-                               model=TinyMoeConfig()))
+    run = LocalRun(LocalConfig(runs_dir=str(runs), warm_start_steps=0, model=TinyMoeConfig(),
+                               rollout={"sampling": {"n": 4, "max_tokens": 6}},
+                               trainer={"run": {"steps": 100_000},
+                                        "data": {"groups_per_step": 2},
+                                        "replay": {"compare_off": False}}))
     timings: dict[str, float] = {}
     try:
         model_dir = run.prepare()

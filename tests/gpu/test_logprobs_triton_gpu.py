@@ -1,5 +1,5 @@
-"""Issue 44: the Triton log-softmax (trainer.logprobs_triton, loss.logprob_kernel: triton)
-against the chunked torch path it replaces (trainer.logprobs, itself tested against
+"""Issue 44: the Triton log-softmax (trainer.losses.logprobs_triton, loss.logprob_kernel: triton)
+against the chunked torch path it replaces (trainer.losses.logprobs, itself tested against
 torch.log_softmax on CPU in tests/unit/test_logprobs.py): logprobs, entropy and the logits
 gradient, fresh random inputs each case, a Qwen3-sized vocabulary (151,936: not a multiple of
 the kernel's block), bf16 and fp32 logits, with and without temperature and the entropy's
@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.logprobs import logprob_entropy, triton_runs
+from trainer.losses.logprobs import logprob_entropy, triton_runs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                                  reason="needs a CUDA GPU")]
@@ -77,7 +77,7 @@ def test_triton_matches_the_chunked_torch_path(dtype, transposed, temperature, e
 
 def test_every_gradient_element_is_written():
     """The backward kernel on a NaN-poisoned gradient buffer overwrites every element."""
-    from trainer.logprobs_triton import BLOCK, _bwd, _rows
+    from trainer.losses.logprobs_triton import BLOCK, _bwd, _rows
 
     logits, labels, _, w_lp, _ = _case(torch.bfloat16, True, False, 7)
     n, s, sb, ss = _rows(logits)

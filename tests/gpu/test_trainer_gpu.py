@@ -82,7 +82,7 @@ def test_gpu_r3_replays_rollout_routing_and_matches_hf(model_dir, hf):
     finally:
         for h in handles:
             h.remove()
-    from trainer.alignment import to_router_rows
+    from trainer.samples.alignment import to_router_rows
 
     for j, mb in enumerate(mbs):
         want = [r.sort(-1).values for r in to_router_rows(mb.routing_BSLK)]

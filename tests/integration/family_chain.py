@@ -269,7 +269,7 @@ def forced_samples(chain: Chain) -> list:
     under that same routing forced through the HF router hooks."""
     from rollout_fixtures import hf_replayed_logprobs
 
-    from trainer.batch import Sample
+    from trainer.samples.batch import Sample
 
     p = len(PROMPTS[0])
     out = []

@@ -2,7 +2,7 @@
 fixture `local_run_dir` in conftest.py), so `make test` boots the local topology for them once.
 
 The run carries an injected ppo_kl spike: a step hook (tests/support/lr_spike.py, named in the
-run config's `grpo.hooks`; trainer.hooks) runs the update of the first step SPIKE_AFTER_S seconds
+run config's `trainer.hooks`; trainer.hooks) runs the update of the first step SPIKE_AFTER_S seconds
 into the run at a multiplied learning rate, so the next step's batch, sampled by the policy
 before the jump, sits far from the trainer's policy.
 That step is the last one (the hook ends the run there, through the loop's normal end; picking
@@ -60,10 +60,11 @@ def spike_run(runs: Path, cfg_dir: Path) -> Path:
         # whole layer against the jumped router (0.482 once in 10 reruns under load), which
         # stops the run as a misaligned layer map before the alert can fire; the agreement of
         # the steps before it is still checked (test_local_run.test_step_log_and_report)
-        "grpo": {"groups_per_step": 8, "lr": 5e-4, "agreement_floor": 0.0, "hooks": [
-            {"path": "tests.support.lr_spike:TimedLrSpike",
-             "options": {"after_s": SPIKE_AFTER_S, "factor": FACTOR}}]},
-        "model": {}, "metrics_linger_s": HOLD_S, "stop_on_alert": ALERT}))
+        "trainer": {"data": {"groups_per_step": 8}, "optim": {"lr": 5e-4},
+                    "replay": {"agreement_floor": 0.0}, "run": {"metrics_linger_s": HOLD_S},
+                    "hooks": [{"path": "tests.support.lr_spike:TimedLrSpike",
+                               "options": {"after_s": SPIKE_AFTER_S, "factor": FACTOR}}]},
+        "model": {}, "stop_on_alert": ALERT}))
     cmd = [sys.executable, "-m", "services.cli", "local", "--config", str(cfg),
            "--steps", str(MAX_STEPS), "--warm-start-steps", str(WARM_START_STEPS),
            "--runs-dir", str(runs)]

@@ -35,7 +35,7 @@ def _long_samples(hf, lengths: tuple[int, ...] = (40, 33), prompt: int = 8) -> l
     routing is HF's own choice and whose rollout logprobs are HF's under it forced (fp32)."""
     from rollout_fixtures import hf_replayed_logprobs
 
-    from trainer.batch import Sample
+    from trainer.samples.batch import Sample
 
     rng = np.random.default_rng(3)
     out = []

@@ -62,8 +62,8 @@ def hf_trainer(model_dir, megatron):  # after megatron: shares its 1-rank proces
 
 
 def make_samples(plain, n=4, seed=0, routing="natural", prompt_len=6):
-    from trainer.alignment import LayerMap
-    from trainer.batch import Sample
+    from trainer.samples.alignment import LayerMap
+    from trainer.samples.batch import Sample
 
     rng = np.random.default_rng(seed)
     lm = LayerMap.build((0, 1), ENGINE_LAYERS)
@@ -150,7 +150,7 @@ def test_grpo_step_r3_with_replaying_reference(hf_trainer, plain, model_dir):
 
 
 def test_objectives_tis_gspo_take_a_step(hf_trainer, plain, model_dir):
-    """trainer.objectives' choices through the hf backend (packed micro-batches)."""
+    """trainer.losses.objectives' choices through the hf backend (packed micro-batches)."""
     reload(hf_trainer, model_dir)
     saved = hf_trainer.cfg.loss
     hf_trainer.cfg.loss = saved.model_copy(update={

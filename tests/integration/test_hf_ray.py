@@ -32,7 +32,7 @@ def _two_ranks(cfg, store):
     import ray
 
     from trainer.loop.loop import TrainLoop
-    from trainer.ray_launch import RayRanks
+    from trainer.ranks.ray_launch import RayRanks
     from trainer.weight_push import StoreWeightPush
 
     got: list = []
@@ -54,9 +54,9 @@ def _two_ranks(cfg, store):
 def test_two_ray_ranks_equal_one_rank_and_reshard_on_resume(tmp_path):
     from services.common.pb.r3flow.v1 import store_pb2
     from services.common.tiny_moe import TinyMoeConfig, build_tiny_moe
-    from trainer.local_ranks import LocalRanks
     from trainer.loop.loop import TrainLoop
-    from trainer.worker import RankWorker
+    from trainer.ranks.local_ranks import LocalRanks
+    from trainer.ranks.worker import RankWorker
 
     model = build_tiny_moe(tmp_path / "tiny", TinyMoeConfig(num_layers=3, first_k_dense=1))
     store = ListStore(_groups(2), [store_pb2.WorkerInfo(worker_id="rollout-0", world_size=1)])

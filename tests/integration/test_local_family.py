@@ -27,8 +27,9 @@ pytestmark = pytest.mark.timeout(1500)
 def local_run(tmp_path: Path, family: str) -> Path:
     """A short `r3flow local --family` run (small groups, 2 steps); its run folder."""
     small = tmp_path / "small.json"  # the tests' small MoE (TinyMoeConfig defaults)
-    small.write_text(json.dumps({"grpo": {"groups_per_step": 4, "group_size": 4, "lr": 1e-3},
-                                 "model": {}}))
+    small.write_text(json.dumps({"trainer": {"data": {"groups_per_step": 4},
+                                             "optim": {"lr": 1e-3}},
+                                 "rollout": {"sampling": {"n": 4}}, "model": {}}))
     runs = tmp_path / "runs"
     cmd = [sys.executable, "-m", "services.cli", "local", "--family", family, "--config",
            str(small), "--steps", str(STEPS), "--warm-start-steps", "2", "--runs-dir", str(runs)]

@@ -29,7 +29,9 @@ def test_every_trajectory_is_accounted_for(local_run_dir: Path):
     t = s["trajectories"]
     steps = len(step_rows(local_run_dir))
     assert s["steps"] == steps >= 3
-    g = json.loads((local_run_dir / "config.json").read_text())["grpo"]
+    tc = json.loads((local_run_dir / "configs" / "trainer.json").read_text())
+    rc = json.loads((local_run_dir / "configs" / "rollout-0.json").read_text())
+    g = {"group_size": rc["sampling"]["n"], "groups_per_step": tc["data"]["groups_per_step"]}
     # a group the agreement check quarantines is acked as dropped, not trained (the spike step
     # trains on a policy its lr jump moved: some of its groups can fall below the floor)
     quarantined = sum(r["groups_quarantined"] for r in step_rows(local_run_dir))
@@ -104,9 +106,10 @@ def test_a_run_past_its_budget_ends_in_one_line(tmp_path: Path):
     exits 124, without a traceback (issue 46). No Prometheus: nothing here reads it, and its
     report (queries, dashboard PNGs) was ~15 s of the stop on a loaded box."""
     cfg = tmp_path / "budget.json"
-    cfg.write_text(json.dumps({"model": {}, "warm_start_steps": 1, "metrics_linger_s": 0,
-                               "budget_step_s": 0.001, "budget_follows_rate": False,
-                               "prometheus": False, "grpo": {"groups_per_step": 4}}))
+    cfg.write_text(json.dumps({"model": {}, "warm_start_steps": 1, "budget_step_s": 0.001,
+                               "budget_follows_rate": False, "prometheus": False,
+                               "trainer": {"data": {"groups_per_step": 4},
+                                           "run": {"metrics_linger_s": 0}}}))
     proc = subprocess.run([sys.executable, "-m", "services.cli", "local", "--config", str(cfg),
                            "--steps", "1000", "--runs-dir", str(tmp_path / "runs")],
                           cwd=ROOT, capture_output=True, text=True, timeout=900)

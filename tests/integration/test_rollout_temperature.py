@@ -78,8 +78,8 @@ def trajectories(tmp_path_factory):
 
 def test_trainer_and_rollout_logprobs_agree_at_temperature_0_6(trajectories):
     from trainer.backend import make_trainer
-    from trainer.batch import sample_from_trajectory
     from trainer.config import TrainerConfig
+    from trainer.samples.batch import sample_from_trajectory
 
     model, trajs = trajectories
     assert all(s.sampling.temperature == pytest.approx(TEMPERATURE)

@@ -6,6 +6,8 @@ One engine and one store for the whole module.
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 from rollout_fixtures import (  # noqa: F401
@@ -108,17 +110,86 @@ def test_multi_turn_env_tokens_masked_and_rows_line_up(setup, tmp_path):
         assert np.array_equal(ids_TLK, hf_topk_TLK(base, tokens)[:-1])
 
 
+class ToolOnce:
+    """A messages environment: answers the first assistant turn with one tool message."""
+
+    def __init__(self) -> None:
+        self.seen: list[list[dict]] = []
+
+    async def step_messages(self, messages: list[dict]) -> list[dict] | None:
+        self.seen.append(messages)
+        return [{"role": "tool", "content": ENV_REPLY}] if len(self.seen) == 1 else None
+
+
+def test_messages_environment_replies_through_the_template(setup, tmp_path):
+    h, _, client = setup
+    envs: list[ToolOnce] = []
+    worker = _worker(setup, tmp_path, [{"prompt": [{"role": "user", "content": "Ask: "}],
+                                        "answer": "42", "verifier": "numeric"}],
+                     env_factory=lambda rec: envs.append(ToolOnce()) or envs[-1],
+                     sampling={"n": 2, "max_tokens": 8, "max_turns": 2, "ignore_eos": True})
+    summary = h.run(worker.run(worker_records(worker)))
+    assert summary.groups_ok == 1
+    reply = build_tokenizer().encode(ENV_REPLY)  # the tiny template renders the content only
+    for traj in pull_all(client, 1).values():
+        seg0, seg1 = traj.segments
+        assert list(seg1.token_ids[:len(reply)]) == reply
+        assert list(seg1.loss_mask) == [0] * len(reply) + [1] * 8
+    roles = [[m["role"] for m in env.seen[0]] for env in envs]
+    assert roles == [["user", "assistant"]] * 2
+
+
+def crashing_reward(response: str, answer: str) -> float:
+    raise RuntimeError("judge crashed")
+
+
+class Judges:
+    """A slow judge that scores only once a fast one scored another group: it would wait out
+    its deadline (and score the fallback) if rewards ran one at a time."""
+
+    fast_scored: asyncio.Event | None = None
+
+    @classmethod
+    async def slow(cls, response: str, answer: str) -> float:
+        await cls._event().wait()
+        return 0.5
+
+    @classmethod
+    async def fast(cls, response: str, answer: str) -> float:
+        cls._event().set()
+        return 0.25
+
+    @classmethod
+    def _event(cls) -> asyncio.Event:
+        if cls.fast_scored is None:
+            cls.fast_scored = asyncio.Event()
+        return cls.fast_scored
+
+
+slow_judge, fast_judge = Judges.slow, Judges.fast
+
+
 def test_bad_requests_fail_alone(setup, tmp_path):
+    """...and a crashing reward fails nothing: its samples score the fallback, counted; a
+    messages prompt goes through the tiny model's chat template."""
     h, _, client = setup
     rows = [{"id": "good-1", "prompt": "1+1=", "answer": "2"},
             {"id": "empty", "prompt": "", "answer": "0"},
             {"id": "too-long", "prompt_token_ids": [5] * 600, "answer": "0"},
             {"id": "bad-verifier", "prompt": "hi", "answer": "0", "verifier": "no_such"},
+            {"id": "chat", "prompt": [{"role": "user", "content": "3+3="}], "answer": "6",
+             "verifier": "math"},
+            {"id": "crash", "prompt": "5+5=", "answer": "10",
+             "verifier": f"{__name__}:crashing_reward"},
+            {"id": "slow", "prompt": "7+7=", "answer": "14", "verifier": f"{__name__}:slow_judge"},
+            {"id": "fast", "prompt": "8+8=", "answer": "16", "verifier": f"{__name__}:fast_judge"},
             {"id": "good-2", "prompt": "2+2=", "answer": "4"}]
-    worker = _worker(setup, tmp_path, rows, sampling={"n": 2, "max_tokens": 8})
+    worker = _worker(setup, tmp_path, rows, sampling={"n": 2, "max_tokens": 8},
+                     reward={"fallback": -1.0})
     errors_before = h.metric("r3flow_rollout_trajectories_total", {"outcome": "error"})
+    crashes_before = h.metric("r3flow_rollout_reward_failures_total", {"reason": "error"})
     summary = h.run(worker.run(worker_records(worker)))
-    assert (summary.groups_ok, summary.groups_failed) == (2, 3)
+    assert (summary.groups_ok, summary.groups_failed) == (6, 3)
     errors = {pid: next(e for e in summary.errors if f"(prompt {pid})" in e)
               for pid in ("empty", "too-long", "bad-verifier")}
     assert "(prompt empty): request " in errors["empty"]
@@ -126,16 +197,24 @@ def test_bad_requests_fail_alone(setup, tmp_path):
     assert "prompt_token_ids: 600 tokens leave no room" in errors["too-long"]
     assert "(prompt bad-verifier): verifier: unknown verifier 'no_such'" in \
         errors["bad-verifier"]
-    stored = pull_all(client, 2)
-    assert sorted({t.prompt_id for t in stored.values()}) == ["good-1", "good-2"]
+    stored = pull_all(client, 6)
+    assert sorted({t.prompt_id for t in stored.values()}) == ["chat", "crash", "fast", "good-1",
+                                                              "good-2", "slow"]
+    assert {t.prompt_id: t.reward for t in stored.values()
+            if t.prompt_id in ("slow", "fast")} == {"slow": 0.5, "fast": 0.25}
     assert h.metric("r3flow_rollout_trajectories_total",
                     {"outcome": "error"}) == errors_before + 6
+    assert [t.reward for t in stored.values() if t.prompt_id == "crash"] == [-1.0, -1.0]
+    assert h.metric("r3flow_rollout_reward_failures_total",
+                    {"reason": "error"}) == crashes_before + 2
+    chat = [t for t in stored.values() if t.prompt_id == "chat"]
+    assert list(chat[0].prompt_token_ids) == build_tokenizer().encode("3+3=")
 
 
 def worker_records(worker):  # noqa: ANN001
     from services.rollout.dataset import load_dataset
 
-    return load_dataset(worker.cfg.dataset)
+    return load_dataset(worker.cfg.dataset, worker.cfg.prompts)
 
 
 def test_store_backpressure_slows_the_worker_down_without_dropping(setup, tmp_path,

@@ -15,6 +15,7 @@ from store_fixtures import StoreProcess, wait_until
 from services.common.auth import ClientAuth, ClientAuthConfig
 from services.common.pb.r3flow.v1 import store_pb2
 from services.store.client import StoreClient, trajectory_requests
+from services.store.errors import UnackedFull
 from services.store.redis_server import EmbeddedRedis
 from services.store.synthetic import small_group
 
@@ -146,3 +147,26 @@ def test_append_batch_is_an_append_stream_in_one_message(store_process: StorePro
         again = client.append_trajectories(good)
         assert (again.accepted, again.duplicates) == (0, 16)
         assert client._append_batch  # the store has the method: no stream was needed
+
+
+def test_unacked_bound_over_grpc(store_redis: EmbeddedRedis, tmp_path, caplog) -> None:  # noqa: ANN001
+    """A refused append is a WARNING naming the limit and the numbers (then retried); a pull
+    refused for un-acked groups raises UnackedFull at once, unretried; an ack makes room."""
+    store = StoreProcess(store_redis.url, tmp_path, key_prefix="unacked:", max_backlog_tokens=20,
+                         max_unacked_tokens=20, backpressure_retry_ms=100).start()
+    try:
+        client = StoreClient(store.address, max_backpressure_wait_s=0.3)
+        client.append_trajectories(small_group("u1", 2))  # 30 tokens undelivered
+        with caplog.at_level("WARNING", logger="services.store.client"), \
+                pytest.raises(grpc.RpcError):
+            client.append_trajectories(small_group("u2", 2, seed=1))
+        [warning] = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+        assert "max_backlog_tokens=20 (held: 30 tokens undelivered, 0 delivered" in warning
+        [first] = client.pull("t", 1)  # delivered: the budget admits again
+        client.append_trajectories(small_group("u2", 2, seed=1))
+        with pytest.raises(UnackedFull, match="max_unacked_tokens=20"):
+            client.pull("t", 1)
+        assert client.ack("t", [first.delivery_id]) == 1
+        assert client.pull("t", 1)[0].group_id == "u2"
+    finally:
+        store.stop()

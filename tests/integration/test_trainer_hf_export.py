@@ -26,7 +26,7 @@ def _checkpoint_named(model_dir) -> dict[str, torch.Tensor]:
 
 
 def _ranks(backend: str, cfg):
-    from trainer.local_ranks import LocalRanks
+    from trainer.ranks.local_ranks import LocalRanks
 
     return LocalRanks(cfg.model_copy(update={"backend": backend}))
 
@@ -84,7 +84,7 @@ def test_ray_ep2_ranks_all_join_the_export_and_rank0_writes_it(tmp_path):
     from services.common.tiny_moe import TinyMoeConfig, build_tiny_moe
     from trainer.config import TrainerConfig
     from trainer.loop.loop import TrainLoop
-    from trainer.ray_launch import RayRanks
+    from trainer.ranks.ray_launch import RayRanks
 
     model = build_tiny_moe(tmp_path / "tiny", TinyMoeConfig(num_layers=3, first_k_dense=1))
     run_dir = tmp_path / "run"

@@ -86,8 +86,8 @@ def hf_forward(hf, tokens_BS, forced_BSLK=None):
 
 def make_samples(hf, n=4, prompt_len=6, seed=0, routing="natural", groups=2):
     """Samples whose rollout routing / logprobs come from HF (a perfect fp32 engine)."""
-    from trainer.alignment import LayerMap
-    from trainer.batch import Sample
+    from trainer.samples.alignment import LayerMap
+    from trainer.samples.batch import Sample
 
     rng = np.random.default_rng(seed)
     lm = LayerMap.build((1, 2), ENGINE_LAYERS)
@@ -147,7 +147,7 @@ def test_router_dtype_auto_is_resolved_to_the_engines_at_boot(trainer):
 
 
 def test_logits_match_hf_under_same_forced_routing(trainer, hf, model_dir):
-    from trainer.alignment import to_router_rows
+    from trainer.samples.alignment import to_router_rows
 
     reload(trainer, model_dir)
     rng = np.random.default_rng(3)
@@ -165,7 +165,7 @@ def test_logits_match_hf_under_same_forced_routing(trainer, hf, model_dir):
 
 
 def test_r3_replays_exactly_the_rollout_routing(trainer, hf, model_dir):
-    from trainer.alignment import to_router_rows
+    from trainer.samples.alignment import to_router_rows
 
     reload(trainer, model_dir)
     samples = make_samples(hf, routing="random", seed=1)
@@ -202,8 +202,8 @@ def test_r3_agreement_is_one_for_natural_rollout_routing(trainer, hf, model_dir)
 
 
 def test_shifted_layer_map_is_caught(trainer, hf, model_dir):
-    from trainer.alignment import LayerMap
     from trainer.replay import RoutingAgreementError
+    from trainer.samples.alignment import LayerMap
 
     reload(trainer, model_dir)
     samples = make_samples(hf, seed=4)
@@ -218,7 +218,7 @@ def test_shifted_layer_map_is_caught(trainer, hf, model_dir):
 
 
 def test_all_zero_routes_are_caught(trainer, hf, model_dir):
-    from trainer.alignment import InvalidRoutingError
+    from trainer.samples.alignment import InvalidRoutingError
 
     samples = make_samples(hf, seed=10)
     samples[1].routing_TLK[:, 1] = 0  # a capture hook that ran too early: zeros
@@ -274,9 +274,9 @@ def _zero_loss(mb, logits):
 def test_recompute_uses_each_microbatch_routing(model_dir, hf, trainer):
     from megatron.core.transformer.moe.router_replay import RouterReplayAction as A
 
-    from trainer.alignment import to_router_rows
     from trainer.backend import make_trainer
     from trainer.config import TrainerConfig
+    from trainer.samples.alignment import to_router_rows
 
     cfg = trainer.cfg.model_copy(deep=True)
     cfg.model.recompute_moe = True
@@ -311,7 +311,7 @@ def test_grpo_step_r3_with_reference(trainer, hf, model_dir):
 
 
 def test_objectives_tis_mis_gspo_kl_in_reward_take_a_step(trainer, hf, model_dir):
-    """trainer.objectives' choices through the megatron backend: finite step, IS metrics."""
+    """trainer.losses.objectives' choices through the megatron backend: finite step, IS metrics."""
     reload(trainer, model_dir)
     saved = trainer.cfg.loss
     trainer.cfg.loss = saved.model_copy(update={

@@ -191,7 +191,7 @@ def test_local_routing_keeps_only_the_ranks_rows():
     """A rank replays its stage's layers at its positions, in the router's order (t = s*B + b)."""
     import torch
 
-    from trainer.alignment import local_routing, shard_context_parallel, to_router_rows
+    from trainer.samples.alignment import local_routing, shard_context_parallel, to_router_rows
 
     ids = torch.arange(2 * 8 * 3 * 2).view(2, 8, 3, 2)  # B=2, S=8, L=3, K=2: every id distinct
     valid = torch.ones(2, 8, dtype=torch.bool)
@@ -209,7 +209,7 @@ def test_local_routing_keeps_only_the_ranks_rows():
 # ---------------------------------------------------------------- worker (one per rank)
 def batch(num_layers: int, top_k: int, num_experts: int) -> list:
     """8 samples, 4 groups of 2, all 12 tokens; random distinct rollout ids per row and layer."""
-    from trainer.batch import Sample
+    from trainer.samples.batch import Sample
 
     rng = np.random.default_rng(7)
     out = []

@@ -79,8 +79,8 @@ def step(model_dir, tmp_path, samples, **cfg):
     """One TrainLoop step over `samples` on a fresh in-process rank: (metrics as logged, the
     Prometheus registry, the store)."""
     from trainer.config import TrainerConfig
-    from trainer.local_ranks import LocalRanks
     from trainer.loop.loop import TrainLoop
+    from trainer.ranks.local_ranks import LocalRanks
 
     config = TrainerConfig.model_validate({
         "model_dir": str(model_dir), "optim": {"lr": 1e-3},

@@ -74,7 +74,7 @@ def test_ray_actors_ep2_train_via_loop(tmp_path):
     from services.common.tiny_moe import TinyMoeConfig, build_tiny_moe
     from trainer.config import TrainerConfig
     from trainer.loop.loop import TrainLoop
-    from trainer.ray_launch import RayRanks
+    from trainer.ranks.ray_launch import RayRanks
     from trainer.weight_push import StoreWeightPush
 
     model = build_tiny_moe(tmp_path / "tiny", TinyMoeConfig(num_layers=3, first_k_dense=1))

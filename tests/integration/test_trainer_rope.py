@@ -72,10 +72,10 @@ def _hf_logits(model_dir, tokens_BS, forced_BSK):
 
 
 def _megatron_logits(model_dir, tokens_BS, forced_BSK):
-    from trainer.alignment import to_router_rows
     from trainer.megatron.config import ModelConfig
     from trainer.megatron.model import build_model, init_parallel
     from trainer.megatron.replay import ModelReplay
+    from trainer.samples.alignment import to_router_rows
 
     cfg = ModelConfig()
     init_parallel(cfg)

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.timeout(840)
 
 
 def _samples(rollouts, layer_map):
-    from trainer.batch import Sample
+    from trainer.samples.batch import Sample
 
     out = []
     for i, (toks, lps, routing_TLK) in enumerate(rollouts):

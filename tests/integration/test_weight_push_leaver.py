@@ -19,7 +19,7 @@ JOIN_TIMEOUT_S = 90.0  # what the push would wait for the leaver without the wat
 
 
 class _RankZero:
-    """`Ranks` as StoreWeightPush uses it, for one in-process rank 0 (trainer.worker's
+    """`Ranks` as StoreWeightPush uses it, for one in-process rank 0 (trainer.ranks.worker's
     plan_push / push_weights without a model): on planning, worker "stays" starts receiving
     and worker "leaves" unregisters without ever joining, as a stopping rollout pod does."""
 

@@ -12,7 +12,7 @@ import numpy as np
 
 def toy_samples(seed: int) -> list:
     """Four samples (6 prompt + 4-8 response tokens, two groups) from `seed`."""
-    from trainer.batch import Sample
+    from trainer.samples.batch import Sample
 
     rng = np.random.default_rng(seed)
     out = []
@@ -50,7 +50,7 @@ def natural_samples(model_dir, rewards, seed=0, prompt_len=5, prefix="g", length
     import torch
     from transformers import AutoModelForCausalLM
 
-    from trainer.batch import Sample
+    from trainer.samples.batch import Sample
 
     k = 2
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

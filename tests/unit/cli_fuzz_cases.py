@@ -52,7 +52,7 @@ CONFIGS: dict[str, tuple[type, list[str], dict[str, Any]]] = {
 }
 # command -> {flag: (needles naming it, kind of value)}
 FLAGS: dict[str, dict[str, tuple[tuple[str, ...], str]]] = {
-    "local": {"--steps": (("--steps", "grpo.steps"), "int"), "--workers": (("--workers",
+    "local": {"--steps": (("--steps", "trainer.run.steps"), "int"), "--workers": (("--workers",
               "workers"), "int"), "--seed": (("--seed", "seed"), "int"),
               "--warm-start-steps": (("--warm-start-steps", "warm_start_steps"), "int"),
               "--family": (("--family", "family"), "str"), "--replay": (("--replay",), "str"),

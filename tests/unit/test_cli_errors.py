@@ -24,11 +24,11 @@ from services.store import cli as store_cli
 from services.store.client import StoreClient
 
 ROOT = Path(__file__).resolve().parents[2]
-BAD_YAML = "grpo:\n  steps: [1\n  x: 2\n"
+BAD_YAML = "trainer:\n  run: [1\n  x: 2\n"
 # argv, what the one line must say (the examples)
 EXAMPLES = {
-    "steps": (["local", "--steps", "-1"], "r3flow local: config: grpo.steps: Input should be "
-              "greater than or equal to 1"),
+    "steps": (["local", "--steps", "-1"], "r3flow local: config: trainer.run.steps: Input "
+              "should be greater than or equal to 0"),
     "family": (["local", "--family", "foo"], "r3flow local: config: family: 'foo' is not one of"),
     "local config": (["local", "--config", "/nonexistent.yaml"],
                      "r3flow local: config file not found: '/nonexistent.yaml'"),
@@ -83,7 +83,7 @@ def test_debug_log_level_shows_the_traceback_too(cwd, capsys):
     assert cli.main(["local", "--steps", "-1", "--log-level", "debug"]) == 2
     err = capsys.readouterr().err
     assert "Traceback" in err and "ConfigError" in err
-    assert err.strip().splitlines()[-1].startswith("r3flow local: config: grpo.steps")
+    assert err.strip().splitlines()[-1].startswith("r3flow local: config: trainer.run.steps")
 
 
 def test_argparse_mistakes_are_one_line_and_a_hint(cwd, capsys):

@@ -45,6 +45,8 @@ def test_every_family_has_what_each_consumer_reads(name: str) -> None:
     assert set(fam.hf_knobs) <= {"attn_implementation", "packing"}
     for model_name, build in fam.planner_models.items():
         assert build()["model_type"] == name, model_name
+    assert fam.shape is not None  # the planner's reading of its config.json
+    assert families.model_shape(cfg).experts == TINY.num_experts
 
 
 def test_one_module_per_family_named_after_it() -> None:

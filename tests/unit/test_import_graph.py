@@ -136,12 +136,11 @@ def test_cycle_finder_sees_a_cycle_hidden_in_a_function(tmp_path: Path) -> None:
 # The backend-neutral core of the trainer: the GRPO step, its loss and corrections, the batch, the
 # guard, the loop, the config and checkpoints. It talks to a backend through trainer.protocol
 # only; the config's backend sections and the engines are loaded by name (trainer.registry), so
-# even the modules that pick a backend (trainer.backend, trainer.worker) import none.
-NEUTRAL_CORE = ("trainer.alignment", "trainer.batch", "trainer.collectives", "trainer.corrections",
-                "trainer.grpo", "trainer.guard", "trainer.intake", "trainer.logprobs",
-                "trainer.loss", "trainer.loss_config", "trainer.objectives", "trainer.protocol",
-                "trainer.replay", "trainer.weight_push", "trainer.loop", "trainer.config",
-                "trainer.checkpoint", "trainer.registry", "trainer.backend", "trainer.worker")
+# even the modules that pick a backend (trainer.backend, trainer.ranks.worker) import none.
+NEUTRAL_CORE = ("trainer.samples", "trainer.ranks.collectives", "trainer.losses",
+                "trainer.grpo", "trainer.guard", "trainer.protocol", "trainer.replay",
+                "trainer.weight_push", "trainer.loop", "trainer.config", "trainer.checkpoint",
+                "trainer.registry", "trainer.backend", "trainer.ranks.worker")
 BACKENDS = ("trainer.hf", "trainer.megatron")
 
 

@@ -10,7 +10,7 @@ from services.local.config import LocalConfig
 
 
 def _budget(**kw) -> Budget:
-    return Budget.of(LocalConfig.model_validate({"grpo": {"steps": 40}, **kw}))
+    return Budget.of(LocalConfig.model_validate({"trainer": {"run": {"steps": 40}}, **kw}))
 
 
 def test_derived_budget_boot_then_steps():
@@ -48,8 +48,8 @@ def test_fixed_or_not_following_the_rate_is_never_raised(follows):
 
 
 def test_measure_every_reaches_the_trainer_and_picks_step_1_then_every_nth(tmp_path):
-    """grpo.measure_every -> the trainer's replay.compare_off_every and loss.kl_metric_every;
-    the reference pass runs from versions 0, 4, 8 (steps 1, 5, 9), every step with kl_coef."""
+    """The preset measures on every 4th step (the trainer's replay.compare_off_every and
+    loss.kl_metric_every): the reference pass runs from versions 0, 4, 8 (steps 1, 5, 9), every step with kl_coef."""
     from services.local.config import trainer_config
     from trainer.config import TrainerConfig
 

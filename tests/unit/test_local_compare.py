@@ -71,7 +71,8 @@ def test_step_one_mismatch_is_reported_against_the_off_arm() -> None:
 
 def test_arms_combine_replay_and_rollout_correction() -> None:
     from services.local.cli import arm_config
-    from services.local.config import LocalConfig, trainer_config
+    from services.local.config import CORRECTIONS, LocalConfig, trainer_config
+    from trainer.config import TrainerConfig
 
     assert _arms("off,tis,r3,r3+tis") == ["off", "tis", "r3", "r3+tis"]
     for bad in ("tis+r3", "r3+", "r3+tis+mis"):
@@ -82,9 +83,11 @@ def test_arms_combine_replay_and_rollout_correction() -> None:
     assert tis["replay"]["mode"] == "off" and tis["data"]["old_logprobs"] == "trainer"
     assert tis["loss"]["rollout_correction"]["is_level"] == "token"
     both = arm_config(cfg, "r3+tis", "x")
-    assert (both.replay, both.grpo.rollout_correction) == ("r3", "tis")
-    off = trainer_config(arm_config(cfg, "off", "x"), Path("run"), Path("model"))
-    assert off["data"]["old_logprobs"] == "rollout" and off["loss"]["rollout_correction"] == {}
+    assert (both.trainer["replay"]["mode"], both.trainer["loss"]["rollout_correction"]) == (
+        "r3", CORRECTIONS["tis"])
+    off = trainer_config(arm_config(both, "off", "x"), Path("run"), Path("model"))
+    assert off["data"]["old_logprobs"] == "trainer"  # the base config's (both's), kept
+    assert TrainerConfig.model_validate(off).loss.rollout_correction.enabled is False
     assert off["loss"]["kl_metric"] is True  # make run measures kl_ref
 
 

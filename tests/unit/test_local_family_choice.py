@@ -30,7 +30,7 @@ def test_megatron_when_it_maps_the_family(family, tmp_path: Path):
     p = plan(family, None, cfg.model)
     assert (p.backend, p.hf) == ("megatron", {})
     tc = TrainerConfig.model_validate(trainer_config(cfg, tmp_path, tmp_path, p))
-    assert tc.backend == "megatron" and tc.run.launcher == cfg.trainer_launcher
+    assert tc.backend == "megatron" and tc.run.launcher == "ray"  # the preset's
 
 
 @pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe"])
@@ -49,7 +49,7 @@ def test_hf_when_megatron_refuses_the_family(family, tmp_path: Path, monkeypatch
     assert (tc.backend, tc.run.launcher) == ("hf", "local")  # hf: one in-process rank
     warm = WarmStartConfig.model_validate(warm_start_config(cfg, tmp_path, tmp_path, tmp_path, p))
     assert warm_trainer_config(warm).backend == "hf"
-    with pytest.raises(ConfigError, match=f"trainer_backend: megatron refuses family "
+    with pytest.raises(ConfigError, match=f"trainer.backend: megatron refuses family "
                        f"'{family}': model_type: '{family}' is not supported"):
         plan(family, "megatron", cfg.model)
 
@@ -60,7 +60,7 @@ def test_every_refusal_names_the_missing_piece():
 
 
 def test_gpt_oss_needs_are_set_by_the_family(tmp_path: Path):
-    cfg = LocalConfig(family="gpt_oss", grpo={"dtype": "fp32"})
+    cfg = LocalConfig(family="gpt_oss", trainer={"model": {"dtype": "fp32"}})
     p = plan("gpt_oss", "hf", cfg.model)
     tc = TrainerConfig.model_validate(trainer_config(cfg, tmp_path, tmp_path, p))
     assert (tc.hf.attn_implementation, tc.hf.packing) == ("eager", False)

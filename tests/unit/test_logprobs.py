@@ -1,4 +1,4 @@
-"""trainer.logprobs (the fast path's chunked log-softmax) against trainer.loss's plain
+"""trainer.losses.logprobs (the fast path's chunked log-softmax) against trainer.losses.loss's plain
 token_logprobs / token_entropy: values and gradients, with and without temperature, chunks
 smaller than, dividing and larger than the rows."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.logprobs import logprob_entropy
-from trainer.loss import token_entropy, token_logprobs
+from trainer.losses.logprobs import logprob_entropy
+from trainer.losses.loss import token_entropy, token_logprobs
 
 
 def _inputs(dtype, temperature: bool, seed: int = 0):
@@ -54,8 +54,8 @@ def test_entropy_has_no_graph_unless_asked():
 def test_ppo_loss_with_chunked_logprobs_matches_the_plain_loss(entropy_coef):
     """loss.chunked_logprobs: ppo_loss's value, metrics and logits gradient as with
     torch.log_softmax (fp32 rounding), with and without an entropy bonus."""
-    from trainer.loss import ppo_loss
-    from trainer.loss_config import LossConfig
+    from trainer.losses.loss import ppo_loss
+    from trainer.losses.loss_config import LossConfig
 
     logits, labels, temp = _inputs(torch.float32, True, seed=3)
     g = torch.Generator().manual_seed(4)
@@ -77,7 +77,7 @@ def test_the_triton_kernel_is_chosen_only_on_cuda():
     """Issue 44 (loss.logprob_kernel): CPU logits keep the chunked torch loop under auto; asking
     for triton there is refused by name; the kernels themselves are tested on a GPU
     (tests/gpu/test_logprobs_triton_gpu.py)."""
-    from trainer.logprobs import triton_runs
+    from trainer.losses.logprobs import triton_runs
 
     logits, labels, _ = _inputs(torch.float32, False)
     assert not triton_runs(logits, "auto") and not triton_runs(logits, "torch")

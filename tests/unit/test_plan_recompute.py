@@ -24,7 +24,7 @@ QWEN = Arch.from_hf_config(load_model_config("Qwen3-30B-A3B"))
 # one H200's workload of issue 44: 4 layers, EP1, two 4K sequences in one micro-batch, fast path
 LAY = Layout(world=1, seq_len=4096, micro_batch=2, distributed_optimizer=True,
              attention="sdpa", chunked_logprobs=True, recompute_set=False)
-ARCH4 = replace(QWEN, num_layers=4, moe_layers=4)
+ARCH4 = replace(QWEN, num_layers=4, moe_layer_ids=(0, 1, 2, 3))
 
 
 def _totals(arch: Arch, lay: Layout, overhead: float = 4.0) -> dict[str, float]:

@@ -40,6 +40,8 @@ def test_a_failing_rank_fails_the_launch(tmp_path: Path) -> None:
 
 
 def test_a_hanging_rank_is_killed_at_the_deadline(tmp_path: Path) -> None:
+    # The child's sleep is the hang under test (a rank that never exits), not a wait: the
+    # launcher must kill it at its 5 s deadline.
     script, pids = tmp_path / "hang.py", tmp_path / "pids"
     script.write_text("import os, sys, time\n"
                       f"open({str(pids)!r} + os.environ['RANK'], 'w').write(str(os.getpid()))\n"

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from trainer.config import TrainerConfig
-from trainer.ray_config import RayLaunchConfig
-from trainer.ray_launch import local_rank_of, rank_bundles, resolve_address
+from trainer.ranks.ray_config import RayLaunchConfig
+from trainer.ranks.ray_launch import local_rank_of, rank_bundles, resolve_address
 
 
 def test_joins_the_jobs_cluster_when_ray_address_is_set():
@@ -44,7 +44,7 @@ def test_trainer_config_takes_the_ray_section():
 
 
 def test_cluster_addresses_refuse_loopback():
-    from trainer.ray_launch import check_cluster_addresses
+    from trainer.ranks.ray_launch import check_cluster_addresses
 
     ok = TrainerConfig.model_validate({"data": {"store": "r3flow-store:50051"},
                                        "run": {"metrics_host": "0.0.0.0"}})

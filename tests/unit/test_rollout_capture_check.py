@@ -124,6 +124,8 @@ def _run_with_a_load(after: str) -> tuple[RolloutWorker, object]:
 
     async def main():  # noqa: ANN202
         run = asyncio.create_task(worker.run(records, stop_grace_s=5.0))
+        # Polls: a MemorySink offers nothing to wait on, and the fake engine's calls take
+        # 10 ms each on purpose (above), so groups overlap the load.
         while worker.sink.trajectories.__len__() < 6:  # type: ignore[union-attr]
             await asyncio.sleep(0.01)
         await worker.update_weights_from_tensors({"w": 0})

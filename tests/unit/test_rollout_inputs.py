@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import re
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -11,7 +12,13 @@ from services.common.config import ConfigError, build_config
 from services.rollout import cli
 from services.rollout.config import RolloutConfig
 from services.rollout.dataset import iterate_prompts, load_dataset
-from services.rollout.verifiers import VerifierRegistry, exact_match, last_number, numeric
+from services.rollout.verifiers import (
+    RewardInput,
+    VerifierRegistry,
+    exact_match,
+    last_number,
+    numeric,
+)
 
 
 def my_verifier(response: str, answer: str) -> float:
@@ -41,9 +48,10 @@ def test_numeric():
 
 def test_registry_builtin_and_import_path():
     reg = VerifierRegistry()
-    assert reg.get("numeric") is numeric
+    assert reg.get("numeric") is reg.get("numeric")  # resolved once
+    assert reg.get("numeric").call(RewardInput("so 42.0", "42")) == 1.0
     fn = reg.get(f"{__name__}:my_verifier")
-    assert fn("abc", "xyz") == 1.0
+    assert fn.call(RewardInput("abc", "xyz")) == 1.0 and not fn.is_async
 
 
 @pytest.mark.parametrize("name,match", [
@@ -78,17 +86,24 @@ def test_parquet_dataset(tmp_path):
 
 
 @pytest.mark.parametrize("row,match", [
-    ({"answer": 1}, "exactly one of `prompt` and `prompt_token_ids`"),
-    ({"prompt": "a", "prompt_token_ids": [1], "answer": 1}, "exactly one"),
-    ({"prompt": "a"}, "answer: missing"),
-    ({"prompt_token_ids": [1, -2], "answer": 1}, "prompt_token_ids: expected a list"),
-    ({"prompt": "a", "answer": 1, "extra": 0}, "unknown field"),
+    ({"answer": 1}, "column 'prompt': exactly one of `prompt` and `prompt_token_ids`"),
+    ({"prompt": "a", "prompt_token_ids": [1], "answer": 1}, "column .prompt.: exactly one"),
+    ({"prompt": "a"}, "column 'answer': answer missing"),
+    ({"prompt_token_ids": [1, -2], "answer": 1},
+     "column 'prompt_token_ids': expected a list of non-negative ints"),
+    ({"prompt": "a", "answer": 1, "extra": 0}, "column 'extra': unknown"),
+    ({"prompt": [{"content": "hi"}], "answer": 1}, "column 'prompt': message 0: `role`"),
+    ({"prompt": 5, "answer": 1}, "column 'prompt': expected text or a list of messages"),
 ])
-def test_bad_rows_name_line_and_field(tmp_path, row, match):  # noqa: ANN001
+def test_bad_rows_are_skipped_with_one_line(tmp_path, row, match):  # noqa: ANN001
     p = tmp_path / "d.jsonl"
-    p.write_text(json.dumps({"prompt": "ok", "answer": 0}) + "\n" + json.dumps(row) + "\n")
-    with pytest.raises(ValueError, match=f"d.jsonl:2: .*{match}"):
-        load_dataset(p)
+    p.write_text(json.dumps({"prompt": "ok", "answer": 0}) + "\n" + json.dumps(row) + "\n"
+                 + "{not json\n")
+    lines: list[str] = []
+    recs = load_dataset(p, on_bad_row=lines.append)
+    assert [r.prompt for r in recs] == ["ok"]
+    assert len(lines) == 2 and re.fullmatch(f".*d.jsonl:2: skipped: {match}.*", lines[0])
+    assert "d.jsonl:3: skipped: invalid JSON" in lines[1]
 
 
 def test_dataset_file_errors(tmp_path):
@@ -98,8 +113,11 @@ def test_dataset_file_errors(tmp_path):
     with pytest.raises(ValueError, match="unsupported format"):
         load_dataset(tmp_path / "d.csv")
     (tmp_path / "e.jsonl").write_text("\n")
-    with pytest.raises(ValueError, match="no rows"):
+    with pytest.raises(ValueError, match="no good rows"):
         load_dataset(tmp_path / "e.jsonl")
+    (tmp_path / "f.jsonl").write_text(json.dumps({"prompt": "a"}) + "\n")
+    with pytest.raises(ValueError, match=r"no good rows \(1 bad\)"):
+        load_dataset(tmp_path / "f.jsonl", on_bad_row=lambda _: None)
 
 
 def test_iterate_prompts_epochs_and_limit():

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from types import SimpleNamespace
 
 from services.rollout.app import Registration, _leave
@@ -18,18 +17,28 @@ def _worker(version: int = 7) -> SimpleNamespace:
 
 
 class _Client:
-    """register_worker blocks for a while, like the RPC; TTL 3 s: a renewal every 1 s."""
+    """A store client whose register_worker (TTL 3 s: a renewal every 1 s) reports each call:
+    `calling` is set as a call starts, `renewed` once `want` calls succeeded; with `gate` a
+    call blocks, like an RPC in flight, until `gate` is set."""
 
-    def __init__(self, log: list[str], fail: bool = False, rpc_s: float = 0.3) -> None:
-        self.log, self.fail, self.rpc_s = log, fail, rpc_s
+    def __init__(self, log: list[str], fail: bool = False, want: int = 1,
+                 gate: threading.Event | None = None) -> None:
+        self.log, self.fail, self.want, self.gate = log, fail, want, gate
+        self.calls = 0
+        self.calling, self.renewed = threading.Event(), threading.Event()
 
     def register_worker(self, worker_id: str, host: str, world_size: int, version: int,
                         run_id: str) -> int:
         assert run_id == "run-a"  # the run whose weights it serves
-        time.sleep(self.rpc_s)
+        self.calls += 1
+        self.calling.set()
+        if self.gate is not None:
+            assert self.gate.wait(10), "the test never let the RPC finish"
         if self.fail:
             raise ConnectionError("store gone")
         self.log.append(f"register {worker_id} v{version}")
+        if len(self.log) >= self.want:
+            self.renewed.set()
         return 3
 
     def unregister_worker(self, worker_id: str) -> bool:
@@ -43,30 +52,42 @@ def test_renewals_go_on_while_the_event_loop_is_blocked():
     log: list[str] = []
 
     async def run() -> None:
-        reg = Registration(_Client(log, rpc_s=0.0), _worker(), 3)
-        time.sleep(3.5)  # the loop is stuck (a long engine call): renewals must still happen
-        assert len(log) >= 2 and set(log) == {"register w1 v7"}, log
+        client = _Client(log, want=2)
+        reg = Registration(client, _worker(), 3)
+        # The loop is stuck (a blocking wait, as a long engine call): renewals must still happen.
+        assert client.renewed.wait(10), log
+        assert set(log) == {"register w1 v7"}, log
         await _leave(reg, None, "w1")
 
     asyncio.run(run())
 
 
 def test_a_renewal_in_flight_lands_before_the_unregister():
-    async def run() -> list[str]:
+    async def run() -> tuple[list[str], Registration]:
         log: list[str] = []
-        reg = Registration(_Client(log), _worker(), 3)
-        await asyncio.sleep(1.1)  # the first renewal is now inside its (0.3 s) RPC
-        await _leave(reg, _Client(log), "w1")
-        await asyncio.sleep(1.2)  # no renewal after leaving
-        return log
+        gate = threading.Event()
+        client = _Client(log, gate=gate)
+        reg = Registration(client, _worker(), 3)
+        assert await asyncio.to_thread(client.calling.wait, 10)  # a renewal is in its RPC
+        leaving = asyncio.create_task(_leave(reg, _Client(log), "w1"))
+        assert await asyncio.to_thread(reg._stop.wait, 10)  # _leave stopped the renewals...
+        gate.set()  # ... and waits for the one in flight before it unregisters
+        await leaving
+        return log, reg
 
-    assert asyncio.run(run()) == ["register w1 v7", "unregister w1 True"]
+    log, reg = asyncio.run(run())
+    assert log == ["register w1 v7", "unregister w1 True"]
+    assert not reg._thread.is_alive()  # no renewal after leaving: the thread has ended
 
 
 def test_renewal_and_unregister_failures_are_not_fatal():
     async def run() -> None:
-        reg = Registration(_Client([], fail=True, rpc_s=0.0), _worker(), 3)
-        await asyncio.sleep(1.2)  # one failed renewal: logged, the thread goes on
+        client = _Client([], fail=True)
+        reg = Registration(client, _worker(), 3)
+        assert await asyncio.to_thread(client.calling.wait, 10)
+        client.calling.clear()
+        # a second attempt: the thread logged the first failure and went on
+        assert await asyncio.to_thread(client.calling.wait, 10) and client.calls >= 2
         assert reg._thread.is_alive()
         await _leave(reg, _Client([], fail=True), "w1")
         assert not reg._thread.is_alive()

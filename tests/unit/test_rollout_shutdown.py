@@ -17,9 +17,10 @@ CHILD = textwrap.dedent("""
 
     async def main() -> int:
         loop = asyncio.get_running_loop()
-        # An append that keeps retrying in an executor thread, its group cancelled.
+        # The child's sleeps are the hangs under test, not waits: an append that keeps
+        # retrying in an executor thread, its group cancelled.
         task = asyncio.ensure_future(loop.run_in_executor(None, time.sleep, 60))
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.1)  # its thread has started (a cancel cannot stop it then)
         task.cancel()
         if sys.argv[1] == "overrun":
             StopDeadline(1.0).arm()

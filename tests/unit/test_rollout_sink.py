@@ -53,10 +53,11 @@ class RefusingClient:
 
     def __init__(self) -> None:
         self.streams: list[list[str]] = []
-        self.release = threading.Event()
+        self.release, self.holding = threading.Event(), threading.Event()
         self.release.set()
 
     def append_trajectories(self, trajs: list[trajectory_pb2.Trajectory]) -> None:
+        self.holding.set()
         self.release.wait(10)
         ids = [t.trajectory_id for t in trajs]
         self.streams.append(ids)
@@ -95,9 +96,9 @@ def test_groups_queue_behind_the_stream_in_flight_in_order():
 
     async def main() -> list:
         first = asyncio.ensure_future(sink.send_group(group(1, "a")))
-        await asyncio.sleep(0.05)  # "a" is in flight, held by the client
+        assert await asyncio.to_thread(client.holding.wait, 10)  # "a" is in flight, held
         rest = [asyncio.ensure_future(sink.send_group(group(1, n))) for n in "bcd"]
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0)  # one loop turn: b, c and d queue behind it
         rest[1].cancel()  # "c" is abandoned while queued: never sent
         client.release.set()
         return await asyncio.gather(first, *rest, return_exceptions=True)

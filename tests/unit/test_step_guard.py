@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.batch import Sample, make_microbatch, sample_spans
 from trainer.guard import Fault, PeerFault, RankFailed, blame, nonfinite_groups, run_pass
 from trainer.hf.packing import pack_microbatch
 from trainer.replay import AgreementStats, ReplayDesyncError, RoutingAgreementError
+from trainer.samples.batch import Sample, make_microbatch, sample_spans
 
 K, LAYERS = 2, tuple(range(1, 8))
 

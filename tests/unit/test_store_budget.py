@@ -3,7 +3,6 @@ max_redeliveries, and lease renewal by the holder's own session (real embedded r
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Iterator
 
@@ -65,7 +64,7 @@ def test_group_redelivered_past_the_limit_is_dead_lettered(redis_url: str) -> No
         counts.append(got["poison"].delivery_count)
         if "good" in got:
             core.ack(consumer, [got["good"].delivery_id])
-        time.sleep(1.05)
+        core.clock.advance(1.05)
     assert counts == [1, 2, 3]
     assert core.pull("d", 2, lease_seconds=1) == []  # never delivered again
     stats = core.stats()
@@ -87,7 +86,7 @@ def test_own_session_renews_its_lease_without_counting(redis_url: str) -> None:
     for _ in range(3):
         [d] = core.pull("t", 1, lease_seconds=1, session="s1")
         assert d.delivery_count == 1
-        time.sleep(1.05)
+        core.clock.advance(1.05)
     assert core.stats().counters.get("redeliveries", 0) == 0
     assert core.pull("t", 1, lease_seconds=1, session="s2") == []  # 2nd delivery > 0 allowed
     assert core.stats().counters["groups_dead_lettered"] == 1
@@ -100,9 +99,48 @@ def test_a_renewal_is_never_dropped_stale(redis_url: str) -> None:
     append_group(core, "g")
     [d] = core.pull("t", 1, lease_seconds=1, session="s1")
     core.publish_policy_version(5)
-    time.sleep(1.05)
+    core.clock.advance(1.05)
     [again] = core.pull("t", 1, lease_seconds=1, session="s1")
     assert again.delivery_id == d.delivery_id
-    time.sleep(1.05)
+    core.clock.advance(1.05)
     assert core.pull("t", 1, session="s2") == []
     assert core.stats().dropped_by_reason() == {"stale": 2}
+
+
+def test_delivered_unacked_groups_never_block_admission(redis_url: str, caplog) -> None:
+    """Issue 59's stall replayed: a budget of two groups a step (2 x 2 x 15 tokens), a trainer
+    that pulls each step and acks only at its checkpoint (checkpoint_every 1000: never here).
+    Counting delivered groups against the budget refused every append after two steps."""
+    core = make_core(redis_url, max_backlog_tokens=59)
+    for step in range(5):
+        append_group(core, f"s{step}a", seed=2 * step)  # admitted (CapacityError otherwise)
+        append_group(core, f"s{step}b", seed=2 * step + 1)
+        with caplog.at_level("WARNING", logger="services.store.append"), \
+                pytest.raises(CapacityError, match="max_backlog_tokens=59") as err:
+            append_group(core, f"s{step}c", seed=99)  # the budget holds one step ahead
+        assert err.value.reason == "backlog"
+        assert len(core.pull("trainer", 2)) == 2  # delivered, none acked
+    stats = core.stats().counters
+    assert (stats["backlog_tokens"], stats["delivered_tokens"]) == (5 * 60, 5 * 60)
+    # the first refusal said why, with the numbers (later ones within a minute are counted)
+    [warning] = [r.getMessage() for r in caplog.records if "appends refused" in r.getMessage()]
+    assert "60 tokens undelivered, 0 delivered and not yet acked" in warning
+
+
+def test_unacked_bound_refuses_new_groups_until_an_ack(redis_url: str) -> None:
+    """max_unacked_tokens: at it a pull gets no new group (refused when it would get none);
+    groups whose lease expired are still redelivered; an ack makes room."""
+    core = make_core(redis_url, max_unacked_tokens=60)
+    for i in range(4):
+        append_group(core, f"g{i}", seed=i)
+    first = core.pull("t", 2, lease_seconds=1)
+    assert len(first) == 2 and core.stats().counters["delivered_tokens"] == 60
+    with pytest.raises(CapacityError, match="max_unacked_tokens=60") as err:
+        core.pull("t", 2)
+    assert err.value.reason == "unacked"
+    core.clock.advance(1.05)  # a crashed trainer's groups: redelivered whatever the bound
+    again = core.pull("t2", 4)
+    assert sorted(d.group_id for d in again) == sorted(d.group_id for d in first)
+    assert core.ack("t2", [d.delivery_id for d in again]) == 2
+    assert core.stats().counters["delivered_tokens"] == 0
+    assert len(core.pull("t2", 4)) == 2  # the other two, now admitted to delivery

@@ -105,7 +105,9 @@ def test_expired_lease_is_redelivered_and_only_holder_acks(core: TrajectoryStore
     append_all(core, small_group("g", 2))
     [d] = core.pull("a", 1, lease_seconds=1)
     assert core.pull("b", 1) == []          # lease still held
-    time.sleep(1.1)
+    core.clock.advance(0.9)
+    assert core.pull("b", 1) == []          # 0.9 s of a 1 s lease: still held
+    core.clock.advance(0.2)
     [d2] = core.pull("b", 1, lease_seconds=30)
     assert d2.delivery_id == d.delivery_id and d2.delivery_count == 2
     assert core.ack("a", [d.delivery_id]) == 0   # lost its lease
@@ -197,7 +199,8 @@ def test_workers_and_weight_sync_plans(core: TrajectoryStoreCore) -> None:
     with pytest.raises(ValueError, match="^version: 1 is older"):
         control.publish_weight_sync(store_pb2.WeightSyncPlan(version=1))
     assert control.latest_weight_sync().master_port == 1234
-    time.sleep(1.1)
+    assert 0 < core.r.pttl(core.keys.worker("w1")) <= 1000  # the entry lives worker_ttl_seconds
+    core.r.pexpireat(core.keys.worker("w1"), 1)  # ... and then it is gone (Redis' expiry)
     assert control.list_workers() == []
 
 
@@ -218,6 +221,6 @@ def test_delivery_count_grows_with_each_redelivery(core: TrajectoryStoreCore) ->
     for consumer in ("a", "b", "c"):
         [d] = core.pull(consumer, 1, lease_seconds=1)
         counts.append(d.delivery_count)
-        time.sleep(1.05)
+        core.clock.advance(1.05)
     assert counts == [1, 2, 3]
     assert core.stats().counters["redeliveries"] == 2

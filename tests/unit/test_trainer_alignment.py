@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.alignment import (
+from trainer.samples.alignment import (
     InvalidRoutingError,
     LayerMap,
     RoutingChunk,
@@ -90,7 +90,7 @@ def test_pp_and_sequence_and_context_parallel_slices():
 
 
 def test_check_routes_refuses_another_top_k():
-    from trainer.alignment import RoutingLayoutError
+    from trainer.samples.alignment import RoutingLayoutError
 
     ids = torch.from_numpy(_ids(6, 2))[None]  # top-2 rows
     valid = torch.ones(1, 6, dtype=torch.bool)

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.alignment import LayerMap
-from trainer.batch import (
+from trainer.samples.alignment import LayerMap
+from trainer.samples.batch import (
     make_microbatch,
     sample_from_trajectory,
     split_microbatches,
@@ -78,7 +78,7 @@ def test_update_schedule_deals_microbatches_round_robin_per_epoch():
 
 @pytest.mark.parametrize("num_experts, top_k", [(16, 2), (8, 3)])
 def test_routing_of_another_expert_count_or_top_k_is_refused(num_experts, top_k):
-    from trainer.alignment import RoutingLayoutError
+    from trainer.samples.alignment import RoutingLayoutError
 
     traj, _ = _traj()  # 8 experts, top-2
     with pytest.raises(RoutingLayoutError, match=f"num_experts={num_experts}, top_k={top_k}"):
@@ -88,7 +88,7 @@ def test_routing_of_another_expert_count_or_top_k_is_refused(num_experts, top_k)
 
 
 def test_segment_temperature_reaches_the_microbatch_and_truncation_is_refused():
-    from trainer.batch import UnreproducibleSamplingError
+    from trainer.samples.batch import UnreproducibleSamplingError
 
     traj, _ = _traj(segments=(4, 3))
     traj.segments[0].sampling.temperature, traj.segments[0].sampling.top_p = 0.6, 1.0

@@ -13,10 +13,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from trainer.batch import Sample, split_microbatches
 from trainer.config import TrainerConfig
 from trainer.grpo import GRPOStep
 from trainer.replay import AgreementStats
+from trainer.samples.batch import Sample, split_microbatches
 
 V = 7
 MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")

@@ -1,4 +1,4 @@
-"""Pulled groups -> samples on a rank (trainer.intake, as RankWorker.train calls it, with a
+"""Pulled groups -> samples on a rank (trainer.samples.intake, as RankWorker.train calls it, with a
 stand-in model)."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 
 from services.common.pb.r3flow.v1 import store_pb2
 from services.store.synthetic import build_trajectory
-from trainer.alignment import LayerMap
 from trainer.config import TrainerConfig
-from trainer.worker import RankWorker
+from trainer.ranks.worker import RankWorker
+from trainer.samples.alignment import LayerMap
 
 MOE_LAYERS = (1, 2)  # HF layer 0 is dense
 
@@ -48,7 +48,7 @@ def group(*trajs) -> store_pb2.PulledGroup:
 
 def align(w: RankWorker, g: store_pb2.PulledGroup) -> list:
     """The group's samples: each trajectory's routing -> its layer map -> the MoE layers."""
-    from trainer.intake import group_samples
+    from trainer.samples.intake import group_samples
 
     return group_samples(g, w.cfg.replay.mode, w.trainer.layer_map, 8, 2)
 
@@ -69,8 +69,8 @@ def test_a_trajectory_lacking_a_moe_layer_is_refused_even_when_not_first():
 
 
 def test_a_bad_group_is_quarantined_with_a_reason_and_the_rest_kept():
-    from trainer.intake import intake_groups
     from trainer.replay import ReplayMode
+    from trainer.samples.intake import intake_groups
 
     good, _ = trajectory("t0", (0, 1, 2), seed=1)
     bad, _ = trajectory("t1", (0, 1, 3), seed=2)  # lacks MoE layer 2

@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry
 
 from services.common.metrics import create_metrics
 from services.common.pb.r3flow.v1 import store_pb2
+from services.store.errors import UnackedFull
 from tests.support.fake_loop import FakeRanks, FakeStore, loop_config, pulled_group
 from trainer.loop.loop import TrainLoop
 from trainer.loop.metrics import reduce_metrics
@@ -31,6 +32,13 @@ def test_groups_scatter_ack_after_checkpoint_and_metrics(tmp_path):
                                      {"layer": "1"}) == 1.0
     assert registry.get_sample_value("r3flow_trainer_updates_skipped_total") == 0  # none faulted
     assert registry.get_sample_value("r3flow_trainer_steps_total") == 3
+    # the stall alert's inputs: when the last step completed, and how long after the one before
+    log_times = [json.loads(x)["time"] for x in (tmp_path / "train_log.jsonl").read_text()
+                 .splitlines()]
+    last = registry.get_sample_value("r3flow_trainer_last_step_timestamp_seconds")
+    assert last == pytest.approx(log_times[-1], abs=1.0)
+    assert 0 < registry.get_sample_value("r3flow_trainer_step_interval_seconds") <= \
+        log_times[-1] - log_times[-2] + 1.0
     log = [json.loads(x) for x in (tmp_path / "train_log.jsonl").read_text().splitlines()]
     assert [x["step"] for x in log] == [1, 2, 3]
 
@@ -44,6 +52,28 @@ def test_redelivered_trained_group_is_acked_not_retrained(tmp_path):
                for m, args in ranks.calls if m == "train" for b in args[0][0]]
     assert trained == ["g0", "g1", "g2", "g3"]
     assert "d0-again" in store.acked[0]
+
+
+def test_store_full_of_unacked_groups_gets_an_early_checkpoint(tmp_path):
+    """The store refuses a pull while it holds max_unacked_tokens of delivered groups: the
+    trainer checkpoints at once (acking what it trained) instead of at checkpoint_every."""
+
+    class BoundedStore(FakeStore):
+        def pull(self, consumer, max_groups, lease_seconds=0, wait_ms=0, session=""):
+            held = len(self.delivered) - sum(len(a) for a in self.acked)
+            if held >= 4:  # two steps of groups delivered and not acked
+                raise UnackedFull("pull: store over max_unacked_tokens=...")
+            got = super().pull(consumer, max_groups)
+            self.delivered += [g.delivery_id for g in got]
+            return got
+
+    ranks, store = FakeRanks(1), BoundedStore([pulled_group(i) for i in range(10)])
+    store.delivered = []
+    cfg = loop_config(tmp_path)
+    cfg.run.checkpoint_every = 1000
+    assert len(TrainLoop(cfg, ranks, store).run(5)) == 5
+    # early checkpoints after steps 2 and 4, the final one after step 5
+    assert store.acked == [["d0", "d1", "d2", "d3"], ["d4", "d5", "d6", "d7"], ["d8", "d9"]]
 
 
 def test_groups_per_step_must_split_evenly_between_ranks(tmp_path):

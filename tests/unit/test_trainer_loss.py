@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.loss import (
+from trainer.losses.loss import (
     LossConfig,
     group_advantages,
     logprob_diff,
@@ -83,7 +83,7 @@ def test_entropy_sft_and_logprob_diff():
 
 
 def test_mismatch_sums_k3_and_far_tokens():
-    from trainer.loss import mismatch_sums
+    from trainer.losses.loss import mismatch_sums
 
     rollout = torch.tensor([[0.0, -1.0, -2.0, -0.5]])
     train = torch.tensor([[0.5, -1.0, -5.0, -2.0]])
@@ -97,8 +97,8 @@ def test_mismatch_sums_k3_and_far_tokens():
 
 
 def test_logprobs_entropy_and_ppo_use_the_sampling_temperature():
-    from trainer.loss import ppo_loss, token_entropy, token_logprobs
-    from trainer.loss_config import LossConfig
+    from trainer.losses.loss import ppo_loss, token_entropy, token_logprobs
+    from trainer.losses.loss_config import LossConfig
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(2, 5, 11, generator=g) * 3
@@ -115,8 +115,8 @@ def test_logprobs_entropy_and_ppo_use_the_sampling_temperature():
 
 
 def test_diff_metrics_weights_two_micro_batches_by_their_tokens():
-    from trainer.batch import MicroBatch
     from trainer.grpo import diff_metrics
+    from trainer.samples.batch import MicroBatch
 
     def mb(rollout: list[float], mask: list[float]) -> MicroBatch:
         z = torch.zeros(1, len(mask))

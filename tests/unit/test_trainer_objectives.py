@@ -1,4 +1,4 @@
-"""trainer.objectives / trainer.loss choices on hand-computed examples, each checked against the
+"""trainer.losses.objectives / trainer.losses.loss choices on hand-computed examples, each checked against the
 formula its paper or peer documents (cited per test)."""
 
 from __future__ import annotations
@@ -10,13 +10,12 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from trainer.batch import Sample, make_microbatch
 from trainer.config import TrainerConfig
-from trainer.corrections import shaped_rewards, staleness_metrics
 from trainer.hf.packing import pack_microbatch
-from trainer.loss import clipped_surrogate
-from trainer.loss_config import LossConfig, OverlongConfig, RolloutCorrectionConfig
-from trainer.objectives import (
+from trainer.losses.corrections import shaped_rewards, staleness_metrics
+from trainer.losses.loss import clipped_surrogate
+from trainer.losses.loss_config import LossConfig, OverlongConfig, RolloutCorrectionConfig
+from trainer.losses.objectives import (
     RolloutWeights,
     UpdateNorm,
     aggregate,
@@ -28,6 +27,7 @@ from trainer.objectives import (
     sequence_index,
     update_norm,
 )
+from trainer.samples.batch import Sample, make_microbatch
 
 
 def _sample(prompt: int, resp: int, reward: float = 0.0, group: str = "g", version: int = 0

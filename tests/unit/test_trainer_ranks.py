@@ -10,8 +10,8 @@ import pytest
 
 from services.common.pb.r3flow.v1 import store_pb2
 from trainer.loop.ranks import RANK_METHODS, Ranks
+from trainer.ranks.worker import RankWorker
 from trainer.weight_push import StoreWeightPush
-from trainer.worker import RankWorker
 
 
 def test_every_rank_method_is_a_rank_worker_method_with_as_many_parameters():

@@ -228,17 +228,24 @@ def test_gloo_wait_slices_until_a_late_peer_posts():
     build(0)
     peer.join()
 
-    def late_receiver() -> None:
-        time.sleep(0.3)
+    checks: list[int] = []
+    checked_thrice = threading.Event()
+
+    def check() -> None:
+        checks.append(1)
+        if len(checks) >= 3:
+            checked_thrice.set()
+
+    def late_receiver() -> None:  # posts once the sender's wait has run its check 3 times
+        checked_thrice.wait(10)
         broadcast(pgs[1], torch.zeros(1000)).wait()
 
     peer = threading.Thread(target=late_receiver)
     peer.start()
-    checks = []
     sent = torch.arange(1000.0)
-    wait_work(broadcast(pgs[0], sent), lambda: checks.append(1), time.monotonic() + 10, True)
+    wait_work(broadcast(pgs[0], sent), check, time.monotonic() + 10, True)
     peer.join()
-    assert len(checks) >= 3  # 50 ms slices while the peer slept 300 ms
+    assert checked_thrice.is_set()  # checked in slices while the peer had not posted
 
 
 def test_unreachable_sender_is_an_abort_not_a_hang():

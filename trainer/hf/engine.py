@@ -1,7 +1,7 @@
 """HFBackend (trainer.backend.TrainBackend): an HF transformers MoE model (FSDP2), AdamW and
 routing replay through router forward hooks (trainer.hf.routers); the step is trainer.grpo's.
 
-Micro-batches are packed [1, T] (hf.packing) or padded [B, S] (trainer.batch). An update is a
+Micro-batches are packed [1, T] (hf.packing) or padded [B, S] (trainer.samples.batch). An update is a
 per micro-batch forward + backward (FSDP2 reduce-scatters on the last one), grad clip, AdamW;
 replay ids cleared after the step. r3 ids are validated and moved to the device once per
 micro-batch, before the first forward of a pass (`_stage`).
@@ -20,10 +20,7 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from trainer.alignment import check_routes
-from trainer.batch import MicroBatch, Sample, filler_microbatch, split_microbatches
 from trainer.checkpoint import ShardedState
-from trainer.collectives import max_over_ranks
 from trainer.config import TrainerConfig
 from trainer.guard import Level, PeerFault, checkpoint
 from trainer.hf.config import HFBackendConfig, hf_section
@@ -58,7 +55,10 @@ from trainer.hf.ulysses import (
 )
 from trainer.megatron.config import model_section
 from trainer.protocol import LossFn
+from trainer.ranks.collectives import max_over_ranks
 from trainer.replay import ReplayMode, drive
+from trainer.samples.alignment import check_routes
+from trainer.samples.batch import MicroBatch, Sample, filler_microbatch, split_microbatches
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from trainer.alignment import filler_row, pad_last_row
-from trainer.batch import MicroBatch, Sample
+from trainer.samples.alignment import filler_row, pad_last_row
+from trainer.samples.batch import MicroBatch, Sample
 
 
 def _pad_len(n: int, multiple: int) -> int:

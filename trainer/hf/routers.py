@@ -34,8 +34,8 @@ from typing import Any
 import torch
 
 from services.common import families
-from trainer.alignment import shard_sequence_parallel
 from trainer.replay import AgreementStats
+from trainer.samples.alignment import shard_sequence_parallel
 
 
 def softmax_topk_weights(router: Any, logits_TE: torch.Tensor,

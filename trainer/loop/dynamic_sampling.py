@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from trainer.config import DataConfig
-from trainer.objectives import all_equal
+from trainer.losses.objectives import all_equal
 
 REASON = "equal_rewards"
 

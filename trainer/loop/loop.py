@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from services.store.errors import RateLimit, UnackedFull
 from trainer.checkpoint import DataPosition
 from trainer.config import TrainerConfig
 from trainer.hooks import StepHook, before_step, load_hooks
@@ -41,10 +42,11 @@ from trainer.loop.dynamic_sampling import DynamicSampler, equal_reward_groups
 from trainer.loop.ledger import TrainedIdsLedger
 from trainer.loop.metrics import TrainerMetrics, reduce_metrics
 from trainer.loop.ranks import Ranks, RankTransport
-from trainer.loop.staleness import staleness
+from trainer.loop.staleness import is_stale, staleness
 
 log = logging.getLogger(__name__)
 
+UNACKED_WAIT_S = 1.0  # a pull refused for un-acked groups it cannot ack is tried again after
 RESYNC_INTERVAL_S = 10.0  # how often an idle trainer re-pushes to workers behind its version
 PushFn = Callable[[Ranks, int, str], None]  # trainer.weight_push.StoreWeightPush
 
@@ -69,6 +71,7 @@ class TrainLoop:
         # so a batch that waits long is not dead-lettered; a restarted trainer is a new session.
         self.session = uuid.uuid4().hex
         self._last_resync = 0.0
+        self._unacked_log = RateLimit(60.0)
         self._hf_exported = -1  # step of the last HF export (no second one at the same step)
         self.pos = DataPosition()
         self.run_log = Path(cfg.run.run_dir) / "train_log.jsonl"
@@ -146,9 +149,7 @@ class TrainLoop:
         while len(batch) < d.groups_per_step:
             if stop():
                 return []
-            got = self.client.pull(d.consumer, d.groups_per_step - len(batch),
-                                   lease_seconds=d.lease_seconds, wait_ms=d.wait_ms,
-                                   session=self.session)
+            got = self._pull(d.groups_per_step - len(batch))
             if not got:
                 self.resync_lagging_workers()
             # A group already in the batch (its lease renewed while the batch waited) was
@@ -159,6 +160,26 @@ class TrainLoop:
             batch.update((g.group_id, g) for g in got if g.group_id in batch)
             batch.update((g.group_id, g) for g in fresh)
         return list(batch.values())
+
+    def _pull(self, max_groups: int) -> list:
+        """One pull. A store that holds max_unacked_tokens of delivered, un-acked groups
+        refuses it (UnackedFull): the trainer checkpoints now, which acks the groups it trained,
+        instead of at its cadence (docs/store.md "Admission and acks")."""
+        d = self.cfg.data
+        try:
+            return self.client.pull(d.consumer, max_groups, lease_seconds=d.lease_seconds,
+                                    wait_ms=d.wait_ms, session=self.session)
+        except UnackedFull as full:
+            if self.pending_acks:
+                log.warning("step %d: early checkpoint to ack %d groups: %s", self.pos.step,
+                            len(self.pending_acks), full)
+                self.checkpoint(force=True)
+            else:  # what the store holds is this batch's or another session's (leases expire)
+                if self._unacked_log.due("wait"):
+                    log.warning("step %d: nothing to ack, waiting: %s (is max_unacked_tokens "
+                                "below one step's tokens?)", self.pos.step, full)
+                time.sleep(UNACKED_WAIT_S)
+            return []
 
     def drop_equal_rewards(self, groups: list) -> list:
         """DAPO dynamic sampling (trainer.loop.dynamic_sampling): equal-reward groups acked as
@@ -176,7 +197,7 @@ class TrainLoop:
         if lag is None:
             return groups
         v = self.pos.policy_version
-        stale = [g for g in groups if staleness(g, v) > lag]
+        stale = [g for g in groups if is_stale(g, v, lag)]
         if stale:
             self.client.ack(self.cfg.data.consumer, [], dropped=[
                 (g.delivery_id, "stale", len(g.trajectories)) for g in stale])

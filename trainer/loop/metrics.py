@@ -7,6 +7,7 @@ instead of a silent no-op. A handle is None where the registry has no such metri
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,6 +78,9 @@ class TrainerMetrics:
     diff_by_staleness: Any = None
     updates_skipped: Any = None
     updates_rerun: Any = None
+    last_step_time: Any = None  # unix time of the last completed step (the stall alert's)
+    step_interval: Any = None
+    last_step_at: float = 0.0
 
     @classmethod
     def of(cls, registered: dict[str, Any] | None) -> TrainerMetrics:
@@ -93,7 +97,9 @@ class TrainerMetrics:
             staleness=r.get(PREFIX + "sample_staleness_versions"),
             diff_by_staleness=r.get(PREFIX + "logprob_diff_mean_by_staleness"),
             updates_skipped=r.get(PREFIX + "updates_skipped_total"),
-            updates_rerun=r.get(PREFIX + "updates_rerun_total"))
+            updates_rerun=r.get(PREFIX + "updates_rerun_total"),
+            last_step_time=r.get(PREFIX + "last_step_timestamp_seconds"),
+            step_interval=r.get(PREFIX + "step_interval_seconds"))
 
     def export_step(self, m: dict) -> None:
         """Set the gauges, agreement per layer (`layer`: the model's layer number), step time,
@@ -114,6 +120,16 @@ class TrainerMetrics:
             self.step_seconds.observe(m.get("step_seconds", 0.0))
         if self.steps is not None:
             self.steps.inc()
+        self._export_step_time(time.time())
+
+    def _export_step_time(self, now: float) -> None:
+        """When this step completed and how long after the one before (R3flowTrainerStalled
+        fires when no step completes for several times that)."""
+        if self.last_step_at and self.step_interval is not None:
+            self.step_interval.set(now - self.last_step_at)
+        self.last_step_at = now
+        if self.last_step_time is not None:
+            self.last_step_time.set(now)
 
     def _export_off_policy(self, m: dict) -> None:
         """Samples' staleness into its histogram; |Delta logprob| per staleness class."""

@@ -1,8 +1,8 @@
 """The trainer ranks as the loop sees them: typed calls over a rank transport.
 
-A transport (`RankTransport`: trainer.local_ranks.LocalRanks in-process,
-trainer.ray_launch.RayRanks as Ray actors)
-calls a named trainer.worker.RankWorker method on every rank; `Ranks` is the only place that
+A transport (`RankTransport`: trainer.ranks.local_ranks.LocalRanks in-process,
+trainer.ranks.ray_launch.RayRanks as Ray actors)
+calls a named trainer.ranks.worker.RankWorker method on every rank; `Ranks` is the only place that
 names those methods (`RankMethod`: a name outside it is a type error; a unit test holds it to
 RankWorker's methods), so the loop and the weight push call typed methods and a typo is an
 AttributeError or a type error.

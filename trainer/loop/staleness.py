@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from services.common.staleness import too_stale
+
 
 def oldest_version(group: Any) -> int | None:
     """The smallest segment policy version over a pulled group's trajectories (None: none)."""
@@ -18,3 +20,9 @@ def staleness(group: Any, trainer_version: int) -> int:
     """Versions between the trainer's weights and the group's oldest segment (0: none)."""
     oldest = oldest_version(group)
     return 0 if oldest is None else trainer_version - oldest
+
+
+def is_stale(group: Any, trainer_version: int, max_policy_lag: int | None) -> bool:
+    """Whether the group's oldest segment lags the trainer by more than `max_policy_lag`."""
+    oldest = oldest_version(group)
+    return oldest is not None and too_stale(trainer_version, oldest, max_policy_lag)

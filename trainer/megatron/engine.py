@@ -31,9 +31,6 @@ from typing import Any
 import torch
 
 from services.common.weight_sync import buckets as bk
-from trainer.alignment import check_routes, local_routing, to_router_rows
-from trainer.batch import MicroBatch, Sample, filler_microbatch, split_microbatches
-from trainer.collectives import max_over_ranks
 from trainer.config import TrainerConfig
 from trainer.guard import Level, checkpoint, vote_on
 from trainer.megatron.config import model_section
@@ -58,7 +55,10 @@ from trainer.megatron.planned_dispatch import StepPlan, planned_layers
 from trainer.megatron.replay import AgreementMonitor, ModelReplay
 from trainer.megatron.weights import MegatronWeights
 from trainer.protocol import LossFn
+from trainer.ranks.collectives import max_over_ranks
 from trainer.replay import ReplayMode, drive
+from trainer.samples.alignment import check_routes, local_routing, to_router_rows
+from trainer.samples.batch import MicroBatch, Sample, filler_microbatch, split_microbatches
 
 log = logging.getLogger(__name__)
 

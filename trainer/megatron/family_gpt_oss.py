@@ -9,7 +9,7 @@ What GPT-OSS brings, and the megatron-core option that computes the same thing (
     sees keys j with i - W < j <= i) == megatron window_size (W - 1, 0) and the per-layer list
     window_attn_skip_freq (1 = sliding). The local attention builds that mask itself and ignores
     the mask passed in, which is right for the trainer's batches: one sample per row, right-
-    padded (trainer.batch), so pads never precede a real token and nothing is packed;
+    padded (trainer.samples.batch), so pads never precede a real token and nothing is packed;
   * experts: HF `gate_up_proj` [E, H, 2I] applied as x @ W, gate = columns 0::2, up = 1::2, and
     `down_proj` [E, I, H], each with a bias; the activation is
     (clamp(up, -c, c) + 1) * g * sigmoid(1.702 g), g = min(gate, c) (c = swiglu_limit) ==

@@ -5,7 +5,7 @@
 HF mapping into this rank's parameters (pipeline stage's layers renamed to local indices,
 tensor-parallel slices cut as megatron's layers hold them); `gather_full` is its inverse (the
 HF export, a collective over TP, expert-TP and PP). `stage_moe_layers` / `local_positions` say
-which MoE layers and which sequence positions this rank routes (trainer.alignment cuts the
+which MoE layers and which sequence positions this rank routes (trainer.samples.alignment cuts the
 routing rows with them).
 Legend: S sequence (padded), H hidden.
 """
@@ -109,7 +109,7 @@ def local_positions(seq_len: int, sequence_parallel: bool) -> torch.Tensor:
     the context-parallel shard of input_ids, then its sequence-parallel slice."""
     from megatron.core import parallel_state as ps
 
-    from trainer.alignment import shard_context_parallel, shard_sequence_parallel
+    from trainer.samples.alignment import shard_context_parallel, shard_sequence_parallel
 
     pos = shard_context_parallel(torch.arange(seq_len).unsqueeze(0),
                                  ps.get_context_parallel_rank(),

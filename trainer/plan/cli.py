@@ -18,8 +18,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--manifest", action="append", default=[],
                      help="k8s/ spec or `helm template` output; every RayJob in it is planned")
     src.add_argument("--config", help="trainer config file (TrainerConfig)")
-    src.add_argument("--model", help="known name (Qwen3-30B-A3B, tiny-moe), HF model dir or "
-                     "config.json (default with --config: its model_dir)")
+    src.add_argument("--model", help="known name (Qwen3-30B-A3B, Mixtral-8x7B, DeepSeek-V3, "
+                     "tiny-moe), HF model dir or config.json of a registered family's model_type "
+                     "(default with --config: its model_dir)")
     src.add_argument("--gpu-memory-gib", type=positive(float), help="memory of one GPU (with --config)")
     src.add_argument("--seq-len", type=positive(int), help="tokens per sequence (with --config)")
     what = p.add_argument_group("what-if overrides")
@@ -95,12 +96,16 @@ def load(args: argparse.Namespace) -> list[tuple[str, Any, Any]]:
 def run(args: argparse.Namespace) -> int:
     from trainer.plan.manifest import plan_rollouts
     from trainer.plan.memory import format_plan
+    from trainer.plan.store import plan_stores
 
     ok = True
     for path in args.manifest:  # rollout engines sized for the model (trainer/plan/rollout.py)
         for check in plan_rollouts(path):
             print(check.describe(f"{check.where}:"))
             ok &= check.ok
+        for store in plan_stores(path):  # un-acked groups of a checkpoint interval (store.py)
+            print(store.describe(f"{store.where}:"))
+            ok &= store.ok
     for label, p, job in load(args):
         print(format_plan(p, label))
         if job is None:

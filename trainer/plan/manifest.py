@@ -138,17 +138,23 @@ def _device_memory(workers: list[k8s.PodGroup], world: int, ann: dict[str, str],
     return quantity_bytes(memory) / -(-world // pods) / GiB
 
 
-def plan_rayjob(docs: list[dict], doc: dict, overhead_gib: float | None = None) -> JobPlan:
-    """Plan one RayJob of `docs` (the documents of its file)."""
+def trainer_of(docs: list[dict], doc: dict) -> tuple[k8s.RayJob, TrainerConfig]:
+    """A RayJob document of `docs` and the trainer config its pods mount."""
     job = k8s.parse(k8s.RayJob, doc, f"RayJob/{(doc.get('metadata') or {}).get('name', '?')}")
     where = f"RayJob/{job.metadata.name}"
-    ann = job.metadata.annotations
     text = _config_map_text(docs, job, where)
     try:
         data = yaml.load(text, Loader=YAML_LOADER)  # noqa: S506 (a safe loader)
     except yaml.YAMLError as e:
         raise syntax_error(f"{where}: train.yaml", e) from None
-    cfg = build_config(TrainerConfig, data, source=f"{where}: train.yaml")
+    return job, build_config(TrainerConfig, data, source=f"{where}: train.yaml")
+
+
+def plan_rayjob(docs: list[dict], doc: dict, overhead_gib: float | None = None) -> JobPlan:
+    """Plan one RayJob of `docs` (the documents of its file)."""
+    job, cfg = trainer_of(docs, doc)
+    where = f"RayJob/{job.metadata.name}"
+    ann = job.metadata.annotations
     for key in ("model", "seq-len"):
         if PREFIX + key not in ann:
             raise UserError(f"{where}: annotation {PREFIX}{key} is missing")
@@ -195,7 +201,10 @@ class RolloutCheck:
     def describe(self, label: str) -> str:
         verdict = "as planned" if self.ok else (
             f"NOT AS PLANNED: the pod's engine runs TP {self.tp} on {self.gpus} GPU(s); set "
-            f"rollout.gpus to {self.plan.tp}" if self.plan.fits else "NOT AS PLANNED")
+            f"rollout.gpus to {self.plan.tp}" if self.plan.fits else
+            f"NOT AS PLANNED: no engine of up to TP {self.plan.tp} holds the weights and the "
+            f"batch's KV cache; lower engine.max_num_seqs or engine.max_model_len, or plan "
+            f"GPUs with more memory")
         return f"{self.plan.describe(label)}\n  rendered: TP {self.tp}: {verdict}"
 
 

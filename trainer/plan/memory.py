@@ -1,8 +1,11 @@
 """Per-rank GPU memory of a megatron-core MoE training job (what `r3flow plan` prints).
 
+The model's sizes are its family's reading of its config.json (`Arch.from_hf_config`: the family
+module of model_type maps its own keys, services.common.families.model_shape), so dense
+and MoE layers, shared experts, expert widths and MLA are counted as the family builds them.
 An estimate written down so that it can be checked by hand (tests/unit/test_plan.py does):
-  * parameters per rank: attention, dense MLPs, embeddings and output layer split over TP
-    (norms and routers replicated); experts split over EP x expert-TP (model.
+  * parameters per rank: attention, dense MLPs, shared experts, embeddings and output layer
+    split over TP (norms and routers replicated); experts split over EP x expert-TP (model.
     expert_tensor_parallel, 1 by default); layers over PP
     (the per-rank table is the worst stage: first with PP=1 holds embedding and output layer);
   * bytes per parameter (megatron mixed precision): weights at the model dtype; gradients fp32
@@ -14,9 +17,12 @@ An estimate written down so that it can be checked by hand (tests/unit/test_plan
   * activations per token per layer at the model dtype, tokens per rank = seq_len x micro_batch
     / (TP x CP) (sequence parallel), x PP micro-batches in flight on the first stage (1F1B):
       attention   3h + 2*q + 2*kv  (two norm inputs, QKV input, q/k/v, attention output;
-                  q = heads x head_dim, kv = kv_heads x head_dim)
-      MoE block   h + k*(2h + 3f) + 2E*4/eb  (router input, fp32 router logits and probs,
-                  permuted tokens in/out, fc1 gate+up, activation output)
+                  q = heads x head_dim, kv = kv_heads x head_dim); MLA: 3h + 2*ql + 2*kl +
+                  r + 2*q + 2*v (q and kv latents before and after their norms, the rope key,
+                  q, k = q, v = heads x v_head_dim and the attention output)
+      MoE block   h + k*(2h + 3f) + 3s + 2E*4/eb  (router input, fp32 router logits and
+                  probs, permuted tokens in/out, fc1 gate+up, activation output; the shared
+                  expert's fc1 and activation outputs)
       dense MLP   h + 3F
     recompute "moe" keeps only the MoE block's input (h) per layer, "full" only each layer's
     input (h); either adds one recomputed block's activations live during backward. A
@@ -36,21 +42,23 @@ An estimate written down so that it can be checked by hand (tests/unit/test_plan
     each layer keeps the kernel's fp32 logsumexp, 4 B x micro_batch x heads/TP x seq_len;
   * loss: the trainer's loss works on the full [B, S, V] logits (the trainer gathers them over
     TP, parallel_output=False, so every TP rank holds the full vocabulary; PP: the last
-    stage). trainer/loss.py's ppo_loss takes two fp32 log-softmaxes (token_logprobs and
+    stage). trainer/losses/loss.py's ppo_loss takes two fp32 log-softmaxes (token_logprobs and
     token_entropy each upcast and normalise the logits) and exp of the second; autograd keeps
     all three (3 x 4 B per logit), and the entropy's backward materialises three more fp32
     gradients of that size before any is freed: 24 B per logit at the peak, at the start of
     the update's backward when every layer's activations are still held (any model dtype;
     measured on CPU with ru_maxrss over ppo_loss forward + backward: 6.05 x 4 B bf16, 6.05 x
     4 B fp32; forward alone 4.5 x 4 B). With loss.chunked_logprobs (Layout.chunked_logprobs,
-    trainer/logprobs.py) no fp32 [B, S, V] tensor: the bf16 logits it saves for backward and
+    trainer/losses/logprobs.py) no fp32 [B, S, V] tensor: the bf16 logits it saves for backward and
     their bf16 gradient (4 B per logit), plus one chunk's fp32 temporaries in the backward
     (~6 x LOSS_CHUNK_ROWS x V x 4 B: logp, p, the gradient and their products; fitted to the
     four H200 peaks of BENCHMARKS.md "Call 5", within 6 %);
   * routing buffers: RouterReplay's int64 top-k ids of each micro-batch in flight;
   * the weight push (push_bytes): the sender's buckets in flight and the chunks it gathers
-    from the other ranks (streamed: no rank holds the whole model); the rollout side's
-    staging ring is printed as a note (rollout_staging_bytes);
+    from the other ranks (streamed: no rank holds the whole model), each the bucket size or
+    the family's largest tensor when larger (push_chunk_bytes: GPT-OSS's fused experts, a
+    large vocabulary's embedding); the rollout side's staging ring is printed as a note
+    (rollout_staging_bytes);
   * hf backend (Layout.fsdp, FSDP2): fp32 parameters, fp32 gradients and Adam moments (8 B),
     each sharded over the shard group (the world, or hf.shard_group_size with hybrid
     sharding), plus what is gathered at a time (fsdp_state_bytes): the largest decoder layer's
@@ -60,81 +68,38 @@ An estimate written down so that it can be checked by hand (tests/unit/test_plan
   * a colocated vLLM engine's share (gpu_memory_utilization of the same GPU; 0 when rollout
     runs in its own pods, as in the chart) and a fixed runtime overhead (CUDA context, NCCL
     buffers, allocator fragmentation).
-Legend: h hidden, f expert FFN, F dense FFN, k top-k, E experts, eb bytes per element.
+Legend: h hidden, f expert FFN, F dense FFN, s shared experts' FFN, k top-k, E experts, eb bytes
+per element, ql/kl/r MLA's q_lora_rank/kv_lora_rank/qk_rope_head_dim.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Literal
 
+from services.common import families
 from services.common.errors import UserError
+from services.common.families import ModelShape
+from trainer.plan.advice import what_to_change
 
 GiB = 1 << 30
 Recompute = Literal["none", "moe", "full"]
 RECOMPUTES: tuple[Recompute, ...] = ("none", "moe", "full")  # lightest first
 
 
-@dataclass(frozen=True)
-class Arch:
-    """The architecture facts the estimate needs (from an HF config.json)."""
-
-    num_layers: int
-    moe_layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    experts: int
-    top_k: int
-    moe_ffn: int
-    dense_ffn: int
-    vocab: int
-    tied_embeddings: bool = False
+class Arch(ModelShape):
+    """The sizes the estimate counts: a ModelShape (services/common/families/_shape.py), read by
+    the family of config.json's model_type."""
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> Arch:
-        """Qwen3-MoE / Mixtral-style config.json keys; ValueError names a missing one."""
+        """The family's reading of HF config.json `cfg` (services.common.families.model_shape);
+        UserError, one line, for an unknown model_type or a key the family needs."""
         try:
-            n, step = int(cfg["num_hidden_layers"]), int(cfg.get("decoder_sparse_step", 1))
-            dense = set(cfg.get("mlp_only_layers") or [])
-            experts = cfg.get("num_experts") or cfg.get("num_local_experts") \
-                or cfg["n_routed_experts"]
-            return cls(
-                num_layers=n,
-                moe_layers=sum(1 for i in range(n) if i not in dense and (i + 1) % step == 0),
-                hidden=int(cfg["hidden_size"]), heads=int(cfg["num_attention_heads"]),
-                kv_heads=int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"]),
-                head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]),
-                experts=int(experts), top_k=int(cfg["num_experts_per_tok"]),
-                moe_ffn=int(cfg["moe_intermediate_size"]),
-                dense_ffn=int(cfg.get("intermediate_size") or 0),
-                vocab=int(cfg["vocab_size"]),
-                tied_embeddings=bool(cfg.get("tie_word_embeddings", False)))
-        except KeyError as e:
-            raise UserError(f"model config: missing key {e.args[0]!r}") from None
-        except (TypeError, ValueError, ZeroDivisionError) as e:
-            raise UserError(f"model config: a value is not a number: {e}") from None
-
-    @property
-    def dense_layers(self) -> int:
-        return self.num_layers - self.moe_layers
-
-    @property
-    def expert_params_per_layer(self) -> int:
-        return self.experts * 3 * self.hidden * self.moe_ffn
-
-    def attention_params(self) -> tuple[int, int]:
-        """(TP-split, replicated) parameters of one attention block + its two norms."""
-        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        return 2 * self.hidden * q + 2 * self.hidden * kv, 2 * self.hidden + 2 * self.head_dim
-
-    def total_params(self) -> int:
-        split, repl = self.attention_params()
-        emb = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
-        return (self.num_layers * (split + repl) + emb + self.hidden
-                + self.moe_layers * (self.expert_params_per_layer + self.hidden * self.experts)
-                + self.dense_layers * 3 * self.hidden * self.dense_ffn)
+            shape = families.model_shape(cfg)
+        except ValueError as e:
+            raise UserError(f"model config: {e}") from None
+        return cls(**{f.name: getattr(shape, f.name) for f in fields(shape)})
 
 
 @dataclass(frozen=True)
@@ -217,14 +182,16 @@ class Plan:
 def params_per_rank(arch: Arch, lay: Layout) -> tuple[float, float]:
     """(dense, expert) parameters held by the most loaded rank (first stage)."""
     split, repl = arch.attention_params()
+    moe_split, moe_repl = arch.moe_dense_params()  # shared expert; router (+ gate)
     per_stage = arch.num_layers // lay.pp
     moe = arch.moe_layers * per_stage / arch.num_layers
     dense_mlp = arch.dense_layers * per_stage / arch.num_layers
     emb = arch.vocab * arch.hidden
     # Embedding on the first stage, output layer on the last: both on one rank only with PP=1.
     emb_rank = emb * (1 if (arch.tied_embeddings or lay.pp > 1) else 2)
-    dense = (per_stage * split + dense_mlp * 3 * arch.hidden * arch.dense_ffn + emb_rank) / lay.tp
-    dense += per_stage * repl + moe * arch.hidden * arch.experts + arch.hidden
+    dense = (per_stage * split + moe * moe_split + dense_mlp * 3 * arch.hidden * arch.dense_ffn
+             + emb_rank) / lay.tp
+    dense += per_stage * repl + moe * moe_repl + arch.hidden
     expert = moe * arch.expert_params_per_layer / (lay.ep * lay.etp)
     return dense, expert
 
@@ -247,7 +214,7 @@ def fsdp_state_bytes(arch: Arch, lay: Layout) -> dict[str, float]:
     dense, expert = params_per_rank(arch, lay)
     shard = (dense + expert) / lay.shard
     split, repl = arch.attention_params()
-    moe = arch.expert_params_per_layer + arch.hidden * arch.experts if arch.moe_layers else 0
+    moe = arch.expert_params_per_layer + sum(arch.moe_dense_params()) if arch.moe_layers else 0
     layer = split + repl + max(moe, 3 * arch.hidden * arch.dense_ffn)
     eb = 2 if lay.dtype == "bf16" else 4
     return {"weights": 4 * shard, "grads": 4 * shard, "optimizer": 8 * shard,
@@ -255,17 +222,29 @@ def fsdp_state_bytes(arch: Arch, lay: Layout) -> dict[str, float]:
             "reference model": 4 * shard if lay.reference else 0.0}
 
 
-LOSS_CHUNK_ROWS = 1024  # trainer.logprobs.CHUNK (tests/unit/test_plan.py keeps them equal)
+LOSS_CHUNK_ROWS = 1024  # trainer.losses.logprobs.CHUNK (tests/unit/test_plan.py keeps them equal)
+
+
+def attention_elems(arch: Arch) -> int:
+    """Elements per token an attention block keeps for backward (module docstring): its two
+    norm inputs and the projections' input, q, k, v and the attention output; MLA adds its
+    q and kv latents (each before and after its norm) and the shared rope key."""
+    a, h = arch.attention, arch.hidden
+    if not a.mla:
+        return 3 * h + 2 * a.q_width + 2 * a.kv_heads * a.head_dim
+    latents = 2 * a.q_lora_rank + 2 * a.kv_lora_rank + a.rope_head_dim
+    return 3 * h + latents + 2 * a.q_width + 2 * a.v_width
 
 
 def activation_bytes(arch: Arch, lay: Layout) -> dict[str, float]:
     """Activations, attention scores, the loss's logits and routing buffers of the first (and,
     PP=1, last) stage."""
     eb = 2 if lay.dtype == "bf16" else 4
-    h, q, kv = arch.hidden, arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim
+    h = arch.hidden
     tokens = lay.seq_len * lay.micro_batch / (lay.tp * lay.cp)
-    attn = 3 * h + 2 * q + 2 * kv
-    moe = h + arch.top_k * (2 * h + 3 * arch.moe_ffn) + 2 * arch.experts * 4 / eb
+    attn = attention_elems(arch)
+    moe = (h + arch.top_k * (2 * h + 3 * arch.moe_ffn) + 3 * arch.shared_ffn
+           + 2 * arch.experts * 4 / eb)
     mlp = h + 3 * arch.dense_ffn
     per_stage = arch.num_layers // lay.pp
     moe_n = arch.moe_layers * per_stage / arch.num_layers
@@ -298,19 +277,28 @@ PUSH_CHUNK_DEPTH = 3  # export_stream.HFStream: 2 chunks in flight + the one bei
 RX_STAGING_SLOTS = 3  # weight_sync.receiver_stream.DEFAULT_SLOTS
 
 
-def push_bytes(lay: Layout) -> dict[str, float]:
+def push_chunk_bytes(arch: Arch, lay: Layout) -> int:
+    """A push bucket as sent: `push_bucket_bytes`, or the model's largest tensor at the model
+    dtype when that is larger (a chunk never splits a tensor: export_stream.cut_chunks; the
+    rollout's staging ring grows to the largest bucket: receiver_stream)."""
+    eb = 2 if lay.dtype == "bf16" else 4
+    return max(lay.push_bucket_bytes, eb * arch.largest_tensor()) if lay.push_bucket_bytes else 0
+
+
+def push_bytes(arch: Arch, lay: Layout) -> dict[str, float]:
     """The streamed weight push on the trainer's worst rank (the sender, rank 0): its pack
     buffers (inflight x bucket), the chunks it receives from other ranks (PUSH_CHUNK_DEPTH x
     bucket; a non-sender rank holds as many it sends) and up to one bucket of sources awaiting
-    their pack. Measured on H200s at Qwen3-30B-A3B size (BENCHMARKS.md): within 2 GiB of it."""
-    b = lay.push_bucket_bytes
+    their pack; a bucket is push_chunk_bytes (the family's largest tensor when that is larger).
+    Measured on H200s at Qwen3-30B-A3B size (BENCHMARKS.md): within 2 GiB of it."""
+    b = push_chunk_bytes(arch, lay)
     return {"weight push": (lay.push_inflight + PUSH_CHUNK_DEPTH + 1) * b} if b else {}
 
 
 def rollout_staging_bytes(bucket_bytes: int) -> int:
     """Push staging on each rollout engine rank: the receiver's ring (RX_STAGING_SLOTS
-    buckets, weight_sync.receiver_stream), kept between pushes; leave it outside vLLM's
-    gpu_memory_utilization."""
+    buckets of push_chunk_bytes, weight_sync.receiver_stream), kept between pushes; leave it
+    outside vLLM's gpu_memory_utilization."""
     return RX_STAGING_SLOTS * bucket_bytes
 
 
@@ -320,6 +308,9 @@ def plan(arch: Arch, lay: Layout, gpu_gib: float, overhead_gib: float = 4.0,
     for a megatron layout the recompute the budget allows (choose_recompute), and when the
     config leaves recompute unset and the trainer's none does not fit, the setting that fits."""
     out = _plan(arch, lay, gpu_gib, overhead_gib, vllm_share)
+    if not out.fits:
+        out.notes.append(what_to_change(out.rows, out.total - out.gpu_bytes, lay,
+                                        out.dense_params >= out.expert_params))
     if lay.fsdp:
         return out
     pick, totals = choose_recompute(arch, lay, gpu_gib, overhead_gib, vllm_share)
@@ -366,13 +357,13 @@ def _plan(arch: Arch, lay: Layout, gpu_gib: float, overhead_gib: float,
     state = fsdp_state_bytes(arch, lay) if lay.fsdp else _state_bytes(lay, dense, expert)
     if lay.fsdp:
         dense, expert = dense / lay.shard, expert / lay.shard
-    rows = state | activation_bytes(arch, lay) | push_bytes(lay)
+    rows = state | activation_bytes(arch, lay) | push_bytes(arch, lay)
     rows["vLLM KV share"] = vllm_share * gpu_gib * GiB
     rows["runtime overhead"] = overhead_gib * GiB
     out = Plan(rows=rows, gpu_bytes=gpu_gib * GiB, dense_params=dense, expert_params=expert)
     if lay.push_bucket_bytes:
         out.notes.append(f"rollout engine ranks: weight-push staging "
-                         f"{rollout_staging_bytes(lay.push_bucket_bytes) / GiB:.2f} GiB each "
+                         f"{rollout_staging_bytes(push_chunk_bytes(arch, lay)) / GiB:.2f} GiB each "
                          f"({RX_STAGING_SLOTS} buckets) outside gpu_memory_utilization")
     if lay.fsdp:
         out.notes.append(f"hf backend: FSDP2, every weight sharded over {lay.shard} rank(s), "

@@ -6,7 +6,10 @@ smallest engines that still hold the whole batch's KV cache: each engine runs it
 (data parallel), and every extra TP rank adds an all-reduce per layer to every decode step. So
 the plan takes the smallest power-of-two TP whose engine holds, inside
 `gpu_memory_utilization` of its GPUs, the bf16 weights (split over TP) plus the KV cache of
-`max_num_seqs` sequences of `max_model_len` tokens (vLLM's worst case for the engine's batch);
+`max_num_seqs` sequences of `max_model_len` tokens (vLLM's worst case for the engine's batch;
+per token and layer the family's attention decides it: GQA's KV heads split over TP, at least
+one per rank, MLA's latent and rope key whole on every rank, a sliding-window layer only its
+window);
 node_gpus / TP engines then share one node. The chart runs one engine per rollout pod
 (`rollout.gpus` = TP), so several pods share a node; chart-check refuses a rendered rollout whose
 TP is not the plan's (annotations r3flow.io/plan-model and r3flow.io/plan-gpu-memory-gib).
@@ -48,25 +51,23 @@ class RolloutPlan:
                 f"{self.need_tokens:,} needed: {verdict}")
 
 
-def kv_bytes_per_token(arch: Arch, dtype_bytes: int = 2) -> int:
-    """K and V of every layer for one token (all KV heads; TP splits them)."""
-    return 2 * arch.num_layers * arch.kv_heads * arch.head_dim * dtype_bytes
-
-
-def active_params(arch: Arch) -> int:
-    """Parameters one token runs through (top_k of each MoE layer's experts)."""
-    routed = arch.moe_layers * (arch.experts - arch.top_k) * 3 * arch.hidden * arch.moe_ffn
-    return arch.total_params() - routed
+def kv_bytes_per_token(arch: Arch, tp: int = 1, seq_len: int = 0, dtype_bytes: int = 2) -> float:
+    """K and V of every layer for one token on one of `tp` engine ranks (the family's attention:
+    GQA splits its KV heads over the ranks, MLA keeps its latent on every rank); with `seq_len`,
+    a sliding-window layer counts for its window's share of a sequence that long (vLLM's
+    hybrid KV cache keeps only the window there)."""
+    layers = arch.kv_layers(seq_len) if seq_len else arch.num_layers
+    return layers * arch.attention.kv_cache_elems(tp) * dtype_bytes
 
 
 def engine_plan(arch: Arch, tp: int, gpu_gib: float, util: float, max_model_len: int,
                 max_num_seqs: int, node_gpus: int) -> RolloutPlan:
     weights = arch.total_params() * 2 / tp  # bf16
     usable = gpu_gib * GiB * util - ACTIVATION_GIB * GiB
-    kv = max(0.0, (usable - weights) * tp)
-    tokens = int(kv // kv_bytes_per_token(arch))
-    return RolloutPlan(tp, node_gpus // tp, weights, kv, tokens, max_num_seqs * max_model_len,
-                       active_params(arch), arch.total_params())
+    free = max(0.0, usable - weights)  # per GPU
+    tokens = int(free // kv_bytes_per_token(arch, tp, max_model_len))
+    return RolloutPlan(tp, node_gpus // tp, weights, free * tp, tokens,
+                       max_num_seqs * max_model_len, arch.active_params(), arch.total_params())
 
 
 def plan_rollout(arch: Arch, gpu_gib: float, util: float, max_model_len: int,

@@ -3,9 +3,10 @@
 Each module of this package not starting with `_` is a family: it defines `FAMILY`, a
 `services.common.families._base.Family` that holds the family's neutral facts (HF model_type, tiny
 model builder, HF router classes and their replay rule, HF backend knobs, vLLM dtype and caveats,
-planner models) and names its megatron code by a dotted path ("module:function") that the megatron
-backend resolves (`hook`): this package imports neither the trainer nor the rollout service, so
-the import graph (tests/unit/test_import_graph.py) has no arrow from here to a backend.
+its reading of config.json's sizes (`model_shape`), planner models) and names its megatron code
+by a dotted path ("module:function") that the megatron backend resolves (`hook`): this package
+imports neither the trainer nor the rollout service, so the import graph
+(tests/unit/test_import_graph.py) has no arrow from here to a backend.
 The registry finds the modules itself: adding a family is one new file here (plus, for the
 megatron backend, its trainer/megatron/family_<name>.py) and its tests (docs/families.md).
 
@@ -18,10 +19,12 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from services.common.families._base import Family
+from services.common.families._shape import ConfigKeys, ModelShape
 from services.common.tiny_moe import TinyMoeConfig, build_tokenizer
 
 REGISTRY: dict[str, Family] = {}
@@ -64,6 +67,18 @@ def get(name: str) -> Family:
     if family is None:
         raise ValueError(f"family: {name!r} is not one of {', '.join(names())}")
     return family
+
+
+def model_shape(cfg: Mapping[str, Any]) -> ModelShape:
+    """The sizes of the model of HF config.json `cfg`, as the family its `model_type` names
+    reads them (`Family.shape`); ValueError, one line, for a model_type no family registers or a
+    key its family needs."""
+    family = find(cfg.get("model_type"))
+    if family is None or family.shape is None:
+        known = ", ".join(f.name for f in all_families() if f.shape is not None)
+        raise ValueError(f"model_type: {cfg.get('model_type')!r} is not a registered family "
+                         f"({known})")
+    return family.shape(ConfigKeys(cfg))
 
 
 def hook(path: str) -> Any:
@@ -118,5 +133,5 @@ def build_family(out_dir: str | Path, family: str = "", cfg: TinyMoeConfig | Non
 _discover()
 DEFAULT = all_families()[0].name  # the family a run builds when none is named
 
-__all__ = ["DEFAULT", "REGISTRY", "Family", "all_families", "build_family", "find",
-           "get", "hf_config", "hook", "names", "register"]
+__all__ = ["DEFAULT", "REGISTRY", "Family", "ModelShape", "all_families", "build_family",
+           "find", "get", "hf_config", "hook", "model_shape", "names", "register"]

@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.common.families._shape import ConfigKeys, ModelShape
 from services.common.tiny_moe import TinyMoeConfig, vocab_size
 
 
@@ -36,6 +37,9 @@ class Family:
     hf_packing: bool = True  # transformers' masks isolate packed samples for this family
     engine_dtype: str | None = None  # the only vLLM-CPU dtype that runs it (None: the run's)
     engine_check: Callable[[Any], None] | None = None  # refuses an HF config vLLM runs otherwise
+    # config.json -> the sizes the planner counts (layers, experts, widths, attention, vocab):
+    # the family's own key names (services.common.families._shape); None: not plannable
+    shape: Callable[[ConfigKeys], ModelShape] | None = None
     # planner: known model name -> its HF config.json keys (nothing downloaded)
     planner_models: Mapping[str, Callable[[], dict]] = field(default_factory=dict)
     build: Callable[[Any, TinyMoeConfig], Any] | None = None  # own tiny writer (None: generic)

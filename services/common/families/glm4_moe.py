@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from services.common.families._base import Family, common, grouped
+from services.common.families._shape import ConfigKeys, ModelShape, decoder, dense_first_moe, gqa
 from services.common.tiny_moe import TinyMoeConfig
 
 
@@ -20,9 +21,25 @@ def tiny_config(cfg: TinyMoeConfig):
                          use_qk_norm=False)
 
 
+
+def shape(k: ConfigKeys) -> ModelShape:
+    """GLM-4.5's config.json: dense below `first_k_dense_replace`, `n_routed_experts` and
+    `n_shared_experts` of `moe_intermediate_size`, QKV bias (`attention_bias`; the output
+    projection has none), per-head QK-norm only with `use_qk_norm`; the MTP layers
+    (`num_nextn_predict_layers`) are not counted (the trainer drops them). Z.ai's published
+    active parameters count neither embedding table."""
+    return ModelShape(**decoder(k), moe_layer_ids=dense_first_moe(k),
+                      attention=gqa(k, qkv_bias=k.flag("attention_bias"),
+                                    qk_norm="head" if k.flag("use_qk_norm") else "none"),
+                      experts=k.num("n_routed_experts"), moe_ffn=k.num("moe_intermediate_size"),
+                      dense_ffn=k.num("intermediate_size"),
+                      shared_ffn=k.num("n_shared_experts", 0) * k.num("moe_intermediate_size"),
+                      active_embeddings=())
+
+
 FAMILY = Family(
     name="glm4_moe", rank=5, tiny_config=tiny_config,
     hf_routers={"Glm4MoeTopkRouter": "grouped_sigmoid"},
     engine_router_dtype=("fp32", "vLLM 0.30 Glm4MoE: the gate is an fp32 nn.Linear on fp32 "
                          "hidden states"),
-    megatron_arch="trainer.megatron.family_glm4_moe:glm4_moe_arch")
+    megatron_arch="trainer.megatron.family_glm4_moe:glm4_moe_arch", shape=shape)

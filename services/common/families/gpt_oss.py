@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from services.common.families._base import Family, common, no_dense, replicated_gate
+from services.common.families._shape import ConfigKeys, ModelShape, decoder, every_layer_moe, gqa
 from services.common.tiny_moe import TinyMoeConfig
 
 
@@ -43,10 +44,27 @@ def check_engine_layout(hf_config: Any) -> None:
                              f"which it applies regardless of layer_types")
 
 
+
+def shape(k: ConfigKeys) -> ModelShape:
+    """GPT-OSS's config.json: every layer MoE, `num_local_experts` of `intermediate_size` with
+    biases (one fused tensor per projection), a router bias, biased attention (`attention_bias`)
+    with a sink per head, `sliding_window` on half the layers. OpenAI's published active
+    parameters count the output layer, not the embedding."""
+    bias = k.flag("attention_bias", True)
+    # vLLM puts the window on the even layers (check_engine_layout refuses other layer_types)
+    window = (k.num("num_hidden_layers") + 1) // 2 if k.num("sliding_window", 0) else 0
+    return ModelShape(**decoder(k), moe_layer_ids=every_layer_moe(k),
+                      attention=gqa(k, qkv_bias=bias, out_bias=bias, sinks=True),
+                      experts=k.num("num_local_experts"), moe_ffn=k.num("intermediate_size"),
+                      dense_ffn=0, expert_bias=True, router_bias=True, fused_experts=True,
+                      window_layers=window, sliding_window=k.num("sliding_window", 0),
+                      active_embeddings=("output",))
+
+
 FAMILY = Family(
     name="gpt_oss", rank=6, tiny_config=tiny_config,
     hf_routers={"GptOssTopKRouter": "topk_softmax"},
     engine_router_dtype=replicated_gate("GptOssMoE", gate="router (with bias)"),
     megatron_arch="trainer.megatron.family_gpt_oss:gpt_oss_arch", megatron_grouped_experts=False,
     hf_attn_implementation="eager", hf_packing=False, engine_dtype="bfloat16",
-    engine_check=check_engine_layout)
+    engine_check=check_engine_layout, shape=shape)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from services.common import tiny_moe
 from services.common.families._base import Family, replicated_gate
+from services.common.families._shape import ConfigKeys, ModelShape, decoder, gqa, sparse_step_moe
 
 # Qwen/Qwen3-30B-A3B config.json (the keys trainer/megatron/hf_mapping.py and the planner read).
 QWEN3_30B_A3B = {
@@ -33,10 +34,23 @@ def tiny_moe_config() -> dict:
             "vocab_size": tiny_moe.vocab_size(), "tie_word_embeddings": False}
 
 
+
+def shape(k: ConfigKeys) -> ModelShape:
+    """Qwen3-MoE's config.json: MoE layers by `decoder_sparse_step` / `mlp_only_layers`,
+    `num_experts` of `moe_intermediate_size`, per-head QK-norm."""
+    bias = k.flag("attention_bias")
+    return ModelShape(**decoder(k), moe_layer_ids=sparse_step_moe(k),
+                      attention=gqa(k, qkv_bias=bias, out_bias=bias, qk_norm="head"),
+                      # transformers 5's Qwen3MoeConfig saves num_experts as num_local_experts
+                      experts=k.num_of("num_experts", "num_local_experts"),
+                      moe_ffn=k.num("moe_intermediate_size"),
+                      dense_ffn=k.num("intermediate_size", 0))
+
+
 FAMILY = Family(
     name="qwen3_moe", rank=0, tiny_config=tiny_moe.hf_config,
     hf_routers={"Qwen3MoeTopKRouter": "softmax_topk"},
     engine_router_dtype=replicated_gate("Qwen3MoeSparseMoeBlock"),
-    megatron_arch="trainer.megatron.family_basic:qwen3_moe_arch",
+    megatron_arch="trainer.megatron.family_basic:qwen3_moe_arch", shape=shape,
     planner_models={"Qwen3-30B-A3B": lambda: dict(QWEN3_30B_A3B), "tiny-moe": tiny_moe_config},
     build=tiny_moe.build_tiny_moe)

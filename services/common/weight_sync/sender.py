@@ -30,7 +30,7 @@ if TYPE_CHECKING:  # the sender only reads attributes: the GPU bench runs withou
     from services.common.weight_sync.config import WeightSyncConfig
 
 # Where a sender without an advertise_addr listens. The trainer never leaves it empty: its rank 0
-# advertises its node's address (trainer/worker.py).
+# advertises its node's address (trainer/ranks/worker.py).
 STANDALONE_ADDR = "127.0.0.1"
 
 

@@ -1,5 +1,5 @@
-"""`LossConfig`: the PPO/GRPO objective's knobs (the config of trainer.loss, kept apart so
-trainer.config imports no runtime module), and those of trainer.objectives' choices."""
+"""`LossConfig`: the PPO/GRPO objective's knobs (the config of trainer.losses.loss, kept apart so
+trainer.config imports no runtime module), and those of trainer.losses.objectives' choices."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ class OverlongConfig(StrictConfig):
 
 
 class LossConfig(StrictConfig):
-    """PPO/GRPO objective knobs (trainer.objectives has the maths and its references)."""
+    """PPO/GRPO objective knobs (trainer.losses.objectives has the maths and its references)."""
 
     clip_low: float = Field(0.2, ge=0, description="PPO ratio clip below 1 - clip_low")
     clip_high: float = Field(0.28, ge=0, description="PPO ratio clip above 1 + clip_high")
@@ -89,7 +89,7 @@ class LossConfig(StrictConfig):
         "step); the other steps log kl_ref None. kl_coef > 0 needs it every step")
     entropy_coef: float = Field(0.0, description="entropy bonus weight (subtracted from loss)")
     chunked_logprobs: bool | Literal["auto"] = Field(
-        "auto", description="ppo_loss takes logprobs and entropy from trainer.logprobs' chunked "
+        "auto", description="ppo_loss takes logprobs and entropy from trainer.losses.logprobs' chunked "
         "log-softmax (no fp32 copy of the full-vocabulary logits; the entropy without a graph "
         "when entropy_coef is 0) instead of torch.log_softmax (the reference; issue 30); auto = "
         "on for bf16 logits on a CUDA device (the trainer decides it at start: "
@@ -97,7 +97,7 @@ class LossConfig(StrictConfig):
     logprob_kernel: Literal["auto", "torch", "triton"] = Field(
         "auto", description="what computes the chunked log-softmax (with chunked_logprobs on): "
         "triton = one Triton kernel per direction that streams each row of logits once "
-        "(trainer.logprobs_triton; CUDA only), which also gives the old-policy and reference "
+        "(trainer.losses.logprobs_triton; CUDA only), which also gives the old-policy and reference "
         "passes their logprobs; torch = the chunked torch loop; auto = triton where the logits "
         "are on a CUDA device and Triton imports, torch otherwise (issue 44)")
     adv_eps: float = Field(1e-6, gt=0, description="std floor of group-normalised advantages")
@@ -117,7 +117,7 @@ class LossConfig(StrictConfig):
 
     def triton_for(self, logits: Any) -> bool:
         """Whether the chunked log-softmax on `logits` runs the Triton kernels."""
-        from trainer.logprobs import triton_runs
+        from trainer.losses.logprobs import triton_runs
 
         return self.chunked_for(logits) and triton_runs(logits, self.logprob_kernel)
 

@@ -22,9 +22,9 @@ from typing import Any
 from services.common.net import free_port
 from services.common.procenv import pythonpath
 from trainer.config import TrainerConfig
-from trainer.ray_config import RayLaunchConfig
+from trainer.ranks.ray_config import RayLaunchConfig
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 LOCAL_RAY_IP = "127.0.0.1"  # the private Ray of `r3flow local` only; a cluster never uses it
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ class RankActor:
         os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size),
                           LOCAL_RANK=str(local_rank), MASTER_ADDR=master_addr,
                           MASTER_PORT=str(master_port))
-        from trainer.worker import RankWorker
+        from trainer.ranks.worker import RankWorker
 
         self.worker = RankWorker(cfg_json, rank=self.rank,
                                  node_ip=ray.util.get_node_ip_address())

@@ -3,9 +3,9 @@ the per-rank halves of the loop's named steps.
 
 The driver (trainer.loop.loop.TrainLoop) pulls groups from the store and hands each rank its share
 as serialized `PulledGroup` bytes (the wire format, never pickled tensors). The rank decodes them,
-aligns their routing and quarantines bad groups (trainer.intake), trains (`train`), saves/resumes its checkpoint shard and
+aligns their routing and quarantines bad groups (trainer.samples.intake), trains (`train`), saves/resumes its checkpoint shard and
 exports HF weights (to the weight push; to `<run_dir>/hf/` for evaluation: `export_hf_dir`).
-The same class runs in-process (1 rank) or as a Ray actor (trainer.ray_launch).
+The same class runs in-process (1 rank) or as a Ray actor (trainer.ranks.ray_launch).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from trainer.backend import make_trainer
 from trainer.checkpoint import CheckpointManager, DataPosition
 from trainer.config import TrainerConfig
 from trainer.hf_export import HFExport
-from trainer.intake import intake_groups
+from trainer.samples.intake import intake_groups
 from trainer.weight_push import RankSender
 
 log = logging.getLogger(__name__)

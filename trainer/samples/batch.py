@@ -18,7 +18,7 @@ import torch
 
 from services.common.pb.r3flow.v1 import trajectory_pb2
 from services.common.routing_rules import RoutingRuleError, RoutingSpec, check_layout, expected_rows
-from trainer.alignment import (
+from trainer.samples.alignment import (
     LayerMap,
     RoutingChunk,
     RoutingLayoutError,
@@ -153,7 +153,7 @@ class MicroBatch:
     train_old_lp: torch.Tensor | None = None
     ref_lp: torch.Tensor | None = None
     replay_rows: list[torch.Tensor] | None = None
-    is_weight_BS: torch.Tensor | None = None  # TIS weight per token (trainer.objectives)
+    is_weight_BS: torch.Tensor | None = None  # TIS weight per token (trainer.losses.objectives)
 
     @property
     def num_tokens(self) -> int:

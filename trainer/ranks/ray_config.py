@@ -1,5 +1,5 @@
 """`RayLaunchConfig`: where the trainer's rank actors run and what each reserves (the config of
-trainer.ray_launch, kept apart so trainer.config imports no runtime module)."""
+trainer.ranks.ray_launch, kept apart so trainer.config imports no runtime module)."""
 
 from __future__ import annotations
 

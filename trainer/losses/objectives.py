@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from trainer.loss_config import AggMode, KlEstimator, OverlongConfig, RolloutCorrectionConfig
+from trainer.losses.loss_config import AggMode, KlEstimator, OverlongConfig, RolloutCorrectionConfig
 
 LOG_RATIO_CLAMP = 20.0  # verl clamps log-ratios to +-20 before exp: exp(20) is finite in fp32
 

@@ -1,6 +1,6 @@
 """The fast path's log-softmax as two Triton kernels (loss.logprob_kernel: triton, issue 44).
 
-trainer.logprobs' chunked torch path makes ~15 passes over fp32 [chunk, V] tensors per chunk
+trainer.losses.logprobs' chunked torch path makes ~15 passes over fp32 [chunk, V] tensors per chunk
 (upcast, logsumexp, subtract, gather, exp, multiply, sum; in backward upcast, subtract, exp,
 zeros, multiply, scatter, entropy, cast): at 8,192 rows x 151,936 that is ~75 ms of a 4-layer
 step's 255 ms of GPU time on one H200 (profiled, docs/benchmarks/megatron-parallel.md). Here

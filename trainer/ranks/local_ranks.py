@@ -1,10 +1,10 @@
 """`LocalRanks`: the trainer's single rank in this process (a `RankTransport` of
-trainer.loop.ranks; trainer.ray_launch.RayRanks is the other, as Ray actors)."""
+trainer.loop.ranks; trainer.ranks.ray_launch.RayRanks is the other, as Ray actors)."""
 
 from __future__ import annotations
 
 from trainer.config import TrainerConfig
-from trainer.worker import RankWorker
+from trainer.ranks.worker import RankWorker
 
 
 class LocalRanks:

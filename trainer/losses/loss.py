@@ -1,11 +1,11 @@
 """GRPO advantages and the PPO-clip policy loss (dual-clip, GSPO ratio, TIS weight) with an
-optional KL to a reference model; the choices and their maths are trainer.objectives'.
+optional KL to a reference model; the choices and their maths are trainer.losses.objectives'.
 
 All token-level tensors are [B, S] where position i holds the logprob of token i+1 (see
-trainer.batch); `mask_BS` selects trained response tokens. `temperature_BS` is the sampling
+trainer.samples.batch); `mask_BS` selects trained response tokens. `temperature_BS` is the sampling
 temperature of the token each position predicts: rollouts sample from softmax(logits / T), so the
 PPO ratio, the KL and the entropy are of that distribution (None = T 1 everywhere). `ppo_loss`
-returns masked SUMS (metrics) and the per-token loss, which trainer.objectives.aggregate divides
+returns masked SUMS (metrics) and the per-token loss, which trainer.losses.objectives.aggregate divides
 by the update's global normaliser.
 Legend: B batch rows, S sequence, V vocabulary.
 """
@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from trainer.logprobs import logprob_entropy
-from trainer.loss_config import LossConfig
-from trainer.objectives import LOG_RATIO_CLAMP, gspo_log_ratio, kl_estimate
+from trainer.losses.logprobs import logprob_entropy
+from trainer.losses.loss_config import LossConfig
+from trainer.losses.objectives import LOG_RATIO_CLAMP, gspo_log_ratio, kl_estimate
 
 
 def group_advantages(rewards: Sequence[float], group_ids: Sequence[str], eps: float = 1e-6,
@@ -94,7 +94,7 @@ def ppo_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor, mask_BS: torch.T
              seq_BS: torch.Tensor | None = None, n_seqs: int = 0,
              is_weight_BS: torch.Tensor | None = None) -> LossSums:
     """PPO-clip (dual-clip; GSPO's sequence ratio with `ratio_level` sequence, which needs
-    `seq_BS`, trainer.objectives.sequence_index) on sampled-token logprobs, times the TIS
+    `seq_BS`, trainer.losses.objectives.sequence_index) on sampled-token logprobs, times the TIS
     weight, + kl_coef * KL to the reference (kl_in loss), - entropy bonus, all under the
     sampling temperature."""
     lp, ent = logprob_entropy(logits_BSV, labels_BS, temperature_BS, cfg.entropy_coef != 0,

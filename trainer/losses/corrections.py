@@ -1,4 +1,4 @@
-"""What the GRPO step (trainer.grpo) does with trainer.objectives around its passes: reward
+"""What the GRPO step (trainer.grpo) does with trainer.losses.objectives around its passes: reward
 shaping before advantages (DAPO overlong, KL in reward), the rollout correction set on each
 micro-batch after the old-policy pass (TIS weights, MIS mask), and the off-policy metrics of a
 step (importance weights, rollout-vs-trainer mismatch KL, staleness in policy versions, and
@@ -18,16 +18,16 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from trainer.batch import MicroBatch, Sample, response_logprobs
-from trainer.loss import group_advantages
-from trainer.loss_config import LossConfig, RolloutCorrectionConfig
-from trainer.objectives import (
+from trainer.losses.loss import group_advantages
+from trainer.losses.loss_config import LossConfig, RolloutCorrectionConfig
+from trainer.losses.objectives import (
     kl_estimate,
     overlong_penalty,
     per_token,
     rollout_weights,
     sequence_index,
 )
+from trainer.samples.batch import MicroBatch, Sample, response_logprobs
 
 
 def shaped_rewards(samples: Sequence[Sample], cfg: LossConfig,

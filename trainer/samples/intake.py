@@ -13,9 +13,9 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from trainer.alignment import InvalidRoutingError, LayerMap, RoutingLayoutError
-from trainer.batch import Sample, UnreproducibleSamplingError, sample_from_trajectory
 from trainer.replay import ReplayMode
+from trainer.samples.alignment import InvalidRoutingError, LayerMap, RoutingLayoutError
+from trainer.samples.batch import Sample, UnreproducibleSamplingError, sample_from_trajectory
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """Chunked log-softmax: each label's logprob and the entropy of [N, V] logits without an fp32
-copy of the whole vocabulary (issue 30's fast path; trainer.loss keeps the plain reference).
+copy of the whole vocabulary (issue 30's fast path; trainer.losses.loss keeps the plain reference).
 
 `logprob_entropy(logits, labels, temperature)` upcasts `chunk` rows at a time, keeps one fp32
 logsumexp per row for backward and recomputes the chunk's softmax there, so its extra memory is
@@ -31,7 +31,7 @@ def _chunk_stats(x_CV: torch.Tensor, labels_C: torch.Tensor
     lse_C = torch.logsumexp(x_CV, -1)
     logp_CV = x_CV - lse_C.unsqueeze(-1)
     lp_C = logp_CV.gather(-1, labels_C.unsqueeze(-1)).squeeze(-1)
-    ent_C = -(logp_CV.exp() * logp_CV).sum(-1)  # as trainer.loss.token_entropy sums it
+    ent_C = -(logp_CV.exp() * logp_CV).sum(-1)  # as trainer.losses.loss.token_entropy sums it
     return lp_C, lse_C, ent_C
 
 
@@ -92,11 +92,11 @@ def logprob_entropy(logits_BSV: torch.Tensor, labels_BS: torch.Tensor,
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, S] fp32 logprob of each label under softmax(logits / T) and the distribution's
     entropy (detached unless `entropy_grad`), computed `chunk` rows at a time, or by the
-    Triton kernels (trainer.logprobs_triton) where `kernel` (triton_runs) picks them."""
+    Triton kernels (trainer.losses.logprobs_triton) where `kernel` (triton_runs) picks them."""
     b, s, v = logits_BSV.shape
     temp = None if temperature_BS is None else temperature_BS.reshape(-1)
     if triton_runs(logits_BSV, kernel):
-        from trainer.logprobs_triton import LogprobEntropyTriton
+        from trainer.losses.logprobs_triton import LogprobEntropyTriton
 
         lp, ent = LogprobEntropyTriton.apply(logits_BSV, labels_BS.reshape(-1).long(), temp)
     else:
@@ -108,5 +108,5 @@ def logprob_entropy(logits_BSV: torch.Tensor, labels_BS: torch.Tensor,
 def token_logprobs(logits_BSV: torch.Tensor, labels_BS: torch.Tensor,
                    temperature_BS: torch.Tensor | None = None, kernel: str = "torch"
                    ) -> torch.Tensor:
-    """trainer.loss.token_logprobs, chunked or by the Triton kernels ([B, S] fp32)."""
+    """trainer.losses.loss.token_logprobs, chunked or by the Triton kernels ([B, S] fp32)."""
     return logprob_entropy(logits_BSV, labels_BS, temperature_BS, kernel=kernel)[0]

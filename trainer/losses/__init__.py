@@ -1,0 +1,1 @@
+"""The loss maths: per-token policy loss and advantages (loss), the objectives users choose (objectives, loss_config), off-policy corrections (corrections), log-probabilities (logprobs, logprobs_triton)."""
