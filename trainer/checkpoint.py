@@ -61,6 +61,8 @@ class DataPosition:
     policy_version: int = 0
     acked_delivery_ids: list[str] = field(default_factory=list)
     trained_group_ids: list[str] = field(default_factory=list)
+    # the training run (run fencing, docs/store.md): made by a fresh run, kept by its resumes
+    run_id: str = ""
 
     def remember(self, group_ids: list[str], keep: int = 10000) -> None:
         self.trained_group_ids = (self.trained_group_ids + list(group_ids))[-keep:]

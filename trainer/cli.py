@@ -78,6 +78,7 @@ def train(cfg) -> int:
     from services.store.client import StoreClient
     from trainer.hooks import load_hooks
     from trainer.loop.loop import TrainLoop
+    from trainer.loop.presence import TrainerPresence
     from trainer.loop.tracking import open_trackers
     from trainer.weight_push import StoreWeightPush
 
@@ -93,15 +94,18 @@ def train(cfg) -> int:
         auth = ClientAuth.from_config(cfg.data.store_auth)
         with StoreClient(cfg.data.store, auth=auth) as client:
             client.wait_ready(cfg.run.store_ready_timeout_s)
-            ranks = _ranks(cfg)
-            _stop_on_sigterm(stop)  # again: ray.init installs its own handler
-            push = (StoreWeightPush(client,
-                                    metrics.get("r3flow_trainer_weight_push_failures_total"))
+            # present from here to the exit: rollout workers generate while a trainer is
+            with TrainerPresence(client, cfg.data.consumer) as presence:
+                ranks = _ranks(cfg)
+                _stop_on_sigterm(stop)  # again: ray.init installs its own handler
+                push = (StoreWeightPush(
+                    client, metrics.get("r3flow_trainer_weight_push_failures_total"))
                     if cfg.run.push_weights_every else None)
-            loop = TrainLoop(cfg, ranks, client, metrics, push_fn=push, hooks=hooks,
-                             trackers=trackers)
-            loop.resume()
-            history = loop.run(cfg.run.steps, stop=stop.is_set)
+                loop = TrainLoop(cfg, ranks, client, metrics, push_fn=push, hooks=hooks,
+                                 trackers=trackers)
+                loop.resume()
+                presence.run_id = loop.pos.run_id
+                history = loop.run(cfg.run.steps, stop=stop.is_set)
         stop.wait(cfg.run.metrics_linger_s)  # the final values, for one more scrape
     finally:
         server.stop()

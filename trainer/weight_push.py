@@ -119,7 +119,7 @@ def write_export_digests(cfg: WeightSyncConfig, version: int, digests: Mapping[s
 
 
 class StoreWeightPush:
-    """`TrainLoop.push_fn(ranks, version)`: rank 0 of `ranks` sends (see the module docstring).
+    """`TrainLoop.push_fn(ranks, version, run_id)`: rank 0 of `ranks` sends (see the module docstring).
 
     `Ranks.plan_push(version, workers)` and `Ranks.push_weights(plan)` (trainer.ranks.worker); every
     rank takes part in `push_weights` (the export is a collective), only rank 0 answers."""
@@ -130,7 +130,7 @@ class StoreWeightPush:
         self.client = client
         self.last_report: dict[str, Any] | None = None
 
-    def __call__(self, ranks: Ranks, version: int) -> None:
+    def __call__(self, ranks: Ranks, version: int, run_id: str = "") -> None:
         workers = self.client.list_workers()
         if not workers:
             log.warning("weight push v%d skipped: no rollout worker registered", version)
@@ -139,6 +139,8 @@ class StoreWeightPush:
 
         plan_bytes = ranks.plan_push(version, [w.SerializeToString() for w in workers])
         plan = store_pb2.WeightSyncPlan.FromString(plan_bytes)
+        plan.run_id = run_id  # the receivers tag the groups they begin with it
+        plan_bytes = plan.SerializeToString()
         self.client.publish_weight_sync(plan)
         with LeaverWatch(self.client, plan):
             result = ranks.push_weights(plan_bytes)

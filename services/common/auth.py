@@ -36,7 +36,7 @@ _WATCH = {"WatchPolicyVersion", "WatchWeightSync", "GetStats"}
 ROLE_METHODS: dict[str, frozenset[str]] = {
     "rollout": frozenset({"Append", "AppendBatch", "RegisterWorker", "UnregisterWorker", *_WATCH}),
     "trainer": frozenset({"Pull", "Ack", "PublishPolicyVersion", "PublishWeightSync",
-                          "ListWorkers", *_WATCH}),
+                          "ListWorkers", "TrainerHeartbeat", *_WATCH}),
 }
 
 

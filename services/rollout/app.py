@@ -36,9 +36,10 @@ UNREGISTER_S = 5.0  # withdrawing the registration at exit (the store may be gon
 
 
 def _watch_trainer_version(client: Any, worker: Any, loop: asyncio.AbstractEventLoop) -> None:
-    """Thread body: mirror the store's published policy version into `worker.trainer_version`."""
-    for version in client.watch_policy_version(-1):
-        loop.call_soon_threadsafe(setattr, worker, "trainer_version", version)
+    """Thread body: mirror the store's published policy version and trainer presence into
+    `worker` (`trainer_state`)."""
+    for msg in client.watch_policy_version(-1):
+        loop.call_soon_threadsafe(worker.trainer_state, msg.version, msg.trainer_gone)
 
 
 def _watch_weight_sync(client: Any, worker: Any, loop: asyncio.AbstractEventLoop) -> None:
@@ -76,7 +77,8 @@ class Registration:
             try:
                 self.ttl_s = self.client.register_worker(
                     self.worker.cfg.worker_id, socket.gethostname(), 1,
-                    self.worker.engine.policy_version, self.worker.engine.device_uuid or "")
+                    self.worker.engine.policy_version, self.worker.engine.device_uuid or "",
+                    self.worker.engine.run_id)
             except Exception as e:  # noqa: BLE001 (the store may be restarting: retry)
                 failures.error(f"registration renewal failed: {e}")
 

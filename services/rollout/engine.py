@@ -210,6 +210,8 @@ class RolloutEngine:
         self.llm = llm
         self.info = model_info(llm.vllm_config.model_config.hf_config)
         self.policy_version = cfg.policy_version
+        # the training run whose weights are loaded (WeightSyncPlan.run_id; '' = from disk)
+        self.run_id = ""
         self.metrics = metrics
         self._gate = asyncio.Lock()
         self._progress: dict[str, int] = {}

@@ -47,8 +47,8 @@ class StoreRejected(ValueError):
 class TrajectorySink(Protocol):
     async def send_group(self, trajs: list[trajectory_pb2.Trajectory]) -> None: ...
 
-    async def report_version(self, worker_id: str, version: int, device_uuid: str = ""
-                             ) -> int | None: ...
+    async def report_version(self, worker_id: str, version: int, device_uuid: str = "",
+                             run_id: str = "") -> int | None: ...
 
     async def room(self) -> int | None:
         """Groups the store can still take within its backlog budget (None: no budget)."""
@@ -65,8 +65,8 @@ class MemorySink:
     async def send_group(self, trajs: list[trajectory_pb2.Trajectory]) -> None:
         self.trajectories.extend(trajs)
 
-    async def report_version(self, worker_id: str, version: int, device_uuid: str = ""
-                             ) -> int | None:
+    async def report_version(self, worker_id: str, version: int, device_uuid: str = "",
+                             run_id: str = "") -> int | None:
         self.versions.append(version)
         return None
 
@@ -212,12 +212,12 @@ class StoreSink:
             return None
         return int(stats.max_groups_ahead) - int(stats.groups_ready) - int(stats.groups_open)
 
-    async def report_version(self, worker_id: str, version: int, device_uuid: str = ""
-                             ) -> int | None:
-        """RegisterWorker with this worker's policy version (and its engine's GPU); returns the
-        TTL in seconds."""
+    async def report_version(self, worker_id: str, version: int, device_uuid: str = "",
+                             run_id: str = "") -> int | None:
+        """RegisterWorker with this worker's policy version, its engine's GPU and its run;
+        returns the TTL in seconds."""
         return await asyncio.to_thread(self.client.register_worker, worker_id,
-                                       socket.gethostname(), 1, version, device_uuid)
+                                       socket.gethostname(), 1, version, device_uuid, run_id)
 
 
 async def wait_for_room(sink: TrajectorySink, unsent: Callable[[], int], poll_s: float) -> None:

@@ -48,6 +48,7 @@ class TrajectoryMeta:
     prompt_id: str
     worker_id: str
     epoch: int = 0  # the pass over the dataset the prompt came from
+    run_id: str = ""  # the training run whose weights sampled it (run fencing)
 
 
 def segment_to_proto(seg: SegmentRecord, index: int, rows: tuple[int, int], prompt_len: int,
@@ -81,4 +82,4 @@ def trajectory_to_proto(meta: TrajectoryMeta, state: RolloutState, *, reward: fl
         trajectory_id=meta.trajectory_id, group_id=meta.group_id, group_size=meta.group_size,
         prompt_token_ids=state.prompt_ids, segments=segments, reward=reward,
         reward_components=reward_components or {}, finish_reason=FINISH_REASONS[finish_reason],
-        worker_id=meta.worker_id, prompt_id=meta.prompt_id, epoch=meta.epoch)
+        worker_id=meta.worker_id, prompt_id=meta.prompt_id, epoch=meta.epoch, run_id=meta.run_id)

@@ -88,6 +88,9 @@ class RolloutWorker:
             log.warning("engine.capture_routing is off: groups are not sent to the store "
                         "(it requires routing for every segment)")
         self.trainer_version: int | None = None
+        # Cleared while a trainer that was present is gone (the job ended): no new group then
+        self.trainer_present = asyncio.Event()
+        self.trainer_present.set()
         # The routing capture check after each weight load (services/rollout/capture_check.py)
         self.capture_check = AfterLoadCheck(engine, cfg.sampling, cfg.engine.seed,
                                             cfg.partial_rollout_policy, self._refuse)
@@ -289,6 +292,7 @@ class RolloutWorker:
         prompt = self.prompts.render(rec)
         self.engine.validate_prompt(group_id, prompt.token_ids)
         n = self.cfg.sampling.n
+        run_id = self.engine.run_id  # the run whose weights sample this group (run fencing)
         results = await asyncio.gather(*[
             self._sample(f"{group_id}-{i}", prompt, rec, verifier,
                          None if seed is None else seed * 1009 + i) for i in range(n)],
@@ -300,7 +304,7 @@ class RolloutWorker:
         trajs, tokens = [], 0
         for i, res in enumerate(done):
             meta = TrajectoryMeta(f"{group_id}-{i}", group_id, n, rec.prompt_id,
-                                  self.cfg.worker_id, epoch)
+                                  self.cfg.worker_id, epoch, run_id)
             traj = self._finish(meta, res)
             if traj is not None:
                 trajs.append(traj)
@@ -395,6 +399,7 @@ class RolloutWorker:
         count = await self.engine.update_weights(
             "receive_weights", plan.SerializeToString(), self.cfg.worker_id, bool(digests),
             version=plan.version, torn_on_failure=True)  # loaded as it arrives
+        self.engine.run_id = plan.run_id  # groups begun from now on are this run's
         self.capture_check.after_load(plan.version)
         if digests:
             got = (await self.engine.llm.collective_rpc("last_load_digests"))[0]
@@ -410,13 +415,25 @@ class RolloutWorker:
         if self.sink is None:
             return None
         return await self.sink.report_version(self.cfg.worker_id, self.engine.policy_version,
-                                              await self.engine.engine_gpu())
+                                              await self.engine.engine_gpu(),
+                                              self.engine.run_id)
+
+    def trainer_state(self, version: int, gone: bool) -> None:
+        """The store's policy version and trainer presence (WatchPolicyVersion), on the loop."""
+        self.trainer_version = version
+        if gone == self.trainer_present.is_set():
+            log.warning("trainer %s: %s", *(("gone", "no new group until one is present")
+                                            if gone else ("present", "generating again")))
+            self.metrics["r3flow_rollout_trainer_gone"].set(int(gone))
+            (self.trainer_present.clear if gone else self.trainer_present.set)()
 
     async def _wait_for_room(self, summary: WorkerSummary) -> None:
-        """Hold a new group while the trainer is more than max_policy_lag versions ahead of
+        """Hold a new group while a trainer that was present is gone (the job ended: stopping
+        it stops the spend), while the trainer is more than max_policy_lag versions ahead of
         this engine, then while the store's backlog budget has no room for it and for this
         worker's groups not sent yet. The budget hold needs no new version to end it: it lasts
         exactly as long as the trainer consumes nothing (down, restarting, checkpointing)."""
+        await self.trainer_present.wait()
         while self.trainer_version is not None and too_stale(
                 self.trainer_version, self.engine.policy_version, self.cfg.max_policy_lag):
             await asyncio.sleep(0.1)

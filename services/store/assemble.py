@@ -24,6 +24,7 @@ class Delivery:
     delivery_count: int
     min_policy_version: int
     trajectory_bytes: list[bytes] = field(default_factory=list)  # serialized Trajectory each
+    run_ids: set[str] = field(default_factory=set)  # Trajectory.run_id of the members
 
     @property
     def trajectories(self) -> list[trajectory_pb2.Trajectory]:
@@ -58,6 +59,7 @@ def assemble_group(r: Any, keys: Keys, gid: str, delivery_id: str,
         blob = trajectory_wire(h, group)
         if blob is not None:
             d.trajectory_bytes.append(blob)
+            d.run_ids.add(trajectory_pb2.Trajectory.FromString(h[b"h"]).run_id)
     return d
 
 

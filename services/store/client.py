@@ -53,7 +53,7 @@ def trajectory_requests(traj: trajectory_pb2.Trajectory) -> list[store_pb2.Appen
     begin = store_pb2.TrajectoryBegin(
         group_id=traj.group_id, group_size=traj.group_size,
         prompt_token_ids=traj.prompt_token_ids, worker_id=traj.worker_id,
-        prompt_id=traj.prompt_id, epoch=traj.epoch)
+        prompt_id=traj.prompt_id, epoch=traj.epoch, run_id=traj.run_id)
     reqs = [store_pb2.AppendRequest(trajectory_id=tid, sequence_number=0, begin=begin)]
     for j, seg in enumerate(traj.segments):
         reqs.append(store_pb2.AppendRequest(trajectory_id=tid, sequence_number=j + 1, segment=seg))
@@ -236,23 +236,40 @@ class StoreClient:
         return self._with_retry(lambda: self._stub.PublishPolicyVersion(
             req, timeout=self.timeout_s, metadata=self._metadata).version, "publish version")
 
-    def watch_policy_version(self, known_version: int = -1) -> Iterator[int]:
-        """Yield each policy version newer than `known_version` (reconnects on failure)."""
-        for msg in self._watch(lambda known: self._stub.WatchPolicyVersion(
-                store_pb2.WatchPolicyVersionRequest(known_version=known),
-                metadata=self._metadata), known_version):
-            yield msg.version
+    def start_run(self, run_id: str, version: int) -> store_pb2.PolicyVersion:
+        """Start (or resume) training run `run_id` at `version` (run fencing, docs/store.md);
+        returns the store's version and the run's start version."""
+        if not run_id:
+            raise ValueError("run_id: required (an empty one only publishes a version)")
+        req = store_pb2.PolicyVersion(version=version, run_id=run_id)
+        return self._with_retry(lambda: self._stub.PublishPolicyVersion(
+            req, timeout=self.timeout_s, metadata=self._metadata), "start run")
+
+    def watch_policy_version(self, known_version: int = -1
+                             ) -> Iterator[store_pb2.PolicyVersion]:
+        """Yield each policy version newer than `known_version`, and each change of
+        `trainer_gone` (reconnects on failure)."""
+        yield from self._watch(lambda known: self._stub.WatchPolicyVersion(
+            store_pb2.WatchPolicyVersionRequest(known_version=known),
+            metadata=self._metadata), known_version)
+
+    def trainer_heartbeat(self, consumer: str, run_id: str = "", leaving: bool = False) -> int:
+        """The trainer is present (renew within the returned TTL in seconds) or leaving."""
+        req = store_pb2.TrainerPresence(consumer=consumer, run_id=run_id, leaving=leaving)
+        return self._with_retry(lambda: self._stub.TrainerHeartbeat(
+            req, timeout=self.timeout_s, metadata=self._metadata).ttl_seconds, "heartbeat")
 
     def stats(self) -> store_pb2.StoreStats:
         return self._with_retry(lambda: self._stub.GetStats(
             store_pb2.StatsRequest(), timeout=self.timeout_s, metadata=self._metadata), "stats")
 
     def register_worker(self, worker_id: str, host: str, world_size: int = 1,
-                        policy_version: int = 0, device_uuid: str = "") -> int:
-        """Register (or renew) a rollout worker (`device_uuid`: its single-rank engine's GPU);
-        returns the TTL in seconds."""
+                        policy_version: int = 0, device_uuid: str = "", run_id: str = "") -> int:
+        """Register (or renew) a rollout worker (`device_uuid`: its single-rank engine's GPU;
+        `run_id`: the run whose weights it serves); returns the TTL in seconds."""
         info = store_pb2.WorkerInfo(worker_id=worker_id, host=host, world_size=world_size,
-                                    policy_version=policy_version, device_uuid=device_uuid)
+                                    policy_version=policy_version, device_uuid=device_uuid,
+                                    run_id=run_id)
         return self._with_retry(lambda: self._stub.RegisterWorker(
             info, timeout=self.timeout_s, metadata=self._metadata).ttl_seconds, "register")
 

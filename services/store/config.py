@@ -115,6 +115,10 @@ class StoreConfig(StrictConfig):
         None, description="file holding the Redis password (used when redis_url has none; "
         "also set as requirepass of the embedded redis-server)")
     worker_ttl_seconds: int = Field(30, ge=1, description="lifetime of a RegisterWorker entry")
+    trainer_ttl_seconds: int = Field(
+        30, ge=3, description="lifetime of a trainer's presence (TrainerHeartbeat, renewed every "
+        "third of it): once a present trainer is gone this long without leaving (killed, node "
+        "lost), rollout workers start no new group (docs/operations.md, stopping a job)")
 
     @field_validator("listen")
     @classmethod

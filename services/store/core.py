@@ -34,7 +34,8 @@ from services.store.keys import CONSUMER_GROUP, Keys
 
 log = logging.getLogger(__name__)
 _REASON = re.compile(r"[a-z_]{1,40}")
-_STORE_REASONS = ("acked", "aborted", "missing", DEAD_LETTER)
+OTHER_RUN = "other_run"  # sampled by another training run's weights (run fencing)
+_STORE_REASONS = ("acked", "aborted", "missing", OTHER_RUN, DEAD_LETTER)
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,19 @@ def _parse_lease(value: bytes | None, default_ms: int) -> tuple[int, str]:
     return int(ms), session
 
 
+@dataclass(frozen=True)
+class RunFence:
+    """The store's current training run: groups tagged with another run id, or with a segment
+    sampled below `start_version`, belong to another run and are never delivered."""
+
+    run_id: str
+    start_version: int
+
+    def admits(self, d: Delivery) -> bool:
+        return d.min_policy_version >= self.start_version and all(
+            r in ("", self.run_id) for r in d.run_ids)
+
+
 @dataclass
 class StatsSnapshot:
     counters: dict[str, int] = field(default_factory=dict)
@@ -68,6 +82,7 @@ class StatsSnapshot:
     groups_pending: int = 0
     policy_version: int = 0
     groups_open: int = 0
+    run: RunFence | None = None
 
     def dropped_by_reason(self) -> dict[str, int]:
         return {k.removeprefix("dropped:"): v for k, v in self.counters.items()
@@ -111,7 +126,7 @@ class TrajectoryStoreCore:
         self.metrics = create_metrics(registry or CollectorRegistry(), "store")
         self.version_changed = threading.Condition()
         self._scripts = {name: client.register_script(getattr(lua, name)) for name in
-                         ("RELEASE", "TIMEOUT", "SET_MAX", "MARK_DELIVERED")}
+                         ("RELEASE", "TIMEOUT", "SET_MAX", "MARK_DELIVERED", "START_RUN")}
         self.appender = Appender(client, config, self.keys, self._metric)
         self.ensure_stream()
 
@@ -292,6 +307,9 @@ class TrajectoryStoreCore:
             return "missing"
         if not d.trajectory_bytes:
             return "aborted"  # every member aborted; counted when they finished
+        fence = self.run_fence()
+        if fence is not None and not fence.admits(d):
+            return OTHER_RUN
         if not renewed and too_stale(self.policy_version(), d.min_policy_version,
                                      self.cfg.max_policy_lag):
             return "stale"
@@ -346,6 +364,32 @@ class TrajectoryStoreCore:
     def policy_version(self) -> int:
         return int(self.r.get(self.keys.policy_version) or 0)
 
+    def start_run(self, run_id: str, version: int) -> RunFence:
+        """A trainer starting or resuming `run_id` at `version`: the same run only raises the
+        version; another run becomes the store's current one, starting above every version
+        seen (docs/store.md, run fencing). Returns the run; its version is policy_version()."""
+        if not run_id or len(run_id) > 128:
+            raise ValueError(f"run_id: {run_id[:64]!r} must be 1-128 characters")
+        if version < 0:
+            raise ValueError(f"version: {version} < 0")
+        before = self.run_fence()
+        current, start = self._scripts["START_RUN"](
+            keys=[self.keys.policy_version, self.keys.run], args=[run_id, version])
+        fence = RunFence(run_id, int(start))
+        if before != fence:
+            log.warning("run %s starts at policy version %d (was %s): groups of other runs "
+                        "are dropped `%s`", run_id, fence.start_version,
+                        f"run {before.run_id}" if before else "no run", OTHER_RUN)
+        with self.version_changed:
+            self.version_changed.notify_all()
+        self._metric("r3flow_store_policy_version").set(int(current))
+        return fence
+
+    def run_fence(self) -> RunFence | None:
+        """The current run (None until a trainer started one)."""
+        got = self.r.hmget(self.keys.run, ["id", "start"])
+        return None if got[0] is None else RunFence(_s(got[0]), int(got[1] or 0))
+
     def reap_timeouts(self, now: float | None = None) -> int:
         """Close groups incomplete for longer than group_timeout_seconds; returns how many."""
         cutoff = (now or time.time()) - self.cfg.group_timeout_seconds
@@ -367,11 +411,13 @@ class TrajectoryStoreCore:
             p.xpending(self.keys.ready, CONSUMER_GROUP)
             p.get(self.keys.policy_version)
             p.zcard(self.keys.open_groups)
-            raw, length, pending, pv, n_open = p.execute(raise_on_error=False)
+            p.hmget(self.keys.run, ["id", "start"])
+            raw, length, pending, pv, n_open, run = p.execute(raise_on_error=False)
         counters = {_s(k): int(v) for k, v in raw.items()}
         n_pending = int(pending["pending"]) if isinstance(pending, dict) else 0
         snap = StatsSnapshot(counters, max(0, int(length) - n_pending), n_pending, int(pv or 0),
-                             int(n_open or 0))
+                             int(n_open or 0),
+                             None if run[0] is None else RunFence(_s(run[0]), int(run[1] or 0)))
         delivered = counters.get("delivered_tokens", 0)
         self._metric("r3flow_store_backlog_tokens").set(
             counters.get("backlog_tokens", 0) - delivered)

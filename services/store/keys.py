@@ -72,6 +72,21 @@ class Keys:
         return f"{self.prefix}pv"
 
     @property
+    def run(self) -> str:
+        """Hash: `id` and `start` (policy version) of the current training run (run fencing)."""
+        return f"{self.prefix}run"
+
+    @property
+    def trainer(self) -> str:
+        """Serialized TrainerPresence of the present trainer, with a TTL (trainer_ttl_seconds)."""
+        return f"{self.prefix}trainer"
+
+    @property
+    def trainer_seen(self) -> str:
+        """Set once a trainer was present: its absence since then means it is gone."""
+        return f"{self.prefix}trainer_seen"
+
+    @property
     def weight_sync(self) -> str:
         """Latest WeightSyncPlan (serialized)."""
         return f"{self.prefix}ws"

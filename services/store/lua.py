@@ -238,3 +238,23 @@ if tonumber(ARGV[1]) > cur then
 end
 return tostring(cur)
 """
+
+# Run fencing (docs/store.md). KEYS: policy version, run hash; ARGV: run id, candidate version.
+# The same run again (a resumed trainer) only raises the version. Another run starts at a
+# version above everything the store has seen (unless nothing was ever published: a pristine
+# store's engines serve the release's initial weights), recorded as the run's start.
+# Returns {version, start version}.
+START_RUN = """
+local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
+local want = tonumber(ARGV[2])
+local id = redis.call('HGET', KEYS[2], 'id')
+if id == ARGV[1] then
+  if want > cur then redis.call('SET', KEYS[1], ARGV[2]); cur = want end
+  return {cur, tonumber(redis.call('HGET', KEYS[2], 'start') or '0')}
+end
+local v = math.max(cur, want)
+if id or v > 0 then v = v + 1 end
+redis.call('SET', KEYS[1], v)
+redis.call('HSET', KEYS[2], 'id', ARGV[1], 'start', v)
+return {v, v}
+"""

@@ -150,22 +150,37 @@ class TrajectoryStoreServicer(store_pb2_grpc.TrajectoryStoreServicer):
 
     @_unary
     def PublishPolicyVersion(self, request, context):  # noqa: N802
-        return store_pb2.PolicyVersion(version=self.core.publish_policy_version(request.version))
+        if not request.run_id:
+            return store_pb2.PolicyVersion(
+                version=self.core.publish_policy_version(request.version))
+        run = self.core.start_run(request.run_id, request.version)
+        return store_pb2.PolicyVersion(version=self.core.policy_version(), run_id=run.run_id,
+                                       run_start_version=run.start_version)
 
     @_streaming
     def WatchPolicyVersion(self, request, context):  # noqa: N802
-        known = request.known_version
+        # the first answer is at once: a reconnecting watcher learns trainer_gone either way
+        known, gone_sent = request.known_version, None
         while context.is_active() and not self.stop.is_set():
-            version = self.core.policy_version()
-            if version > known:
-                known = version
-                yield store_pb2.PolicyVersion(version=version)
+            version, gone = self.core.policy_version(), self.control.trainer_gone()
+            if version > known or gone != gone_sent:
+                known, gone_sent = max(known, version), gone
+                yield store_pb2.PolicyVersion(version=version, trainer_gone=gone)
             else:
                 self._wait_for_change()
 
     @_unary
     def GetStats(self, request, context):  # noqa: N802
-        return stats_to_proto(self.core.stats(), self.core.cfg.max_groups_ahead or 0)
+        stats = stats_to_proto(self.core.stats(), self.core.cfg.max_groups_ahead or 0)
+        stats.trainer_gone = self.control.trainer_gone()
+        return stats
+
+    @_unary
+    def TrainerHeartbeat(self, request, context):  # noqa: N802
+        ttl = self.control.trainer_heartbeat(request)
+        with self.core.version_changed:  # watchers learn at once that it left
+            self.core.version_changed.notify_all()
+        return store_pb2.TrainerPresenceResponse(ttl_seconds=ttl)
 
     @_unary
     def RegisterWorker(self, request, context):  # noqa: N802
@@ -214,7 +229,8 @@ def stats_to_proto(s: StatsSnapshot, max_groups_ahead: int = 0) -> store_pb2.Sto
         policy_version=s.policy_version, dropped_by_reason=s.dropped_by_reason(),
         groups_leased=s.groups_pending, groups_open=s.groups_open,
         max_groups_ahead=max_groups_ahead,
-        groups_dead_lettered=c.get("groups_dead_lettered", 0))
+        groups_dead_lettered=c.get("groups_dead_lettered", 0),
+        run_id=s.run.run_id if s.run else "", run_start_version=s.run.start_version if s.run else 0)
 
 
 class _HandlerCapture:
@@ -306,7 +322,8 @@ class StoreServer:
                 # truncated stream would be committed. The transport cap is a last resort.
                 ("grpc.max_receive_message_length", transport_cap(config.max_message_bytes)),
                 ("grpc.max_send_message_length", config.max_pull_message_bytes)])
-        control = ControlPlane(core.r, core.keys, config.worker_ttl_seconds)
+        control = ControlPlane(core.r, core.keys, config.worker_ttl_seconds,
+                               config.trainer_ttl_seconds)
         add_servicer(TrajectoryStoreServicer(core, control, self._stop), self.grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         reflection.enable_server_reflection(

@@ -165,11 +165,13 @@ def validate_begin(req: store_pb2.AppendRequest, group: GroupState, limits: Limi
     if group.size and group.members >= group.size:
         raise ValueError(f"begin.group_id: group {b.group_id!r} already has {group.members} "
                          "trajectories")
+    if len(b.run_id) > MAX_ID_CHARS:
+        raise ValueError(f"begin.run_id: over {MAX_ID_CHARS} characters")
     _check_prompt(b.prompt_token_ids, limits)
     header = trajectory_pb2.Trajectory(
         trajectory_id=req.trajectory_id, group_id=b.group_id, group_size=b.group_size,
         prompt_token_ids=b.prompt_token_ids, worker_id=b.worker_id, prompt_id=b.prompt_id,
-        epoch=b.epoch)
+        epoch=b.epoch, run_id=b.run_id)
     return BeginWrite(req.trajectory_id, b.group_id, b.group_size, len(b.prompt_token_ids),
                       header.SerializeToString())
 

@@ -46,6 +46,10 @@ class Store:
     def publish_policy_version(self, v):
         self.published = max(self.published, v)
 
+    def start_run(self, run_id, v):  # the store's current run already: only raises
+        self.publish_policy_version(v)
+        return store_pb2.PolicyVersion(version=self.published, run_id=run_id)
+
     def list_workers(self):
         return [store_pb2.WorkerInfo(worker_id="rollout-0", policy_version=self.worker_version)]
 
@@ -63,7 +67,7 @@ def _loop(tmp_path, store, ranks, pushes):
     cfg = TrainerConfig(data={"groups_per_step": 1},
                         run={"run_dir": str(tmp_path), "checkpoint_every": 1,
                              "exit_engine_wait_s": 0})
-    return TrainLoop(cfg, ranks, store, push_fn=lambda w, v: pushes.append(v))
+    return TrainLoop(cfg, ranks, store, push_fn=lambda w, v, run: pushes.append(v))
 
 
 def test_idle_trainer_repushes_to_a_worker_behind_it_as_the_next_version(tmp_path):

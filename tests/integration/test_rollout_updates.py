@@ -230,14 +230,16 @@ def test_greedy_after_update_equals_hf(harness, models):  # noqa: F811
 def test_weight_sync_push_from_trainer_sender(harness, models, store_process, tiny_moe_dir,  # noqa: F811
                                               tmp_path, caplog):
     """A trainer-side WeightSender push lands in the engine's workers via the extension, and
-    the routing capture check after the load passes on the new weights."""
+    the routing capture check after the load passes on the new weights; the plan's run id
+    tags the worker's registration and every group it begins from then on (run fencing)."""
     from services.common.weight_sync import WeightSender, WeightSyncConfig
 
     base, _, _ = models
     h = harness
     pushed = perturbed(base, seed=3)
     cfg = rollout_config(tiny_moe_dir, write_jsonl(tmp_path / "d.jsonl", [{"prompt": "x",
-                         "answer": "y"}]), worker_id="push-target")
+                         "answer": "y"}]), worker_id="push-target",
+                         sampling={"n": 2, "max_tokens": 4})
     client = StoreClient(store_process.address)
     worker = RolloutWorker(cfg, h.engine, StoreSink(client), build_tokenizer())
     worker.capture_check.probe_ids = PROMPT  # as serve sets it once the start check passed
@@ -246,6 +248,7 @@ def test_weight_sync_push_from_trainer_sender(harness, models, store_process, ti
     sender = WeightSender(WeightSyncConfig(backend="gloo", wire_dtype="float32"))
     target = [w for w in client.list_workers() if w.worker_id == "push-target"]
     plan = sender.plan(h.engine.policy_version + 1, target)
+    plan.run_id = "run-b"  # as the trainer's StoreWeightPush stamps it
     reports = []
     push = threading.Thread(target=lambda: reports.append(
         sender.push(plan, list(pushed.state_dict().items()))))
@@ -258,8 +261,11 @@ def test_weight_sync_push_from_trainer_sender(harness, models, store_process, ti
     h.run(worker.capture_check.wait())
     assert worker.refusal is None
     assert f"routing capture check after loading v{plan.version} passed" in caplog.text
-    assert {w.worker_id: w.policy_version for w in client.list_workers()}["push-target"] == \
-        plan.version
+    assert {w.worker_id: (w.policy_version, w.run_id) for w in client.list_workers()}[
+        "push-target"] == (plan.version, "run-b")
+    group = h.run(worker.run_group("g-run-b", PromptRecord("p1", "y",
+                                                           prompt_token_ids=tuple(PROMPT))))
+    assert [t.run_id for t in group.trajectories] == ["run-b", "run-b"]
     out = h.run(h.engine.generate("greedy-pushed", PROMPT,
                                   CallParams(max_tokens=24, temperature=0.0, ignore_eos=True)))
     assert out.token_ids == hf_greedy(pushed, PROMPT, 24)

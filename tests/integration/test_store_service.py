@@ -67,9 +67,9 @@ def test_watches_push_new_versions_and_plans(store_process: StoreProcess) -> Non
     client = StoreClient(store_process.address)
     client.publish_policy_version(7)
     versions = client.watch_policy_version(known_version=3)
-    assert next(versions) == 7                       # older known version: answered at once
+    assert next(versions).version == 7               # older known version: answered at once
     threading.Timer(0.2, client.publish_policy_version, args=(8,)).start()
-    assert next(versions) == 8                       # pushed when published
+    assert next(versions).version == 8               # pushed when published
     plans = client.watch_weight_sync("w1", known_version=-1)
     client.register_worker("w1", "10.0.0.1", world_size=2, policy_version=8)
     client.publish_weight_sync(store_pb2.WeightSyncPlan(

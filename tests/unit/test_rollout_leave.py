@@ -13,7 +13,8 @@ from services.rollout.app import Registration, _leave
 
 def _worker(version: int = 7) -> SimpleNamespace:
     return SimpleNamespace(cfg=SimpleNamespace(worker_id="w1"),
-                           engine=SimpleNamespace(policy_version=version))
+                           engine=SimpleNamespace(policy_version=version, run_id="run-a",
+                                                  device_uuid="GPU-0"))
 
 
 class _Client:
@@ -27,7 +28,10 @@ class _Client:
         self.calls = 0
         self.calling, self.renewed = threading.Event(), threading.Event()
 
-    def register_worker(self, worker_id: str, host: str, world_size: int, version: int) -> int:
+    def register_worker(self, worker_id: str, host: str, world_size: int, version: int,
+                        device_uuid: str, run_id: str) -> int:
+        # the run whose weights it serves, and its engine's GPU (the push picks CUDA IPC by it)
+        assert (run_id, device_uuid) == ("run-a", "GPU-0")
         self.calls += 1
         self.calling.set()
         if self.gate is not None:

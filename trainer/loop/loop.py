@@ -2,6 +2,11 @@
 pull_batch -> (ranks) intake + train_step -> publish_version -> push_weights
 -> checkpoint (+ ack) -> export_hf (every run.hf_export_every steps: HF-format weights).
 
+Run fencing (docs/store.md): a run has an id (made when it starts fresh, kept in its
+checkpoints). At resume the trainer starts its run at the store; a run new to the store gets a
+policy version above every earlier one, and its initial weights are pushed before the first pull,
+so no group sampled by another run's weights is ever trained (the store drops them `other_run`).
+
 Staleness: the policy version moves and is published to the store after every update (the
 store's stale drop and the rollouts' throttle read it), not only at checkpoints; at intake a
 group whose oldest segment lags it by more than `data.max_policy_lag` is acked as dropped
@@ -46,7 +51,7 @@ log = logging.getLogger(__name__)
 
 UNACKED_WAIT_S = 1.0  # a pull refused for un-acked groups it cannot ack is tried again after
 RESYNC_INTERVAL_S = 10.0  # how often an idle trainer re-pushes to workers behind its version
-PushFn = Callable[[Ranks, int], None]  # trainer.weight_push.StoreWeightPush
+PushFn = Callable[[Ranks, int, str], None]  # trainer.weight_push.StoreWeightPush
 
 
 # (label, metric) of a step's parts in the order they run: the step line says where time went
@@ -108,7 +113,25 @@ class TrainLoop:
         else:
             self._version_of_store()
         self.ledger.resumed(self.pos.step)
-        self.publish_version()
+        if self._start_run():
+            self._push_now()  # the run's initial weights, before it takes any group
+        else:
+            self.publish_version()
+
+    def _start_run(self) -> bool:
+        """Start (or resume) this run at the store; True when the store started it above the
+        versions of earlier runs (its version moved: push the initial weights). A trainer that
+        never pushes cannot fence: its engines never serve its weights."""
+        if self.push_fn is None or not self.cfg.run.push_weights_every:
+            return False
+        self.pos.run_id = self.pos.run_id or uuid.uuid4().hex[:16]
+        got = self.client.start_run(self.pos.run_id, self.pos.policy_version)
+        if got.version <= self.pos.policy_version:
+            return False
+        log.info("run %s starts at policy version %d: pushing its initial weights before the "
+                 "first pull", self.pos.run_id, got.version)
+        self._set_version(got.version)
+        return True
 
     def _version_of_store(self) -> None:
         """The store and its engines may be at version N from earlier runs: they ignore plans
@@ -263,7 +286,8 @@ class TrainLoop:
         RESYNC_INTERVAL_S) if a registered worker serves an older version. A worker restarted
         after the last push (or one that missed it) otherwise holds its groups for policy lag
         while the trainer waits for groups: neither side would ever move."""
-        if self.push_fn is None or not self.cfg.run.push_weights_every or not self.pos.step:
+        if self.push_fn is None or not self.cfg.run.push_weights_every or \
+                not self.pos.step and not self.pos.run_id:
             return
         if time.monotonic() - self._last_resync < RESYNC_INTERVAL_S:
             return
@@ -293,7 +317,7 @@ class TrainLoop:
     def _push_now(self) -> None:
         assert self.push_fn is not None
         t0 = time.perf_counter()
-        self.push_fn(self.ranks, self.pos.policy_version)  # rank 0 exports, sends
+        self.push_fn(self.ranks, self.pos.policy_version, self.pos.run_id)  # rank 0 sends
         self.metrics.weight_push(time.perf_counter() - t0)
         # Workers report the version they loaded a moment after the push returns: a resync
         # check right after it saw them still behind and pushed the same weights again (and a

@@ -8,20 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TrajectoryBegin(_message.Message):
-    __slots__ = ("group_id", "group_size", "prompt_token_ids", "worker_id", "prompt_id", "epoch")
+    __slots__ = ("group_id", "group_size", "prompt_token_ids", "worker_id", "prompt_id", "epoch", "run_id")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     group_size: int
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     worker_id: str
     prompt_id: str
     epoch: int
-    def __init__(self, group_id: _Optional[str] = ..., group_size: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., worker_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+    run_id: str
+    def __init__(self, group_id: _Optional[str] = ..., group_size: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., worker_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., epoch: _Optional[int] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class TrajectoryFinish(_message.Message):
     __slots__ = ("num_segments", "reward", "reward_components", "finish_reason")
@@ -125,10 +127,32 @@ class AckResponse(_message.Message):
     def __init__(self, acked: _Optional[int] = ...) -> None: ...
 
 class PolicyVersion(_message.Message):
-    __slots__ = ("version",)
+    __slots__ = ("version", "run_id", "run_start_version", "trainer_gone")
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    RUN_START_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_GONE_FIELD_NUMBER: _ClassVar[int]
     version: int
-    def __init__(self, version: _Optional[int] = ...) -> None: ...
+    run_id: str
+    run_start_version: int
+    trainer_gone: bool
+    def __init__(self, version: _Optional[int] = ..., run_id: _Optional[str] = ..., run_start_version: _Optional[int] = ..., trainer_gone: _Optional[bool] = ...) -> None: ...
+
+class TrainerPresence(_message.Message):
+    __slots__ = ("consumer", "run_id", "leaving")
+    CONSUMER_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    LEAVING_FIELD_NUMBER: _ClassVar[int]
+    consumer: str
+    run_id: str
+    leaving: bool
+    def __init__(self, consumer: _Optional[str] = ..., run_id: _Optional[str] = ..., leaving: _Optional[bool] = ...) -> None: ...
+
+class TrainerPresenceResponse(_message.Message):
+    __slots__ = ("ttl_seconds",)
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ttl_seconds: int
+    def __init__(self, ttl_seconds: _Optional[int] = ...) -> None: ...
 
 class WatchPolicyVersionRequest(_message.Message):
     __slots__ = ("known_version",)
@@ -141,7 +165,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StoreStats(_message.Message):
-    __slots__ = ("trajectories_appended", "trajectories_complete", "groups_ready", "groups_delivered", "groups_acked", "backlog_tokens", "dropped_stale", "redeliveries", "policy_version", "dropped_by_reason", "groups_leased", "groups_open", "max_groups_ahead", "groups_dead_lettered")
+    __slots__ = ("trajectories_appended", "trajectories_complete", "groups_ready", "groups_delivered", "groups_acked", "backlog_tokens", "dropped_stale", "redeliveries", "policy_version", "dropped_by_reason", "groups_leased", "groups_open", "max_groups_ahead", "groups_dead_lettered", "run_id", "run_start_version", "trainer_gone")
     class DroppedByReasonEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -163,6 +187,9 @@ class StoreStats(_message.Message):
     GROUPS_OPEN_FIELD_NUMBER: _ClassVar[int]
     MAX_GROUPS_AHEAD_FIELD_NUMBER: _ClassVar[int]
     GROUPS_DEAD_LETTERED_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    RUN_START_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_GONE_FIELD_NUMBER: _ClassVar[int]
     trajectories_appended: int
     trajectories_complete: int
     groups_ready: int
@@ -177,21 +204,26 @@ class StoreStats(_message.Message):
     groups_open: int
     max_groups_ahead: int
     groups_dead_lettered: int
-    def __init__(self, trajectories_appended: _Optional[int] = ..., trajectories_complete: _Optional[int] = ..., groups_ready: _Optional[int] = ..., groups_delivered: _Optional[int] = ..., groups_acked: _Optional[int] = ..., backlog_tokens: _Optional[int] = ..., dropped_stale: _Optional[int] = ..., redeliveries: _Optional[int] = ..., policy_version: _Optional[int] = ..., dropped_by_reason: _Optional[_Mapping[str, int]] = ..., groups_leased: _Optional[int] = ..., groups_open: _Optional[int] = ..., max_groups_ahead: _Optional[int] = ..., groups_dead_lettered: _Optional[int] = ...) -> None: ...
+    run_id: str
+    run_start_version: int
+    trainer_gone: bool
+    def __init__(self, trajectories_appended: _Optional[int] = ..., trajectories_complete: _Optional[int] = ..., groups_ready: _Optional[int] = ..., groups_delivered: _Optional[int] = ..., groups_acked: _Optional[int] = ..., backlog_tokens: _Optional[int] = ..., dropped_stale: _Optional[int] = ..., redeliveries: _Optional[int] = ..., policy_version: _Optional[int] = ..., dropped_by_reason: _Optional[_Mapping[str, int]] = ..., groups_leased: _Optional[int] = ..., groups_open: _Optional[int] = ..., max_groups_ahead: _Optional[int] = ..., groups_dead_lettered: _Optional[int] = ..., run_id: _Optional[str] = ..., run_start_version: _Optional[int] = ..., trainer_gone: _Optional[bool] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "host", "world_size", "policy_version", "device_uuid")
+    __slots__ = ("worker_id", "host", "world_size", "policy_version", "device_uuid", "run_id")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     host: str
     world_size: int
     policy_version: int
     device_uuid: str
-    def __init__(self, worker_id: _Optional[str] = ..., host: _Optional[str] = ..., world_size: _Optional[int] = ..., policy_version: _Optional[int] = ..., device_uuid: _Optional[str] = ...) -> None: ...
+    run_id: str
+    def __init__(self, worker_id: _Optional[str] = ..., host: _Optional[str] = ..., world_size: _Optional[int] = ..., policy_version: _Optional[int] = ..., device_uuid: _Optional[str] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class RegisterWorkerResponse(_message.Message):
     __slots__ = ("ttl_seconds",)
@@ -222,7 +254,7 @@ class WorkerList(_message.Message):
     def __init__(self, workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ...) -> None: ...
 
 class WeightSyncPlan(_message.Message):
-    __slots__ = ("version", "master_addr", "master_port", "members", "backend", "wire_dtype", "bucket_bytes")
+    __slots__ = ("version", "master_addr", "master_port", "members", "backend", "wire_dtype", "bucket_bytes", "run_id")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MASTER_ADDR_FIELD_NUMBER: _ClassVar[int]
     MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
@@ -230,6 +262,7 @@ class WeightSyncPlan(_message.Message):
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
     version: int
     master_addr: str
     master_port: int
@@ -237,7 +270,8 @@ class WeightSyncPlan(_message.Message):
     backend: str
     wire_dtype: str
     bucket_bytes: int
-    def __init__(self, version: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., members: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., backend: _Optional[str] = ..., wire_dtype: _Optional[str] = ..., bucket_bytes: _Optional[int] = ...) -> None: ...
+    run_id: str
+    def __init__(self, version: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., members: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., backend: _Optional[str] = ..., wire_dtype: _Optional[str] = ..., bucket_bytes: _Optional[int] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class WatchWeightSyncRequest(_message.Message):
     __slots__ = ("worker_id", "known_version")

@@ -64,6 +64,11 @@ class TrajectoryStoreStub:
                 request_serializer=r3flow_dot_v1_dot_store__pb2.WatchPolicyVersionRequest.SerializeToString,
                 response_deserializer=r3flow_dot_v1_dot_store__pb2.PolicyVersion.FromString,
                 _registered_method=True)
+        self.TrainerHeartbeat = channel.unary_unary(
+                '/r3flow.v1.TrajectoryStore/TrainerHeartbeat',
+                request_serializer=r3flow_dot_v1_dot_store__pb2.TrainerPresence.SerializeToString,
+                response_deserializer=r3flow_dot_v1_dot_store__pb2.TrainerPresenceResponse.FromString,
+                _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/r3flow.v1.TrajectoryStore/GetStats',
                 request_serializer=r3flow_dot_v1_dot_store__pb2.StatsRequest.SerializeToString,
@@ -132,6 +137,15 @@ class TrajectoryStoreServicer:
         raise NotImplementedError('Method not implemented!')
 
     def WatchPolicyVersion(self, request, context):
+        """Answers at once (the current version and trainer_gone, also when the version is not newer
+        than known_version: a reconnecting watcher), then on every new version and every change of
+        trainer_gone.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TrainerHeartbeat(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -205,6 +219,11 @@ def add_TrajectoryStoreServicer_to_server(servicer, server):
                     servicer.WatchPolicyVersion,
                     request_deserializer=r3flow_dot_v1_dot_store__pb2.WatchPolicyVersionRequest.FromString,
                     response_serializer=r3flow_dot_v1_dot_store__pb2.PolicyVersion.SerializeToString,
+            ),
+            'TrainerHeartbeat': grpc.unary_unary_rpc_method_handler(
+                    servicer.TrainerHeartbeat,
+                    request_deserializer=r3flow_dot_v1_dot_store__pb2.TrainerPresence.FromString,
+                    response_serializer=r3flow_dot_v1_dot_store__pb2.TrainerPresenceResponse.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
@@ -399,6 +418,33 @@ class TrajectoryStore:
             '/r3flow.v1.TrajectoryStore/WatchPolicyVersion',
             r3flow_dot_v1_dot_store__pb2.WatchPolicyVersionRequest.SerializeToString,
             r3flow_dot_v1_dot_store__pb2.PolicyVersion.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TrainerHeartbeat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/r3flow.v1.TrajectoryStore/TrainerHeartbeat',
+            r3flow_dot_v1_dot_store__pb2.TrainerPresence.SerializeToString,
+            r3flow_dot_v1_dot_store__pb2.TrainerPresenceResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.common.pb.r3flow.v1 import routing_pb2 as r3flow_dot_v1_dot_routing__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ar3flow/v1/trajectory.proto\x12\tr3flow.v1\x1a\x17r3flow/v1/routing.proto\"C\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\"\xc0\x01\n\x07Segment\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x11\n\tloss_mask\x18\x04 \x01(\x0c\x12\x16\n\x0epolicy_version\x18\x05 \x01(\x03\x12)\n\x07routing\x18\x06 \x03(\x0b\x32\x18.r3flow.v1.RoutedExperts\x12+\n\x08sampling\x18\x07 \x01(\x0b\x32\x19.r3flow.v1.SamplingParams\"\xff\x02\n\nTrajectory\x12\x15\n\rtrajectory_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x12\n\ngroup_size\x18\x03 \x01(\r\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\x12$\n\x08segments\x18\x05 \x03(\x0b\x32\x12.r3flow.v1.Segment\x12\x0e\n\x06reward\x18\x06 \x01(\x02\x12\x46\n\x11reward_components\x18\x07 \x03(\x0b\x32+.r3flow.v1.Trajectory.RewardComponentsEntry\x12.\n\rfinish_reason\x18\x08 \x01(\x0e\x32\x17.r3flow.v1.FinishReason\x12\x11\n\tworker_id\x18\t \x01(\t\x12\x11\n\tprompt_id\x18\n \x01(\t\x12\r\n\x05\x65poch\x18\x0b \x01(\r\x1a\x37\n\x15RewardComponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01*z\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ar3flow/v1/trajectory.proto\x12\tr3flow.v1\x1a\x17r3flow/v1/routing.proto\"C\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\"\xc0\x01\n\x07Segment\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x11\n\tloss_mask\x18\x04 \x01(\x0c\x12\x16\n\x0epolicy_version\x18\x05 \x01(\x03\x12)\n\x07routing\x18\x06 \x03(\x0b\x32\x18.r3flow.v1.RoutedExperts\x12+\n\x08sampling\x18\x07 \x01(\x0b\x32\x19.r3flow.v1.SamplingParams\"\x8f\x03\n\nTrajectory\x12\x15\n\rtrajectory_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x12\n\ngroup_size\x18\x03 \x01(\r\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\x12$\n\x08segments\x18\x05 \x03(\x0b\x32\x12.r3flow.v1.Segment\x12\x0e\n\x06reward\x18\x06 \x01(\x02\x12\x46\n\x11reward_components\x18\x07 \x03(\x0b\x32+.r3flow.v1.Trajectory.RewardComponentsEntry\x12.\n\rfinish_reason\x18\x08 \x01(\x0e\x32\x17.r3flow.v1.FinishReason\x12\x11\n\tworker_id\x18\t \x01(\t\x12\x11\n\tprompt_id\x18\n \x01(\t\x12\r\n\x05\x65poch\x18\x0b \x01(\r\x12\x0e\n\x06run_id\x18\x0c \x01(\t\x1a\x37\n\x15RewardComponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01*z\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,14 +34,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TRAJECTORY_REWARDCOMPONENTSENTRY']._loaded_options = None
   _globals['_TRAJECTORY_REWARDCOMPONENTSENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=716
-  _globals['_FINISHREASON']._serialized_end=838
+  _globals['_FINISHREASON']._serialized_start=732
+  _globals['_FINISHREASON']._serialized_end=854
   _globals['_SAMPLINGPARAMS']._serialized_start=66
   _globals['_SAMPLINGPARAMS']._serialized_end=133
   _globals['_SEGMENT']._serialized_start=136
   _globals['_SEGMENT']._serialized_end=328
   _globals['_TRAJECTORY']._serialized_start=331
-  _globals['_TRAJECTORY']._serialized_end=714
-  _globals['_TRAJECTORY_REWARDCOMPONENTSENTRY']._serialized_start=659
-  _globals['_TRAJECTORY_REWARDCOMPONENTSENTRY']._serialized_end=714
+  _globals['_TRAJECTORY']._serialized_end=730
+  _globals['_TRAJECTORY_REWARDCOMPONENTSENTRY']._serialized_start=675
+  _globals['_TRAJECTORY_REWARDCOMPONENTSENTRY']._serialized_end=730
 # @@protoc_insertion_point(module_scope)

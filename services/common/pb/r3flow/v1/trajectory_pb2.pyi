@@ -48,7 +48,7 @@ class Segment(_message.Message):
     def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., loss_mask: _Optional[bytes] = ..., policy_version: _Optional[int] = ..., routing: _Optional[_Iterable[_Union[_routing_pb2.RoutedExperts, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
 class Trajectory(_message.Message):
-    __slots__ = ("trajectory_id", "group_id", "group_size", "prompt_token_ids", "segments", "reward", "reward_components", "finish_reason", "worker_id", "prompt_id", "epoch")
+    __slots__ = ("trajectory_id", "group_id", "group_size", "prompt_token_ids", "segments", "reward", "reward_components", "finish_reason", "worker_id", "prompt_id", "epoch", "run_id")
     class RewardComponentsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,7 @@ class Trajectory(_message.Message):
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
     trajectory_id: str
     group_id: str
     group_size: int
@@ -78,4 +79,5 @@ class Trajectory(_message.Message):
     worker_id: str
     prompt_id: str
     epoch: int
-    def __init__(self, trajectory_id: _Optional[str] = ..., group_id: _Optional[str] = ..., group_size: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., reward: _Optional[float] = ..., reward_components: _Optional[_Mapping[str, float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., worker_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+    run_id: str
+    def __init__(self, trajectory_id: _Optional[str] = ..., group_id: _Optional[str] = ..., group_size: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., reward: _Optional[float] = ..., reward_components: _Optional[_Mapping[str, float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., worker_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., epoch: _Optional[int] = ..., run_id: _Optional[str] = ...) -> None: ...
