@@ -91,8 +91,11 @@ def test_wandb_offline(tmp_path, monkeypatch) -> None:
     cfg = build_config(TrainerConfig, {"tracking": {"wandb": True, "tensorboard": False}})
     (t,) = open_trackers(cfg.tracking, tmp_path)
     t.log(1, {"reward_mean": 0.5})
+    t.log(2, {"reward_mean": 0.75})
     t.close()
-    assert list((tmp_path / "wandb").glob("offline-run-*"))
+    (run,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")  # `wandb sync` uploads it
+    data = run.read_bytes()  # history records keep keys and JSON values as plain bytes
+    assert b"reward_mean" in data and b"0.75" in data
 
 
 def test_eval_rows_reach_the_step_log_and_tensorboard(tmp_path) -> None:
