@@ -75,7 +75,7 @@ class TensorBoard:
 
 class Wandb:
     def __init__(self, cfg: TrackingConfig, run_dir: Path) -> None:
-        wandb = _need("wandb", "wandb")
+        self.wandb = wandb = _need("wandb", "wandb")
         self.run = wandb.init(project=cfg.wandb_project, name=run_dir.name, dir=str(run_dir),
                               mode=cfg.wandb_mode)
 
@@ -84,6 +84,9 @@ class Wandb:
 
     def close(self) -> None:
         self.run.finish()
+        # finish() can return before wandb's service process has written the run file (an
+        # offline run read right after held only its header, under load): teardown waits for it
+        self.wandb.teardown()
 
 
 class Mlflow:
