@@ -80,9 +80,13 @@ def test_mlflow_file_store(tmp_path) -> None:
     cfg = build_config(TrainerConfig, {"tracking": {"mlflow": True, "tensorboard": False}})
     (t,) = open_trackers(cfg.tracking, tmp_path)
     t.log(1, {"reward_mean": 0.5, "groups_quarantined_by_reason/a:b": 1.0})
+    t.log(2, {"reward_mean": 0.75})
     t.close()
-    runs = mlflow.search_runs(experiment_names=["r3flow"])
-    assert runs["metrics.reward_mean"].tolist() == [0.5]
+    client = mlflow.tracking.MlflowClient(tracking_uri=(tmp_path / "mlruns").resolve().as_uri())
+    (run,) = client.search_runs([client.get_experiment_by_name("r3flow").experiment_id])
+    history = client.get_metric_history(run.info.run_id, "reward_mean")
+    assert [(m.step, m.value) for m in history] == [(1, 0.5), (2, 0.75)]
+    assert run.data.metrics["groups_quarantined_by_reason/a_b"] == 1.0  # `:` is not allowed
 
 
 def test_wandb_offline(tmp_path, monkeypatch) -> None:

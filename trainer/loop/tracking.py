@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -92,7 +93,12 @@ class Wandb:
 class Mlflow:
     def __init__(self, cfg: TrackingConfig, run_dir: Path) -> None:
         self.mlflow = _need("mlflow", "mlflow")
-        self.mlflow.set_tracking_uri(cfg.mlflow_uri or (run_dir / "mlruns").resolve().as_uri())
+        uri = cfg.mlflow_uri or (run_dir / "mlruns").resolve().as_uri()
+        if uri.startswith("file:"):
+            # MLflow 3 keeps its file store (no database server, no SQLAlchemy) behind this
+            # documented opt-out; a database or server URI in tracking.mlflow_uri needs none
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        self.mlflow.set_tracking_uri(uri)
         self.mlflow.set_experiment(cfg.experiment)
         self.run = self.mlflow.start_run(run_name=run_dir.name)
 
