@@ -6,14 +6,21 @@ when it is published."""
 from __future__ import annotations
 
 import os
+import select
 import signal
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import torch
 
+from services.common.procenv import pythonpath
 from tests.support.fake_loop import FakeRanks, FakeStore, loop_config, pulled_group
 from trainer.checkpoint import CheckpointManager, DataPosition, HostSnapshot
 from trainer.loop.loop import TrainLoop, step_parts
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _model():
@@ -76,27 +83,40 @@ def test_snapshot_is_taken_at_the_boundary_and_published_when_written(tmp_path):
         assert torch.equal(v, at_save[k]), k
 
 
+def _trainer(run_dir: str, ready: int, go: int) -> None:
+    """The kill test's trainer process: step 1 published, step 2 in the background, then
+    blocked (its writer thread inside step 2's optimizer file) until it is killed."""
+    module, opt = _model()
+    _step(module, opt)
+    ckpt = CheckpointManager(Path(run_dir), background=True)
+    ckpt.save(module, opt, DataPosition(step=1, policy_version=1))
+    ckpt.finish(block=True)
+    _step(module, opt)
+    ckpt.save(module, _GatedOptimizer(opt, _Gate(ready, go)),
+              DataPosition(step=2, policy_version=2))
+    threading.Event().wait()
+
+
 def test_a_kill_mid_write_resumes_from_the_last_complete_checkpoint(tmp_path):
-    """A real process, SIGKILLed while its writer thread is inside step 2's optimizer file."""
+    """A real process, SIGKILLed while its writer thread is inside step 2's optimizer file. A
+    fresh interpreter, not a fork: a fork of a process whose torch thread pool is up (an xdist
+    worker after other tests) can deadlock in the child's first parallel op."""
     module, opt = _model()
     _step(module, opt)
     step1 = {k: v.clone() for k, v in module.state_dict().items()}
     ready, go = os.pipe(), os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the trainer: step 1 published, step 2 in the background, then blocked
-        try:
-            ckpt = CheckpointManager(tmp_path, background=True)
-            ckpt.save(module, opt, DataPosition(step=1, policy_version=1))
-            ckpt.finish(block=True)
-            _step(module, opt)
-            ckpt.save(module, _GatedOptimizer(opt, _Gate(ready[1], go[0])),
-                      DataPosition(step=2, policy_version=2))
-            threading.Event().wait()
-        finally:
-            os._exit(1)
-    assert os.read(ready[0], 1) == b"w"  # step 2's weights are on disk, its optimizer is not
-    os.kill(pid, signal.SIGKILL)
-    assert os.waitpid(pid, 0)[1] == signal.SIGKILL
+    code = ("from tests.unit.test_checkpoint_async import _trainer; "
+            f"_trainer({str(tmp_path)!r}, {ready[1]}, {go[0]})")
+    child = subprocess.Popen([sys.executable, "-c", code], pass_fds=(ready[1], go[0]), cwd=ROOT,
+                             env={**os.environ, "PYTHONPATH": pythonpath(ROOT)})
+    os.close(ready[1])  # a child that dies early closes the pipe: the read ends, no hang
+    try:
+        readable, _, _ = select.select([ready[0]], [], [], 120)
+        # step 2's weights are on disk, its optimizer is not
+        assert readable and os.read(ready[0], 1) == b"w", f"trainer exited {child.poll()}"
+    finally:
+        child.kill()
+    assert child.wait(60) == -signal.SIGKILL
     assert (tmp_path / "checkpoints" / "step_000002" / "model_rank0.safetensors").is_file()
     resumed, opt2 = _model()
     ckpt = CheckpointManager(tmp_path, keep=1)

@@ -98,9 +98,13 @@ class LoadingEngine(FakeEngine):
         self.info.num_experts, self.info.moe_layers = EXPERTS, (0, 1)
         self.metrics = create_metrics(CollectorRegistry(), "rollout")
         self.policy_version = 0
+        self.run_id = ""  # weights from disk, no training run yet (RolloutEngine.run_id)
 
     def dead_reason(self) -> None:
         return None
+
+    async def engine_gpu(self) -> str:
+        return ""  # vLLM-CPU: no GPU, the push is never CUDA IPC (RolloutEngine.engine_gpu)
 
     async def generate(self, request_id, prompt_ids, params):  # noqa: ANN001
         await asyncio.sleep(0.01)  # a real call takes time: groups overlap the load

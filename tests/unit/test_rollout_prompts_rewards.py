@@ -16,6 +16,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from services.common.metrics import create_metrics
+from services.common.procenv import pythonpath
 from services.common.tiny_moe import build_tokenizer
 from services.rollout.agent import ChatSession
 from services.rollout.config import PromptConfig, RewardConfig, RolloutConfig
@@ -348,7 +349,7 @@ def test_reward_module_on_the_pythonpath_loads(tmp_path):
              "fn = build_registry(RewardConfig()).get('my_rewards:score')\n"
              "print(fn.call(RewardInput('is 4', '4', extra={'tag': 7})))\n")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(code), root])}
+    env = {**os.environ, "PYTHONPATH": pythonpath(code, root)}
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
                          text=True, timeout=60, check=True)
     assert out.stdout.strip() == "{'score': 1.0, 'tag': 7}"

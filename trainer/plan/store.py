@@ -103,7 +103,10 @@ def plan_stores(path: str | Path) -> list[StoreCheck]:
     out = []
     for d in docs:
         if d["kind"] == "RayJob":
-            job, cfg = trainer_of(docs, d)
+            try:
+                job, cfg = trainer_of(docs, d)
+            except UserError as e:  # the job names itself; add the file it is in
+                raise UserError(f"{path}: {e}", e.hint) from e
             where = f"{path} RayJob/{job.metadata.name}"
             check = check_rayjob(docs, cfg, job.metadata.annotations, where)
             if check is not None:
