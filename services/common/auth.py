@@ -35,7 +35,7 @@ _WATCH = {"WatchPolicyVersion", "WatchWeightSync", "GetStats"}
 # The methods each role may call; any other TrajectoryStore method is PERMISSION_DENIED.
 ROLE_METHODS: dict[str, frozenset[str]] = {
     "rollout": frozenset({"Append", "AppendBatch", "RegisterWorker", "UnregisterWorker", *_WATCH}),
-    "trainer": frozenset({"Pull", "Ack", "PublishPolicyVersion", "PublishWeightSync",
+    "trainer": frozenset({"Pull", "PullChunks", "Ack", "PublishPolicyVersion", "PublishWeightSync",
                           "ListWorkers", "TrainerHeartbeat", *_WATCH}),
 }
 

@@ -226,8 +226,9 @@ class Appender:
         elif isinstance(w, validate.SegmentWrite):
             gid = w.group_id
             keys = [k.traj(tid), k.traj_done(tid), k.group(gid), k.stats]
-            args = [w.seq, w.start_row, w.rows, w.tokens, w.payload, w.policy_version,
-                    w.layout.encode(), w.prompt_field, w.prompt_chunk, w.head_len]
+            args = [w.seq, w.start_row, w.rows, w.tokens, w.head, w.policy_version,
+                    w.layout.encode(), w.prompt_field, w.prompt_chunk, w.part, w.open_rows,
+                    *w.chunks]
             p.evalsha(self._sha["SEGMENT"], len(keys), *keys, *args)
         else:
             gid = w.group_id
@@ -323,17 +324,19 @@ class Appender:
 _LIMITS = {"backlog": "max_backlog_tokens", "inflight": "max_inflight_trajectories",
            "groups_ahead": "max_groups_ahead"}
 
-_STATE_FIELDS = ("next", "state", "plen", "rows", "tokens", "nseg", "layout", "gid")
+_STATE_FIELDS = ("next", "state", "plen", "rows", "tokens", "nseg", "layout", "gid", "part",
+                 "orows")
 
 
 def _parse_state(fields: list[bytes | None], tombstone: int) -> TrajState:
-    nxt, st, plen, rows, tokens, nseg, layout, gid = fields
+    nxt, st, plen, rows, tokens, nseg, layout, gid, part, orows = fields
     if nxt is None:
         return TrajState(done=bool(tombstone))
     return TrajState(next_seq=int(nxt), done=st != b"open", prompt_len=int(plen),  # type: ignore[arg-type]
                      rows=int(rows), tokens=int(tokens), num_segments=int(nseg),  # type: ignore[arg-type]
                      layout=validate.Layout.decode(layout.decode()) if layout else None,
-                     group_id=gid.decode())  # type: ignore[union-attr]
+                     group_id=gid.decode(), part=int(part or 0),  # type: ignore[union-attr]
+                     open_rows=int(orows or 0))
 
 
 def _parse_group(size: bytes | None, members: int, done: int, fields: list[bytes]) -> GroupState:

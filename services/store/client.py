@@ -28,6 +28,7 @@ from services.common.auth import ClientAuth
 from services.common.errors import UserError
 from services.common.pb.r3flow.v1 import store_pb2, store_pb2_grpc, trajectory_pb2
 from services.store.errors import RateLimit, UnackedFull
+from services.store.parts import GroupAssembler
 from services.store.wire_metadata import APPEND_MESSAGES_KEY, REFUSAL_REASON_KEY, RETRY_AFTER_KEY
 
 log = logging.getLogger(__name__)
@@ -95,6 +96,7 @@ class StoreClient:
         self._refusals = RateLimit(REFUSAL_LOG_EVERY_S)
         self.retries = 0  # transient failures retried so far (for tests and worker metrics)
         self._append_batch = True  # False once the store answered UNIMPLEMENTED
+        self._pull_chunks = True  # likewise for PullChunks
         auth = auth or ClientAuth()  # no TLS, no token: local mode
         self._metadata = auth.metadata
         self._channel = auth.channel(address, options=[
@@ -205,19 +207,46 @@ class StoreClient:
         return self._with_retry(lambda: self._pull_once(req), "pull")
 
     def _pull_once(self, req: store_pb2.PullRequest) -> list[store_pb2.PulledGroup]:
+        if self._pull_chunks:
+            try:
+                return self._pull_parts(req)
+            except grpc.RpcError as err:
+                if err.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+                log.warning("store at %s has no PullChunks: pulling whole groups", self.address)
+                self._pull_chunks = False
         got: list[store_pb2.PulledGroup] = []
         try:
             for group in self._stub.Pull(req, timeout=self.timeout_s + req.wait_ms / 1000,
                                          metadata=self._metadata):
                 got.append(group)
         except grpc.RpcError as err:
-            if not got and _trailer(err, REFUSAL_REASON_KEY) == "unacked":
-                raise UnackedFull(err.details()) from None  # only an ack helps: no retry
-            if not got:
-                raise
-            # Groups received are leased to us: hand them over rather than lose them until
-            # their lease expires.
+            self._keep_received(err, got)
         return got
+
+    def _pull_parts(self, req: store_pb2.PullRequest) -> list[store_pb2.PulledGroup]:
+        """PullChunks: every message at most one routing chunk (services/store/parts.py)."""
+        asm = GroupAssembler()
+        try:
+            for part in self._stub.PullChunks(req, timeout=self.timeout_s + req.wait_ms / 1000,
+                                              metadata=self._metadata):
+                asm.add(part)
+        except grpc.RpcError as err:
+            self._keep_received(err, asm.groups)
+        if asm.cut_short:  # an OK end inside a group: never hand over half a group
+            log.warning("pull: the store's stream ended inside a group; it is redelivered "
+                        "after its lease")
+        return asm.groups
+
+    @staticmethod
+    def _keep_received(err: grpc.RpcError, got: list[store_pb2.PulledGroup]) -> None:
+        """Re-raise a failed pull unless whole groups were received before it failed."""
+        if not got and _trailer(err, REFUSAL_REASON_KEY) == "unacked":
+            raise UnackedFull(err.details()) from None  # only an ack helps: no retry
+        if not got:
+            raise err
+        # Groups received are leased to us: hand them over rather than lose them until their
+        # lease expires.
 
     def ack(self, consumer: str, delivery_ids: Sequence[str],
             dropped: Sequence[tuple[str, str, int]] = ()) -> int:

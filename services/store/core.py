@@ -290,7 +290,7 @@ class TrajectoryStoreCore:
         d = assemble_group(self.r, self.keys, gid, eid, entry.count)
         reason = self._drop_reason(d, entry.renewed)
         if reason:
-            n = 0 if d is None else len(d.trajectory_bytes)
+            n = 0 if d is None else len(d.members)
             self._release(eid, "", reason, n)
             self._metric("r3flow_store_dropped_total", reason).inc(n)
             log.info("dropped group %s (%s, %d trajectories)", gid, reason, n)
@@ -305,7 +305,7 @@ class TrajectoryStoreCore:
         if d is None:
             log.error("ready group has no payload in Redis; dropping its stream entry")
             return "missing"
-        if not d.trajectory_bytes:
+        if not d.members:
             return "aborted"  # every member aborted; counted when they finished
         fence = self.run_fence()
         if fence is not None and not fence.admits(d):

@@ -37,7 +37,7 @@ class DeadLetter:
 def dead_letter_of(d: Delivery | None, gid: str, eid: str, deliveries: int, holder: str,
                    max_redeliveries: int) -> DeadLetter:
     """The record of group `gid` (entry `eid`), delivered `deliveries` times, last to `holder`."""
-    ids = [t.trajectory_id for t in d.trajectories] if d is not None else []
+    ids = d.trajectory_ids if d is not None else []
     reason = (f"lease expired after {deliveries} deliveries without an ack (last held by "
               f"{holder or '?'}); store max_redeliveries={max_redeliveries}")
     return DeadLetter(gid, eid, reason, deliveries, holder, ids,

@@ -97,10 +97,18 @@ if seq < nxt or redis.call('HGET', KEYS[1], 'state') ~= 'open' then return {'dup
 if seq > nxt then return {'gap', nxt} end
 """
 
+# A segment is stored as its head `s:<j>` (tokens, no routing), its routing chunks one per hash
+# field `r:<j>:<c>` (c = 0 .. `rc:<j>` - 1) and, for segment 0, the group's prompt chunk
+# (`pkey`). A segment sent in parts keeps `next` at its own sequence number until its last part;
+# `part` is the next part expected, `orows` the rows it still lacks.
 # KEYS: traj, traj_done, group, stats
-# ARGV: seq, start_row, rows, tokens, payload, policy_version, layout, prompt_field,
-#       prompt_chunk, head_len (where the prompt chunk goes back into the payload)
+# ARGV: seq, start_row, rows, tokens, head ('' on parts > 0), policy_version, layout,
+#       prompt_field, prompt_chunk, part, rows left after this part, chunk 1 .. chunk n
 SEGMENT = _ORDER + """
+local part = tonumber(ARGV[10])
+local want = tonumber(redis.call('HGET', KEYS[1], 'part') or '0')
+if part < want then return {'dup', 0} end
+if part > want then return {'gap', nxt} end
 if tonumber(redis.call('HGET', KEYS[1], 'rows')) ~= tonumber(ARGV[2]) then
   return {'conflict', 0}
 end
@@ -115,24 +123,38 @@ if ARGV[8] ~= '' then
   elseif redis.call('HEXISTS', KEYS[3], ARGV[8]) == 0 then
     return {'conflict', 0}
   end
-  redis.call('HSET', KEYS[1], 'pkey', ARGV[8], 'hl', ARGV[10])
+  redis.call('HSET', KEYS[1], 'pkey', ARGV[8])
 end
-redis.call('HSET', KEYS[1], 's:' .. (seq - 1), ARGV[5], 'next', seq + 1, 'nseg', seq,
-           'layout', ARGV[7])
+local j = seq - 1
+if part == 0 then
+  redis.call('HSET', KEYS[1], 's:' .. j, ARGV[5], 'nseg', seq, 'layout', ARGV[7])
+  redis.call('HINCRBY', KEYS[1], 'tokens', ARGV[4])
+  local gmin = redis.call('HGET', KEYS[3], 'minpv')
+  if (not gmin) or tonumber(ARGV[6]) < tonumber(gmin) then
+    redis.call('HSET', KEYS[3], 'minpv', ARGV[6])
+  end
+  redis.call('HINCRBY', KEYS[3], 'tokens', ARGV[4])
+  redis.call('HINCRBY', KEYS[4], 'backlog_tokens', ARGV[4])
+end
+local c = tonumber(redis.call('HGET', KEYS[1], 'rc:' .. j) or '0')
+for i = 12, #ARGV do
+  redis.call('HSET', KEYS[1], 'r:' .. j .. ':' .. c, ARGV[i])
+  c = c + 1
+end
+redis.call('HSET', KEYS[1], 'rc:' .. j, c)
 redis.call('HINCRBY', KEYS[1], 'rows', ARGV[3])
-redis.call('HINCRBY', KEYS[1], 'tokens', ARGV[4])
-local gmin = redis.call('HGET', KEYS[3], 'minpv')
-if (not gmin) or tonumber(ARGV[6]) < tonumber(gmin) then
-  redis.call('HSET', KEYS[3], 'minpv', ARGV[6])
+if tonumber(ARGV[11]) > 0 then
+  redis.call('HSET', KEYS[1], 'part', part + 1, 'orows', ARGV[11])
+else
+  redis.call('HSET', KEYS[1], 'next', seq + 1, 'part', 0, 'orows', 0)
 end
-redis.call('HINCRBY', KEYS[3], 'tokens', ARGV[4])
-redis.call('HINCRBY', KEYS[4], 'backlog_tokens', ARGV[4])
 return {'ok', new_prompt}
 """
 
 # KEYS: traj, traj_done, group, stats, ready, open
 # ARGV: seq, payload, num_segments, aborted (0/1), gid
 FINISH = _ORDER + """
+if tonumber(redis.call('HGET', KEYS[1], 'part') or '0') > 0 then return {'gap', nxt} end
 if tonumber(redis.call('HGET', KEYS[1], 'nseg')) ~= tonumber(ARGV[3]) then
   return {'conflict', 0}
 end

@@ -139,6 +139,13 @@ class TrajectoryStoreServicer(store_pb2_grpc.TrajectoryStoreServicer):
                                 request.wait_ms, request.session):
             yield d.to_bytes()
 
+    @_streaming
+    def PullChunks(self, request, context):  # noqa: N802
+        # Serialized PulledPart bytes, one routing chunk at most each (add_servicer).
+        for d in self.core.pull(request.consumer, request.max_groups, request.lease_seconds,
+                                request.wait_ms, request.session):
+            yield from d.parts()
+
     @_unary
     def Ack(self, request, context):  # noqa: N802
         if not request.consumer:
@@ -278,14 +285,16 @@ def _parsing(method: str, handler: Any) -> Any:
 
 
 def add_servicer(servicer: TrajectoryStoreServicer, server: grpc.Server) -> None:
-    """The generated registration, except that Pull sends pre-serialized PulledGroup bytes
-    (stored payloads are spliced, not parsed and re-serialized; services/store/assemble.py)."""
+    """The generated registration, except that Pull and PullChunks send pre-serialized
+    PulledGroup / PulledPart bytes (stored payloads are spliced, not parsed and re-serialized;
+    services/store/assemble.py)."""
     capture = _HandlerCapture()
     store_pb2_grpc.add_TrajectoryStoreServicer_to_server(servicer, capture)  # type: ignore[arg-type]
     handlers = capture.handlers
-    handlers["Pull"] = grpc.unary_stream_rpc_method_handler(
-        servicer.Pull, request_deserializer=store_pb2.PullRequest.FromString,
-        response_serializer=None)
+    for name in ("Pull", "PullChunks"):
+        handlers[name] = grpc.unary_stream_rpc_method_handler(
+            getattr(servicer, name), request_deserializer=store_pb2.PullRequest.FromString,
+            response_serializer=None)
     handlers = {name: _parsing(name, h) for name, h in handlers.items()}
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

@@ -6,7 +6,8 @@ first message is committed. Errors are ValueError whose message starts with the 
 
 Row convention (proto/r3flow/v1/trajectory.proto): a trajectory with P prompt tokens and
 segments of n_0, n_1, ... tokens has P + sum(n) - 1 routing rows; segment 0 covers rows
-[0, P + n_0 - 1), segment j > 0 covers the next n_j rows.
+[0, P + n_0 - 1), segment j > 0 covers the next n_j rows. A segment sent in parts
+(AppendRequest.part / more_parts) stays open until its parts' chunks cover its rows.
 
 Legend: T = routing rows, L = layer columns, K = top-k.
 """
@@ -62,6 +63,8 @@ class TrajState:
     num_segments: int = 0
     layout: Layout | None = None
     group_id: str = ""
+    part: int = 0               # next part of the open segment (0 = no segment open)
+    open_rows: int = 0          # rows the open segment still lacks
 
 
 @dataclass
@@ -104,12 +107,20 @@ class SegmentWrite:
     tokens: int
     policy_version: int
     layout: Layout
-    payload: bytes              # serialized Segment, minus the deduplicated prompt chunk
+    head: bytes                 # serialized Segment without routing (b"" on parts > 0)
+    chunks: list[bytes]         # serialized routing chunks, minus the deduplicated prompt chunk
     prompt_field: str = ""      # group hash field of the prompt chunk ("" = none)
-    head_len: int = 0           # where the prompt chunk goes back into `payload`
     prompt_chunk: bytes = b""
     raw_bytes: int = 0          # routing as uint8 ids
-    encoded_bytes: int = 0      # routing data bytes in `payload`
+    encoded_bytes: int = 0      # routing data bytes in `chunks`
+    part: int = 0               # AppendRequest.part
+    open_rows: int = 0          # rows the segment still lacks after this part (more_parts)
+
+    @property
+    def payload(self) -> bytes:
+        """The part as one serialized Segment (head + stored chunks)."""
+        return self.head + b"".join(wirefmt.field(wirefmt.SEGMENT_ROUTING, c)
+                                    for c in self.chunks)
 
 
 @dataclass
@@ -136,6 +147,8 @@ def check_envelope(req: store_pb2.AppendRequest) -> str:
     if (kind == "begin") != (req.sequence_number == 0):
         raise ValueError(f"sequence_number: {req.sequence_number} cannot carry {kind} "
                          "(0 = begin, 1..n = segments, n+1 = finish)")
+    if kind != "segment" and (req.part or req.more_parts):
+        raise ValueError(f"part: only a segment may be sent in parts, not a {kind}")
     return kind
 
 
@@ -144,8 +157,19 @@ def check_order(req: store_pb2.AppendRequest, state: TrajState) -> bool:
     if state.done or req.sequence_number < state.next_seq:
         return False
     if req.sequence_number > state.next_seq:
+        open_part = f" (segment {state.next_seq - 1} still awaits part {state.part})" \
+            if state.part else ""
         raise ValueError(f"sequence_number: got {req.sequence_number}, expected "
-                         f"{state.next_seq} (messages 0..{req.sequence_number - 1} not stored)")
+                         f"{state.next_seq} (messages 0..{req.sequence_number - 1} not stored)"
+                         + open_part)
+    if req.part < state.part:
+        if req.WhichOneof("body") != "segment":
+            raise ValueError(f"sequence_number: {req.sequence_number} is segment "
+                             f"{req.sequence_number - 1}, still open (awaits part {state.part})")
+        return False
+    if req.part > state.part:
+        raise ValueError(f"part: got {req.part}, expected {state.part} (segment "
+                         f"{req.sequence_number - 1}'s parts 0..{req.part - 1} not stored)")
     return True
 
 
@@ -201,6 +225,8 @@ def validate_segment(req: store_pb2.AppendRequest, state: TrajState, limits: Lim
     if seg.index != j:
         raise ValueError(f"segment.index: {seg.index}, but sequence_number "
                          f"{req.sequence_number} carries segment {j}")
+    if req.part:
+        return _segment_part(req, state, Walk(limits.decode_routing, pending, req, limits.models))
     n = _check_tokens(seg)
     if state.tokens + n > limits.max_tokens_per_trajectory:
         raise ValueError(f"segment.token_ids: trajectory would have {state.tokens + n} tokens > "
@@ -210,22 +236,56 @@ def validate_segment(req: store_pb2.AppendRequest, state: TrajState, limits: Lim
     expected = routing_rules.expected_rows(state.prompt_len, n) if j == 0 else n
     prompt_chunk, prompt_field = _prompt_chunk(seg, state)
     walk = Walk(limits.decode_routing, pending, req, limits.models)
-    chunks = _check_routing(seg, state, expected, walk, trust_first=prompt_field in known_prompts)
-    return _segment_write(req, state, chunks, n, prompt_chunk, prompt_field)
+    chunks = _check_routing(seg, state, walk, trust_first=prompt_field in known_prompts)
+    _check_rows(req, chunks.rows, expected)
+    return _segment_write(req, state, chunks, n, prompt_chunk, prompt_field, expected)
+
+
+def _segment_part(req: store_pb2.AppendRequest, state: TrajState, walk: Walk) -> SegmentWrite:
+    """A later part of a segment sent in parts: routing chunks only, continuing its rows."""
+    seg = req.segment
+    for name in ("token_ids", "logprobs", "loss_mask"):
+        if len(getattr(seg, name)):
+            raise ValueError(f"segment.{name}: part {req.part} may carry routing chunks only "
+                             "(tokens go in part 0)")
+    chunks = _check_routing(seg, state, walk)
+    _check_rows(req, chunks.rows, state.open_rows)
+    return _segment_write(req, state, chunks, 0, b"", "", state.open_rows)
+
+
+def _check_rows(req: store_pb2.AppendRequest, got: int, expected: int) -> None:
+    """A part with more_parts leaves rows for later parts; the last part completes them."""
+    if got == expected and not req.more_parts:
+        return
+    if req.more_parts and got < expected:
+        return
+    want = f"fewer than {expected} (more_parts)" if req.more_parts else str(expected)
+    where = f" in part {req.part}" if req.part or req.more_parts else ""
+    raise ValueError(
+        f"segment.routing: {got} rows{where}, expected {want} (a trajectory with P prompt and "
+        "R response tokens has P+R-1 rows: segment 0 carries P+n0-1, later segments n_j)")
 
 
 def _segment_write(req: store_pb2.AppendRequest, state: TrajState, chunks: _Chunks, n: int,
-                   prompt_chunk: bytes, prompt_field: str) -> SegmentWrite:
+                   prompt_chunk: bytes, prompt_field: str, expected: int) -> SegmentWrite:
     seg = req.segment
     write = SegmentWrite(req.trajectory_id, state.group_id, req.sequence_number, state.rows,
-                         chunks.rows, n, seg.policy_version, chunks.layout, b"",
-                         raw_bytes=chunks.raw_bytes, encoded_bytes=chunks.encoded_bytes)
-    if not prompt_field:
-        write.payload = seg.SerializeToString()
-    else:
-        write.payload, write.head_len = wirefmt.split_prompt_segment(seg)
+                         chunks.rows, n, seg.policy_version, chunks.layout, b"", [],
+                         raw_bytes=chunks.raw_bytes, encoded_bytes=chunks.encoded_bytes,
+                         part=req.part, open_rows=expected - chunks.rows)
+    if not req.part:
+        head = trajectory_pb2.Segment(index=seg.index, token_ids=seg.token_ids,
+                                      logprobs=seg.logprobs, loss_mask=seg.loss_mask,
+                                      policy_version=seg.policy_version)
+        if seg.HasField("sampling"):
+            head.sampling.CopyFrom(seg.sampling)
+        write.head = head.SerializeToString()
+    routing = list(seg.routing)
+    if prompt_field:
         write.prompt_chunk, write.prompt_field = prompt_chunk, prompt_field
-        write.encoded_bytes -= len(seg.routing[0].data)
+        write.encoded_bytes -= len(routing[0].data)
+        routing = routing[1:]
+    write.chunks = [c.SerializeToString() for c in routing]
     return write
 
 
@@ -270,11 +330,12 @@ class _Chunks:
     encoded_bytes: int = 0
 
 
-def _check_routing(seg: trajectory_pb2.Segment, state: TrajState, expected: int,
-                   walk: Walk, trust_first: bool = False) -> _Chunks:
+def _check_routing(seg: trajectory_pb2.Segment, state: TrajState, walk: Walk,
+                   trust_first: bool = False) -> _Chunks:
+    """Every chunk's header, payload (to `walk`), row continuity and layout; the row count is
+    the caller's to check."""
     if not seg.routing:
-        raise ValueError(f"segment.routing: missing; rows [{state.rows}, {state.rows + expected})"
-                         " are required")
+        raise ValueError(f"segment.routing: missing; rows from {state.rows} on are required")
     layout, row, raw = state.layout, state.rows, 0
     for c, chunk in enumerate(seg.routing):
         name = f"segment.routing[{c}]"
@@ -291,13 +352,8 @@ def _check_routing(seg: trajectory_pb2.Segment, state: TrajState, expected: int,
         _check_registered(layout, walk.models, name)
         row += rows
         raw += size
-    got = row - state.rows
-    if got != expected:
-        raise ValueError(
-            f"segment.routing: {got} rows, expected {expected} (a trajectory with P prompt and "
-            "R response tokens has P+R-1 rows: segment 0 carries P+n0-1, later segments n_j)")
     assert layout is not None
-    return _Chunks(layout, got, raw, sum(len(ch.data) for ch in seg.routing))
+    return _Chunks(layout, row - state.rows, raw, sum(len(ch.data) for ch in seg.routing))
 
 
 # RoutingRuleError.field -> (proto field, Layout attribute)
@@ -371,7 +427,11 @@ def advance(state: TrajState, write: Write) -> None:
     elif isinstance(write, SegmentWrite):
         state.rows += write.rows
         state.tokens += write.tokens
-        state.num_segments += 1
+        state.num_segments += write.part == 0
         state.layout = write.layout
+        state.open_rows = write.open_rows
+        state.part = write.part + 1 if write.open_rows else 0
+        if write.open_rows:
+            state.next_seq = write.seq  # the segment stays open for its next part
     else:
         state.done = True

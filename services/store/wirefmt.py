@@ -14,6 +14,8 @@ SEGMENT_ROUTING = 6       # trajectory.proto: Segment.routing
 SEGMENT_SAMPLING = 7      # trajectory.proto: Segment.sampling
 TRAJECTORY_SEGMENTS = 5   # trajectory.proto: Trajectory.segments
 PULLED_TRAJECTORIES = 3   # store.proto: PulledGroup.trajectories
+# store.proto: PulledPart's body fields and its `parts` count (a varint)
+PART_GROUP, PART_TRAJECTORY, PART_SEGMENT, PART_ROUTING, PART_COUNT = 1, 2, 3, 4, 5
 
 
 def varint(n: int) -> bytes:

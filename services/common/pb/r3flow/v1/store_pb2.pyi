@@ -1,3 +1,4 @@
+from services.common.pb.r3flow.v1 import routing_pb2 as _routing_pb2
 from services.common.pb.r3flow.v1 import trajectory_pb2 as _trajectory_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
@@ -45,18 +46,22 @@ class TrajectoryFinish(_message.Message):
     def __init__(self, num_segments: _Optional[int] = ..., reward: _Optional[float] = ..., reward_components: _Optional[_Mapping[str, float]] = ..., finish_reason: _Optional[_Union[_trajectory_pb2.FinishReason, str]] = ...) -> None: ...
 
 class AppendRequest(_message.Message):
-    __slots__ = ("trajectory_id", "sequence_number", "begin", "segment", "finish")
+    __slots__ = ("trajectory_id", "sequence_number", "begin", "segment", "finish", "part", "more_parts")
     TRAJECTORY_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_NUMBER_FIELD_NUMBER: _ClassVar[int]
     BEGIN_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     FINISH_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
+    MORE_PARTS_FIELD_NUMBER: _ClassVar[int]
     trajectory_id: str
     sequence_number: int
     begin: TrajectoryBegin
     segment: _trajectory_pb2.Segment
     finish: TrajectoryFinish
-    def __init__(self, trajectory_id: _Optional[str] = ..., sequence_number: _Optional[int] = ..., begin: _Optional[_Union[TrajectoryBegin, _Mapping]] = ..., segment: _Optional[_Union[_trajectory_pb2.Segment, _Mapping]] = ..., finish: _Optional[_Union[TrajectoryFinish, _Mapping]] = ...) -> None: ...
+    part: int
+    more_parts: bool
+    def __init__(self, trajectory_id: _Optional[str] = ..., sequence_number: _Optional[int] = ..., begin: _Optional[_Union[TrajectoryBegin, _Mapping]] = ..., segment: _Optional[_Union[_trajectory_pb2.Segment, _Mapping]] = ..., finish: _Optional[_Union[TrajectoryFinish, _Mapping]] = ..., part: _Optional[int] = ..., more_parts: _Optional[bool] = ...) -> None: ...
 
 class AppendBatchRequest(_message.Message):
     __slots__ = ("requests",)
@@ -99,6 +104,20 @@ class PulledGroup(_message.Message):
     trajectories: _containers.RepeatedCompositeFieldContainer[_trajectory_pb2.Trajectory]
     delivery_count: int
     def __init__(self, delivery_id: _Optional[str] = ..., group_id: _Optional[str] = ..., trajectories: _Optional[_Iterable[_Union[_trajectory_pb2.Trajectory, _Mapping]]] = ..., delivery_count: _Optional[int] = ...) -> None: ...
+
+class PulledPart(_message.Message):
+    __slots__ = ("group", "trajectory", "segment", "routing", "parts")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    TRAJECTORY_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    ROUTING_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    group: PulledGroup
+    trajectory: _trajectory_pb2.Trajectory
+    segment: _trajectory_pb2.Segment
+    routing: _routing_pb2.RoutedExperts
+    parts: int
+    def __init__(self, group: _Optional[_Union[PulledGroup, _Mapping]] = ..., trajectory: _Optional[_Union[_trajectory_pb2.Trajectory, _Mapping]] = ..., segment: _Optional[_Union[_trajectory_pb2.Segment, _Mapping]] = ..., routing: _Optional[_Union[_routing_pb2.RoutedExperts, _Mapping]] = ..., parts: _Optional[int] = ...) -> None: ...
 
 class AckRequest(_message.Message):
     __slots__ = ("consumer", "delivery_ids", "dropped")

@@ -49,6 +49,11 @@ class TrajectoryStoreStub:
                 request_serializer=r3flow_dot_v1_dot_store__pb2.PullRequest.SerializeToString,
                 response_deserializer=r3flow_dot_v1_dot_store__pb2.PulledGroup.FromString,
                 _registered_method=True)
+        self.PullChunks = channel.unary_stream(
+                '/r3flow.v1.TrajectoryStore/PullChunks',
+                request_serializer=r3flow_dot_v1_dot_store__pb2.PullRequest.SerializeToString,
+                response_deserializer=r3flow_dot_v1_dot_store__pb2.PulledPart.FromString,
+                _registered_method=True)
         self.Ack = channel.unary_unary(
                 '/r3flow.v1.TrajectoryStore/Ack',
                 request_serializer=r3flow_dot_v1_dot_store__pb2.AckRequest.SerializeToString,
@@ -120,6 +125,14 @@ class TrajectoryStoreServicer:
 
     def Pull(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PullChunks(self, request, context):
+        """Pull, each group sent as parts of at most one routing chunk each (PulledPart): the same
+        leases, acks and delivery rules; what a trainer of long trajectories uses.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -204,6 +217,11 @@ def add_TrajectoryStoreServicer_to_server(servicer, server):
                     servicer.Pull,
                     request_deserializer=r3flow_dot_v1_dot_store__pb2.PullRequest.FromString,
                     response_serializer=r3flow_dot_v1_dot_store__pb2.PulledGroup.SerializeToString,
+            ),
+            'PullChunks': grpc.unary_stream_rpc_method_handler(
+                    servicer.PullChunks,
+                    request_deserializer=r3flow_dot_v1_dot_store__pb2.PullRequest.FromString,
+                    response_serializer=r3flow_dot_v1_dot_store__pb2.PulledPart.SerializeToString,
             ),
             'Ack': grpc.unary_unary_rpc_method_handler(
                     servicer.Ack,
@@ -337,6 +355,33 @@ class TrajectoryStore:
             '/r3flow.v1.TrajectoryStore/Pull',
             r3flow_dot_v1_dot_store__pb2.PullRequest.SerializeToString,
             r3flow_dot_v1_dot_store__pb2.PulledGroup.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullChunks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/r3flow.v1.TrajectoryStore/PullChunks',
+            r3flow_dot_v1_dot_store__pb2.PullRequest.SerializeToString,
+            r3flow_dot_v1_dot_store__pb2.PulledPart.FromString,
             options,
             channel_credentials,
             insecure,
