@@ -131,6 +131,10 @@ class RolloutConfig(StrictConfig):
     concurrency: int = Field(16, ge=1, description="max requests in the engine at once")
     routing_codec_mode: Literal["canonical", "exact"] = Field(
         "canonical", description="canonical sorts top-k ids (equal routing -> equal bytes)")
+    routing_chunk_rows: int = Field(
+        4096, ge=1, description="routing rows per encoded chunk: the host copy of a segment's "
+        "MoE columns is one chunk at a time, and a long segment goes to the store in parts of "
+        "chunks (docs/benchmarks/long-rollouts.md)")
     partial_rollout_policy: Literal["segment", "replace"] = Field(
         "segment", description="segment: each segment keeps the rows its own engine pass "
         "computed (verl #6046); replace: the last pass's rows everywhere (for comparison); what "

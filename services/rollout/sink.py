@@ -10,8 +10,9 @@ tokens, 3 layers) and the worker's (7.7 -> 3.6 ms). Groups that finish while a s
 flight wait and go together in the next stream (up to GROUP_STREAM_MAX_BYTES), in the order
 they finished: groups finishing at the same engine step (equal lengths) cost one round trip and
 one store validation instead of one each. A group above GROUP_STREAM_MAX_BYTES (long sequences,
-many layers) goes alone, one stream per trajectory, concurrently, so no stream nears the store's
-`max_stream_bytes` (256 MiB by default). One stream at a time: the store refuses begins while
+many layers) goes alone, one trajectory after another, one message per stream and long segments
+in parts of a few routing chunks (StoreClient.append_in_parts), so neither the store nor a
+message ever holds a whole trajectory or group (issue 54). One stream at a time: the store refuses begins while
 its backlog is over the limit and releases only complete groups, so several half-sent groups
 could hold the backlog up forever; with one stream, sent in order and again whole after a
 refusal, the others in the backlog are complete and drain.
@@ -111,13 +112,12 @@ class StoreSink:
         await pending.done  # a cancelled group is dropped from the queue if not sent yet
 
     async def _send_each(self, trajs: list[trajectory_pb2.Trajectory]) -> None:
-        """A large group: one stream per trajectory, concurrently."""
-        results = await asyncio.gather(*[self._send([t]) for t in trajs],
-                                       return_exceptions=True)
-        self.streams_sent += len(trajs)
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
-            raise errors[0]
+        """A large group: one trajectory after another, each message its own stream and long
+        segments in parts (StoreClient.append_in_parts), so no message and no store buffer
+        grows with the group or the trajectory."""
+        for t in trajs:
+            await self._send([t], self.client.append_in_parts)
+            self.streams_sent += 1
 
     async def _drain(self) -> None:
         """Send the queued groups, one stream at a time, until none is left."""
@@ -176,14 +176,19 @@ class StoreSink:
             else:
                 _answer([p], None)
 
-    async def _send(self, trajs: list[trajectory_pb2.Trajectory]) -> None:
-        """One Append stream of `trajs`, sent again whole after each backpressure refusal."""
+    async def _send(self, trajs: list[trajectory_pb2.Trajectory],
+                    append: Callable | None = None) -> None:
+        """One Append stream of `trajs` (or `append(traj)` of the one trajectory), sent again
+        whole after each backpressure refusal."""
         import grpc
 
         names = ", ".join(t.trajectory_id for t in trajs)
         while True:
             try:
-                await asyncio.to_thread(self.client.append_trajectories, trajs)
+                if append is None:
+                    await asyncio.to_thread(self.client.append_trajectories, trajs)
+                else:
+                    await asyncio.to_thread(append, *trajs)
                 return
             except grpc.RpcError as err:
                 if err.code() == grpc.StatusCode.INVALID_ARGUMENT:

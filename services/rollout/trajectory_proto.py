@@ -33,11 +33,17 @@ class RoutingLayout:
     num_experts: int
     layer_ids: tuple[int, ...]  # engine hidden-layer index of every column sent (MoE layers)
     mode: str = "canonical"
+    chunk_rows: int = 4096  # rows per chunk (RolloutConfig.routing_chunk_rows)
 
     def chunk(self, rows_TLK: np.ndarray, start_row: int):
         """Encode engine rows [T, all layers, K] as one chunk of the MoE-layer columns."""
         return routing_to_proto(rows_TLK[:, list(self.layer_ids)], self.num_experts,
                                 start_row=start_row, layer_ids=self.layer_ids, mode=self.mode)
+
+    def chunks(self, rows_TLK: np.ndarray, start_row: int) -> list:
+        """Chunks of at most `chunk_rows` rows: the MoE-column copy is one chunk's at a time."""
+        return [self.chunk(rows_TLK[a:a + self.chunk_rows], start_row + a)
+                for a in range(0, rows_TLK.shape[0], self.chunk_rows)]
 
 
 @dataclass(frozen=True)
@@ -53,7 +59,8 @@ class TrajectoryMeta:
 
 def segment_to_proto(seg: SegmentRecord, index: int, rows: tuple[int, int], prompt_len: int,
                      layout: RoutingLayout | None) -> trajectory_pb2.Segment:
-    """One segment; its rows as one chunk (segment 0: prompt chunk + response chunk)."""
+    """One segment; its rows in chunks of at most `layout.chunk_rows` (segment 0: the prompt
+    rows [0, P) first, as one chunk, which the store keeps once per GRPO group)."""
     msg = trajectory_pb2.Segment(
         index=index, token_ids=seg.token_ids, logprobs=seg.logprobs,
         loss_mask=bytes(seg.loss_mask), policy_version=seg.policy_version,
@@ -64,8 +71,10 @@ def segment_to_proto(seg: SegmentRecord, index: int, rows: tuple[int, int], prom
     assert seg.rows_TLK.shape[0] == end - start, "segment rows out of step with its tokens"
     cuts = [0, prompt_len, end - start] if index == 0 else [0, end - start]
     for a, b in zip(cuts[:-1], cuts[1:], strict=True):
-        if b > a:
-            msg.routing.append(layout.chunk(seg.rows_TLK[a:b], start_row=start + a))
+        if b > a and index == 0 and a == 0:  # the prompt rows stay one chunk: kept once a group
+            msg.routing.append(layout.chunk(seg.rows_TLK[a:b], start_row=start))
+        elif b > a:
+            msg.routing.extend(layout.chunks(seg.rows_TLK[a:b], start_row=start + a))
     return msg
 
 

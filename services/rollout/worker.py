@@ -32,7 +32,7 @@ from services.rollout.engine import EngineDead, RolloutEngine
 from services.rollout.evaluation import Evaluator
 from services.rollout.report import RepeatedLog, WorkerSummary, write_json_atomic
 from services.rollout.rewards import Reward, RewardRunner, build_registry
-from services.rollout.segments import RoutingCheckError, check_routing
+from services.rollout.segments import RoutingCheckError, check_routing, segment_row_ranges
 from services.rollout.sink import TrajectorySink, wait_for_room
 from services.rollout.trajectory_proto import RoutingLayout, TrajectoryMeta, trajectory_to_proto
 from services.rollout.verifiers import RewardFn, RewardInput
@@ -82,7 +82,7 @@ class RolloutWorker:
         self.rewards = RewardRunner(cfg.reward, engine.metrics, self._errors)
         self.loop = AgentLoop(engine, cfg.sampling, policy=cfg.partial_rollout_policy)
         self.layout = RoutingLayout(engine.info.num_experts, engine.info.moe_layers,
-                                    cfg.routing_codec_mode)
+                                    cfg.routing_codec_mode, cfg.routing_chunk_rows)
         self.metrics = engine.metrics
         if sink is not None and not engine.cfg.capture_routing:
             log.warning("engine.capture_routing is off: groups are not sent to the store "
@@ -355,15 +355,17 @@ class RolloutWorker:
                                    reward_components=res.reward_components)
 
     def _check(self, trajectory_id: str, res: RolloutResult) -> None:
-        state = res.state
-        rows_TLK = state.all_rows()
-        expected = len(state.prompt_ids) + len(state.response_ids) - 1
+        """The routing rules on every segment's rows where they lie (no whole-trajectory copy)."""
+        state, info = res.state, self.engine.info
+        ranges = segment_row_ranges(len(state.prompt_ids),
+                                    [len(s.token_ids) for s in state.segments])
         try:
-            if rows_TLK is None:
-                raise RoutingCheckError(f"request {trajectory_id}: no routing captured")
-            check_routing(rows_TLK, num_experts=self.engine.info.num_experts,
-                          moe_layers=list(self.engine.info.moe_layers), expected_rows=expected,
-                          request_id=trajectory_id, dense_layers=self.engine.info.dense_layers)
+            for seg, (a, b) in zip(state.segments, ranges, strict=True):
+                if seg.rows_TLK is None:
+                    raise RoutingCheckError(f"request {trajectory_id}: no routing captured")
+                check_routing(seg.rows_TLK, num_experts=info.num_experts,
+                              moe_layers=list(info.moe_layers), expected_rows=b - a,
+                              request_id=trajectory_id, dense_layers=info.dense_layers)
         except RoutingCheckError:
             self.metrics["r3flow_rollout_routing_check_failures_total"].inc()
             raise

@@ -46,10 +46,14 @@ _MAX_MESSAGE = 1 << 30
 # stream (per-message costs weigh nothing next to their payload there); well under the store's
 # transport cap (4 x max_message_bytes + 1 MiB) for any max_message_bytes >= 1 MiB.
 BATCH_MESSAGE_MAX_BYTES = 4 << 20
+# Routing bytes per part of a segment appended in parts (append_in_parts).
+PART_BYTES = 4 << 20
 
 
-def trajectory_requests(traj: trajectory_pb2.Trajectory) -> list[store_pb2.AppendRequest]:
-    """Split a complete Trajectory into begin (0), segments (1..n) and finish (n+1)."""
+def trajectory_requests(traj: trajectory_pb2.Trajectory, part_bytes: int | None = None
+                        ) -> list[store_pb2.AppendRequest]:
+    """Split a complete Trajectory into begin (0), segments (1..n) and finish (n+1); with
+    `part_bytes`, a segment larger than that goes in parts of about that size (`segment_parts`)."""
     tid = traj.trajectory_id
     begin = store_pb2.TrajectoryBegin(
         group_id=traj.group_id, group_size=traj.group_size,
@@ -57,13 +61,37 @@ def trajectory_requests(traj: trajectory_pb2.Trajectory) -> list[store_pb2.Appen
         prompt_id=traj.prompt_id, epoch=traj.epoch, run_id=traj.run_id)
     reqs = [store_pb2.AppendRequest(trajectory_id=tid, sequence_number=0, begin=begin)]
     for j, seg in enumerate(traj.segments):
-        reqs.append(store_pb2.AppendRequest(trajectory_id=tid, sequence_number=j + 1, segment=seg))
+        reqs += segment_parts(tid, j + 1, seg, part_bytes)
     reqs.append(store_pb2.AppendRequest(
         trajectory_id=tid, sequence_number=len(traj.segments) + 1,
         finish=store_pb2.TrajectoryFinish(
             num_segments=len(traj.segments), reward=traj.reward,
             reward_components=traj.reward_components, finish_reason=traj.finish_reason)))
     return reqs
+
+
+def segment_parts(tid: str, seq: int, seg: trajectory_pb2.Segment, part_bytes: int | None
+                  ) -> list[store_pb2.AppendRequest]:
+    """A segment as one AppendRequest, or, when larger than `part_bytes`, as parts: part 0 its
+    tokens and first routing chunks, later parts further chunks, each part up to `part_bytes`
+    of chunks (at least one chunk each; store.proto AppendRequest.part)."""
+    if part_bytes is None or seg.ByteSize() <= part_bytes:
+        return [store_pb2.AppendRequest(trajectory_id=tid, sequence_number=seq, segment=seg)]
+    parts = [trajectory_pb2.Segment(index=seg.index, token_ids=seg.token_ids,
+                                    logprobs=seg.logprobs, loss_mask=seg.loss_mask,
+                                    policy_version=seg.policy_version)]
+    if seg.HasField("sampling"):
+        parts[0].sampling.CopyFrom(seg.sampling)
+    size = 0
+    for chunk in seg.routing:
+        if parts[-1].routing and size + chunk.ByteSize() > part_bytes:
+            parts.append(trajectory_pb2.Segment(index=seg.index))
+            size = 0
+        parts[-1].routing.append(chunk)
+        size += chunk.ByteSize()
+    return [store_pb2.AppendRequest(trajectory_id=tid, sequence_number=seq, segment=p, part=k,
+                                    more_parts=k + 1 < len(parts))
+            for k, p in enumerate(parts)]
 
 
 REFUSAL_LOG_EVERY_S = 60.0  # a limit that keeps refusing is logged again this often
@@ -175,6 +203,16 @@ class StoreClient:
                 if not self._stream_instead(err):
                     raise
         return self.append(reqs)
+
+    def append_in_parts(self, traj: trajectory_pb2.Trajectory,
+                        part_bytes: int = PART_BYTES) -> int:
+        """Append a long trajectory one message per Append stream, its segments in parts of
+        about `part_bytes` (neither side holds more than a part in a message); each message is
+        retried alone (the store dedups). Returns the messages the store accepted."""
+        accepted = 0
+        for req in trajectory_requests(traj, part_bytes):
+            accepted += self.append([req]).accepted
+        return accepted
 
     def _stream_instead(self, err: grpc.RpcError) -> bool:
         """An AppendBatch refusal that an Append stream of the same requests may not get: a

@@ -1,6 +1,6 @@
 """The store sink waits out backpressure (never drops a group) and fails on real refusals; a
-group goes in one Append stream, a group above GROUP_STREAM_MAX_BYTES one stream per
-trajectory; groups finishing while a stream is in flight share the next one, each answered on
+group goes in one Append stream, a group above GROUP_STREAM_MAX_BYTES one trajectory after
+another, in parts; groups finishing while a stream is in flight share the next one, each answered on
 its own (a refused stream of several groups is sent again one group per stream)."""
 
 import asyncio
@@ -42,6 +42,9 @@ class FlakyClient:
             raise self.error
         self.streams.append([t.trajectory_id for t in trajs])
         self.appended += self.streams[-1]
+
+    def append_in_parts(self, traj: trajectory_pb2.Trajectory) -> None:
+        self.append_trajectories([traj])
 
 
 def group(n: int, name: str = "t") -> list[trajectory_pb2.Trajectory]:
@@ -125,13 +128,13 @@ def test_backpressure_slows_down_and_sends_everything():
     assert client.streams == [["t0", "t1"]]  # the group in one stream, sent again whole
 
 
-def test_a_large_group_goes_one_stream_per_trajectory(monkeypatch):
+def test_a_large_group_goes_in_parts_one_trajectory_after_another(monkeypatch):
     monkeypatch.setattr(sink_module, "GROUP_STREAM_MAX_BYTES", 0)
     busy = FakeRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, ((RETRY_AFTER_KEY, "5"),))
     client = FlakyClient(1, busy)
     sink = StoreSink(client, backpressure_sleep_s=0.01)
     asyncio.run(sink.send_group(group(3)))
-    assert sorted(client.streams) == [["t0"], ["t1"], ["t2"]] and sink.backpressure_waits == 1
+    assert client.streams == [["t0"], ["t1"], ["t2"]] and sink.backpressure_waits == 1
 
 
 def test_size_limit_refusal_raises():
