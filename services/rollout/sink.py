@@ -27,6 +27,7 @@ it commits any of it) is sent again one group per stream, so only the bad group 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import socket
 import time
@@ -87,9 +88,12 @@ class _Pending:
 class StoreSink:
     """Appends finished groups to the store, several to a stream, waiting out backpressure."""
 
-    def __init__(self, client, backpressure_sleep_s: float = 1.0) -> None:  # noqa: ANN001
+    def __init__(self, client, backpressure_sleep_s: float = 1.0,  # noqa: ANN001
+                 part_bytes: int | None = None) -> None:
         self.client = client
         self.backpressure_sleep_s = backpressure_sleep_s
+        self.part_bytes = part_bytes  # routing bytes per part of a long segment (None: the
+        # client's PART_BYTES)
         self.backpressure_waits = 0
         self.streams_sent = 0  # Append streams that carried groups (a retry not counted)
         self._one_stream = asyncio.Lock()  # see the module docstring
@@ -116,7 +120,8 @@ class StoreSink:
         segments in parts (StoreClient.append_in_parts), so no message and no store buffer
         grows with the group or the trajectory."""
         for t in trajs:
-            await self._send([t], self.client.append_in_parts)
+            parts = {} if self.part_bytes is None else {"part_bytes": self.part_bytes}
+            await self._send([t], functools.partial(self.client.append_in_parts, **parts))
             self.streams_sent += 1
 
     async def _drain(self) -> None:

@@ -33,6 +33,7 @@ from rollout_fixtures import (  # noqa: F401
 )
 
 from services.common.tiny_moe import build_tokenizer
+from services.rollout import sink as sink_module
 from services.rollout.dataset import PromptRecord
 from services.rollout.engine import CallParams
 from services.rollout.sink import MemorySink, StoreSink
@@ -62,16 +63,19 @@ def models(tiny_moe_dir):  # noqa: ANN001, F811
 
 
 def test_partial_rollout_keeps_each_segments_routing(
-        harness, models, store_process, tiny_moe_dir, tmp_path):  # noqa: F811
+        harness, models, store_process, tiny_moe_dir, tmp_path, monkeypatch):  # noqa: F811
+    """... also chunked (issue 54): routing in chunks of 64 rows, the group sent as a long one
+    (one trajectory after another, segments in parts of about one chunk)."""
     base, new, _ = models
     h = harness
     h.run(h.engine.load_named_tensors(base.state_dict()))  # known starting weights
     v0 = h.engine.policy_version
     cfg = rollout_config(tiny_moe_dir, write_jsonl(tmp_path / "d.jsonl", [{"prompt": "x",
                          "answer": "y"}]), sampling={"n": 2, "max_tokens": 400,
-                                                     "ignore_eos": True})
+                                                     "ignore_eos": True}, routing_chunk_rows=64)
     client = StoreClient(store_process.address)
-    worker = RolloutWorker(cfg, h.engine, StoreSink(client), build_tokenizer())
+    monkeypatch.setattr(sink_module, "GROUP_STREAM_MAX_BYTES", 0)
+    worker = RolloutWorker(cfg, h.engine, StoreSink(client, part_bytes=256), build_tokenizer())
     rec = PromptRecord("p0", "y", prompt_token_ids=tuple(PROMPT))
 
     async def scenario():
@@ -107,6 +111,8 @@ def test_partial_rollout_keeps_each_segments_routing(
         assert not calls[0].routing_TLK[:, 0].any()  # dense layer 0: engine reports zeros
         assert list(seg0.routing[0].layer_ids) == [1, 2]  # MoE layers' engine indices
         assert seg0.routing[0].shape[0] == len(PROMPT)  # prompt rows as their own chunk
+        assert max(c.shape[0] for s in traj.segments for c in s.routing[1:]) <= 64
+        assert len(seg0.routing) + len(seg1.routing) >= 1 + 400 // 64
     assert h.metric("r3flow_rollout_aborts_total") >= 2
     assert h.metric("r3flow_rollout_resumes_total") >= 2
     assert h.metric("r3flow_rollout_policy_version") == v0 + 1

@@ -25,6 +25,7 @@ from rollout_fixtures import (  # noqa: F401
 
 from services.common.pb.r3flow.v1 import trajectory_pb2
 from services.common.tiny_moe import build_tokenizer
+from services.rollout import sink as sink_module
 from services.rollout.agent import AgentLoop
 from services.rollout.capture_check import check_capture
 from services.rollout.config import SamplingConfig
@@ -56,10 +57,12 @@ def setup(harness, tiny_moe_dir, store_process):  # noqa: ANN001, F811
     client.close()
 
 
-def _worker(setup, tmp_path, rows, env_factory=None, **overrides):  # noqa: ANN001
+def _worker(setup, tmp_path, rows, env_factory=None, part_bytes=None,  # noqa: ANN001
+            **overrides):
     h, _, client = setup
     cfg = rollout_config(h.cfg.model, write_jsonl(tmp_path / "d.jsonl", rows), **overrides)
-    return RolloutWorker(cfg, h.engine, StoreSink(client), build_tokenizer(), env_factory)
+    return RolloutWorker(cfg, h.engine, StoreSink(client, part_bytes=part_bytes),
+                         build_tokenizer(), env_factory)
 
 
 def test_stored_routing_equals_hf_teacher_forced_topk(setup, tmp_path):
@@ -87,14 +90,17 @@ def test_stored_routing_equals_hf_teacher_forced_topk(setup, tmp_path):
     assert h.metric("r3flow_rollout_trajectories_total", {"outcome": "ok"}) >= 6
 
 
-def test_multi_turn_env_tokens_masked_and_rows_line_up(setup, tmp_path):
+def test_multi_turn_env_tokens_masked_and_rows_line_up(setup, tmp_path, monkeypatch):
+    """... also chunked (issue 54): chunks of 4 rows, sent as a long group (segments in parts)."""
     h, base, client = setup
     tok = build_tokenizer()
     reply = tok.encode(ENV_REPLY)
+    monkeypatch.setattr(sink_module, "GROUP_STREAM_MAX_BYTES", 0)
     worker = _worker(setup, tmp_path, [{"prompt": "Ask the tool: ", "answer": "42",
                                         "verifier": "numeric"}],
-                     env_factory=lambda rec: ReplyOnce(reply),
-                     sampling={"n": 2, "max_tokens": 16, "max_turns": 2, "ignore_eos": True})
+                     env_factory=lambda rec: ReplyOnce(reply), part_bytes=64,
+                     sampling={"n": 2, "max_tokens": 16, "max_turns": 2, "ignore_eos": True},
+                     routing_chunk_rows=4)
     summary = h.run(worker.run(worker_records(worker)))
     assert summary.groups_ok == 1
     for traj in pull_all(client, 1).values():
@@ -110,6 +116,7 @@ def test_multi_turn_env_tokens_masked_and_rows_line_up(setup, tmp_path):
         assert seg1.routing[0].start_row == len(traj.prompt_token_ids) + 16 - 1
         # env-token rows come from turn 2's prefill and equal the teacher-forced routing
         assert np.array_equal(ids_TLK, hf_topk_TLK(base, tokens)[:-1])
+        assert len(seg1.routing) == -(-len(seg1.token_ids) // 4)  # chunks of 4 rows
 
 
 class ToolOnce:

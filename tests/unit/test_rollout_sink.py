@@ -43,7 +43,7 @@ class FlakyClient:
         self.streams.append([t.trajectory_id for t in trajs])
         self.appended += self.streams[-1]
 
-    def append_in_parts(self, traj: trajectory_pb2.Trajectory) -> None:
+    def append_in_parts(self, traj: trajectory_pb2.Trajectory, part_bytes: int = 0) -> None:
         self.append_trajectories([traj])
 
 
