@@ -114,7 +114,8 @@ class StoreClient:
 
     def __init__(self, address: str, *, timeout_s: float = 60.0, max_retries: int = 10,
                  backoff_s: float = 0.1, max_backoff_s: float = 5.0,
-                 max_backpressure_wait_s: float = 600.0, auth: ClientAuth | None = None) -> None:
+                 max_backpressure_wait_s: float = 600.0, auth: ClientAuth | None = None,
+                 pull_chunks: bool = True) -> None:
         self.address = address
         self.timeout_s = timeout_s
         self.max_retries = max_retries
@@ -124,7 +125,9 @@ class StoreClient:
         self._refusals = RateLimit(REFUSAL_LOG_EVERY_S)
         self.retries = 0  # transient failures retried so far (for tests and worker metrics)
         self._append_batch = True  # False once the store answered UNIMPLEMENTED
-        self._pull_chunks = True  # likewise for PullChunks
+        # PullChunks (parts of one routing chunk each); False: whole groups (Pull), as before
+        # PullChunks existed, and once a store answered UNIMPLEMENTED
+        self._pull_chunks = pull_chunks
         auth = auth or ClientAuth()  # no TLS, no token: local mode
         self._metadata = auth.metadata
         self._channel = auth.channel(address, options=[

