@@ -28,6 +28,7 @@ import contextlib
 import json
 import multiprocessing as mp
 import os
+import queue
 import subprocess
 import sys
 import tempfile
@@ -212,7 +213,14 @@ def run_child(ctx, target, *args) -> dict:  # noqa: ANN001
     out = ctx.Queue()
     proc = ctx.Process(target=target, args=(*args, out))
     proc.start()
-    res = out.get(timeout=3600)
+    while True:  # a child that dies without a reply ends the bench, not a wait
+        try:
+            res = out.get(timeout=1.0)
+            break
+        except queue.Empty:
+            if not proc.is_alive():
+                raise RuntimeError(f"{target.__name__} exited with {proc.exitcode}, no "
+                                   "reply") from None
     proc.join()
     assert proc.exitcode == 0, f"{target.__name__} exited with {proc.exitcode}"
     return res

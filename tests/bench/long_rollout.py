@@ -24,7 +24,7 @@ def tiny_model(workdir: Path, max_len: int) -> Path:
 
     cfg = TinyMoeConfig(num_layers=LAYERS + 1, first_k_dense=1, num_experts=EXPERTS,
                         top_k=TOPK, hidden_size=64, num_attention_heads=2,
-                        num_key_value_heads=1, head_dim=16, moe_intermediate_size=32,
+                        num_key_value_heads=1, head_dim=32, moe_intermediate_size=32,
                         intermediate_size=64, max_position_embeddings=max_len)
     return build_tiny_moe(workdir / f"tiny-{max_len}", cfg)
 
