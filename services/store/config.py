@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_serializer, field_validator
+from pydantic import Field, field_serializer, field_validator, model_validator
 
 from services.common.auth import AuthConfig, redact_url
 from services.common.config import StrictConfig
@@ -44,7 +44,10 @@ class StoreConfig(StrictConfig):
         "holds one, so size it above 2 x rollout workers + trainers")
     max_message_bytes: int = Field(
         64 << 20, ge=1024, le=(2**31 - 1) // 4, description="largest AppendRequest")
-    max_pull_message_bytes: int = Field(512 << 20, ge=1024, description="largest PulledGroup")
+    max_pull_message_bytes: int = Field(
+        512 << 20, ge=1024, description="largest message a pull sends: a PulledGroup (Pull), or "
+        "a PulledPart (PullChunks: one routing chunk or one head, each from one AppendRequest, "
+        "so at least 2 x max_message_bytes + 1 KiB)")
     max_stream_bytes: int = Field(
         256 << 20, ge=1024, description="bytes one Append stream may buffer before it is committed")
     max_tokens_per_trajectory: int = Field(262_144, ge=2, description="prompt + response tokens")
@@ -139,3 +142,15 @@ class StoreConfig(StrictConfig):
     def _redacted(self, url: str | None) -> str | None:
         # model_dump is what gets logged ("resolved StoreConfig"): never print the password.
         return redact_url(url) if url else url
+
+    @model_validator(mode="after")
+    def _pull_fits_what_appends_store(self) -> StoreConfig:
+        # A PulledPart carries one stored chunk or head (at most one AppendRequest's; a
+        # trajectory's head joins its begin and its finish): a smaller cap could take data in
+        # that PullChunks can never deliver.
+        floor = 2 * self.max_message_bytes + 1024
+        if self.max_pull_message_bytes < floor:
+            raise ValueError(f"max_pull_message_bytes: {self.max_pull_message_bytes} < 2 x "
+                             f"max_message_bytes + 1024 = {floor} (a pull could not deliver "
+                             "what an append may store)")
+        return self

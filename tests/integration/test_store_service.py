@@ -174,14 +174,14 @@ def test_unacked_bound_over_grpc(store_redis: EmbeddedRedis, tmp_path, caplog) -
 
 def test_pull_chunks_delivers_a_group_larger_than_any_message(
         store_redis: EmbeddedRedis, tmp_path) -> None:  # noqa: ANN001
-    """A group over max_pull_message_bytes: appended in parts, pulled as parts of one chunk
-    each (issue 54); the whole-group Pull of the same store cannot send it."""
+    """A group over max_pull_message_bytes (and trajectories over max_message_bytes): appended
+    in parts, pulled as parts of one chunk each (issue 54); the whole-group Pull cannot send it."""
     proc = StoreProcess(store_redis.url, tmp_path, key_prefix="chunks:",
-                        max_pull_message_bytes=16 << 10).start()
+                        max_message_bytes=12 << 10, max_pull_message_bytes=25 << 10).start()
     try:
         groups = [small_group(g, 2, prompt_len=16, segment_lengths=(40, 30, 20), layers=48,
                               topk=8, num_experts=128, seed=i) for i, g in enumerate("ab")]
-        assert all(sum(t.ByteSize() for t in g) > 16 << 10 for g in groups)
+        assert all(sum(t.ByteSize() for t in g) > 25 << 10 for g in groups)
         with StoreClient(proc.address) as client:
             for t in groups[0] + groups[1]:
                 client.append_in_parts(t, part_bytes=4 << 10)

@@ -200,3 +200,9 @@ def test_assembler_keeps_whole_groups_of_a_stream_cut_short(core: TrajectoryStor
     out_of_order.add(parts[0])
     with pytest.raises(ValueError, match=r"^PulledPart: a segment part where none is due"):
         out_of_order.add(parts[2])
+
+
+def test_a_pull_cap_below_what_appends_store_is_refused_at_boot() -> None:
+    with pytest.raises(ValueError, match=r"max_pull_message_bytes: 4096 < 2 x max_message_bytes"):
+        StoreConfig(max_message_bytes=2048, max_pull_message_bytes=4096)
+    assert StoreConfig(max_message_bytes=2048, max_pull_message_bytes=5120)
