@@ -20,15 +20,15 @@ from typing import Any
 
 from services.common.pb.r3flow.v1 import store_pb2, trajectory_pb2
 from services.store import wirefmt
+from services.store.errors import ChunkMissing
 from services.store.keys import Keys
 
-# A routing chunk: its serialized bytes, or where they are in Redis (hash key, field).
-Chunk = bytes | tuple[str, bytes]
+# A routing chunk: its serialized bytes, or where they are in Redis (hash key, field, size).
+Chunk = bytes | tuple[str, bytes, int]
+# Chunks are read from Redis in batches of up to this many bytes (at least one chunk): one round
+# trip per segment for short trajectories, a bounded buffer for long ones.
+READ_BYTES = 4 << 20
 _TRAJ_FIELDS = (b"state", b"h", b"f", b"nseg", b"pkey", b"hl")
-
-
-class ChunkMissing(RuntimeError):
-    """A chunk of a group being streamed is gone from Redis (the group was released meanwhile)."""
 
 
 @dataclass
@@ -104,21 +104,39 @@ class Delivery:
             yield _part(wirefmt.PART_TRAJECTORY, m.header, len(m.segments))
             for seg in m.segments:
                 yield _part(wirefmt.PART_SEGMENT, seg.head, len(seg.chunks))
-                for c in seg.chunks:
-                    yield _part(wirefmt.PART_ROUTING, self._chunk(c), 0)
+                for blob in self._read(seg.chunks):
+                    yield _part(wirefmt.PART_ROUTING, blob, 0)
 
-    def _chunk(self, c: Chunk) -> bytes:
-        if isinstance(c, bytes):
-            return c
-        blob = self.source.hget(*c)
-        if blob is None:
-            raise ChunkMissing(f"group {self.group_id}: routing chunk {c[0]} {c[1]!r} is gone "
-                               "from Redis (the group was released while it was sent)")
-        return blob
+    def _read(self, chunks: list[Chunk]) -> Iterator[bytes]:
+        """The chunks' bytes in order, read in batches of up to READ_BYTES per Redis key."""
+        i = 0
+        while i < len(chunks):
+            c = chunks[i]
+            if isinstance(c, bytes):
+                yield c
+                i += 1
+                continue
+            batch, size = [c], c[2]
+            while i + len(batch) < len(chunks):
+                nxt = chunks[i + len(batch)]
+                if isinstance(nxt, bytes) or nxt[0] != c[0] or size + nxt[2] > READ_BYTES:
+                    break
+                batch.append(nxt)
+                size += nxt[2]
+            yield from self._fetch(batch)
+            i += len(batch)
+
+    def _fetch(self, batch: list[tuple[str, bytes, int]]) -> list[bytes]:
+        blobs = self.source.hmget(batch[0][0], [f for _, f, _ in batch])
+        for (key, name, _), blob in zip(batch, blobs, strict=True):
+            if blob is None:
+                raise ChunkMissing(f"group {self.group_id}: routing chunk {key} {name!r} is "
+                                   "gone from Redis (the group was released while it was sent)")
+        return blobs
 
     def _trajectory_wire(self, m: Member) -> bytes:
         segs = b"".join(wirefmt.field(wirefmt.TRAJECTORY_SEGMENTS, s.head + b"".join(
-            wirefmt.field(wirefmt.SEGMENT_ROUTING, self._chunk(c)) for c in s.chunks))
+            wirefmt.field(wirefmt.SEGMENT_ROUTING, blob) for blob in self._read(s.chunks)))
             for s in m.segments)
         return m.header + segs
 
@@ -156,11 +174,24 @@ def assemble_group(r: Any, keys: Keys, gid: str, delivery_id: str,
         fin = store_pb2.TrajectoryFinish.FromString(h[b"f"])
         if fin.finish_reason != trajectory_pb2.FINISH_REASON_ABORTED:
             kept.append((tid, h))
-    for (tid, h), segs in zip(kept, _segment_fields(r, keys, [(t, h) for t, h in kept]),
-                              strict=True):
+    for (tid, h), segs in zip(kept, _segment_fields(r, keys, kept), strict=True):
         d.members.append(_member(r, keys, gid, tid, h, segs))
         d.run_ids.add(trajectory_pb2.Trajectory.FromString(h[b"h"]).run_id)
+    _chunk_sizes(r, d.members)  # type: ignore[arg-type]
     return d
+
+
+def _chunk_sizes(r: Any, members: list[Member]) -> None:
+    """Fill in the size of every chunk held in Redis (HSTRLEN: one round trip), so reads can
+    be batched by bytes."""
+    refs = [(seg, i, c[0], c[1]) for m in members for seg in m.segments
+            for i, c in enumerate(seg.chunks) if not isinstance(c, bytes)]
+    with r.pipeline(transaction=False) as p:
+        for _, _, key, name in refs:
+            p.hstrlen(key, name)
+        sizes = p.execute()
+    for (seg, i, key, name), size in zip(refs, sizes, strict=True):
+        seg.chunks[i] = (key, name, int(size))
 
 
 def _segment_fields(r: Any, keys: Keys, kept: list[tuple[str, dict[bytes, Any]]]
@@ -189,9 +220,10 @@ def _member(r: Any, keys: Keys, gid: str, tid: str, h: dict[bytes, Any],
                                                      int(h[b"hl"]))
             out.append(_split_segment(trajectory_pb2.Segment.FromString(stored)))
             continue
-        chunks: list[Chunk] = [(keys.traj(tid), f"r:{j}:{c}".encode()) for c in range(count)]
+        chunks: list[Chunk] = [(keys.traj(tid), f"r:{j}:{c}".encode(), 0)
+                               for c in range(count)]
         if j == 0 and pkey:
-            chunks.insert(0, (keys.group(gid), pkey))
+            chunks.insert(0, (keys.group(gid), pkey, 0))
         out.append(StoredSegment(stored, chunks))
     return Member(tid, h[b"h"] + finish.SerializeToString(), out)
 

@@ -25,6 +25,11 @@ class SizeLimitError(Exception):
     """A message over a configured size: RESOURCE_EXHAUSTED without a retry hint (never retry)."""
 
 
+class ChunkMissing(RuntimeError):
+    """A chunk of a group being streamed is gone from Redis (the group was released meanwhile):
+    the pull ends ABORTED and the client pulls again."""
+
+
 class StreamCutShort(Exception):
     """An Append stream that ended before its client closed it (CANCELLED; nothing of it is
     committed)."""

@@ -1,7 +1,8 @@
 """gRPC TrajectoryStore servicer (thin: proto <-> core) and the server that hosts it.
 
 Errors: ValueError -> INVALID_ARGUMENT; CapacityError (backlog, in-flight, Redis full at its
-maxmemory) -> RESOURCE_EXHAUSTED with a `retry-after-ms` trailer; SizeLimitError -> RESOURCE_EXHAUSTED (no hint); Redis unreachable -> UNAVAILABLE (clients retry); anything else ->
+maxmemory) -> RESOURCE_EXHAUSTED with a `retry-after-ms` trailer; SizeLimitError -> RESOURCE_EXHAUSTED (no hint); Redis unreachable -> UNAVAILABLE (clients retry); a group released
+while PullChunks sent it -> ABORTED (clients pull again); anything else ->
 INTERNAL with a log line. grpc.health.v1 reports NOT_SERVING while Redis is unreachable.
 """
 
@@ -32,7 +33,13 @@ from services.common.pb.r3flow.v1 import store_pb2, store_pb2_grpc
 from services.store.config import StoreConfig
 from services.store.control import ControlPlane
 from services.store.core import StatsSnapshot, TrajectoryStoreCore
-from services.store.errors import CapacityError, SizeLimitError, StreamCutShort, is_redis_oom
+from services.store.errors import (
+    CapacityError,
+    ChunkMissing,
+    SizeLimitError,
+    StreamCutShort,
+    is_redis_oom,
+)
 from services.store.wire_metadata import APPEND_MESSAGES_KEY, REFUSAL_REASON_KEY, RETRY_AFTER_KEY
 
 log = logging.getLogger(__name__)
@@ -53,6 +60,8 @@ def _abort(context: grpc.ServicerContext, exc: Exception) -> None:
         context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
     if isinstance(exc, StreamCutShort):
         context.abort(grpc.StatusCode.CANCELLED, str(exc))
+    if isinstance(exc, ChunkMissing):
+        context.abort(grpc.StatusCode.ABORTED, str(exc))
     if isinstance(exc, _REDIS_DOWN):
         context.abort(grpc.StatusCode.UNAVAILABLE, f"redis unavailable: {exc}")
     if context.is_active():

@@ -206,3 +206,30 @@ def test_a_pull_cap_below_what_appends_store_is_refused_at_boot() -> None:
     with pytest.raises(ValueError, match=r"max_pull_message_bytes: 4096 < 2 x max_message_bytes"):
         StoreConfig(max_message_bytes=2048, max_pull_message_bytes=4096)
     assert StoreConfig(max_message_bytes=2048, max_pull_message_bytes=5120)
+
+
+@pytest.mark.parametrize("read_bytes", [1, 1 << 30])  # a chunk per read, a segment per read
+def test_chunks_read_in_batches_arrive_in_order(core: TrajectoryStoreCore, group, monkeypatch,  # noqa: ANN001
+                                                read_bytes: int) -> None:
+    from services.store import assemble
+
+    monkeypatch.setattr(assemble, "READ_BYTES", read_bytes)
+    for t in group[0]:
+        core.append(trajectory_requests(t))
+    asm = GroupAssembler()
+    for p in pull_parts(core):
+        asm.add(store_pb2.PulledPart.FromString(p))
+    assert list(asm.groups[0].trajectories) == group[0]
+
+
+def test_a_chunk_gone_mid_delivery_stops_the_stream(core: TrajectoryStoreCore, group) -> None:  # noqa: ANN001
+    from services.store.errors import ChunkMissing
+
+    for t in group[0]:
+        core.append(trajectory_requests(t))
+    [d] = core.pull("trainer", 1)
+    parts = d.parts()
+    next(parts)
+    core.r.hdel(core.keys.traj("g/1"), "r:1:0")
+    with pytest.raises(ChunkMissing, match=r"^group g: routing chunk .*r:1:0.* is gone"):
+        list(parts)
