@@ -89,11 +89,12 @@ class StoreSink:
     """Appends finished groups to the store, several to a stream, waiting out backpressure."""
 
     def __init__(self, client, backpressure_sleep_s: float = 1.0,  # noqa: ANN001
-                 part_bytes: int | None = None) -> None:
+                 part_bytes: int | None = None, long_group_bytes: int | None = None) -> None:
         self.client = client
         self.backpressure_sleep_s = backpressure_sleep_s
         self.part_bytes = part_bytes  # routing bytes per part of a long segment (None: the
         # client's PART_BYTES)
+        self.long_group_bytes = long_group_bytes  # None: GROUP_STREAM_MAX_BYTES
         self.backpressure_waits = 0
         self.streams_sent = 0  # Append streams that carried groups (a retry not counted)
         self._one_stream = asyncio.Lock()  # see the module docstring
@@ -105,7 +106,8 @@ class StoreSink:
         """Append every trajectory of the group; returns once the store has all of them,
         raises this group's error (StoreRejected: refused as invalid)."""
         size = sum(t.ByteSize() for t in trajs)
-        if size > GROUP_STREAM_MAX_BYTES:
+        limit = GROUP_STREAM_MAX_BYTES if self.long_group_bytes is None else self.long_group_bytes
+        if size > limit:
             async with self._one_stream:
                 await self._send_each(trajs)
             return

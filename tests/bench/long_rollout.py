@@ -40,7 +40,7 @@ def vm_hwm(pid: int | str = "self") -> int:
 
 
 async def _group(address: str, model_dir: Path, workdir: Path, tokens: int, response: int,
-                 group: int) -> dict[str, Any]:
+                 group: int, long_group_bytes: int) -> dict[str, Any]:
     from prometheus_client import CollectorRegistry
 
     from services.common.metrics import create_metrics
@@ -61,7 +61,8 @@ async def _group(address: str, model_dir: Path, workdir: Path, tokens: int, resp
     pids = [p for ps in engine.pids.values() for p in ps]
     out: dict[str, Any] = {"worker_base": vm_hwm(), "engine_base": sum(map(vm_hwm, pids))}
     client = StoreClient(address, timeout_s=600)
-    worker = RolloutWorker(cfg, engine, StoreSink(client), build_tokenizer())
+    sink = StoreSink(client, long_group_bytes=long_group_bytes)
+    worker = RolloutWorker(cfg, engine, sink, build_tokenizer())
     prompt = tuple(3 + i % 50 for i in range(tokens - response))
     t0 = time.perf_counter()
     result = await worker.run_group(f"r{tokens}", PromptRecord("p", "y", prompt_token_ids=prompt))
@@ -80,7 +81,7 @@ async def _group(address: str, model_dir: Path, workdir: Path, tokens: int, resp
 
 
 def rollout_group(address: str, tokens: int, response: int, group: int, workdir: str,
-                  out: Any) -> None:
+                  long_group_bytes: int, out: Any) -> None:
     """Spawned: build the model, run one group through worker and sink, report peaks."""
     import os
 
@@ -88,5 +89,5 @@ def rollout_group(address: str, tokens: int, response: int, group: int, workdir:
     model_dir = tiny_model(Path(workdir), tokens)
     loop = asyncio.new_event_loop()
     res = loop.run_until_complete(_group(address, model_dir, Path(workdir), tokens, response,
-                                         group))
+                                         group, long_group_bytes))
     out.put(res)
