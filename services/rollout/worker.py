@@ -43,6 +43,7 @@ MAX_KEPT_ERRORS = 100  # a long run keeps the first messages; every failure is c
 MAX_FAILURE_BACKOFF_S = 2.0  # the longest a failed group holds its slot (failures in a row)
 FATAL_GRACE_S = 5.0  # after a fatal error, groups still sending to the store may finish
 ROOM_POLL_S = 0.5  # how often a worker held by the store's backlog budget asks again
+ENGINE_WATCH_S = 1.0  # how often the engine watch asks whether the engine died
 
 
 @dataclass
@@ -137,6 +138,14 @@ class RolloutWorker:
             log.critical("rollout %s refuses to serve: %s", self.cfg.worker_id, line)
         self._stop.set()
 
+    def fail(self, cause: str) -> None:
+        """A background duty beside `run` died (a store watch): no new prompt; `run` ends
+        fatal with `cause` (one line)."""
+        if self.refusal is None:
+            self.refusal = cause
+            log.critical("rollout stops: %s", cause)
+        self._stop.set()
+
     # ---- the main loop ---------------------------------------------------------------------
     async def run(self, records: list[PromptRecord], stop_grace_s: float = 30.0
                   ) -> WorkerSummary:
@@ -189,12 +198,17 @@ class RolloutWorker:
         self._errors.flush()
         return summary
 
-    async def _watch_engine(self, summary: WorkerSummary, interval_s: float = 1.0) -> None:
+    async def _watch_engine(self, summary: WorkerSummary) -> None:
         """Notice a dead engine even when no call is running (all groups waiting on the store
         or on the policy lag)."""
         while True:
-            await asyncio.sleep(interval_s)
-            reason = self.engine.dead_reason()
+            await asyncio.sleep(ENGINE_WATCH_S)
+            try:
+                reason = self.engine.dead_reason()
+            except Exception as e:  # a bug in the watch: run must not go on unwatched
+                log.exception("engine watch failed")
+                self._fail(summary, f"{type(e).__name__} in the engine watch: {e}")
+                return
             if reason is not None:
                 self._fail(summary, f"engine dead: {reason}")
                 return
