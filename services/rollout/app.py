@@ -258,6 +258,7 @@ async def serve(cfg: RolloutConfig, summary_file: str | None = None,
                  summary.generated_tokens / max(summary.seconds, 1e-9))
         return 0 if summary.groups_ok or not summary.groups_failed else 1
     finally:
+        closing.set()  # also when run() raised: closing the client ends the watches
         await _leave(renewal, client, cfg.worker_id)
         server.stop()
         engine.shutdown(ENGINE_SHUTDOWN_S)
