@@ -133,17 +133,14 @@ class RolloutWorker:
 
     def _refuse(self, line: str) -> None:
         """The capture check after a weight load failed: no new prompt; `run` ends fatal."""
-        if self.refusal is None:
-            self.refusal = line
-            log.critical("rollout %s refuses to serve: %s", self.cfg.worker_id, line)
-        self._stop.set()
+        self.fail(line, "refuses to serve")
 
-    def fail(self, cause: str) -> None:
-        """A background duty beside `run` died (a store watch): no new prompt; `run` ends
-        fatal with `cause` (one line)."""
+    def fail(self, cause: str, what: str = "stops") -> None:
+        """A duty beside `run` failed (a store watch, the capture check): no new prompt; `run`
+        ends fatal with `cause` (one line), logged once."""
         if self.refusal is None:
             self.refusal = cause
-            log.critical("rollout stops: %s", cause)
+            log.critical("rollout %s %s: %s", self.cfg.worker_id, what, cause)
         self._stop.set()
 
     # ---- the main loop ---------------------------------------------------------------------
