@@ -13,7 +13,7 @@ keeps them equal) size for these, never for the information floor or a measured 
     CHUNK_BYTES(L) (codec overhead, method bits of up to 8 blocks, RoutedExperts fields and
     layer ids); TRAJECTORY_BYTES for ids, names, reward and segment heads.
 Qwen3-30B-A3B (48 MoE layers, top-8 of 128): 242.3 B per token of routing, 252.4 with the
-token's other fields; a 131,072-token trajectory 33.1 MB, a group of 8 of them 264.6 MB.
+token's other fields; a 131,072-token trajectory 33.1 MB, a group of 8 of them 264.7 MB.
 Legend: T rows (tokens), L MoE layers, K top-k, E experts.
 """
 
