@@ -6,6 +6,8 @@ annotations, which say what the planner cannot read from the cluster:
   r3flow.io/plan-model          architecture: a known name or a config.json path
   r3flow.io/plan-gpu-memory-gib memory of one GPU
   r3flow.io/plan-seq-len        tokens of one trainer sequence (prompt + response)
+  r3flow.io/plan-group-size     samples per prompt, when the manifest renders no rollout.yaml
+                                (replay keeps the routing of a step's micro-batches; else 1)
   r3flow.io/plan-expect         fits | does-not-fit: the verdict `--check-expected` requires
   r3flow.io/plan-expect-reason  why a job is expected not to fit (required then)
 A job without GPUs (CPU smoke runs) is planned against its worker container's memory limit

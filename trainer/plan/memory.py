@@ -55,15 +55,15 @@ An estimate written down so that it can be checked by hand (tests/unit/test_plan
     four H200 peaks of BENCHMARKS.md "Call 5", within 6 %);
   * routing replay (replay_bytes; Layout.replay, Layout.microbatches: the micro-batches of one
     step on a rank, its TP x PP group's share of data.groups_per_step x group size, over
-    micro_batch). r3: every
-    micro-batch moves to the device with its rollout routing in the codec's dtype (uint8 up to
-    256 experts, else uint16; MicroBatch.to) for the whole step, all MoE layers and positions
-    ("replay ids"), and a pass keeps every micro-batch's int64 router rows, its stage's MoE
-    layers and its SP/CP shard of the positions (megatron's `_plan` / `_row_cache`; the hf
-    backend's `_hf_r3_rows`, all layers, for the step: "replay rows"). Building one
-    micro-batch's rows briefly holds ~4 int64 copies of it (widening, the routing rules'
-    masked copy, sort values and indices) before the pass's first forward, when no activation
-    is held: not at the peak, not counted. r2: the recorded int64 rows of every micro-batch;
+    micro_batch). r3: every micro-batch moves to the device with its rollout routing in the
+    codec's dtype (uint8 up to 256 experts, else uint16; MicroBatch.to) for the whole step, all
+    MoE layers and positions ("replay ids"), and a pass keeps every micro-batch's int64 router
+    rows, its stage's MoE layers and its SP/CP shard of the positions (megatron's `_plan` /
+    `_row_cache`; the hf backend's `_hf_r3_rows`, all layers, for the step: "replay rows").
+    Building one micro-batch's rows briefly holds ~4 int64 copies of it (widening, the routing
+    rules' masked copy, sort values and indices) before the pass's first forward, when no
+    activation is held: not at the peak, not counted. r2: the recorded int64 rows of every
+    micro-batch;
   * the weight push (push_bytes): the sender's buckets in flight and the chunks it gathers
     from the other ranks (streamed: no rank holds the whole model), each the bucket size or
     the family's largest tensor when larger (push_chunk_bytes: GPT-OSS's fused experts, a
