@@ -180,6 +180,14 @@ def routed_ids(ids_BSLK: torch.Tensor) -> torch.Tensor:
     return ids_BSLK.long()
 
 
+def compact_ids(rows: Sequence[torch.Tensor], num_experts: int) -> list[torch.Tensor]:
+    """Expert ids (e.g. the routers' recorded int64 top-k) in the codec's dtype, on their
+    device: uint8 when num_experts <= 256, else uint16 (the same values; widened again one
+    micro-batch at a time)."""
+    dtype = torch.uint8 if num_experts <= 256 else torch.uint16
+    return [t.to(dtype) for t in rows]
+
+
 def sample_spans(mb: MicroBatch) -> list[tuple[Sample, int, int]]:
     """(sample, batch row, first position) of each sample of `mb`: one sample per row when
     padded, back to back in row 0 when packed ([1, T], trainer.hf.packing)."""
