@@ -1,6 +1,7 @@
 """`r3flow plan` counts routing replay's GPU memory at the configured length (issue 54): the
-step's micro-batches' routing in the codec's dtype and their int64 router rows, as the trainer
-allocates them (trainer.samples.batch, trainer.samples.alignment), in its table and verdict."""
+step's micro-batches' routing in the codec's dtype and the int64 router rows of the micro-batches
+in flight, as the trainer allocates them (trainer.samples.batch, trainer.samples.alignment), in
+its table and verdict."""
 
 from __future__ import annotations
 
@@ -37,46 +38,48 @@ def test_the_plan_counts_what_one_micro_batch_allocates():
     assert rows[0].dtype == torch.int64 and mb.routing_BSLK.dtype == torch.uint8
 
 
-def test_replay_at_128k_counts_every_micro_batch_of_the_step():
+def test_replay_at_128k_counts_the_step_s_ids_and_the_rows_in_flight():
     """32 groups of 8 over 8 ranks: 4 groups, 32 sequences of 128k per rank, each keeping its
-    uint8 routing for the step (1.5 GiB in all) and its int64 router rows for the pass (12 GiB);
-    TP2 (SP) x PP2 halves a sequence's rows twice; its ranks run their TP x PP group's groups."""
+    uint8 routing for the step (1.5 GiB in all); int64 router rows only for the micro-batch in
+    flight (384 MiB, not 32 x); TP2 (SP) x PP2 halves a sequence's rows twice, and the first
+    stage of the 1F1B pipeline has 2 micro-batches in flight; its ranks run their TP x PP
+    group's groups."""
     lay = Layout(world=8, ep=8, seq_len=T, step_groups=32, group_size=8)
     rows = plan(QWEN, lay, gpu_gib=141).rows
     assert lay.microbatches == 32
     assert rows["replay ids"] == 32 * T * L * K == 1.5 * GiB
-    assert rows["replay rows"] == 32 * 8 * T * L * K == 12 * GiB
+    assert rows["replay rows"] == 8 * T * L * K == 0.375 * GiB
     split = replace(lay, world=32, tp=2, pp=2)  # 1 group per rank, a TP x PP group's 4
     rows = plan(QWEN, split, gpu_gib=141).rows
     assert split.microbatches == 32
     assert rows["replay ids"] == 32 * T * L * K
-    assert rows["replay rows"] == 32 * 8 * (T / 2) * (L / 2) * K
-    # more than 256 experts: uint16 ids; r2 keeps only the rows it recorded; off nothing
+    assert rows["replay rows"] == 2 * 8 * (T / 2) * (L / 2) * K
+    # more than 256 experts: uint16 ids; r2 keeps the ids it recorded (this rank's, the same
+    # dtype) and widens the one in flight; off nothing
     wide = replace(QWEN, experts=512)
     assert plan(wide, lay, gpu_gib=141).rows["replay ids"] == 2 * 32 * T * L * K
     r2 = plan(QWEN, replace(lay, replay="r2"), gpu_gib=141).rows
-    assert "replay ids" not in r2 and r2["replay rows"] == 12 * GiB
+    assert r2["replay ids"] == 32 * T * L * K and r2["replay rows"] == 0.375 * GiB
+    r2_split = plan(QWEN, replace(split, replay="r2"), gpu_gib=141).rows
+    assert r2_split["replay ids"] == 32 * (T / 2) * (L / 2) * K
     off = plan(QWEN, replace(lay, replay="off"), gpu_gib=141).rows
     assert "replay rows" not in off and "replay ids" not in off
 
 
-def test_a_128k_plan_that_does_not_fit_names_what_to_change_in_one_line():
+def test_a_128k_plan_s_replay_rows_do_not_grow_with_the_step_s_micro_batches():
     """Qwen3-30B-A3B at 128k on 16 H200s, the fast path and full recompute: 128 groups of 8 put
-    64 sequences on each rank, whose replay ids and rows (3 + 24 GiB) add to activations and
-    the loss's logits; the verdict's one line names the replay rows and what shrinks them."""
+    64 sequences on each rank, whose replay ids take 3 GiB and whose router rows one micro-batch's
+    384 MiB (they took 24 GiB when a pass kept every micro-batch's); the verdict's one line does
+    not name them; an eighth of the groups shrinks the ids, not the rows."""
     lay = Layout(world=16, ep=8, seq_len=T, step_groups=128, group_size=8,
                  distributed_optimizer=True, attention="sdpa", chunked_logprobs=True,
                  recompute="full")
     p = plan(QWEN, lay, gpu_gib=141)
-    assert not p.fits and p.rows["replay rows"] == 24 * GiB
+    assert p.rows["replay ids"] == 3 * GiB and p.rows["replay rows"] == 0.375 * GiB
     (note,) = [n for n in p.notes if n.startswith("does not fit")]
-    assert "\n" not in note
-    assert note.startswith(f"does not fit by {(p.total - 141 * GiB) / GiB:.2f} GiB; to change: ")
-    assert "replay rows 24.00 GiB: data.groups_per_step or more data-parallel ranks " \
-           "(run.world_size), or model.context_parallel" in note
-    # what it names shrinks it: an eighth of the groups, an eighth of the rows
+    assert "\n" not in note and "replay" not in note
     fewer = plan(QWEN, replace(lay, step_groups=16), gpu_gib=141)
-    assert fewer.rows["replay rows"] == 3 * GiB and fewer.total < p.total - 23 * GiB
+    assert fewer.rows["replay ids"] == 0.375 * GiB and fewer.rows["replay rows"] == 0.375 * GiB
 
 
 def test_cli_prints_the_replay_rows_at_the_configured_length(tmp_path, capsys):
@@ -88,5 +91,6 @@ def test_cli_prints_the_replay_rows_at_the_configured_length(tmp_path, capsys):
             "--seq-len", str(T), "--recompute", "full", "--group-size", "2"]
     assert cli.main(args) == 1
     out = capsys.readouterr().out  # 64 groups of 2 over 8 ranks: 16 sequences per rank
-    assert "replay rows             6.00 GiB" in out and "replay ids              0.75 GiB" in out
+    assert "replay rows             0.38 GiB" in out and "replay ids              0.75 GiB" in out
     assert "routing of 16 micro-batch(es) of 1 x 131072 tokens" in out
+    assert "widened to int64 for the 1 in flight" in out

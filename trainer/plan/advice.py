@@ -39,7 +39,8 @@ def _setting(row: str, lay: Layout, dense_heavy: bool) -> str | None:
                 "attention scores": "hf.attn_implementation: sdpa",
                 "logits + loss": "loss.chunked_logprobs: true",
                 "reference model": "loss.kl_coef: 0 (no reference model)",
-                "replay ids": _REPLAY, "replay rows": _REPLAY}.get(row)
+                "replay ids": _REPLAY,
+                "replay rows": "data.micro_batch_size, or a shorter sequence"}.get(row)
     model = _model(dense_heavy)
     fixes = {
         "weights": model, "grads": model,
@@ -53,7 +54,8 @@ def _setting(row: str, lay: Layout, dense_heavy: bool) -> str | None:
         "logits + loss": None if lay.chunked_logprobs else "loss.chunked_logprobs: true",
         "weight push": "weight_sync.bucket_bytes, weight_sync.inflight_buckets",
         "replay ids": _REPLAY,
-        "replay rows": _REPLAY + ", or model.context_parallel (each rank replays its shard)",
+        "replay rows": "data.micro_batch_size, or model.context_parallel (each rank replays its "
+                       "shard)",
     }
     return fixes.get(row)
 

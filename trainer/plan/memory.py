@@ -57,13 +57,14 @@ An estimate written down so that it can be checked by hand (tests/unit/test_plan
     step on a rank, its TP x PP group's share of data.groups_per_step x group size, over
     micro_batch). r3: every micro-batch moves to the device with its rollout routing in the
     codec's dtype (uint8 up to 256 experts, else uint16; MicroBatch.to) for the whole step, all
-    MoE layers and positions ("replay ids"), and a pass keeps every micro-batch's int64 router
-    rows, its stage's MoE layers and its SP/CP shard of the positions (megatron's `_plan` /
-    `_row_cache`; the hf backend's `_hf_r3_rows`, all layers, for the step: "replay rows").
-    Building one micro-batch's rows briefly holds ~4 int64 copies of it (widening, the routing
-    rules' masked copy, sort values and indices) before the pass's first forward, when no
-    activation is held: not at the peak, not counted. r2: the recorded int64 rows of every
-    micro-batch;
+    MoE layers and positions ("replay ids"); r2: the ids it recorded, in the same dtype, its
+    stage's MoE layers and its SP/CP shard of the positions. Each forward widens its
+    micro-batch's ids of this rank to the routers' int64 rows (its stage's MoE layers, its
+    SP/CP shard) and they live until its backward: the micro-batches in flight hold them, PP of
+    them on the first stage of a 1F1B pipeline, one without PP ("replay rows"). Checking one
+    micro-batch's rows briefly holds ~4 int64 copies of it (widening, the routing rules' masked
+    copy, sort values and indices) before the pass's first forward, when no activation is
+    held: not at the peak, not counted;
   * the weight push (push_bytes): the sender's buckets in flight and the chunks it gathers
     from the other ranks (streamed: no rank holds the whole model), each the bucket size or
     the family's largest tensor when larger (push_chunk_bytes: GPT-OSS's fused experts, a
@@ -294,19 +295,27 @@ def activation_bytes(arch: Arch, lay: Layout) -> dict[str, float]:
 
 
 def replay_bytes(arch: Arch, lay: Layout) -> dict[str, float]:
-    """Routing replay's tensors on the device, held for the step or the pass (module
-    docstring): the step's micro-batches' routing in the codec dtype (r3) and their int64
-    router rows on this rank (r3, r2)."""
+    """Routing replay's tensors on the device (module docstring): the step's micro-batches'
+    ids in the codec dtype, held for the step (r3: the rollout's; r2: the recorded ones of this
+    rank), and the int64 router rows of the micro-batches in flight."""
     if lay.replay == "off" or not arch.moe_layers:
         return {}
     stage_moe = arch.moe_layers * (arch.num_layers // lay.pp) / arch.num_layers
     local_tokens = lay.seq_len * lay.micro_batch / (lay.tp * lay.cp)
-    rows = lay.microbatches * 8 * local_tokens * stage_moe * arch.top_k
+    rows = replay_in_flight(lay) * 8 * local_tokens * stage_moe * arch.top_k
+    width = ids_dtype_bytes(arch.experts)
     if lay.replay == "r2":
-        return {"replay rows": rows}
-    ids = (lay.microbatches * lay.micro_batch * lay.seq_len * arch.moe_layers * arch.top_k
-           * ids_dtype_bytes(arch.experts))
+        ids = lay.microbatches * local_tokens * stage_moe * arch.top_k * width
+    else:
+        ids = lay.microbatches * lay.micro_batch * lay.seq_len * arch.moe_layers * arch.top_k \
+            * width
     return {"replay ids": ids, "replay rows": rows}
+
+
+def replay_in_flight(lay: Layout) -> int:
+    """Micro-batches whose int64 router rows are alive at once: forwards whose backward has
+    not run (1F1B: PP of them on the first stage), at most the step's."""
+    return min(lay.pp, lay.microbatches)
 
 
 PUSH_CHUNK_DEPTH = 3  # export_stream.HFStream: 2 chunks in flight + the one being filled
@@ -404,7 +413,8 @@ def _plan(arch: Arch, lay: Layout, gpu_gib: float, overhead_gib: float,
     if "replay rows" in rows:
         out.notes.append(f"replay {lay.replay}: the routing of {lay.microbatches} micro-batch(es) "
                          f"of {lay.micro_batch} x {lay.seq_len} tokens stays on the device for "
-                         "the step (replay ids, replay rows)")
+                         f"the step (replay ids), widened to int64 for the "
+                         f"{replay_in_flight(lay)} in flight (replay rows)")
     if lay.fsdp:
         out.notes.append(f"hf backend: FSDP2, every weight sharded over {lay.shard} rank(s), "
                          f"{lay.world // lay.shard} replica(s)")
