@@ -152,7 +152,7 @@ class MicroBatch:
     # Filled by the trainer's passes: old-policy / reference logprobs, R2-recorded routing.
     train_old_lp: torch.Tensor | None = None
     ref_lp: torch.Tensor | None = None
-    replay_rows: list[torch.Tensor] | None = None
+    replay_rows: list[torch.Tensor] | None = None  # [T, K] per MoE layer, codec dtype
     is_weight_BS: torch.Tensor | None = None  # TIS weight per token (trainer.losses.objectives)
 
     @property
