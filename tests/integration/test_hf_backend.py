@@ -19,6 +19,7 @@ import torch
 
 from services.common.net import free_port
 from services.common.tiny_moe import TinyMoeConfig, build_tiny_moe
+from tests.support.replay_rows import RowsAlive
 from trainer.replay import ReplayMode
 
 pytestmark = pytest.mark.timeout(300)
@@ -329,3 +330,23 @@ def test_sequence_parallel_two_ranks_equal_one_rank(model_dir, plain, megatron, 
           f"{r0['grad_norm']:.6f} vs {m['grad_norm']:.6f}, max |d weight| {moved:.1e}")
     assert moved < 1e-5 and sp1["after"] == {}
 
+
+@pytest.mark.parametrize("mode", ["r3", "r2"])
+def test_int64_replay_rows_alive_do_not_grow_with_micro_batches(hf_trainer, plain, model_dir,
+                                                                  mode):
+    """Issue 54, as test_trainer_megatron's: the int64 ids the routers replay (each tensor's
+    base: the replay keeps a per-rank slice of it) are at most one micro-batch's at any router
+    forward, with 4 samples' micro-batches as with 8 (kept for the step, they held them all)."""
+    reload(hf_trainer, model_dir)
+    b = hf_trainer.backend
+    samples = make_samples(plain, n=8, seed=9)
+    counts = []
+    for n in (4, 8):
+        mbs = hf_trainer.prepare(samples[:n])
+        one_mb = max(mb.tokens_BS.numel() for mb in mbs) * len(b.moe_layers) * K * 8
+        with RowsAlive([r.module for r in b.routers], lambda _: b.replay._ids) as rows:
+            hf_trainer.compute_logprobs(mbs, mode)
+            b.update(mbs, ReplayMode(mode), lambda mb, logits: logits.float().mean() * 0)
+        counts.append(len(mbs))
+        assert 0 < rows.peak <= one_mb, (n, rows.peak, one_mb)
+    assert counts[1] > counts[0] > 1

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from services.common.tiny_moe import TinyMoeConfig, build_tiny_moe
+from tests.support.replay_rows import RowsAlive
 from trainer.replay import ReplayMode
 
 pytestmark = pytest.mark.timeout(300)
@@ -427,3 +428,21 @@ def test_a_group_with_one_shifted_segment_is_quarantined_and_the_step_goes_on(
     assert "trajectory t2 segment 1 (group g0)" in m["routing_agreement_worst"]
     assert (m["updates_skipped"], m["updates_rerun"]) == (1, 1)
     reload(trainer, model_dir)
+
+
+@pytest.mark.parametrize("mode", ["r3", "r2"])
+def test_int64_replay_rows_alive_do_not_grow_with_micro_batches(trainer, hf, model_dir, mode):
+    """Issue 54: a pass widens one micro-batch's ids to int64 at a time (the rest stay in the
+    codec's dtype), so the int64 rows alive at any router forward are at most one micro-batch's,
+    with 2 micro-batches as with 4 (a pass that kept every micro-batch's rows held 4x)."""
+    reload(trainer, model_dir)
+    b, samples = trainer.backend, make_samples(hf, n=8, seed=11)
+    for n in (4, 8):
+        mbs = trainer.prepare(samples[:n])
+        assert len(mbs) == n // 2
+        one_mb = max(mb.tokens_BS.numel() for mb in mbs) * len(b.policy.moe_layers) * b.top_k * 8
+        with RowsAlive(b.policy.routers, lambda r: [r.router_replay.target_topk_idx]) as rows:
+            trainer.compute_logprobs(mbs, mode)  # r2: records the policy's own routing
+            b.update(mbs, ReplayMode(mode), _zero_loss)
+        assert rows.seen == len(mbs) * len(b.policy.moe_layers) * (2 if mode == "r3" else 1)
+        assert 0 < rows.peak <= one_mb, (n, rows.peak, one_mb)

@@ -61,6 +61,7 @@ from trainer.samples.alignment import check_routes
 from trainer.samples.batch import (
     MicroBatch,
     Sample,
+    compact_ids,
     filler_microbatch,
     routed_ids,
     split_microbatches,
@@ -164,33 +165,37 @@ class HFBackend:
     def _rows(self, mb: MicroBatch, mode: ReplayMode) -> list[torch.Tensor] | None:
         if mode == ReplayMode.R3:
             return self._r3_rows(mb)
-        return mb.replay_rows if mode == ReplayMode.R2 else None
+        if mode == ReplayMode.R2 and mb.replay_rows is not None:
+            return [t.long() for t in mb.replay_rows]  # int64 for one forward
+        return None
 
     def _stage(self, mbs: Sequence[MicroBatch], mode: ReplayMode) -> None:
-        """Validate and upload every micro-batch's r3 rows before the first forward: the check
-        reads a device mask back, and one sync per step beats one per micro-batch."""
+        """Validate and upload every micro-batch's r3 routing before the first forward: the
+        check reads a device mask back, and one sync per step beats one per micro-batch."""
         if mode == ReplayMode.R3:
             for mb in mbs:
-                self._r3_rows(mb)
+                self._r3_ids(mb)
 
-    def _r3_rows(self, mb: MicroBatch) -> list[torch.Tensor]:
-        """Rollout routing of `mb` in router order, validated and moved to the device ONCE per
-        micro-batch (kept on the micro-batch): per-pass checks and pageable copies would each
-        stall the GPU queue."""
-        rows = getattr(mb, "_hf_r3_rows", None)
-        if rows is None:
-            if mb.routing_BSLK is None:
-                raise ValueError("replay.mode: r3 needs rollout routing on every sample")
-            ids = mb.routing_BSLK
+    def _r3_ids(self, mb: MicroBatch) -> torch.Tensor:
+        """Rollout routing of `mb` in the codec's dtype, validated and moved to the device ONCE
+        per micro-batch (kept on the micro-batch): per-pass checks and pageable copies would
+        each stall the GPU queue."""
+        if mb.routing_BSLK is None:
+            raise ValueError("replay.mode: r3 needs rollout routing on every sample")
+        if not getattr(mb, "_hf_r3_checked", False):
             # checked on the device (CPU masking cost ~5 ms/mb); MicroBatch.to has usually
             # moved it already (pinning a CUDA tensor raised: r3 failed on every GPU)
-            if self.device.type == "cuda" and ids.device.type == "cpu":
-                ids = ids.pin_memory().to(self.device, non_blocking=True)
-            ids = routed_ids(ids)  # uint8/uint16 on the device: int64 for this micro-batch
-            check_routes(ids, mb.valid_rows_BS, self.num_experts, self.moe_layers, self.top_k)
-            rows = hf_router_rows(ids)
-            mb._hf_r3_rows = rows  # type: ignore[attr-defined]
-        return rows
+            if self.device.type == "cuda" and mb.routing_BSLK.device.type == "cpu":
+                mb.routing_BSLK = mb.routing_BSLK.pin_memory().to(self.device, non_blocking=True)
+            check_routes(routed_ids(mb.routing_BSLK), mb.valid_rows_BS, self.num_experts,
+                         self.moe_layers, self.top_k)  # int64 of this micro-batch, dropped
+            mb._hf_r3_checked = True  # type: ignore[attr-defined]
+        return mb.routing_BSLK
+
+    def _r3_rows(self, mb: MicroBatch) -> list[torch.Tensor]:
+        """`mb`'s rollout routing in router order, widened to int64 for one forward (the
+        routers hold it until end_step, after that micro-batch's backward)."""
+        return hf_router_rows(self._r3_ids(mb))
 
     def _logits(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
         """[B, S, V] logits of `mb`; under sequence parallelism this rank runs its slice of the
@@ -233,8 +238,8 @@ class HFBackend:
         if not reference:
             self.agreement.collect(mb)
         if ctl is not None and record and rows is None:
-            mb.replay_rows = ctl.recorded() if self.sp == 1 else [
-                gather_rows(r, self.sp_group, self.sp) for r in ctl.recorded()]
+            mb.replay_rows = compact_ids(ctl.recorded() if self.sp == 1 else [
+                gather_rows(r, self.sp_group, self.sp) for r in ctl.recorded()], self.num_experts)
         if ctl is not None:
             ctl.end_step()
         return out

@@ -80,7 +80,8 @@ def pack_microbatches(samples: Sequence[Sample], micro_batch_size: int,
 
 
 def hf_router_rows(ids_BSLK: torch.Tensor) -> list[torch.Tensor]:
-    """[B, S, L, K] -> per MoE layer [B*S, K] int64 in HF router order (t = b*S + s)."""
+    """[B, S, L, K] -> per MoE layer [B*S, K] int64 in HF router order (t = b*S + s), widened
+    layer by layer (no [T, L, K] int64 besides the rows)."""
     b, s, num_layers, k = ids_BSLK.shape
-    rows_TLK = ids_BSLK.reshape(b * s, num_layers, k).long()
-    return [rows_TLK[:, m].contiguous() for m in range(num_layers)]
+    rows_TLK = ids_BSLK.reshape(b * s, num_layers, k)
+    return [rows_TLK[:, m].long().contiguous() for m in range(num_layers)]

@@ -15,8 +15,11 @@ keep the ranks together: before the grad reduction (a peer's fault in its forwar
 and before the optimizer step (a non-finite loss or gradient on any rank skips the step on
 every rank).
 With model.planned_dispatch each r3/r2 pass first plans its MoE all-to-all split sizes from the
-replayed ids (trainer.megatron.planned_dispatch: one gather, one host copy per pass); the ids
-are computed once per micro-batch per pass (the plan knows them by identity).
+replayed ids (trainer.megatron.planned_dispatch: one gather, one host copy per pass).
+Replay ids stay in their compact dtype on the device (the codec's uint8/uint16 for r3, the same
+for r2's recorded ids) and are widened to the routers' int64 for one micro-batch's forward at a
+time: its recompute replays that very tensor (RouterReplay's queue) and nothing keeps it after,
+so a pass holds the int64 ids of the micro-batches in flight (one without pipelining), not all.
 Legend: B batch rows, S sequence, V vocabulary, T router rows (S*B), K top-k.
 """
 
@@ -51,7 +54,7 @@ from trainer.megatron.parallel import (
     model_parallel_group,
 )
 from trainer.megatron.param_gather import dispatch_at_step, finish_param_gather, start_param_gather
-from trainer.megatron.planned_dispatch import StepPlan, planned_layers
+from trainer.megatron.planned_dispatch import StepPlan, planned_layers, tokens_per_expert
 from trainer.megatron.replay import AgreementMonitor, ModelReplay
 from trainer.megatron.weights import MegatronWeights
 from trainer.protocol import LossFn
@@ -61,6 +64,7 @@ from trainer.samples.alignment import check_routes, local_routing, to_router_row
 from trainer.samples.batch import (
     MicroBatch,
     Sample,
+    compact_ids,
     filler_microbatch,
     routed_ids,
     split_microbatches,
@@ -152,8 +156,7 @@ class MegatronBackend:
         self.device = torch.device("cuda", torch.cuda.current_device()) \
             if torch.cuda.is_available() else torch.device("cpu")
         self.padded = 0  # filler micro-batches of the last `microbatches` call
-        # model.planned_dispatch: each pass's replay ids, computed once (the plan keys them)
-        self._row_cache: dict[int, list[torch.Tensor] | None] = {}
+        self._pass_plan: StepPlan | None = None  # model.planned_dispatch: the running pass's
         self._streams: dict[tuple[int, int, str | None], HFStream] = {}  # per iter_hf_weights key
 
     def microbatches(self, samples: Sequence[Sample]) -> list[MicroBatch]:
@@ -178,21 +181,39 @@ class MegatronBackend:
         """Sequence positions of `mb` this rank's routers see (SP/CP shard)."""
         return local_positions(int(mb.tokens_BS.shape[1]), model_section(self.cfg).sequence_parallel)
 
+    def _local_ids(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """r3: `mb`'s rollout routing this rank replays (its stage's MoE layers, its sequence
+        shard; codec dtype) and their valid flags."""
+        if mb.routing_BSLK is None:
+            raise ValueError("replay.mode: r3 needs rollout routing on every sample")
+        return local_routing(mb.routing_BSLK, mb.valid_rows_BS, self.stage_columns,
+                             self._positions(mb))
+
     def _rows(self, mb: MicroBatch, mode: ReplayMode) -> list[torch.Tensor] | None:
-        """This rank's replay ids of `mb`: its stage's MoE layers, its sequence shard (the
-        tensors the pass's dispatch plan counted, when there is one)."""
-        if id(mb) in self._row_cache:
-            return self._row_cache[id(mb)]
+        """This rank's replay ids of `mb`, widened to int64 for one forward ([T, K] per MoE layer
+        of its stage, its sequence shard); the caller's forward (and its recompute) holds them."""
         if mode == ReplayMode.R3:
-            if mb.routing_BSLK is None:
-                raise ValueError("replay.mode: r3 needs rollout routing on every sample")
-            ids_BSLK, valid_BS = local_routing(mb.routing_BSLK, mb.valid_rows_BS,
-                                               self.stage_columns, self._positions(mb))
-            ids_BSLK = routed_ids(ids_BSLK)  # this rank's slice of one micro-batch, int64
-            check_routes(ids_BSLK, valid_BS, self.arch.num_experts, self.policy.moe_layers,
-                         self.arch.top_k)
-            return to_router_rows(ids_BSLK)
-        return mb.replay_rows if mode == ReplayMode.R2 else None
+            return to_router_rows(self._local_ids(mb)[0])
+        if mode == ReplayMode.R2 and mb.replay_rows is not None:
+            return [t.long() for t in mb.replay_rows]
+        return None
+
+    def _check(self, mb: MicroBatch, mode: ReplayMode, count: bool) -> torch.Tensor | None:
+        """Check `mb`'s replay ids before the pass (r3: the routing rules) and, when `count`,
+        their tokens per expert for the dispatch plan; the int64 ids are dropped here."""
+        if mode == ReplayMode.R3:
+            ids_BSLK, valid_BS = self._local_ids(mb)
+            check_routes(routed_ids(ids_BSLK), valid_BS, self.arch.num_experts,
+                         self.policy.moe_layers, self.arch.top_k)
+        rows = self._rows(mb, mode) if count else None
+        return None if rows is None else tokens_per_expert(rows, self.num_experts, self.device)
+
+    def _replay_rows(self, mb: MicroBatch, mode: ReplayMode) -> list[torch.Tensor] | None:
+        """`_rows` of the forward about to run, bound to the pass's dispatch plan."""
+        rows = self._rows(mb, mode)
+        if rows is not None and self._pass_plan is not None:
+            self._pass_plan.bind(mb, rows)
+        return rows
 
     def _logits(self, module: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
         return module(input_ids=mb.tokens_BS, position_ids=mb.position_ids_BS,
@@ -225,30 +246,28 @@ class MegatronBackend:
               mode: ReplayMode) -> StepPlan | None:
         """The pass's replay ids, checked on every rank before any collective of the pass
         (guard.vote_on: a rank whose routing is invalid votes there; its peers hear it instead
-        of waiting in the plan's gather or the first all-to-all) and kept for the pass; with
-        model.planned_dispatch under r3/r2, the all-to-all split sizes of every MoE layer of
-        the pass from them (trainer.megatron.planned_dispatch; one gather over the tp_ep group,
-        one host copy). Every rank of the group plans the same passes."""
+        of waiting in the plan's gather or the first all-to-all); with model.planned_dispatch
+        under r3/r2, the all-to-all split sizes of every MoE layer of the pass from them
+        (trainer.megatron.planned_dispatch; one gather over the tp_ep group, one host copy).
+        Every rank of the group plans the same passes."""
         if mode == ReplayMode.OFF:
             return None
-        rows = vote_on(lambda: [self._rows(mb, mode) for mb in mbs])
         layers = planned_layers(model.module)
-        if layers:
-            rows = [None if r is None else [t.long() for t in r] for r in rows]
-        self._row_cache.update({id(mb): r for mb, r in zip(mbs, rows, strict=True)})
-        if not layers or all(r is None for r in rows):  # r2's recording pass: nothing to plan
+        counts = vote_on(lambda: [self._check(mb, mode, bool(layers)) for mb in mbs])
+        if not layers or all(c is None for c in counts):  # r2's recording pass: nothing to plan
             return None
-        plan = StepPlan(rows, mbs, len(self.stage_columns), self.num_experts,
+        plan = StepPlan(counts, mbs, len(self.stage_columns), self.num_experts,
                         layers[0].token_dispatcher.tp_ep_group, self.device)
         for layer in layers:
             layer.plan = plan
+        self._pass_plan = plan
         return plan
 
     def _unplan(self, model: BuiltModel, plan: StepPlan | None) -> None:
         """Drop the pass's plan; file its device-side checks with the agreement (no sync)."""
         for layer in planned_layers(model.module):
             layer.plan = None
-        self._row_cache.clear()
+        self._pass_plan = None
         if plan is not None:
             self.agreement.add_plan_checks(plan.checks())
 
@@ -273,7 +292,7 @@ class MegatronBackend:
                                                                           self.replay)
         assert model is not None
         self.current = mb
-        rows = self._rows(mb, mode)
+        rows = self._replay_rows(mb, mode)
         record = mode == ReplayMode.R2 and not reference
         drive(ctl, rows, record)
         out = self._pipeline_logits(model.module, mb) if model_section(self.cfg).pipeline_parallel > 1 \
@@ -281,7 +300,7 @@ class MegatronBackend:
         if not reference:
             self.agreement.collect(mb, self._positions(mb))
         if record and rows is None:
-            mb.replay_rows = ctl.recorded()
+            mb.replay_rows = compact_ids(ctl.recorded(), self.num_experts)
         ctl.end_step()
         return out
 
@@ -289,7 +308,7 @@ class MegatronBackend:
     def _forward_step(self, mode: ReplayMode, loss_fn: LossFn, n_mb: int, data_iter, model):
         mb = next(data_iter)
         self.current = mb
-        drive(self.replay, self._rows(mb, mode), record=False)
+        drive(self.replay, self._replay_rows(mb, mode), record=False)
         logits = self._logits(model, mb)
         self.agreement.collect(mb, self._positions(mb))
         self.replay.after_forward()

@@ -13,8 +13,9 @@ computed (the same formulas, the same group rank order) and skips the copy and t
 Which plan a layer uses is decided by the ids its router replays: `PlannedMoELayer.route` peeks
 at the RouterReplay before the router runs (REPLAY_FORWARD: `target_topk_idx`; REPLAY_BACKWARD:
 the head of `replay_backward_list`, what the router is about to pop) and looks the tensor up in
-the plan (the plan holds the tensors, keyed by identity). No plan (natural routing, recording,
-off mode, a tensor not planned) -> megatron's own preprocess, unchanged (`fallbacks` counts them).
+the plan (by identity: the backend `bind`s each micro-batch's ids as it widens them for a
+forward; the plan keeps none). No plan (natural routing, recording, off mode, a tensor not
+planned) -> megatron's own preprocess, unchanged (`fallbacks` counts them).
 
 The split sizes come from the plan, so every rank of the group sends and receives what its peers
 expect even if a router went elsewhere; whether it did is checked on the device
@@ -26,6 +27,7 @@ tp_ep group, T router tokens, K top-k.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -49,32 +51,45 @@ class PlanEntry:
     forward: bool  # False: a backward recompute
 
 
+def tokens_per_expert(rows: Sequence[torch.Tensor], num_experts: int,
+                      device: torch.device) -> torch.Tensor:
+    """[L, E] tokens per expert of one micro-batch's replay ids (one [T, K] int64 tensor per MoE
+    layer), on `device`: what its planned forwards will route."""
+    counts_LE = torch.zeros(len(rows), num_experts, dtype=torch.long, device=device)
+    for m, ids in enumerate(rows):
+        ids_N = ids.reshape(-1).to(device)
+        counts_LE[m].scatter_add_(0, ids_N, torch.ones_like(ids_N))
+    return counts_LE
+
+
 class StepPlan:
     """Tokens per expert of every planned (micro-batch, MoE layer): on the device (this rank's,
     for the check) and on the host (every rank of the tp_ep group, for the split sizes).
 
-    `rows[i]`: micro-batch i's replay ids, one [T, K] int64 tensor per MoE layer (the very
-    tensors the routers will replay), or None (not planned). Collective over `group`: every rank
-    of it builds its plan of the same pass with as many micro-batches."""
+    `counts[i]`: micro-batch i's tokens per expert, [L, E] (`tokens_per_expert` of its replay
+    ids), or None (not planned). The plan keeps no ids: the backend widens a micro-batch's ids
+    for each forward and `bind`s them, so a pass holds one micro-batch of int64 ids, not all.
+    Collective over `group`: every rank of it builds its plan of the same pass with as many
+    micro-batches."""
 
-    def __init__(self, rows: Sequence[list[torch.Tensor] | None], mbs: Sequence[Any],
+    def __init__(self, counts: Sequence[torch.Tensor | None], mbs: Sequence[Any],
                  num_layers: int, num_experts: int, group: Any, device: torch.device) -> None:
         import torch.distributed as dist
 
-        self.mbs, self._rows = list(mbs), list(rows)
+        self.mbs = list(mbs)
         self.num_layers, self.num_experts = num_layers, num_experts
-        counts_MLE = torch.zeros(len(rows), num_layers, num_experts, dtype=torch.long,
+        counts_MLE = torch.zeros(len(counts), num_layers, num_experts, dtype=torch.long,
                                  device=device)
-        self._key: dict[int, tuple[int, int]] = {}
-        for i, per_layer in enumerate(rows):
-            if per_layer is None:
+        for i, counts_LE in enumerate(counts):
+            if counts_LE is None:
                 continue
-            if len(per_layer) != num_layers:
-                raise ValueError(f"{FIELD}: {len(per_layer)} layers of replay ids for "
+            if counts_LE.shape[0] != num_layers:
+                raise ValueError(f"{FIELD}: {counts_LE.shape[0]} layers of replay ids for "
                                  f"{num_layers} MoE layers")
-            ids_LN = torch.stack([t.reshape(-1) for t in per_layer]).to(device)
-            counts_MLE[i].scatter_add_(1, ids_LN, torch.ones_like(ids_LN))
-            self._key.update({id(t): (i, m) for m, t in enumerate(per_layer)})
+            counts_MLE[i] = counts_LE
+        self._index = {id(mb): i for i, mb in enumerate(self.mbs)}
+        # id(ids) -> (the ids, micro-batch, MoE layer), weakly: the routers' replay holds them
+        self._key: dict[int, tuple[weakref.ref, int, int]] = {}
         self.counts_MLE = counts_MLE
         world = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
@@ -87,10 +102,20 @@ class StepPlan:
         self.host_WMLE = gathered.view(world, *counts_MLE.shape).cpu().numpy()
         self._checks: list[tuple[PlanEntry, torch.Tensor]] = []
 
+    def bind(self, mb: Any, rows: Sequence[torch.Tensor]) -> None:
+        """`rows` (the very tensors the routers are about to replay) are micro-batch `mb`'s
+        for this forward and its recompute (a micro-batch the plan does not hold: not planned)."""
+        i = self._index.get(id(mb))
+        if i is None:
+            return
+        self._key.update({id(t): (weakref.ref(t), i, m) for m, t in enumerate(rows)})
+
     def entry(self, ids: torch.Tensor | None, forward: bool) -> PlanEntry | None:
         """The entry of the replayed ids `ids` (None: not planned)."""
         where = None if ids is None else self._key.get(id(ids))
-        return None if where is None else PlanEntry(self, where[0], where[1], forward)
+        if where is None or where[0]() is not ids:  # a freed tensor's id, reused
+            return None
+        return PlanEntry(self, where[1], where[2], forward)
 
     def check(self, entry: PlanEntry, routing_map_TE: torch.Tensor) -> None:
         """Record, on the device, how many experts' counts differ from the plan's."""

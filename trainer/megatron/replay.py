@@ -5,7 +5,8 @@ class-level instance list is cleared before each model is built (trainer.megatro
 own instances are held here and driven one by one. Per micro-batch: `replay_forward(rows)` sets
 the ids and REPLAY_FORWARD; `after_forward()` switches to REPLAY_BACKWARD when MoE activations are
 recomputed (megatron pops the ids FIFO, one entry per micro-batch forward, so recompute uses each
-micro-batch's own routing); `end_step()` clears ids and action after every step.
+micro-batch's own routing; without recompute it drops the ids); `end_step()` clears ids and
+action after every step.
 
 `AgreementMonitor` hooks each router (a forward hook, no patching). In every replaying forward it
 checks that the experts the router used are exactly the replayed ids (ReplayDesyncError: replay
@@ -56,9 +57,16 @@ class ModelReplay:
 
     def after_forward(self) -> None:
         """Before backward: recompute must pop this micro-batch's ids, not reuse the last (a
-        natural-routing forward queued none: its recompute routes naturally too)."""
-        if self._recompute and self._replaying:
+        natural-routing forward queued none: its recompute routes naturally too). Without
+        recompute the backward runs no router: the ids are dropped here (RouterReplay queues
+        every micro-batch's for a backward replay that nothing would pop before end_step)."""
+        if not self._replaying:
+            return
+        if self._recompute:
             self._set(self._action.REPLAY_BACKWARD)
+        else:
+            for r in self._replays:
+                r.clear_indices()
 
     def record(self) -> None:
         """The next forward records the router's own top-k (R2 old-policy pass)."""

@@ -122,10 +122,11 @@ def pack_routing(per_sample_TLK: Sequence[np.ndarray], seq_len: int) -> np.ndarr
 
 
 def to_router_rows(ids_BSLK: torch.Tensor) -> list[torch.Tensor]:
-    """[B, S, L, K] -> per layer [S*B, K] int64 in the router's token order (t = s*B + b)."""
+    """[B, S, L, K] -> per layer [S*B, K] int64 in the router's token order (t = s*B + b),
+    widened layer by layer (no [T, L, K] int64 besides the rows)."""
     b, s, num_layers, k = ids_BSLK.shape
-    rows_TLK = ids_BSLK.transpose(0, 1).reshape(s * b, num_layers, k).long()
-    return [rows_TLK[:, m].contiguous() for m in range(num_layers)]
+    rows_TLK = ids_BSLK.transpose(0, 1).reshape(s * b, num_layers, k)
+    return [rows_TLK[:, m].long().contiguous() for m in range(num_layers)]
 
 
 def pp_stage_layers(per_layer: Sequence[torch.Tensor], moe_layers: Sequence[int],

@@ -152,7 +152,7 @@ class MicroBatch:
     # Filled by the trainer's passes: old-policy / reference logprobs, R2-recorded routing.
     train_old_lp: torch.Tensor | None = None
     ref_lp: torch.Tensor | None = None
-    replay_rows: list[torch.Tensor] | None = None
+    replay_rows: list[torch.Tensor] | None = None  # [T, K] per MoE layer, codec dtype
     is_weight_BS: torch.Tensor | None = None  # TIS weight per token (trainer.losses.objectives)
 
     @property
@@ -178,6 +178,14 @@ def routed_ids(ids_BSLK: torch.Tensor) -> torch.Tensor:
     """A micro-batch's routing as int64, on its device: what the routing rules and routers
     take (a uint8 tensor compared with num_experts = 256 would wrap)."""
     return ids_BSLK.long()
+
+
+def compact_ids(rows: Sequence[torch.Tensor], num_experts: int) -> list[torch.Tensor]:
+    """Expert ids (e.g. the routers' recorded int64 top-k) in the codec's dtype, on their
+    device: uint8 when num_experts <= 256, else uint16 (the same values; widened again one
+    micro-batch at a time)."""
+    dtype = torch.uint8 if num_experts <= 256 else torch.uint16
+    return [t.to(dtype) for t in rows]
 
 
 def sample_spans(mb: MicroBatch) -> list[tuple[Sample, int, int]]:
