@@ -44,16 +44,14 @@ def run(args: argparse.Namespace) -> int:
     keep_freed_memory(cfg.malloc_keep_bytes)  # before the first large allocation
     stop = _stop_on_signals()  # before serving: a SIGTERM right after startup is still graceful
     if cfg.redis_url is not None:
-        _serve(cfg, cfg.redis_url, password, stop)
-        return 0
+        return _serve(cfg, cfg.redis_url, password, stop)
     rc = cfg.redis
     embedded = EmbeddedRedis(rc.data_dir, appendfsync=rc.appendfsync, executable=rc.executable,
                              die_with_parent=True, password=password).start()
     try:
-        _serve(cfg, embedded.url, password, stop)
+        return _serve(cfg, embedded.url, password, stop)
     finally:
         embedded.stop()
-    return 0
 
 
 def _redis_password(cfg) -> str | None:  # noqa: ANN001 (StoreConfig)
@@ -65,8 +63,9 @@ def _redis_password(cfg) -> str | None:  # noqa: ANN001 (StoreConfig)
 
 
 def _serve(cfg, url: str, password: str | None,  # noqa: ANN001 (StoreConfig)
-           stop: threading.Event) -> None:
-    """Serve until `stop` is set: gRPC store + /metrics, over the Redis at `url`."""
+           stop: threading.Event) -> int:
+    """Serve until `stop` is set (or a background duty failed: exit code 1, its cause already
+    logged in one line): gRPC store + /metrics, over the Redis at `url`."""
     import redis
     from prometheus_client import CollectorRegistry
 
@@ -82,7 +81,7 @@ def _serve(cfg, url: str, password: str | None,  # noqa: ANN001 (StoreConfig)
     _wait_for_redis(client, url)
     registry = CollectorRegistry()
     core = TrajectoryStoreCore(client, cfg, registry)
-    server = StoreServer(cfg, core)
+    server = StoreServer(cfg, core, on_fatal=stop.set)
     metrics = MetricsServer(registry, cfg.metrics_host, cfg.metrics_port,
                             health_fn=lambda: server.redis_ok).start()
     server.start()  # gRPC health turns SERVING only now, with /metrics already up
@@ -91,6 +90,7 @@ def _serve(cfg, url: str, password: str | None,  # noqa: ANN001 (StoreConfig)
     stop.wait()
     server.stop()
     metrics.stop()
+    return 0 if server.fatal is None else 1
 
 
 def _wait_for_redis(client, url: str, timeout_s: float = 60.0) -> None:  # noqa: ANN001

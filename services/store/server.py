@@ -29,6 +29,7 @@ from services.common.auth import (
     load_tokens,
     server_credentials,
 )
+from services.common.errors import one_line
 from services.common.pb.r3flow.v1 import store_pb2, store_pb2_grpc
 from services.store.config import StoreConfig
 from services.store.control import ControlPlane
@@ -325,10 +326,15 @@ def transport_cap(max_message_bytes: int) -> int:
 class StoreServer:
     """The gRPC server, its health service and the maintenance thread (timeouts, gauges)."""
 
-    def __init__(self, config: StoreConfig, core: TrajectoryStoreCore) -> None:
+    def __init__(self, config: StoreConfig, core: TrajectoryStoreCore,
+                 on_fatal: Callable[[], None] = lambda: None) -> None:
+        """`on_fatal` is called (from the maintenance thread) once a background duty failed
+        in a way it does not expect; `fatal` then holds the cause in one line."""
         self.cfg = config
         self.core = core
         self.redis_ok = False
+        self.fatal: str | None = None
+        self._on_fatal = on_fatal
         self._stop = threading.Event()
         self.health = health.HealthServicer()
         interceptors = _interceptors(config)
@@ -386,8 +392,21 @@ class StoreServer:
         self.redis_ok = ok
 
     def _maintain(self) -> None:
+        """The background duties; an error none of them expects ends the store (`on_fatal`):
+        serving on without health updates or group timeouts would hide it."""
+        try:
+            self._maintain_loop()
+        except Exception as e:  # noqa: BLE001 (reported in one line, then the store stops)
+            self.fatal = f"store maintenance failed: {type(e).__name__}: {one_line(str(e))}"
+            log.critical("%s", self.fatal)
+            for name in ("", SERVICE_NAME):
+                self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+            self._on_fatal()
+
+    def _maintain_loop(self) -> None:
         last_reap = 0.0
-        while not self._stop.wait(1.0):
+        tick_s = min(1.0, self.cfg.reaper_interval_seconds)
+        while not self._stop.wait(tick_s):
             self._check_redis()
             if not self.redis_ok or time.monotonic() - last_reap < self.cfg.reaper_interval_seconds:
                 continue
@@ -396,5 +415,3 @@ class StoreServer:
                 self.core.reap_timeouts()
             except _REDIS_DOWN as e:
                 log.warning("group timeout check skipped: %s", e)
-            except Exception:  # noqa: BLE001 (keep maintaining; the error is logged)
-                log.exception("group timeout check failed")
