@@ -68,3 +68,13 @@ def max_trajectory_bytes(tokens: int, layers: int, topk: int, num_experts: int,
     chunk adds one)."""
     per_token = max_bytes_per_token(layers, topk, num_experts)
     return math.ceil(tokens * per_token) + chunks * chunk_bytes(layers) + TRAJECTORY_BYTES
+
+
+def max_part_bytes(tokens: int, layers: int, topk: int, num_experts: int) -> int:
+    """Worst-case largest message of a trajectory of `tokens` on the chunked paths: one
+    AppendRequest of `StoreClient.append_in_parts` (a segment's tokens, logprobs and loss mask
+    with its first routing chunk), so also one PulledPart of PullChunks (a head or a chunk,
+    each stored from one AppendRequest). Chunks are `routing_chunk_rows` rows but for the
+    prompt's, which stays one chunk (kept once per GRPO group) of up to `tokens` rows: one
+    chunk of every row, plus every token's other fields and the heads."""
+    return max_trajectory_bytes(tokens, layers, topk, num_experts, chunks=1)

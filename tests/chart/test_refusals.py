@@ -34,12 +34,15 @@ REFUSED = {
     "trajectories longer than the store takes": (
         "rollout:\n  config:\n    engine: {max_model_len: 300000}\n    sampling: {n: 2}\n",
         "raise store.config.max_tokens_per_trajectory"),
-    "a group over the pull message limit": (
-        "store:\n  config:\n    max_pull_message_bytes: 209715200\n" + LONG,
-        "over store.config.max_pull_message_bytes 209715200: one Pull could never send it"),
+    # PullChunks sends parts: a 128k prompt's chunk with a segment's tokens, 33.1 MB at most
+    "a part over the pull message limit": (
+        "store:\n  config:\n    max_message_bytes: 15000000\n"
+        "    max_pull_message_bytes: 32000000\n" + LONG,
+        "is up to 33083116 bytes at the codec's worst case, over "
+        "store.config.max_pull_message_bytes 32000000"),
     "store pod too small for a delivered group": (
-        "store:\n  resources:\n    limits: {memory: 1Gi}\n" + LONG,
-        "store.resources.limits.memory (1Gi = 1073741824 bytes) is below"),
+        "store:\n  resources:\n    limits: {memory: 800Mi}\n" + LONG,
+        "store.resources.limits.memory (800Mi = 838860800 bytes) is below the 896654808"),
     "rollout pod too small for its longest trajectory": (
         "rollout:\n  resources:\n    limits: {memory: 256Mi}\n",
         "raise rollout.resources.limits.memory"),

@@ -1,4 +1,4 @@
-"""The chart sizes Redis, the pull limit and pod memory for the longest trajectory at the
+"""The chart sizes Redis, the pull limit (PullChunks' largest part) and pod memory for the longest trajectory at the
 codec's worst case (issue 54): its figures (templates/_sizing.tpl) equal
 services/common/routing_size.py's, the store defaults it assumes are StoreConfig's, and a 128k
 release sized for it renders (the refusals are in test_refusals.py)."""
@@ -62,6 +62,10 @@ def test_chart_figures_are_the_codec_bounds(helm, tmp_path, layers, topk, expert
     assert want <= long["trajectory"] <= want + slack, (long, want)
     assert (long["tokens"], long["group"]) == (tokens, n)
     assert long["groupBytes"] == n * long["trajectory"]
+    want = routing_size.max_part_bytes(tokens, layers, topk, experts)
+    assert want <= long["partBytes"] <= want + slack, (long, want)
+    assert long["heads"] == n * (tokens * routing_size.TOKEN_BYTES
+                                 + routing_size.TRAJECTORY_BYTES)
     ids = tokens * layers * topk
     assert long["decoded"] == n * ids * routing_size.ids_dtype_bytes(experts)
     assert long["capture"] == 4 * ids

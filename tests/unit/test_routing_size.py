@@ -9,6 +9,7 @@ import pytest
 from services.common import routing, routing_size
 from services.common.pb.r3flow.v1 import trajectory_pb2
 from services.common.wire import routing_to_proto
+from services.store.client import trajectory_requests
 
 
 def uniform(tokens: int, layers: int, topk: int, experts: int, seed: int = 0) -> np.ndarray:
@@ -50,6 +51,11 @@ def test_trajectory_bound_holds_for_a_serialized_trajectory():
     size = traj.ByteSize()
     bound = routing_size.max_trajectory_bytes(prompt + response, layers, topk, experts)
     assert size <= bound <= 1.01 * size, (size, bound)
+    # appended in parts of one chunk (a PulledPart is one of them, or less): the largest is
+    # the prompt's chunk with the segment's tokens, within max_part_bytes
+    largest = max(r.ByteSize() for r in trajectory_requests(traj, part_bytes=1))
+    part_bound = routing_size.max_part_bytes(prompt + response, layers, topk, experts)
+    assert seg.routing[1].ByteSize() < largest <= part_bound < bound, (largest, part_bound)
 
 
 def test_qwen3_30b_figures():

@@ -1,5 +1,5 @@
 """What a training job leaves in the store's Redis between its checkpoints (issue 59), and
-whether the store can send it one group of its longest trajectories (issue 54).
+whether the store can send it the largest message of its longest trajectories (issue 54).
 
 A trainer acks the groups it trained only at its checkpoint, so up to `run.checkpoint_every` x
 `data.groups_per_step` x group size x sequence tokens stay in Redis, delivered and not yet acked.
@@ -11,10 +11,14 @@ else from the RayJob's annotations (a k8s/ spec run against a release; a manifes
 is not planned, and tests/unit/test_plan_store.py requires them on every k8s/ RayJob):
   r3flow.io/plan-group-size            samples per prompt (the rollouts' sampling.n)
   r3flow.io/plan-store-unacked-tokens  the release's store max_unacked_tokens
-One Pull sends a whole group: group size x the longest trajectory (r3flow.io/plan-seq-len
-tokens) at the codec's worst case for the planned model's routing layout
-(services/common/routing_size.py) must fit the store's `max_pull_message_bytes` (the rendered
-store.yaml's, else the store's default), or that group can never be delivered.
+StoreClient.pull, the only pull of this repo's trainers, uses PullChunks: a group travels as
+PulledPart messages of one head or one routing chunk each, so the largest message is what one
+trajectory of the longest (r3flow.io/plan-seq-len tokens) can put in one part at the codec's
+worst case for the planned model's routing layout (services/common/routing_size.py
+`max_part_bytes`: the prompt's rows stay one chunk); it must fit the store's
+`max_pull_message_bytes` (the rendered store.yaml's, else the store's default), or that group
+can never be delivered. (A whole group in one message is only `Pull`'s, which no trainer here
+calls: not checked.)
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.common.errors import UserError
-from services.common.routing_size import max_bytes_per_token, max_trajectory_bytes
+from services.common.routing_size import max_bytes_per_token, max_part_bytes
 from services.store.config import StoreConfig
 from trainer.config import TrainerConfig
 from trainer.plan import k8s
@@ -45,19 +49,18 @@ class StoreCheck:
     seq_len: int
     unacked_limit: int | None  # None: unbounded (Redis then holds whatever the interval is)
     arch: Arch  # the routing layout of the planned model
-    pull_limit: int  # the store's max_pull_message_bytes: one PulledGroup
+    pull_limit: int  # the store's max_pull_message_bytes: one PulledPart
 
     @property
-    def group_bytes(self) -> int:
-        """One group of the longest trajectories (seq_len tokens) at the codec's worst case:
-        what one Pull sends (services/common/routing_size.py)."""
+    def part_bytes(self) -> int:
+        """The largest PulledPart of the longest trajectories (seq_len tokens) at the codec's
+        worst case: one chunk of every row and the tokens' other fields (routing_size.py)."""
         a = self.arch
-        return self.group_size * max_trajectory_bytes(self.seq_len, a.moe_layers, a.top_k,
-                                                      a.experts)
+        return max_part_bytes(self.seq_len, a.moe_layers, a.top_k, a.experts)
 
     @property
     def pull_ok(self) -> bool:
-        return self.group_bytes <= self.pull_limit
+        return self.part_bytes <= self.pull_limit
 
     @property
     def interval_tokens(self) -> int:
@@ -78,15 +81,16 @@ class StoreCheck:
     def _describe_pull(self) -> str:
         a = self.arch
         per_token = max_bytes_per_token(a.moe_layers, a.top_k, a.experts)
-        head = (f"  store: one group of the longest trajectories ({self.group_size} x "
-                f"{self.seq_len} tokens, {per_token:.1f} B per token at the codec's worst case "
-                f"for {a.moe_layers} MoE layers, top-{a.top_k} of {a.experts}) is up to "
-                f"{self.group_bytes / MiB:,.1f} MiB in one Pull; ")
+        head = (f"  store: the largest PullChunks message of the longest trajectories (a "
+                f"routing chunk, the prompt's up to {self.seq_len} rows, with a segment's "
+                f"tokens; {per_token:.1f} B per token at the codec's worst case for "
+                f"{a.moe_layers} MoE layers, top-{a.top_k} of {a.experts}) is up to "
+                f"{self.part_bytes / MiB:,.1f} MiB; ")
         if self.pull_ok:
             return head + f"max_pull_message_bytes {self.pull_limit / MiB:,.0f} MiB holds it"
         return head + (f"max_pull_message_bytes {self.pull_limit / MiB:,.0f} MiB DOES NOT hold "
                        "it (the group could never be delivered): raise store.config."
-                       "max_pull_message_bytes, or lower the trajectory length or sampling.n")
+                       "max_pull_message_bytes, or lower the trajectory length")
 
     def _describe_unacked(self) -> str:
         held = (f"  store: a checkpoint interval ({self.checkpoint_every} steps x "

@@ -33,9 +33,12 @@ malloc_keep_bytes: 268435456
 
 {{- /* The longest trajectory at the worst registered layout, as YAML (bytes, integers):
        tokens, group (sampling.n), trajectory (its worst-case wire bytes: routing_size.
-       max_trajectory_bytes), groupBytes, decoded (a group's ids in the codec's dtype, as the
-       trainer holds them), capture (one trajectory's ids as int32, 4 B each: what the rollout
-       engine returns for a request). */}}
+       max_trajectory_bytes), groupBytes, partBytes (the largest message of the chunked paths:
+       one AppendRequest of a part, one PulledPart of PullChunks; routing_size.max_part_bytes:
+       the prompt's rows stay one chunk, so one chunk of every row with the tokens' other
+       fields), heads (a group's heads without routing: its tokens' ids, logprobs and masks),
+       decoded (a group's ids in the codec's dtype, as the trainer holds them), capture (one
+       trajectory's ids as int32, 4 B each: what the rollout engine returns for a request). */}}
 {{- define "r3flow.longestTrajectory" -}}
 {{- $rcfg := .Values.rollout.config }}
 {{- $tokens := int64 ((($rcfg.engine | default dict).max_model_len) | default 1024) }}
@@ -43,12 +46,13 @@ malloc_keep_bytes: 268435456
 {{- if not .Values.store.models }}
 {{- fail "store.models: empty; the chart sizes Redis and pod memory for the longest trajectory at a registered routing layout: set store.models to the served model's {name, num_experts, top_k, moe_layers}" }}
 {{- end }}
-{{- $traj := int64 0 }}{{- $decoded := int64 0 }}{{- $capture := int64 0 }}
+{{- $traj := int64 0 }}{{- $part := int64 0 }}{{- $decoded := int64 0 }}{{- $capture := int64 0 }}
 {{- range .Values.store.models }}
 {{- $bits := float64 (include "r3flow.floorBits" (dict "e" .num_experts "k" .top_k)) }}
 {{- $perToken := addf (divf (mulf .moe_layers $bits 1.0005) 8) 10 }}
 {{- $chunk := add 128 (mul 3 .moe_layers) }}
 {{- $traj = max $traj (add (int64 (ceil (mulf $tokens $perToken))) (mul 2 $chunk) 1024) }}
+{{- $part = max $part (add (int64 (ceil (mulf $tokens $perToken))) $chunk 1024) }}
 {{- $ids := mul $tokens .moe_layers .top_k }}
 {{- $decoded = max $decoded (mul $group $ids (ternary 1 2 (le (int .num_experts) 256))) }}
 {{- $capture = max $capture (mul $ids 4) }}
@@ -57,6 +61,8 @@ tokens: {{ $tokens }}
 group: {{ $group }}
 trajectory: {{ $traj }}
 groupBytes: {{ mul $group $traj }}
+partBytes: {{ $part }}
+heads: {{ mul $group (add (mul $tokens 10) 1024) }}
 decoded: {{ $decoded }}
 capture: {{ $capture }}
 {{- end }}
