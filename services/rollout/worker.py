@@ -96,6 +96,9 @@ class RolloutWorker:
         self.capture_check = AfterLoadCheck(engine, cfg.sampling, cfg.engine.seed,
                                             cfg.partial_rollout_policy, self._refuse)
         self.refusal: str | None = None
+        # Keep each sample's routing arrays as the engine returned them in GroupResult.results
+        # (tests compare them with what was sent); off, they are dropped once encoded.
+        self.keep_engine_routing = False
         self._nonce = uuid.uuid4().hex[:8]
         self._requests = asyncio.Semaphore(cfg.concurrency)
         self._stop = asyncio.Event()
@@ -304,35 +307,37 @@ class RolloutWorker:
         self.engine.validate_prompt(group_id, prompt.token_ids)
         n = self.cfg.sampling.n
         run_id = self.engine.run_id  # the run whose weights sample this group (run fencing)
+        metas = [TrajectoryMeta(f"{group_id}-{i}", group_id, n, rec.prompt_id,
+                                self.cfg.worker_id, epoch, run_id) for i in range(n)]
         results = await asyncio.gather(*[
-            self._sample(f"{group_id}-{i}", prompt, rec, verifier,
-                         None if seed is None else seed * 1009 + i) for i in range(n)],
-            return_exceptions=True)
+            self._sample(meta, prompt, rec, verifier, None if seed is None else seed * 1009 + i)
+            for i, meta in enumerate(metas)], return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
             raise failed[0]
-        done = [r for r in results if isinstance(r, RolloutResult)]
-        trajs, tokens = [], 0
-        for i, res in enumerate(done):
-            meta = TrajectoryMeta(f"{group_id}-{i}", group_id, n, rec.prompt_id,
-                                  self.cfg.worker_id, epoch, run_id)
-            traj = self._finish(meta, res)
-            if traj is not None:
-                trajs.append(traj)
-            tokens += sum(sum(s.loss_mask) for s in res.state.segments)
-        return GroupResult(trajs, done, tokens)
+        done = [r for r in results if isinstance(r, tuple)]
+        trajs = [t for _, t in done if t is not None]
+        tokens = sum(sum(s.loss_mask) for res, _ in done for s in res.state.segments)
+        return GroupResult(trajs, [res for res, _ in done], tokens)
 
-    async def _sample(self, request_id: str, prompt: RenderedPrompt, rec: PromptRecord,
-                      verifier: RewardFn, seed: int | None) -> RolloutResult:
-        """One trajectory, then its reward (off the loop; the engine slot is free by then)."""
+    async def _sample(self, meta: TrajectoryMeta, prompt: RenderedPrompt, rec: PromptRecord,
+                      verifier: RewardFn, seed: int | None
+                      ) -> tuple[RolloutResult, trajectory_pb2.Trajectory | None]:
+        """One trajectory, checked and encoded as soon as it ends (the engine's routing arrays
+        are dropped then, not when the group ends), then its reward (off the loop; the engine
+        slot is free by then)."""
         env = self.env_factory(rec) if self.env_factory is not None else None
         chat = self._chat(prompt, env)
         async with self._requests:
-            res = await self.loop.run(request_id, prompt.token_ids, seed=seed, env=env,
+            res = await self.loop.run(meta.trajectory_id, prompt.token_ids, seed=seed, env=env,
                                       chat=chat)
+        traj = self._finish(meta, res)
         reward = await self.reward_of(res, rec, prompt, verifier)
         res.reward, res.reward_components = reward.score, reward.components
-        return res
+        if traj is not None:
+            traj.reward = reward.score
+            traj.reward_components.update(reward.components)
+        return res, traj
 
     async def reward_of(self, res: RolloutResult, rec: PromptRecord, prompt: RenderedPrompt,
                         verifier: RewardFn | None = None) -> Reward:
@@ -353,17 +358,22 @@ class RolloutWorker:
     def _finish(self, meta: TrajectoryMeta, res: RolloutResult
                 ) -> trajectory_pb2.Trajectory | None:
         """Routing checks (RoutingCheckError), and the wire message when there is a sink to
-        send it to (a dry run skips the encoding)."""
-        state = res.state
-        assert res.reward is not None, "scored in _sample"
+        send it to (a dry run skips the encoding; the reward is set once scored). The engine's
+        routing arrays (392 B per token at Qwen3-30B-A3B's layout) are dropped then: the group
+        waits for its other samples holding its routing encoded, not as vLLM returned it."""
         if self.engine.cfg.capture_routing:
             self._check(meta.trajectory_id, res)
-        if self.sink is None:
-            return None
-        layout = self.layout if self.engine.cfg.capture_routing else None
-        return trajectory_to_proto(meta, state, reward=res.reward,
-                                   finish_reason=res.finish_reason, layout=layout,
-                                   reward_components=res.reward_components)
+        traj = None
+        if self.sink is not None:
+            layout = self.layout if self.engine.cfg.capture_routing else None
+            traj = trajectory_to_proto(meta, res.state, reward=0.0,
+                                       finish_reason=res.finish_reason, layout=layout)
+        if not self.keep_engine_routing:
+            for seg in res.state.segments:
+                seg.rows_TLK = None
+            for call in res.calls:
+                call.routing_TLK = None
+        return traj
 
     def _check(self, trajectory_id: str, res: RolloutResult) -> None:
         """The routing rules on every segment's rows where they lie (no whole-trajectory copy)."""

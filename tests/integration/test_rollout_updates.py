@@ -76,6 +76,7 @@ def test_partial_rollout_keeps_each_segments_routing(
     client = StoreClient(store_process.address)
     monkeypatch.setattr(sink_module, "GROUP_STREAM_MAX_BYTES", 0)
     worker = RolloutWorker(cfg, h.engine, StoreSink(client, part_bytes=256), build_tokenizer())
+    worker.keep_engine_routing = True  # each call's rows, compared with what was sent
     rec = PromptRecord("p0", "y", prompt_token_ids=tuple(PROMPT))
 
     async def scenario():
@@ -130,6 +131,7 @@ def test_replace_policy_for_comparison_takes_new_routing_everywhere(
                          "answer": "y"}]), partial_rollout_policy="replace",
                          sampling={"n": 1, "max_tokens": 300, "ignore_eos": True})
     worker = RolloutWorker(cfg, h.engine, MemorySink(), build_tokenizer())
+    worker.keep_engine_routing = True  # each call's rows, compared with what was sent
     rec = PromptRecord("p0", "y", prompt_token_ids=tuple(PROMPT))
 
     async def scenario():
