@@ -274,12 +274,12 @@ def print_table(rows: list[dict]) -> None:
 
 
 def print_rollout(rows: list[dict]) -> None:
-    print(f"{'tokens':>8}{'worker':>8}{'(base':>8}{'gen)':>8}{'engine':>8}{'(base)':>8}"
+    print(f"{'tokens':>8}{'worker':>8}{'(base':>8}{'gen':>8}{'held)':>8}{'engine':>8}{'(base)':>8}"
           f"{'store':>8}{'redis':>8}{'wire':>8}{'gen s':>8}{'send s':>8}")
     for r in rows:
         print(f"{r['tokens']:>8}" + "".join(f"{r[k] / MiB:>8.0f}" for k in (
-            "worker_peak", "worker_base", "worker_generated", "engine_peak", "engine_base",
-            "store_peak", "redis_peak", "routing_wire_bytes"))
+            "worker_peak", "worker_base", "worker_generated", "worker_held", "engine_peak",
+            "engine_base", "store_peak", "redis_peak", "routing_wire_bytes"))
             + f"{r['generate_s']:>8.1f}{r['send_s']:>8.1f}")
 
 

@@ -29,14 +29,15 @@ def tiny_model(workdir: Path, max_len: int) -> Path:
     return build_tiny_moe(workdir / f"tiny-{max_len}", cfg)
 
 
-def vm_hwm(pid: int | str = "self") -> int:
-    """Peak resident set (VmHWM) of a process, bytes; 0 once it is gone."""
+def vm_hwm(pid: int | str = "self", field: str = "VmHWM") -> int:
+    """Peak resident set (VmHWM; `field` VmRSS: the current one) of a process, bytes; 0 once
+    it is gone."""
     try:
         text = Path(f"/proc/{pid}/status").read_text()
     except FileNotFoundError:
         return 0
     return next(int(line.split()[1]) * 1024 for line in text.splitlines()
-                if line.startswith("VmHWM:"))
+                if line.startswith(f"{field}:"))
 
 
 async def _group(address: str, model_dir: Path, workdir: Path, tokens: int, response: int,
@@ -66,7 +67,9 @@ async def _group(address: str, model_dir: Path, workdir: Path, tokens: int, resp
     prompt = tuple(3 + i % 50 for i in range(tokens - response))
     t0 = time.perf_counter()
     result = await worker.run_group(f"r{tokens}", PromptRecord("p", "y", prompt_token_ids=prompt))
-    out |= {"generate_s": time.perf_counter() - t0, "worker_generated": vm_hwm()}
+    # held: what the finished group holds while it waits for the store (the current RSS)
+    out |= {"generate_s": time.perf_counter() - t0, "worker_generated": vm_hwm(),
+            "worker_held": vm_hwm(field="VmRSS")}
     t0 = time.perf_counter()
     await worker.sink.send_group(result.trajectories)
     out |= {"send_s": time.perf_counter() - t0, "worker_peak": vm_hwm(),
