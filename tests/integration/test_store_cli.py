@@ -11,6 +11,7 @@ import pytest
 from store_fixtures import R3FLOW_STORE, StoreProcess, wait_until
 
 from services.store.client import StoreClient
+from services.store.redis_server import EmbeddedRedis
 from services.store.synthetic import small_group
 
 
@@ -53,3 +54,24 @@ def test_embedded_redis_lifecycle(tmp_path: Path) -> None:
     store.kill()   # SIGKILL: the redis child gets SIGTERM from the kernel (PR_SET_PDEATHSIG)
     wait_until(lambda: not _alive(redis_pid), 10, "orphaned redis to exit")
     assert not _alive(redis_pid) and os.path.exists(data / "redis.log")
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_background_duty_ends_the_store_with_its_cause(tmp_path: Path) -> None:
+    """An error the maintenance thread does not expect (here: the open-groups index
+    overwritten in Redis, WRONGTYPE) ends `r3flow store` with exit code 1 and the cause on one
+    line, instead of serving on with frozen health and no group timeouts."""
+    import redis
+
+    with EmbeddedRedis(tmp_path / "redis") as server:
+        store = StoreProcess(server.url, tmp_path, key_prefix="dutyfail:",
+                             reaper_interval_seconds=0.05).start()
+        assert store.proc is not None
+        try:
+            redis.Redis.from_url(server.url).set("dutyfail:open", "not a sorted set")
+            assert store.proc.wait(20) == 1
+        finally:
+            store.kill()
+        lines = [ln for ln in store.log_path.read_text().splitlines()
+                 if "store maintenance failed:" in ln]
+        assert len(lines) == 1, lines
