@@ -17,14 +17,14 @@ OUT=${OUT:-bench-results/vllm-gpu}
 mkdir -p "$OUT"
 source scripts/gpu_vllm_install.sh env
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-WARNING}
-W=/tmp/r3flow-vllm-gpu B=tests/bench/bench_vllm_gpu.py LOG=$OUT/vllm_gpu.log
+W=${W:-/tmp/r3flow-vllm-gpu} B=tests/bench/bench_vllm_gpu.py LOG=$OUT/vllm_gpu.log
 LAYERS=${LAYERS:-4} BATCHES=${BATCHES:-64,256} LIMIT=${LIMIT:-400}
 T0=$(date +%s)
 say() { echo "== $(date -u +%T) $*" | tee -a "$LOG"; }
 # step TAG GPU ARGS...: one bench process on one GPU, its lines prefixed with TAG into the log
 step() {
   local tag=$1 gpu=$2; shift 2
-  CUDA_VISIBLE_DEVICES=$gpu timeout "$LIMIT" python3 "$B" "$@" 2>&1 \
+  CUDA_VISIBLE_DEVICES=$gpu timeout -k 15 "$LIMIT" python3 "$B" "$@" 2>&1 \
     | grep --line-buffered -v -i "warn\|it/s\]\|^\s*$" | sed -u "s/^/[$tag] /" >>"$LOG"
   echo "[$tag] exit ${PIPESTATUS[0]}" >>"$LOG"
 }
@@ -80,14 +80,14 @@ for section in $SECTIONS; do
       # memory profile sees the other's), measuring one after the other (Baton), all by
       # BUDGET seconds after this script started: m30 until END - TINY_S, tiny until END
       END=$(( T0 + ${BUDGET:-285} )); MODE=${MODE:-graphs}
-      rm -rf "$W/baton" && mkdir -p "$W"
+      rm -rf "$W/baton" "$W"/delivery_*.json && mkdir -p "$W"
       [ -f "$W/m30/config.json" ] || step build30 0 build --kind 30b --layers "$LAYERS" --out "$W/m30" --device "${DEVICE:-cuda}" &
       [ -f "$W/tiny/config.json" ] || step buildtiny 0 build --kind tiny --layers 4 --out "$W/tiny" --device "${DEVICE:-cuda}" &
       wait
       say "delivery: m30 and tiny, $MODE, until $(date -u -d @$END +%T)"
-      DV=(delivery --mode "$MODE" --batches "$BATCHES" --max-tokens "${MAX_TOKENS:-128}" --baton "$W/baton" --peers m30,tiny ${DV_ARGS:-})
+      DV=(delivery --mode "$MODE" --batches "$BATCHES" --graph-sizes "${GRAPH_SIZES:-$BATCHES}" --max-tokens "${MAX_TOKENS:-128}" --baton "$W/baton" --peers m30,tiny ${DV_ARGS:-})
       LIMIT=$(( END - $(date +%s) + 5 ))
-      step delivery_m30 0 "${DV[@]}" --model "$W/m30" --name m30 --gpu-mem "${GPU_MEM_M30:-0.2}" --kv-gib "${KV_M30:-4}" --until $(( END - ${TINY_S:-45} )) --out "$W/delivery_m30.json" &
+      step delivery_m30 0 "${DV[@]}" --model "$W/m30" --name m30 --gpu-mem "${GPU_MEM_M30:-0.2}" --kv-gib "${KV_M30:-4}" --until $(( END - ${TINY_S:-40} )) --out "$W/delivery_m30.json" &
       step delivery_tiny 0 "${DV[@]}" --model "$W/tiny" --name tiny --gpu-mem "${GPU_MEM_TINY:-0.1}" --kv-gib "${KV_TINY:-2}" --until "$END" --out "$W/delivery_tiny.json" &
       wait
       merge

@@ -24,6 +24,7 @@ import dataclasses
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -85,7 +86,9 @@ def prompts(n: int, vocab_lo: int, vocab_hi: int, seed: int = 0) -> list[list[in
 
 def start_engine(a: argparse.Namespace, mode: str, capture: bool, gpu_mem: float) -> Any:
     """A RolloutEngine; with `a.kv_gib` its KV cache has that size and vLLM skips its memory
-    profile (engines of other processes starting on the same GPU meanwhile would skew it)."""
+    profile (engines of other processes starting on the same GPU meanwhile would skew it);
+    with `a.graph_sizes` CUDA graphs are captured at those batch sizes only (a shorter start;
+    decode at those batches runs the same graphs as with vLLM's default list)."""
     from prometheus_client import CollectorRegistry
     from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -98,10 +101,13 @@ def start_engine(a: argparse.Namespace, mode: str, capture: bool, gpu_mem: float
                        capture_routing=capture, gpu_memory_utilization=gpu_mem,
                        enable_prefix_caching=False)
     metrics = create_metrics(CollectorRegistry(), "rollout")
-    if not getattr(a, "kv_gib", 0):
+    if not getattr(a, "kv_gib", 0) and not getattr(a, "graph_sizes", None):
         return RolloutEngine.start(cfg, metrics)
     args = engine_args(cfg)
-    args.kv_cache_memory_bytes = int(a.kv_gib * 2**30)
+    if getattr(a, "kv_gib", 0):
+        args.kv_cache_memory_bytes = int(a.kv_gib * 2**30)
+    if getattr(a, "graph_sizes", None):
+        args.cudagraph_capture_sizes = sorted(a.graph_sizes)
     return RolloutEngine(cfg, AsyncLLM.from_engine_args(args), metrics)
 
 
@@ -353,6 +359,8 @@ async def delivery_main(a: argparse.Namespace) -> dict[str, Any]:
 
     res: dict[str, Any] = {"model": a.model, "mode": a.mode, "max_tokens": a.max_tokens,
                            "vllm": __import__("vllm").__version__}
+    # a run cut by `timeout` (SIGTERM) still stops its engines (their processes hold the GPU)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     until = a.until or time.time() + 3600
     baton = Baton(a.baton or f"{a.out}.baton", a.name, a.peers or [a.name], until)
     engines: dict[str, Any] = {}
@@ -387,9 +395,11 @@ async def delivery_main(a: argparse.Namespace) -> dict[str, Any]:
         for key, row in res.get("summary", {}).items():
             print(f"[delivery] {a.model} {key}: {row}", flush=True)
     finally:
-        baton.done()
-        for e in engines.values():
-            e.shutdown()
+        try:
+            for e in engines.values():
+                e.shutdown()
+        finally:  # the next peer measures once this one's engines are gone
+            baton.done()
     return res
 
 
@@ -579,6 +589,8 @@ def main() -> int:
     dv.add_argument("--max-num-seqs", type=int, default=256)
     dv.add_argument("--gpu-mem", type=float, default=0.2)
     dv.add_argument("--kv-gib", type=float, default=0.0, help="fixed KV cache (0: profiled)")
+    dv.add_argument("--graph-sizes", type=lambda s: [int(x) for x in s.split(",") if x],
+                    default=[], help="CUDA graph batch sizes (default: vLLM's list)")
     dv.add_argument("--until", type=float, default=0.0, help="epoch s: last round ends by it")
     dv.add_argument("--baton", default="", help="folder of the peers' turn files")
     dv.add_argument("--name", default="delivery")

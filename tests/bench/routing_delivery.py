@@ -115,6 +115,9 @@ class Baton:
         await self._wait(self.peers[:self.peers.index(self.name)], "done")
 
     def done(self) -> None:
+        """This peer is through (measured, or failed: then it never gets ready, and must not
+        be waited for)."""
+        (self.dir / f"{self.name}.ready").touch()
         (self.dir / f"{self.name}.done").touch()
 
 
