@@ -133,3 +133,14 @@ def test_cut_files_make_no_folder_until_asked():
     cuts = vllm_compat.CutFiles()
     cuts.close()
     assert cuts.dir is None
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_scheduler_builds_on_the_class_vllm_would_pick(async_scheduling):
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    cls = vllm_compat._scheduler_class(async_scheduling)
+    assert issubclass(cls, Scheduler) and issubclass(cls, AsyncScheduler) == async_scheduling
+    assert {"add_request", "update_from_output", "finish_requests"} <= set(vars(cls))
+    assert vllm_compat.SCHEDULER == "services.rollout.vllm_compat.routing_at_finish_scheduler"
