@@ -144,3 +144,11 @@ def test_the_scheduler_builds_on_the_class_vllm_would_pick(async_scheduling):
     assert issubclass(cls, Scheduler) and issubclass(cls, AsyncScheduler) == async_scheduling
     assert {"add_request", "update_from_output", "finish_requests"} <= set(vars(cls))
     assert vllm_compat.SCHEDULER == "services.rollout.vllm_compat.routing_at_finish_scheduler"
+
+
+def test_a_cut_that_cannot_be_written_is_logged_not_raised(tmp_path, caplog):
+    held = vllm_compat.HeldRouting()
+    held.add("a", vllm_compat.CutFiles.extra_args(str(tmp_path / "gone" / "a.npy")))
+    held.take([_Out("a", _rows(3, 1))])
+    held.cut(["a"], aborted=True)  # the folder does not exist: OSError inside
+    assert "request a: rows up to the cut not written" in caplog.text and len(held) == 0
