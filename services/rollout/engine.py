@@ -30,6 +30,7 @@ from services.rollout.vllm_compat import (
     CutFiles,
     build_refusal,
     check_routed_prompt_start,
+    engine_core_processes,
     generated_tokens,
 )
 
@@ -113,8 +114,7 @@ def engine_pids(llm: Any) -> dict[str, list[int]]:
     the engine in-process."""
     import psutil
 
-    manager = getattr(getattr(llm.engine_core, "resources", None), "engine_manager", None)
-    cores = [p.pid for p in getattr(manager, "processes", [])]
+    cores = [p.pid for p in engine_core_processes(llm)]
     workers = []
     for pid in cores:
         try:
@@ -136,8 +136,7 @@ def _alive(pid: int) -> bool:
 
 def _exit_code(llm: Any, pid: int) -> str:
     """` (exit code N)` for an engine-core process (a child of ours), else ''."""
-    manager = getattr(getattr(llm.engine_core, "resources", None), "engine_manager", None)
-    for p in getattr(manager, "processes", []):
+    for p in engine_core_processes(llm):
         if p.pid == pid and p.exitcode is not None:
             return f" (exit code {p.exitcode})"
     return ""

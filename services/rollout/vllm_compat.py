@@ -2,8 +2,9 @@
 0.24.0 (the CUDA build staged on the lent H200s, issue 41). Everything else the rollout uses
 (AsyncEngineArgs' fields, SamplingParams.routed_experts_prompt_start, pause/resume_generation,
 collective_rpc, model_runner.reload_weights, CompletionOutput.routed_experts, the frontend's
-OutputProcessor.external_req_ids / request_states) is the same in both; this module is the one
-place that asks which build is installed or reads vLLM's frontend state.
+OutputProcessor.external_req_ids / request_states, the client's engine-core processes) is the
+same in both; this module is the one place that asks which build is installed or reads vLLM's
+internal state.
 
 `routed_experts_prompt_start` (rows of the prompt not returned again):
 - 0.30.0 checks it when the request is added (`0 <= start <= prompt length`, a validation
@@ -89,6 +90,14 @@ def check_routed_prompt_start(start: int, prompt_len: int, request_id: str,
         raise ValueError(
             f"request {request_id}: routed_experts_prompt_start: {start} outside 0 {bound} start "
             f"{bound} prompt length {prompt_len} (vLLM {'.'.join(map(str, version))})")
+
+
+def engine_core_processes(llm: object) -> list[Any]:
+    """The engine-core processes (multiprocessing.Process) an AsyncLLM started: its client's
+    resources.engine_manager.processes, in 0.24.0 and 0.30.0 alike; [] where there is none
+    (an in-process engine)."""
+    resources = getattr(getattr(llm, "engine_core", None), "resources", None)
+    return list(getattr(getattr(resources, "engine_manager", None), "processes", []))
 
 
 def generated_tokens(llm: object, request_id: str) -> int:
