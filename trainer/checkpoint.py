@@ -22,10 +22,10 @@ checkpoints, never the one `latest` names or the one this run resumed from. A ch
 first renamed to `.deleting-<name>` (atomic), then removed, so a crash mid-delete never leaves a
 half-deleted directory that looks like a checkpoint.
 Asynchronous saves (`background=True`, run.async_checkpoint): at the step boundary the rank copies
-its weights and optimizer state into host buffers (pinned, kept from one save to the next) and a
-writer thread writes the files while training goes on; `finish()` (every step boundary, all ranks)
-publishes the checkpoint once every rank's writer is done: meta.json, then `latest`, exactly as a
-synchronous save does. A kill mid-write leaves a step directory without meta.json, which is never
+its weights and optimizer state into host buffers (pinned, kept from one save to the next:
+trainer.checkpoint_snapshot) and a writer thread writes the files while training goes on;
+`finish()` (every step boundary, all ranks) publishes the checkpoint once every rank's writer is
+done: meta.json, then `latest`, exactly as a synchronous save does. A kill mid-write leaves a step directory without meta.json, which is never
 resumed from (the last complete checkpoint is): the same crash consistency as a synchronous save.
 Only the per-rank files go in the background; a ShardedState (DCP) saves synchronously.
 Data position: the delivery ids acked after this checkpoint and the group ids trained so far
@@ -47,6 +47,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from trainer.checkpoint_snapshot import HostSnapshot, write_files
 
 log = logging.getLogger(__name__)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -138,17 +140,6 @@ def _remove(dirs: list[Path]) -> None:
         shutil.rmtree(d, ignore_errors=True)
 
 
-def _write_files(path: Path, files: dict[str, Any]) -> None:
-    """This rank's files of one checkpoint: safetensors for the weights, torch.save else."""
-    from safetensors.torch import save_file
-
-    for name, state in files.items():
-        if name.endswith(".safetensors"):
-            save_file(state, str(path / name))
-        else:
-            torch.save(state, path / name)
-
-
 class ShardedState(ABC):
     """A backend's model + optimizer state saved with torch.distributed.checkpoint (DCP): every
     rank writes its own shards of one checkpoint; DCP reshards them to the loading world. A
@@ -187,51 +178,6 @@ class RankWeights:
 
 def _rank_weights(module: Any) -> RankWeights:
     return module if isinstance(module, RankWeights) else RankWeights(module)
-
-
-class HostSnapshot:
-    """Host copies of a state (nested dicts / lists of tensors), taken at a step boundary for a
-    background writer. The buffers (pinned for CUDA tensors) are kept and reused by the next
-    snapshot of the same structure: no allocation once warm; the caller makes sure the writer
-    of the previous snapshot is done before taking the next."""
-
-    def __init__(self) -> None:
-        self._buffers: list[torch.Tensor] = []
-        self._next = 0
-
-    def take(self, state: Any) -> Any:
-        """`state` with every tensor replaced by its host copy (complete on return)."""
-        self._next, cuda = 0, [False]
-        out = self._copy(state, cuda)
-        if cuda[0]:
-            torch.cuda.synchronize()  # the non-blocking device->host copies have landed
-        return out
-
-    def reserve(self, state: Any) -> None:
-        """Allocate the buffers a snapshot of `state` needs, copying nothing (pinning ~10 GB
-        of host memory takes seconds: done ahead, off the step, by `CheckpointManager.reserve`)."""
-        self._next = 0
-        self._copy(state, [False], copy=False)
-
-    def _copy(self, obj: Any, cuda: list[bool], copy: bool = True) -> Any:
-        if isinstance(obj, torch.Tensor):
-            return self._tensor(obj.detach(), cuda, copy)
-        if isinstance(obj, dict):
-            return {k: self._copy(v, cuda, copy) for k, v in obj.items()}
-        if isinstance(obj, list | tuple):
-            return type(obj)(self._copy(v, cuda, copy) for v in obj)
-        return obj
-
-    def _tensor(self, t: torch.Tensor, cuda: list[bool], copy: bool = True) -> torch.Tensor:
-        i, self._next = self._next, self._next + 1
-        buf = self._buffers[i] if i < len(self._buffers) else None
-        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
-            self._buffers[i:i + 1] = [buf]
-        if copy:
-            cuda[0] = cuda[0] or t.is_cuda
-            buf.copy_(t, non_blocking=t.is_cuda)
-        return buf
 
 
 class CheckpointManager:
@@ -303,7 +249,7 @@ class CheckpointManager:
         files = self._rank_files(module, optimizer, rank)
         self._pending = (path, pos)
         if not self.background:
-            _write_files(path, files)
+            write_files(path, files)
             self.finish(block=True)
             return path
         self._writer = threading.Thread(target=self._write, args=(path, files),
@@ -326,7 +272,7 @@ class CheckpointManager:
 
     def _write(self, path: Path, files: dict[str, Any]) -> None:
         try:
-            _write_files(path, files)
+            write_files(path, files)
         except BaseException as e:  # noqa: BLE001 - re-raised by finish() on the loop's thread
             self._error = e
 

@@ -166,7 +166,8 @@ class ReplayConfig(StrictConfig):
     check_agreement: bool = Field(True, description="compute and enforce routing agreement")
     compare_off: bool = Field(
         False, description="also compute the batch's logprobs with natural routing and log "
-        "logprob_diff_mean_off / _max_off (one extra forward pass per step)")
+        "logprob_diff_mean_off / _max_off / _far_share_off and mismatch_kl_off (one extra "
+        "forward pass per step)")
     compare_off_every: int = Field(
         1, ge=1, description="with compare_off: run that pass on the step to every N-th "
         "policy version only (step 1 of a fresh run included; 1 = every step); the other "

@@ -75,9 +75,11 @@ PPO_SUMS = ("ppo_kl", "kl_ref", "clipped", "clipped_dual", "entropy")
 
 def diff_metrics(mbs: Sequence[MicroBatch], lps: Sequence[torch.Tensor], suffix: str) -> dict:
     """Token-weighted mean and max |rollout - trainer| logprob over the trained tokens, the k3
-    KL(rollout || trainer) per token and the share of tokens with |diff| > LOGPROB_DIFF_FAR
-    (None on a rank with none: filler micro-batches only)."""
-    keys = [f"logprob_diff_{k}{suffix}" for k in ("mean", "max", "k3", "far_share")]
+    KL(rollout || trainer) per token (`mismatch_kl`, the figure the dashboards and docs name)
+    and the share of tokens with |diff| > LOGPROB_DIFF_FAR (None on a rank with none: filler
+    micro-batches only)."""
+    keys = [f"logprob_diff_mean{suffix}", f"logprob_diff_max{suffix}", f"mismatch_kl{suffix}",
+            f"logprob_diff_far_share{suffix}"]
     diffs = [logprob_diff(mb.old_logprobs_BS, lp, mb.loss_mask_BS)
              for mb, lp in zip(mbs, lps, strict=True)]
     sums = np.array([mismatch_sums(mb.old_logprobs_BS, lp, mb.loss_mask_BS)

@@ -11,7 +11,8 @@ Several releases (and their named runs) may share one Prometheus, so every alert
 joins `by (namespace, release)` (`release` is the Helm release, set on every target by the
 chart's ServiceMonitor; `job` is the Service name, which differs per component and so cannot join
 trainer and rollout series), and every dashboard query is filtered by the dashboard's namespace
-and release variables.
+and release variables. The panels and alerts are defined here; their Grafana JSON is drawn by
+services.common.grafana.
 """
 
 from __future__ import annotations
@@ -24,16 +25,13 @@ from pathlib import Path
 
 import yaml
 
+from services.common.grafana import SCOPE, Panel, Query, annotation, dashboard
 from services.common.metric_catalog import ALL, MetricSpec
 
 CATALOG: dict[str, MetricSpec] = {s.name: s for specs in ALL.values() for s in specs}
 _HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 _METRIC_RE = re.compile(r"\br3flow_[a-z0-9_]+\b")
-DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
-# The labels that tell one deployment from another in a shared Prometheus.
-SCOPE = ("namespace", "release")
 _BY_SCOPE = f"by ({', '.join(SCOPE)})"
-_SELECTOR_RE = re.compile(r"\b(r3flow_[a-z0-9_]+)\b(\{)?")
 
 
 def _m(name: str) -> str:
@@ -57,20 +55,6 @@ def catalog_name(series: str) -> str | None:
 def metrics_in_expr(expr: str) -> set[str]:
     """Every r3flow series name a PromQL expression mentions."""
     return set(_METRIC_RE.findall(expr))
-
-
-@dataclass(frozen=True)
-class Query:
-    expr: str
-    legend: str
-
-
-@dataclass(frozen=True)
-class Panel:
-    title: str
-    queries: tuple[Query, ...]
-    unit: str = "short"
-    description: str = ""
 
 
 @dataclass(frozen=True)
@@ -300,73 +284,15 @@ PIPELINE_PANELS = (
 )
 
 
-# ---- Grafana JSON -------------------------------------------------------------------------------
-def scoped(expr: str) -> str:
-    """`expr` with every r3flow selector limited to the dashboard's namespace and release."""
-    matchers = ", ".join(f'{label}="${label}"' for label in SCOPE)
-
-    def add(m: re.Match[str]) -> str:
-        return f"{m.group(1)}{{{matchers}, " if m.group(2) else f"{m.group(1)}{{{matchers}}}"
-    return _SELECTOR_RE.sub(add, expr)
-
-
-def _scope_variables(metric: str) -> list[dict]:
-    """Single-choice namespace and release variables (choosing both never mixes deployments)."""
-    out, selector = [], metric
-    for label in SCOPE:
-        out.append({"type": "query", "name": label, "label": label, "datasource": DATASOURCE,
-                    "query": f"label_values({selector}, {label})", "refresh": 2, "sort": 1,
-                    "multi": False, "includeAll": False})
-        selector = f'{metric}{{{label}="${label}"}}'
-    return out
-
-
-def _panel_json(panel: Panel, pid: int) -> dict:
-    targets = [{"datasource": DATASOURCE, "expr": scoped(q.expr), "legendFormat": q.legend,
-                "refId": chr(ord("A") + i), "range": True} for i, q in enumerate(panel.queries)]
-    return {
-        "type": "timeseries", "id": pid, "title": panel.title, "description": panel.description,
-        "datasource": DATASOURCE,
-        "gridPos": {"h": 8, "w": 12, "x": 12 * ((pid - 1) % 2), "y": 8 * ((pid - 1) // 2)},
-        "targets": targets,
-        "fieldConfig": {"defaults": {"unit": panel.unit, "custom": {
-            "drawStyle": "line", "lineWidth": 1, "fillOpacity": 10, "showPoints": "never"}},
-            "overrides": []},
-        "options": {"legend": {"displayMode": "list", "placement": "bottom", "showLegend": True,
-                               "calcs": []},
-                    "tooltip": {"mode": "multi", "sort": "none"}},
-    }
-
-
-def _annotation(name: str, expr: str, color: str) -> dict:
-    return {"name": name, "datasource": DATASOURCE, "enable": True, "iconColor": color,
-            "expr": scoped(expr)}
-
-
-def _dashboard(uid: str, title: str, panels: tuple[Panel, ...], annotations: list[dict],
-               scope_metric: str) -> dict:
-    datasource_var = {"type": "datasource", "name": "datasource", "label": "Prometheus",
-                      "query": "prometheus", "current": {"text": "Prometheus",
-                                                         "value": "prometheus"}}
-    return {
-        "uid": uid, "title": title, "tags": ["r3flow"], "timezone": "browser",
-        "editable": True, "graphTooltip": 1, "schemaVersion": 41, "refresh": "30s",
-        "time": {"from": "now-6h", "to": "now"},
-        "annotations": {"list": annotations},
-        "templating": {"list": [datasource_var, *_scope_variables(scope_metric)]},
-        "panels": [_panel_json(p, i + 1) for i, p in enumerate(panels)],
-    }
-
-
 def dashboards() -> dict[str, dict]:
     """File name -> Grafana 11.6 dashboard JSON."""
-    spikes = [_annotation("ppo_kl spike", PPO_KL_SPIKE, "red"),
-              _annotation("KL spike", KL_REF_SPIKE, "orange")]
+    spikes = [annotation("ppo_kl spike", PPO_KL_SPIKE, "red"),
+              annotation("KL spike", KL_REF_SPIKE, "orange")]
     return {
-        "r3-training-health.json": _dashboard("r3flow-training", "r3flow: R3 training health",
-                                              TRAINING_PANELS, spikes, TRAINER_VERSION),
-        "pipeline.json": _dashboard("r3flow-pipeline", "r3flow: pipeline", PIPELINE_PANELS, [],
-                                    _m("r3flow_store_policy_version")),
+        "r3-training-health.json": dashboard("r3flow-training", "r3flow: R3 training health",
+                                             TRAINING_PANELS, spikes, TRAINER_VERSION),
+        "pipeline.json": dashboard("r3flow-pipeline", "r3flow: pipeline", PIPELINE_PANELS, [],
+                                   _m("r3flow_store_policy_version")),
     }
 
 

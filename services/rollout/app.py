@@ -127,23 +127,35 @@ def _open_store(cfg: RolloutConfig) -> Any:
     return client
 
 
-def _guarded(target: Any, *args: Any) -> None:
-    """Thread body wrapper: a watch ends with the process (closed channel, closed loop)."""
+def _guarded(target: Any, closing: threading.Event, client: Any, worker: Any,
+             loop: asyncio.AbstractEventLoop) -> None:
+    """Thread body wrapper: a watch ends with the process (closed channel, closed loop);
+    one that raises before (the store gone past the client's retries, a bug) stops the worker
+    fatal, naming the cause: it would otherwise serve on without weight updates."""
     try:
-        target(*args)
-    except Exception as e:  # noqa: BLE001 (logged, and the thread has nothing else to do)
+        target(client, worker, loop)
+        return  # the worker is stopping (its engine died, or it was cancelled)
+    except Exception as e:  # noqa: BLE001 (handed to the worker below)
         detail = e.details() if isinstance(e, grpc.RpcError) else str(e)  # type: ignore[attr-defined]
-        log.info("%s stopped: %s: %s", target.__name__, type(e).__name__, detail)
+        cause = f"{type(e).__name__}: {detail}"
+    if closing.is_set():
+        log.info("%s stopped: %s", target.__name__, cause)
+        return
+    try:
+        loop.call_soon_threadsafe(worker.fail, f"{target.__name__} stopped: {cause}")
+    except RuntimeError:  # the loop closed meanwhile: the process is ending anyway
+        log.info("%s stopped: %s", target.__name__, cause)
 
 
-def _start_watchers(cfg: RolloutConfig, client: Any, worker: Any) -> None:
+def _start_watchers(cfg: RolloutConfig, client: Any, worker: Any,
+                    closing: threading.Event) -> None:
     loop = asyncio.get_running_loop()
     watchers = [_watch_weight_sync]
     if cfg.max_policy_lag is not None:
         watchers.append(_watch_trainer_version)
     for target in watchers:  # daemon threads: they block in server streams until exit
         threading.Thread(target=_guarded, name=target.__name__, daemon=True,
-                         args=(target, client, worker, loop)).start()
+                         args=(target, closing, client, worker, loop)).start()
 
 
 def _summary_writer(path: str | None, worker_id: str, engine_pids: dict[str, list[int]]
@@ -218,6 +230,7 @@ async def serve(cfg: RolloutConfig, summary_file: str | None = None,
     log.info("rollout metrics on %s", server.url)
     sink = StoreSink(client, cfg.backpressure_sleep_s) if client is not None else None
     renewal: Registration | None = None
+    closing = threading.Event()  # set once run() returned: the watches end with the process
     try:
         tokenizer = AutoTokenizer.from_pretrained(cfg.engine.model)
         worker = RolloutWorker(cfg, engine, sink, tokenizer, env_factory)
@@ -230,8 +243,9 @@ async def serve(cfg: RolloutConfig, summary_file: str | None = None,
         if client is not None and ttl_s:
             renewal = Registration(client, worker, ttl_s)
         if client is not None:
-            _start_watchers(cfg, client, worker)
+            _start_watchers(cfg, client, worker, closing)
         summary = await worker.run(records, stop_grace_s)
+        closing.set()
         write_summary(summary, True)
         if summary.fatal:
             log.critical("rollout %s failed: %s (%d groups ok, %d abandoned)", cfg.worker_id,
@@ -244,6 +258,7 @@ async def serve(cfg: RolloutConfig, summary_file: str | None = None,
                  summary.generated_tokens / max(summary.seconds, 1e-9))
         return 0 if summary.groups_ok or not summary.groups_failed else 1
     finally:
+        closing.set()  # also when run() raised: closing the client ends the watches
         await _leave(renewal, client, cfg.worker_id)
         server.stop()
         engine.shutdown(ENGINE_SHUTDOWN_S)

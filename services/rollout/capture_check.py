@@ -111,5 +111,9 @@ class AfterLoadCheck:
             pass  # the worker's engine watch stops it, naming the cause
         except ValueError as e:  # the probe prompt no longer fits (not the capture's fault)
             log.warning("routing capture check after loading v%d skipped: %s", version, e)
+        except Exception as e:  # a bug: the weights just loaded must not serve unchecked
+            log.exception("routing capture check after loading v%d failed", version)
+            self.on_refusal(f"{type(e).__name__} in the routing capture check after loading "
+                            f"v{version}: {e}")
         else:
             log.info("routing capture check after loading v%d passed", version)

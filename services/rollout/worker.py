@@ -43,6 +43,7 @@ MAX_KEPT_ERRORS = 100  # a long run keeps the first messages; every failure is c
 MAX_FAILURE_BACKOFF_S = 2.0  # the longest a failed group holds its slot (failures in a row)
 FATAL_GRACE_S = 5.0  # after a fatal error, groups still sending to the store may finish
 ROOM_POLL_S = 0.5  # how often a worker held by the store's backlog budget asks again
+ENGINE_WATCH_S = 1.0  # how often the engine watch asks whether the engine died
 
 
 @dataclass
@@ -132,9 +133,14 @@ class RolloutWorker:
 
     def _refuse(self, line: str) -> None:
         """The capture check after a weight load failed: no new prompt; `run` ends fatal."""
+        self.fail(line, "refuses to serve")
+
+    def fail(self, cause: str, what: str = "stops") -> None:
+        """A duty beside `run` failed (a store watch, the capture check): no new prompt; `run`
+        ends fatal with `cause` (one line), logged once."""
         if self.refusal is None:
-            self.refusal = line
-            log.critical("rollout %s refuses to serve: %s", self.cfg.worker_id, line)
+            self.refusal = cause
+            log.critical("rollout %s %s: %s", self.cfg.worker_id, what, cause)
         self._stop.set()
 
     # ---- the main loop ---------------------------------------------------------------------
@@ -189,12 +195,17 @@ class RolloutWorker:
         self._errors.flush()
         return summary
 
-    async def _watch_engine(self, summary: WorkerSummary, interval_s: float = 1.0) -> None:
+    async def _watch_engine(self, summary: WorkerSummary) -> None:
         """Notice a dead engine even when no call is running (all groups waiting on the store
         or on the policy lag)."""
         while True:
-            await asyncio.sleep(interval_s)
-            reason = self.engine.dead_reason()
+            await asyncio.sleep(ENGINE_WATCH_S)
+            try:
+                reason = self.engine.dead_reason()
+            except Exception as e:  # a bug in the watch: run must not go on unwatched
+                log.exception("engine watch failed")
+                self._fail(summary, f"{type(e).__name__} in the engine watch: {e}")
+                return
             if reason is not None:
                 self._fail(summary, f"engine dead: {reason}")
                 return

@@ -15,8 +15,8 @@ waits for vLLM's boot and the first batch):
   trainer_cpu_cores,   CPU seconds / window of the trainer's process tree (driver, Ray, rank)
   rollout_cpu_cores    and of the rollout worker's (with vLLM's engine processes), from /proc
   wall_s               the whole command (warm start, boot, steps, report)
-`--smoke`: this tree only, the tests' small MoE, 2 steps of 4 groups, no Prometheus (tests/
-integration/test_bench_smoke.py). Writes bench-results/local.json (or --out).
+`--smoke`: this tree only, the tests' small MoE, 2 steps of 4 groups, no warm start, no
+Prometheus (tests/integration/test_bench_smoke.py). Writes bench-results/local.json (or --out).
 """
 
 from __future__ import annotations
@@ -209,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     config = None
     if args.smoke:
         args.steps, args.rounds, args.no_baseline = 2, 1, True
-        config = {"model": {}, "warm_start_steps": 1, "prometheus": False,
+        # no warm start: the smoke checks the GRPO window's figures, never the warm model
+        config = {"model": {}, "warm_start_steps": 0, "prometheus": False,
                   "trainer": {"data": {"groups_per_step": 4}, "run": {"metrics_linger_s": 0}}}
     base = None if args.no_baseline else baseline_tree(args.baseline_rev)
     head = REPO if args.smoke else head_tree()

@@ -46,7 +46,8 @@ def _render(helm, tmp_path: Path, model: str) -> Path:
     config_json.parent.mkdir()
     config_json.write_text(json.dumps(cfg))
     arch = Arch.from_hf_config(cfg)
-    models = json.dumps([{"name": model, "num_experts": arch.experts, "top_k": arch.top_k}])
+    models = json.dumps([{"name": model, "num_experts": arch.experts, "top_k": arch.top_k,
+                          "moe_layers": arch.moe_layers}])
     proc = run_helm(helm, "template", "ci", str(CHART), *API_VERSIONS,
                     "--set", "trainer.enabled=true", "--set", f"plan.model={config_json}",
                     "--set-json", f"store.models={models}")

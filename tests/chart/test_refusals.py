@@ -9,6 +9,7 @@ import yaml
 from conftest import API_VERSIONS, CHART, find, run_helm
 
 DOWNLOAD = "model:\n  existingClaim: ''\n  download:\n    uri: hf://Qwen/Qwen3-30B-A3B\n"
+LONG = "rollout:\n  config:\n    engine: {max_model_len: 131072}\n"  # 128k trajectories
 REFUSED = {
     # name: (values file text, text the error must contain)
     "hostNetwork with NetworkPolicies": ("fastNetwork:\n  hostNetwork: true\n",
@@ -24,6 +25,28 @@ REFUSED = {
     "Redis too small for backlog + unacked": (
         "store:\n  config:\n    max_unacked_tokens: 80000000\n",
         "max_backlog_tokens (50000000) + max_unacked_tokens (80000000)"),
+    # ... and a group of the longest trajectories begun at the budget (issue 54): without it
+    # (max_model_len 8192, test_sizing) these values render
+    "Redis too small for backlog + unacked + one group of 128k": (
+        "store:\n  config:\n    max_unacked_tokens: 61600000\n" + LONG,
+        "one group of the longest trajectories (8 x 131072 tokens, 264667104 bytes at the "
+        "codec's worst case) = 10308667104 bytes exceeds 80% of redis.maxmemory"),
+    "trajectories longer than the store takes": (
+        "rollout:\n  config:\n    engine: {max_model_len: 300000}\n    sampling: {n: 2}\n",
+        "raise store.config.max_tokens_per_trajectory"),
+    "a group over the pull message limit": (
+        "store:\n  config:\n    max_pull_message_bytes: 209715200\n" + LONG,
+        "over store.config.max_pull_message_bytes 209715200: one Pull could never send it"),
+    "store pod too small for a delivered group": (
+        "store:\n  resources:\n    limits: {memory: 1Gi}\n" + LONG,
+        "store.resources.limits.memory (1Gi = 1073741824 bytes) is below"),
+    "rollout pod too small for its longest trajectory": (
+        "rollout:\n  resources:\n    limits: {memory: 256Mi}\n",
+        "raise rollout.resources.limits.memory"),
+    "trainer pod too small for its ranks' groups": (
+        "trainer:\n  enabled: true\n  workers:\n    resources:\n      limits: {memory: 2Gi}\n",
+        "8 rank(s) x (256 MiB + 3 x a pulled group's"),
+    "no registered layout to size for": ("store:\n  models: []\n", "store.models: empty"),
 }
 
 

@@ -104,9 +104,11 @@ def test_a_run_past_its_budget_ends_in_one_line(tmp_path: Path):
     children within their grace (the trainer after its current step), writes the summary and
     report of the steps it did, says so in one line naming the budget and the step reached, and
     exits 124, without a traceback (issue 46). No Prometheus: nothing here reads it, and its
-    report (queries, dashboard PNGs) was ~15 s of the stop on a loaded box."""
+    report (queries, dashboard PNGs) was ~15 s of the stop on a loaded box. No warm start
+    either: nothing here reads its model, and its trainer process (the same SFT path the
+    shared run's fixture takes) was ~15 s of the boot."""
     cfg = tmp_path / "budget.json"
-    cfg.write_text(json.dumps({"model": {}, "warm_start_steps": 1, "budget_step_s": 0.001,
+    cfg.write_text(json.dumps({"model": {}, "warm_start_steps": 0, "budget_step_s": 0.001,
                                "budget_follows_rate": False, "prometheus": False,
                                "trainer": {"data": {"groups_per_step": 4},
                                            "run": {"metrics_linger_s": 0}}}))

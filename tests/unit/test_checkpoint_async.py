@@ -17,7 +17,8 @@ import torch
 
 from services.common.procenv import pythonpath
 from tests.support.fake_loop import FakeRanks, FakeStore, loop_config, pulled_group
-from trainer.checkpoint import CheckpointManager, DataPosition, HostSnapshot
+from trainer.checkpoint import CheckpointManager, DataPosition
+from trainer.checkpoint_snapshot import HostSnapshot
 from trainer.loop.loop import TrainLoop, step_parts
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -21,8 +21,8 @@ TINY = TinyMoeConfig(num_layers=2)
 @pytest.mark.parametrize("name", families.names())
 def test_every_family_has_what_each_consumer_reads(name: str) -> None:
     from trainer.hf.routers import RULES
-    from trainer.megatron.families import sizes
     from trainer.megatron.family_arch import FamilyArch
+    from trainer.megatron.hf_mapping import arch_from_hf_config
 
     fam = families.get(name)
     cfg = fam.tiny_config(TINY).to_dict()
@@ -40,7 +40,8 @@ def test_every_family_has_what_each_consumer_reads(name: str) -> None:
     assert (own.experts_to_megatron is None) == (own.experts_to_hf is None)
     assert (own.experts_to_megatron is not None) == arch.fused_experts
     assert (arch.mla is not None) == fam.mla == (own.attention_to_megatron is not None)
-    assert sizes(cfg)["moe_ffn"] == TINY.moe_intermediate_size  # the expert width megatron reads
+    # the expert width megatron reads (through the family's shape)
+    assert arch_from_hf_config(cfg).moe_ffn == TINY.moe_intermediate_size
     assert fam.engine_dtype in (None, "bfloat16", "float32")
     assert set(fam.hf_knobs) <= {"attn_implementation", "packing"}
     for model_name, build in fam.planner_models.items():

@@ -140,7 +140,7 @@ def test_cycle_finder_sees_a_cycle_hidden_in_a_function(tmp_path: Path) -> None:
 NEUTRAL_CORE = ("trainer.samples", "trainer.ranks.collectives", "trainer.losses",
                 "trainer.grpo", "trainer.guard", "trainer.protocol", "trainer.replay",
                 "trainer.weight_push", "trainer.loop", "trainer.config", "trainer.checkpoint",
-                "trainer.registry", "trainer.backend", "trainer.ranks.worker")
+                "trainer.checkpoint_snapshot", "trainer.registry", "trainer.backend", "trainer.ranks.worker")
 BACKENDS = ("trainer.hf", "trainer.megatron")
 
 

@@ -13,11 +13,11 @@ def _run_dir(tmp_path: Path) -> Path:
     (d / "trainer").mkdir(parents=True)
     (d / "rollout").mkdir()
     rows = [{"step": 1, "kind": "grpo", "time": 10.0, "logprob_diff_mean": 0.004,
-             "logprob_diff_mean_off": 0.008, "logprob_diff_k3": 2e-5,
+             "logprob_diff_mean_off": 0.008, "mismatch_kl": 2e-5,
              "logprob_diff_far_share": 0.0, "tokens_per_second": 500.0,
              "weight_push_seconds": 1.5},
             {"step": 2, "kind": "grpo", "time": 12.0, "logprob_diff_mean": 0.002,
-             "logprob_diff_mean_off": 0.004, "logprob_diff_k3": 4e-5,
+             "logprob_diff_mean_off": 0.004, "mismatch_kl": 4e-5,
              "logprob_diff_far_share": 0.01, "tokens_per_second": 9000.0,
              "weight_push_seconds": 1.0},
             {"kind": "sft", "step": 0}]  # not a GRPO step: left out
@@ -33,7 +33,7 @@ def test_run_figures_and_table(tmp_path: Path):
     assert (fig["replay"], fig["steps"], fig["rollout_tokens_per_s"]) == ("r3", 2, 30.0)
     assert abs(fig["means"]["logprob_diff_mean"] - 0.003) < 1e-12
     assert fig["means_after_step1"]["tokens_per_second"] == 9000.0
-    assert fig["means"]["logprob_diff_k3_off"] is None  # the r3 run's log has no off k3
+    assert fig["means"]["mismatch_kl_off"] is None  # the r3 run's log has no off k3
     table = markdown(fig).splitlines()
     assert len(table) == 2 + 2 + 1  # header, rule, 2 steps, mean
     assert table[2].startswith("| 1 | 0.0040 | 0.0080 | 2.00e-05 | - |")

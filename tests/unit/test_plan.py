@@ -45,7 +45,9 @@ def test_qwen3_30b_a3b_spec_today_does_not_fit():
     assert p.rows["attention scores"] == 48 * 6 * 32 * 8192**2   # 576 GiB
     assert p.rows["attention buffer"] == 2 * 32 * 8192**2
     assert p.rows["logits + loss"] == 24 * 8192 * 151_936        # 6 fp32 logit-sized tensors
-    assert p.rows["routing buffers"] == 8 * 8192 * 48 * 8
+    # replay (r3), one micro-batch per rank (Layout.step_sequences unset): its uint8 routing
+    # (128 experts) and its int64 router rows, all 48 layers (PP 1), all positions (TP 1)
+    assert p.rows["replay ids"] == 8192 * 48 * 8 and p.rows["replay rows"] == 8 * 8192 * 48 * 8
     assert round(p.total / GiB, 2) == 721.62 and not p.fits
 
 
@@ -93,9 +95,9 @@ def test_tiny_moe_fp32_figures():
     scores = 2 * 4 * 256**2
     assert p.rows["attention scores"] == 4 * scores * 2 and p.rows["attention buffer"] == 4 * scores
     assert p.rows["logits + loss"] == 24 * 512 * 128
-    assert p.rows["routing buffers"] == 8 * 512 * 2 * 2
-    assert p.total == (16 * n + 512 * 4 * 2 * 1_808 + 4 * scores * 3 + 24 * 512 * 128 + 16_384
-                       + GiB)
+    assert p.rows["replay ids"] == 512 * 2 * 2 and p.rows["replay rows"] == 8 * 512 * 2 * 2
+    assert p.total == (16 * n + 512 * 4 * 2 * 1_808 + 4 * scores * 3 + 24 * 512 * 128
+                       + 9 * 2_048 + GiB)
     assert p.fits
 
 
@@ -135,9 +137,9 @@ def test_cli_config_what_if(tmp_path, capsys):
     # (64 MiB): a chunk never splits a tensor; 6 of them in flight = 3.48 GiB
     out = capsys.readouterr().out
     assert "weight push             3.48 GiB" in out
-    assert "678.04 GiB of 80.00 GiB: DOES NOT FIT" in out
+    assert "678.44 GiB of 80.00 GiB: DOES NOT FIT" in out
     assert cli.main([*base, "--distributed-optimizer", "--recompute", "full", "--pp", "4"]) == 0
-    assert "75.54 GiB of 80.00 GiB: fits" in capsys.readouterr().out
+    assert "76.08 GiB of 80.00 GiB: fits" in capsys.readouterr().out
 
 
 def test_spec_gpus_must_match_world_size(tmp_path, capsys):
@@ -156,7 +158,7 @@ def test_named_run_fits_with_tp2_pp2_ep8_on_the_fast_path(capsys):
     spec = str(_spec_docs("qwen3-30b-a3b-grpo-r3.yaml"))
     assert cli.main(["plan", "--manifest", spec, "--check-expected"]) == 0
     out = capsys.readouterr().out
-    assert "52.00 GiB of 80.00 GiB: fits (+28.00 GiB)" in out and "fits (as expected)" in out
+    assert "52.55 GiB of 80.00 GiB: fits (+27.45 GiB)" in out and "fits (as expected)" in out
     lay = Layout(world=32, tp=2, pp=2, ep=8, recompute="moe", reference=True, seq_len=8192,
                  distributed_optimizer=True, attention="sdpa", chunked_logprobs=True)
     p = plan(QWEN, lay, gpu_gib=80)

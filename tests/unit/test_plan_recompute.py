@@ -99,7 +99,8 @@ def test_cli_config_picks_and_the_flag_or_the_config_wins(tmp_path, capsys):
     """`r3flow plan --config` on Qwen3-30B-A3B, 8 ranks EP8, 8K tokens: the budget between the
     planner's none and moe totals."""
     path = _config(tmp_path, {"expert_parallel": 8})
-    lay = layout_from_trainer(load_config(TrainerConfig, path), 8192, True, "qwen3_moe")
+    # groups of 8: `r3flow plan --config`'s default --group-size
+    lay = layout_from_trainer(load_config(TrainerConfig, path), 8192, True, "qwen3_moe", 8)
     assert lay.ep == 8 and lay.attention == "sdpa" and not lay.recompute_set
     t = _totals(QWEN, lay)
     budget = f"{(t['none'] + t['moe']) / 2:.2f}"

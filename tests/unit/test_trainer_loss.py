@@ -130,8 +130,8 @@ def test_diff_metrics_weights_two_micro_batches_by_their_tokens():
     assert m["logprob_diff_mean_off"] == pytest.approx(1.7 / 3)
     assert m["logprob_diff_max_off"] == pytest.approx(1.5)
     r = [0.0, 1.5, 0.2]
-    assert m["logprob_diff_k3_off"] == pytest.approx(sum(math.exp(x) - 1 - x for x in r) / 3)
+    assert m["mismatch_kl_off"] == pytest.approx(sum(math.exp(x) - 1 - x for x in r) / 3)
     assert m["logprob_diff_far_share_off"] == pytest.approx(1 / 3)
     none = diff_metrics([mb([0.0], [0.0])], [torch.zeros(1, 1)], "")
-    assert none == dict.fromkeys(["logprob_diff_mean", "logprob_diff_max", "logprob_diff_k3",
+    assert none == dict.fromkeys(["logprob_diff_mean", "logprob_diff_max", "mismatch_kl",
                                   "logprob_diff_far_share"])

@@ -89,9 +89,10 @@ def apply_rollout_correction(mbs: Sequence[MicroBatch], cfg: RolloutCorrectionCo
                              apply: bool) -> dict:
     """Importance weights pi_old / mu of every micro-batch (after the old-policy pass); with
     `apply` the TIS weight is set on the micro-batch and MIS's mask folded into its loss mask.
-    Returns the step's IS metrics and the rollout-vs-trainer mismatch KL."""
+    Returns the step's IS metrics and the k1 estimate of the rollout-vs-trainer mismatch KL
+    (its k3 estimate, `mismatch_kl`, is trainer.grpo.diff_metrics')."""
     view = _metric_view(cfg)
-    tokens = w_sum = truncated = masked = kl3 = kl1 = 0.0
+    tokens = w_sum = truncated = masked = kl1 = 0.0
     w_max = 0.0
     for mb in mbs:
         assert mb.train_old_lp is not None, "old-policy pass first"
@@ -102,8 +103,7 @@ def apply_rollout_correction(mbs: Sequence[MicroBatch], cfg: RolloutCorrectionCo
         w_sum += float((rw.raw_BS * m).sum())
         w_max = max(w_max, float((rw.raw_BS * m).max())) if m.any() else w_max
         truncated, masked = truncated + rw.truncated, masked + rw.masked
-        kl3 += float(((torch.exp(d) - d - 1) * m).sum())  # k3 of KL(mu || pi_old), from mu
-        kl1 += float((-d).sum())
+        kl1 += float((-d).sum())  # k1 of KL(mu || pi_old), from mu
         if apply:
             mb.is_weight_BS = rw.is_weight_BS if cfg.is_level != "off" else None
             if cfg.mask_level != "off":
@@ -112,7 +112,7 @@ def apply_rollout_correction(mbs: Sequence[MicroBatch], cfg: RolloutCorrectionCo
         return {}
     return {"is_weight_mean": w_sum / tokens, "is_weight_max": w_max,
             "is_truncated_share": truncated / tokens, "is_masked_share": masked / tokens,
-            "mismatch_kl": kl3 / tokens, "mismatch_kl_k1": kl1 / tokens}
+            "mismatch_kl_k1": kl1 / tokens}
 
 
 def staleness(samples: Sequence[Sample], policy_version: int) -> list[int]:

@@ -46,16 +46,6 @@ def family_arch(cfg: dict) -> FamilyArch:
     return families.hook(str(fam.megatron_arch))(cfg)
 
 
-def sizes(cfg: dict) -> dict[str, int]:
-    """Experts, expert FFN and dense FFN widths under each family's key names."""
-    # a family with no moe_intermediate_size (Mixtral, OLMoE, GPT-OSS) is MoE in every layer:
-    # its intermediate_size is the experts' width
-    return {"num_experts": cfg.get("num_experts") or cfg.get("n_routed_experts")
-            or cfg["num_local_experts"],
-            "moe_ffn": cfg.get("moe_intermediate_size") or cfg["intermediate_size"],
-            "dense_ffn": cfg["intermediate_size"]}
-
-
 def config_overrides(fam: FamilyArch) -> dict[str, Any]:
     """TransformerConfig options of the family (on top of the provider's Qwen3-MoE base)."""
     out: dict[str, Any] = {

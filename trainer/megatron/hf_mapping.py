@@ -14,8 +14,8 @@ Layouts that differ:
   * MLP / experts: megatron `linear_fc1` = cat(gate_proj, up_proj) on dim 0 (gated linear unit);
   * experts under expert parallelism: rank r holds global experts [r*El, (r+1)*El) as
     `local_experts.0..El-1`.
-Dense layers (HF `mlp_only_layers`, `first_k_dense_replace`) are plain MLPs; the rest are MoE
-(megatron `moe_layer_freq`). DeepSeek-V3's router (GLM-4.x MoE) adds the selection bias
+Dense layers (as the family's `model_shape` reads config.json: HF `mlp_only_layers`,
+`first_k_dense_replace`, ...) are plain MLPs; the rest are MoE (megatron `moe_layer_freq`). DeepSeek-V3's router (GLM-4.x MoE) adds the selection bias
 `gate.e_score_correction_bias` <-> the router's `expert_bias` buffer (trainer.megatron.grouped_router).
 Partial rotary (`partial_rotary_factor`) is megatron's `rotary_percent` (MoeArch.rotary_percent).
 Grouped experts (model.experts: grouped) hold each layer's experts stacked; `megatron_to_hf` and
@@ -35,7 +35,7 @@ from typing import Any, cast
 import torch
 
 from services.common import families
-from trainer.megatron.families import family_arch, sizes
+from trainer.megatron.families import family_arch
 from trainer.megatron.family_arch import FamilyArch, MlaArch
 from trainer.megatron.grouped_experts import unstack_experts
 from trainer.megatron.grouped_router import bias_to_hf, bias_to_megatron
@@ -92,19 +92,20 @@ def arch_from_hf_config(cfg: dict) -> MoeArch:
         raise ValueError("tie_word_embeddings: tied embeddings are not supported")
     if cfg.get("attention_bias") and not fam.qkv_bias:
         raise ValueError("attention_bias: biased attention projections are not supported")
-    n, step = int(cfg["num_hidden_layers"]), int(cfg.get("decoder_sparse_step", 1))
-    dense = set(cfg.get("mlp_only_layers") or []) | set(range(int(
-        cfg.get("first_k_dense_replace") or 0)))
-    moe = tuple(i for i in range(n) if i not in dense and (i + 1) % step == 0)
+    # the family's reading of its config.json: which layers are MoE, its experts' key names
+    shape = families.model_shape(cfg)
     rope_theta, rope_scaling = rope_from_hf_config(cfg, fam.partial_rotary)
     mla = fam.mla  # MLA: one latent, as many KV heads as q heads
     return MoeArch(
-        num_layers=n, moe_layers=moe, hidden_size=cfg["hidden_size"], mla=mla,
-        num_heads=cfg["num_attention_heads"],
+        num_layers=shape.num_layers, moe_layers=shape.moe_layer_ids, hidden_size=shape.hidden,
+        mla=mla, num_heads=cfg["num_attention_heads"],
         num_kv_heads=cfg["num_attention_heads"] if mla else cfg["num_key_value_heads"],
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
-        top_k=cfg["num_experts_per_tok"], **sizes(cfg),
-        vocab_size=cfg["vocab_size"], rms_eps=cfg.get("rms_norm_eps", 1e-6),
+        top_k=shape.top_k, num_experts=shape.experts, moe_ffn=shape.moe_ffn,
+        # megatron's ffn_hidden_size wants a width even where no layer is dense (Mixtral,
+        # OLMoE, GPT-OSS: their intermediate_size is the experts' width)
+        dense_ffn=shape.dense_ffn or shape.moe_ffn,
+        vocab_size=shape.vocab, rms_eps=cfg.get("rms_norm_eps", 1e-6),
         rope_theta=rope_theta, rope_scaling=rope_scaling, rotary_percent=rotary_percent(
             cfg, fam.partial_rotary or 1.0),
         family=cfg["model_type"],

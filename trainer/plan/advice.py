@@ -19,6 +19,8 @@ class Layout(Protocol):
     def chunked_logprobs(self) -> bool: ...
 
 _HF_MODEL = "more ranks per weight: run.world_size (hf.sharding full)"
+# replay keeps every micro-batch of a step's routing: fewer sequences per rank and step
+_REPLAY = "data.groups_per_step or more data-parallel ranks (run.world_size)"
 
 
 def _model(dense_heavy: bool) -> str:
@@ -36,7 +38,8 @@ def _setting(row: str, lay: Layout, dense_heavy: bool) -> str | None:
                 "activations": "hf.gradient_checkpointing: true, or a shorter sequence",
                 "attention scores": "hf.attn_implementation: sdpa",
                 "logits + loss": "loss.chunked_logprobs: true",
-                "reference model": "loss.kl_coef: 0 (no reference model)"}.get(row)
+                "reference model": "loss.kl_coef: 0 (no reference model)",
+                "replay ids": _REPLAY, "replay rows": _REPLAY}.get(row)
     model = _model(dense_heavy)
     fixes = {
         "weights": model, "grads": model,
@@ -49,6 +52,8 @@ def _setting(row: str, lay: Layout, dense_heavy: bool) -> str | None:
         "attention buffer": "model.attention: sdpa",
         "logits + loss": None if lay.chunked_logprobs else "loss.chunked_logprobs: true",
         "weight push": "weight_sync.bucket_bytes, weight_sync.inflight_buckets",
+        "replay ids": _REPLAY,
+        "replay rows": _REPLAY + ", or model.context_parallel (each rank replays its shard)",
     }
     return fixes.get(row)
 

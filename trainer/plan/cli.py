@@ -23,6 +23,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      "(default with --config: its model_dir)")
     src.add_argument("--gpu-memory-gib", type=positive(float), help="memory of one GPU (with --config)")
     src.add_argument("--seq-len", type=positive(int), help="tokens per sequence (with --config)")
+    src.add_argument("--group-size", type=positive(int), default=8,
+                     help="samples per prompt, the rollouts' sampling.n (with --config; default "
+                     "8, the chart's): replay keeps a step's micro-batches' routing on the GPU")
     what = p.add_argument_group("what-if overrides")
     for name in ("tp", "pp", "ep", "etp", "cp", "world", "micro-batch"):
         what.add_argument(f"--{name}", type=positive(int))
@@ -64,8 +67,8 @@ def _config_plan(args: argparse.Namespace):
     model_cfg = load_model_config(args.model or cfg.model_dir)
     arch = Arch.from_hf_config(model_cfg)
     # a GPU job (--gpu-memory-gib): `auto` switches decided as on CUDA
-    lay = replace(layout_from_trainer(cfg, args.seq_len, True, model_cfg.get("model_type")),
-                  **_overrides(args))
+    lay = replace(layout_from_trainer(cfg, args.seq_len, True, model_cfg.get("model_type"),
+                                      args.group_size), **_overrides(args))
     overhead = 4.0 if args.overhead_gib is None else args.overhead_gib
     return plan(arch, lay, args.gpu_memory_gib, overhead_gib=overhead, vllm_share=args.vllm_share)
 

@@ -6,6 +6,8 @@ annotations, which say what the planner cannot read from the cluster:
   r3flow.io/plan-model          architecture: a known name or a config.json path
   r3flow.io/plan-gpu-memory-gib memory of one GPU
   r3flow.io/plan-seq-len        tokens of one trainer sequence (prompt + response)
+  r3flow.io/plan-group-size     samples per prompt, when the manifest renders no rollout.yaml
+                                (replay keeps the routing of a step's micro-batches; else 1)
   r3flow.io/plan-expect         fits | does-not-fit: the verdict `--check-expected` requires
   r3flow.io/plan-expect-reason  why a job is expected not to fit (required then)
 A job without GPUs (CPU smoke runs) is planned against its worker container's memory limit
@@ -56,12 +58,18 @@ def quantity_bytes(q: str | int) -> float:
 
 
 def layout_from_trainer(cfg: TrainerConfig, seq_len: int, cuda: bool = True,
-                        family: str | None = None) -> Layout:
+                        family: str | None = None, group_size: int = 1) -> Layout:
     """The Layout a TrainerConfig runs (model.* parallel sizes, optim.use_distributed_optimizer,
     model.recompute_*, and whether the config sets them at all; the hf backend: FSDP2 over
-    hf.sharding's shard group), its `auto`
+    hf.sharding's shard group; replay.mode and the micro-batches of a step on a rank for
+    groups of `group_size`), its `auto`
     fast-path switches decided as the trainer decides them on pods with (`cuda`) or without
     GPUs (TrainerConfig.fast_path)."""
+    return replace(_layout(cfg, seq_len, cuda, family), replay=cfg.replay.mode.value,
+                   step_groups=cfg.data.groups_per_step, group_size=group_size)
+
+
+def _layout(cfg: TrainerConfig, seq_len: int, cuda: bool, family: str | None) -> Layout:
     cfg = cfg.fast_path(cuda, family)
     m: ModelSection = cfg.model
     attention, chunked = m.attention, cfg.loss.chunked_logprobs
@@ -150,6 +158,31 @@ def trainer_of(docs: list[dict], doc: dict) -> tuple[k8s.RayJob, TrainerConfig]:
     return job, build_config(TrainerConfig, data, source=f"{where}: train.yaml")
 
 
+def config_file(docs: list[dict], key: str) -> dict | None:
+    """The first ConfigMap's `key` file (store.yaml, rollout.yaml) in the manifest, parsed."""
+    for d in docs:
+        if d["kind"] == "ConfigMap" and key in (d.get("data") or {}):
+            return yaml.load(d["data"][key], Loader=YAML_LOADER) or {}  # noqa: S506
+    return None
+
+
+def annotated(ann: dict[str, str], key: str, where: str) -> int:
+    """An integer `r3flow.io/plan-<key>` annotation; UserError naming it when missing."""
+    if PREFIX + key not in ann:
+        raise UserError(f"{where}: annotation {PREFIX}{key} is missing (the manifest renders "
+                        "no store / rollout config to read it from)")
+    return int(_number(ann, key, int, where))
+
+
+def group_size(docs: list[dict], ann: dict[str, str], where: str) -> int | None:
+    """Samples per prompt: the rendered rollout config's sampling.n, else the RayJob's
+    `plan-group-size` annotation; None when the manifest has neither."""
+    rollout = config_file(docs, "rollout.yaml")
+    if rollout is not None:
+        return int((rollout.get("sampling") or {}).get("n", 1))
+    return annotated(ann, "group-size", where) if PREFIX + "group-size" in ann else None
+
+
 def plan_rayjob(docs: list[dict], doc: dict, overhead_gib: float | None = None) -> JobPlan:
     """Plan one RayJob of `docs` (the documents of its file)."""
     job, cfg = trainer_of(docs, doc)
@@ -169,7 +202,7 @@ def plan_rayjob(docs: list[dict], doc: dict, overhead_gib: float | None = None) 
                  for g in workers for c in g.template.spec.containers)
     model_cfg = load_model_config(ann[PREFIX + "model"])
     lay = layout_from_trainer(cfg, int(_number(ann, "seq-len", int, where)), on_gpu,
-                              model_cfg.get("model_type"))
+                              model_cfg.get("model_type"), group_size(docs, ann, where) or 1)
     memory = _device_memory(workers, lay.world, ann, where)
     overhead = overhead_gib if overhead_gib is not None else (4.0 if on_gpu else 1.0)
     arch = Arch.from_hf_config(model_cfg)

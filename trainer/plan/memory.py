@@ -53,7 +53,17 @@ An estimate written down so that it can be checked by hand (tests/unit/test_plan
     their bf16 gradient (4 B per logit), plus one chunk's fp32 temporaries in the backward
     (~6 x LOSS_CHUNK_ROWS x V x 4 B: logp, p, the gradient and their products; fitted to the
     four H200 peaks of BENCHMARKS.md "Call 5", within 6 %);
-  * routing buffers: RouterReplay's int64 top-k ids of each micro-batch in flight;
+  * routing replay (replay_bytes; Layout.replay, Layout.microbatches: the micro-batches of one
+    step on a rank, its TP x PP group's share of data.groups_per_step x group size, over
+    micro_batch). r3: every micro-batch moves to the device with its rollout routing in the
+    codec's dtype (uint8 up to 256 experts, else uint16; MicroBatch.to) for the whole step, all
+    MoE layers and positions ("replay ids"), and a pass keeps every micro-batch's int64 router
+    rows, its stage's MoE layers and its SP/CP shard of the positions (megatron's `_plan` /
+    `_row_cache`; the hf backend's `_hf_r3_rows`, all layers, for the step: "replay rows").
+    Building one micro-batch's rows briefly holds ~4 int64 copies of it (widening, the routing
+    rules' masked copy, sort values and indices) before the pass's first forward, when no
+    activation is held: not at the peak, not counted. r2: the recorded int64 rows of every
+    micro-batch;
   * the weight push (push_bytes): the sender's buckets in flight and the chunks it gathers
     from the other ranks (streamed: no rank holds the whole model), each the bucket size or
     the family's largest tensor when larger (push_chunk_bytes: GPT-OSS's fused experts, a
@@ -80,6 +90,7 @@ from typing import Literal
 from services.common import families
 from services.common.errors import UserError
 from services.common.families import ModelShape
+from services.common.routing_size import ids_dtype_bytes
 from trainer.plan.advice import what_to_change
 
 GiB = 1 << 30
@@ -126,6 +137,9 @@ class Layout:
     push_inflight: int = 2  # weight_sync.inflight_buckets
     fsdp: bool = False  # the hf backend: FSDP2 instead of megatron's layout
     fsdp_shard_group: int = 0  # hf hybrid sharding: ranks a weight is sharded over (0: world)
+    replay: Literal["r3", "r2", "off"] = "r3"  # replay.mode
+    step_groups: int = 0  # data.groups_per_step (0: one micro-batch per rank)
+    group_size: int = 1  # samples per prompt (the rollouts' sampling.n)
 
     @property
     def shard(self) -> int:
@@ -153,6 +167,14 @@ class Layout:
     @property
     def dp(self) -> int:
         return self.world // (self.tp * self.pp * self.cp)
+
+    @property
+    def microbatches(self) -> int:
+        """Micro-batches of one step on a rank: the loop deals a step's groups out to the
+        ranks one by one, and a megatron rank runs those of its whole TP x PP group
+        (trainer.megatron.engine.model_parallel_samples)."""
+        sequences = -(-self.step_groups // self.world) * self.group_size * self.tp * self.pp
+        return max(1, -(-sequences // self.micro_batch))
 
     @property
     def expert_dp(self) -> int:
@@ -237,8 +259,8 @@ def attention_elems(arch: Arch) -> int:
 
 
 def activation_bytes(arch: Arch, lay: Layout) -> dict[str, float]:
-    """Activations, attention scores, the loss's logits and routing buffers of the first (and,
-    PP=1, last) stage."""
+    """Activations, attention scores and the loss's logits of the first (and, PP=1, last)
+    stage."""
     eb = 2 if lay.dtype == "bf16" else 4
     h = arch.hidden
     tokens = lay.seq_len * lay.micro_batch / (lay.tp * lay.cp)
@@ -267,10 +289,24 @@ def activation_bytes(arch: Arch, lay: Layout) -> dict[str, float]:
     logits = lay.seq_len * lay.micro_batch / lay.cp * arch.vocab
     loss_logits = 4 * logits + 6 * 4 * LOSS_CHUNK_ROWS * arch.vocab if lay.chunked_logprobs \
         else 24 * logits
-    routing = 8 * tokens * moe_n * arch.top_k * in_flight
     return {"activations": acts, "attention scores": kept * kept_layers,
-            "attention buffer": eb * scores, "logits + loss": loss_logits,
-            "routing buffers": routing}
+            "attention buffer": eb * scores, "logits + loss": loss_logits}
+
+
+def replay_bytes(arch: Arch, lay: Layout) -> dict[str, float]:
+    """Routing replay's tensors on the device, held for the step or the pass (module
+    docstring): the step's micro-batches' routing in the codec dtype (r3) and their int64
+    router rows on this rank (r3, r2)."""
+    if lay.replay == "off" or not arch.moe_layers:
+        return {}
+    stage_moe = arch.moe_layers * (arch.num_layers // lay.pp) / arch.num_layers
+    local_tokens = lay.seq_len * lay.micro_batch / (lay.tp * lay.cp)
+    rows = lay.microbatches * 8 * local_tokens * stage_moe * arch.top_k
+    if lay.replay == "r2":
+        return {"replay rows": rows}
+    ids = (lay.microbatches * lay.micro_batch * lay.seq_len * arch.moe_layers * arch.top_k
+           * ids_dtype_bytes(arch.experts))
+    return {"replay ids": ids, "replay rows": rows}
 
 
 PUSH_CHUNK_DEPTH = 3  # export_stream.HFStream: 2 chunks in flight + the one being filled
@@ -357,7 +393,7 @@ def _plan(arch: Arch, lay: Layout, gpu_gib: float, overhead_gib: float,
     state = fsdp_state_bytes(arch, lay) if lay.fsdp else _state_bytes(lay, dense, expert)
     if lay.fsdp:
         dense, expert = dense / lay.shard, expert / lay.shard
-    rows = state | activation_bytes(arch, lay) | push_bytes(arch, lay)
+    rows = state | activation_bytes(arch, lay) | replay_bytes(arch, lay) | push_bytes(arch, lay)
     rows["vLLM KV share"] = vllm_share * gpu_gib * GiB
     rows["runtime overhead"] = overhead_gib * GiB
     out = Plan(rows=rows, gpu_bytes=gpu_gib * GiB, dense_params=dense, expert_params=expert)
@@ -365,6 +401,10 @@ def _plan(arch: Arch, lay: Layout, gpu_gib: float, overhead_gib: float,
         out.notes.append(f"rollout engine ranks: weight-push staging "
                          f"{rollout_staging_bytes(push_chunk_bytes(arch, lay)) / GiB:.2f} GiB each "
                          f"({RX_STAGING_SLOTS} buckets) outside gpu_memory_utilization")
+    if "replay rows" in rows:
+        out.notes.append(f"replay {lay.replay}: the routing of {lay.microbatches} micro-batch(es) "
+                         f"of {lay.micro_batch} x {lay.seq_len} tokens stays on the device for "
+                         "the step (replay ids, replay rows)")
     if lay.fsdp:
         out.notes.append(f"hf backend: FSDP2, every weight sharded over {lay.shard} rank(s), "
                          f"{lay.world // lay.shard} replica(s)")

@@ -1,4 +1,5 @@
-"""What a training job leaves in the store's Redis between its checkpoints (issue 59).
+"""What a training job leaves in the store's Redis between its checkpoints (issue 59), and
+whether the store can send it one group of its longest trajectories (issue 54).
 
 A trainer acks the groups it trained only at its checkpoint, so up to `run.checkpoint_every` x
 `data.groups_per_step` x group size x sequence tokens stay in Redis, delivered and not yet acked.
@@ -10,6 +11,10 @@ else from the RayJob's annotations (a k8s/ spec run against a release; a manifes
 is not planned, and tests/unit/test_plan_store.py requires them on every k8s/ RayJob):
   r3flow.io/plan-group-size            samples per prompt (the rollouts' sampling.n)
   r3flow.io/plan-store-unacked-tokens  the release's store max_unacked_tokens
+One Pull sends a whole group: group size x the longest trajectory (r3flow.io/plan-seq-len
+tokens) at the codec's worst case for the planned model's routing layout
+(services/common/routing_size.py) must fit the store's `max_pull_message_bytes` (the rendered
+store.yaml's, else the store's default), or that group can never be delivered.
 """
 
 from __future__ import annotations
@@ -17,14 +22,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
-from services.common.config import YAML_LOADER
 from services.common.errors import UserError
+from services.common.routing_size import max_bytes_per_token, max_trajectory_bytes
 from services.store.config import StoreConfig
 from trainer.config import TrainerConfig
 from trainer.plan import k8s
-from trainer.plan.manifest import PREFIX, _number, trainer_of
+from trainer.plan.manifest import PREFIX, annotated, config_file, group_size, trainer_of
+from trainer.plan.memory import Arch
+from trainer.plan.models import load_model_config
+
+MiB = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -37,6 +44,20 @@ class StoreCheck:
     group_size: int
     seq_len: int
     unacked_limit: int | None  # None: unbounded (Redis then holds whatever the interval is)
+    arch: Arch  # the routing layout of the planned model
+    pull_limit: int  # the store's max_pull_message_bytes: one PulledGroup
+
+    @property
+    def group_bytes(self) -> int:
+        """One group of the longest trajectories (seq_len tokens) at the codec's worst case:
+        what one Pull sends (services/common/routing_size.py)."""
+        a = self.arch
+        return self.group_size * max_trajectory_bytes(self.seq_len, a.moe_layers, a.top_k,
+                                                      a.experts)
+
+    @property
+    def pull_ok(self) -> bool:
+        return self.group_bytes <= self.pull_limit
 
     @property
     def interval_tokens(self) -> int:
@@ -44,17 +65,37 @@ class StoreCheck:
         return self.checkpoint_every * self.groups_per_step * self.group_size * self.seq_len
 
     @property
-    def ok(self) -> bool:
+    def unacked_ok(self) -> bool:
         return self.unacked_limit is not None and self.interval_tokens <= self.unacked_limit
 
+    @property
+    def ok(self) -> bool:
+        return self.unacked_ok and self.pull_ok
+
     def describe(self, label: str) -> str:
-        held = (f"{label}\n  store: a checkpoint interval ({self.checkpoint_every} steps x "
+        return f"{label}\n{self._describe_unacked()}\n{self._describe_pull()}"
+
+    def _describe_pull(self) -> str:
+        a = self.arch
+        per_token = max_bytes_per_token(a.moe_layers, a.top_k, a.experts)
+        head = (f"  store: one group of the longest trajectories ({self.group_size} x "
+                f"{self.seq_len} tokens, {per_token:.1f} B per token at the codec's worst case "
+                f"for {a.moe_layers} MoE layers, top-{a.top_k} of {a.experts}) is up to "
+                f"{self.group_bytes / MiB:,.1f} MiB in one Pull; ")
+        if self.pull_ok:
+            return head + f"max_pull_message_bytes {self.pull_limit / MiB:,.0f} MiB holds it"
+        return head + (f"max_pull_message_bytes {self.pull_limit / MiB:,.0f} MiB DOES NOT hold "
+                       "it (the group could never be delivered): raise store.config."
+                       "max_pull_message_bytes, or lower the trajectory length or sampling.n")
+
+    def _describe_unacked(self) -> str:
+        held = (f"  store: a checkpoint interval ({self.checkpoint_every} steps x "
                 f"{self.groups_per_step} groups x {self.group_size} x {self.seq_len} tokens) "
                 f"leaves up to {self.interval_tokens:,} tokens delivered and not yet acked; ")
         if self.unacked_limit is None:
             return held + ("max_unacked_tokens unset (unbounded): NOT PLANNED, set it and size "
                            "Redis for it")
-        if self.ok:
+        if self.unacked_ok:
             return held + f"max_unacked_tokens {self.unacked_limit:,} holds it"
         return held + (f"max_unacked_tokens {self.unacked_limit:,} DOES NOT hold it (the "
                        "trainer would checkpoint early): raise it with redis.maxmemory, or "
@@ -64,37 +105,26 @@ class StoreCheck:
 ANNOTATIONS = ("group-size", "store-unacked-tokens")
 
 
-def _config(docs: list[dict], key: str) -> dict | None:
-    """The first ConfigMap's `key` file (store.yaml, rollout.yaml) in the manifest, parsed."""
-    for d in docs:
-        if d["kind"] == "ConfigMap" and key in (d.get("data") or {}):
-            return yaml.load(d["data"][key], Loader=YAML_LOADER) or {}  # noqa: S506
-    return None
-
-
-def _annotated(ann: dict[str, str], key: str, where: str) -> int:
-    if PREFIX + key not in ann:
-        raise UserError(f"{where}: annotation {PREFIX}{key} is missing (the manifest renders "
-                        "no store / rollout config to read it from)")
-    return int(_number(ann, key, int, where))
-
-
 def check_rayjob(docs: list[dict], cfg: TrainerConfig, ann: dict[str, str],
                  where: str) -> StoreCheck | None:
     """The job's checkpoint interval against the store config in `docs`, else its annotations;
     None for a manifest that has neither (not planned: the k8s/ specs must have them)."""
-    rollout, store = _config(docs, "rollout.yaml"), _config(docs, "store.yaml")
+    store = config_file(docs, "store.yaml")
     if store is None and not any(PREFIX + k in ann for k in ANNOTATIONS):
         return None
-    group = int((rollout.get("sampling") or {}).get("n", 1)) if rollout is not None \
-        else _annotated(ann, "group-size", where)
+    group = group_size(docs, ann, where) or annotated(ann, "group-size", where)
+    fields = StoreConfig.model_fields
     if store is not None:
-        limit = store.get("max_unacked_tokens", StoreConfig.model_fields[
-            "max_unacked_tokens"].default)
+        limit = store.get("max_unacked_tokens", fields["max_unacked_tokens"].default)
     else:
-        limit = _annotated(ann, "store-unacked-tokens", where)
+        limit = annotated(ann, "store-unacked-tokens", where)
+    pull = (store or {}).get("max_pull_message_bytes", fields["max_pull_message_bytes"].default)
+    if PREFIX + "model" not in ann:
+        raise UserError(f"{where}: annotation {PREFIX}model is missing")
+    arch = Arch.from_hf_config(load_model_config(ann[PREFIX + "model"]))
     return StoreCheck(where, cfg.run.checkpoint_every, cfg.data.groups_per_step, group,
-                      _annotated(ann, "seq-len", where), None if limit is None else int(limit))
+                      annotated(ann, "seq-len", where), None if limit is None else int(limit),
+                      arch, int(pull))
 
 
 def plan_stores(path: str | Path) -> list[StoreCheck]:
