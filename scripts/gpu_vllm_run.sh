@@ -17,13 +17,14 @@ OUT=${OUT:-bench-results/vllm-gpu}
 mkdir -p "$OUT"
 source scripts/gpu_vllm_install.sh env
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-WARNING}
-W=/tmp/r3flow-vllm-gpu B=tests/bench/bench_vllm_gpu.py LOG=$OUT/vllm_gpu.log
+W=${W:-/tmp/r3flow-vllm-gpu} B=tests/bench/bench_vllm_gpu.py LOG=$OUT/vllm_gpu.log
 LAYERS=${LAYERS:-4} BATCHES=${BATCHES:-64,256} LIMIT=${LIMIT:-400}
+T0=$(date +%s)
 say() { echo "== $(date -u +%T) $*" | tee -a "$LOG"; }
 # step TAG GPU ARGS...: one bench process on one GPU, its lines prefixed with TAG into the log
 step() {
   local tag=$1 gpu=$2; shift 2
-  CUDA_VISIBLE_DEVICES=$gpu timeout "$LIMIT" python3 "$B" "$@" 2>&1 \
+  CUDA_VISIBLE_DEVICES=$gpu timeout -k 15 "$LIMIT" python3 "$B" "$@" 2>&1 \
     | grep --line-buffered -v -i "warn\|it/s\]\|^\s*$" | sed -u "s/^/[$tag] /" >>"$LOG"
   echo "[$tag] exit ${PIPESTATUS[0]}" >>"$LOG"
 }
@@ -73,6 +74,33 @@ for section in $SECTIONS; do
       step "pair_${pa/:/}_${pb/:/}" 0 pair --model "$W/m30" --a "$pa" --b "$pb" --batches "$BATCHES" \
         --repeats "${REPEATS:-6}" --max-tokens "${MAX_TOKENS:-256}" --streams "${STREAMS:-0,1}" --out "$W/pair_${pa/:/}_${pb/:/}.json"
       merge;;
+    delivery)
+      # issue 53: routing at finish vs per step vs no capture, the 30B widths and the tiny model
+      # as two processes started together (their engine starts overlap; fixed KV caches, so no
+      # memory profile sees the other's), measuring one after the other (Baton), all by
+      # BUDGET seconds after this script started: m30 until END - TINY_S, tiny until END
+      END=$(( T0 + ${BUDGET:-285} )); MODE=${MODE:-graphs}
+      rm -rf "$W/baton" "$W"/delivery_*.json && mkdir -p "$W"
+      [ -f "$W/m30/config.json" ] || step build30 0 build --kind 30b --layers "$LAYERS" --out "$W/m30" --device "${DEVICE:-cuda}" &
+      [ -f "$W/tiny/config.json" ] || step buildtiny 0 build --kind tiny --layers 4 --out "$W/tiny" --device "${DEVICE:-cuda}" &
+      wait
+      say "delivery: m30 and tiny, $MODE, until $(date -u -d @$END +%T)"
+      DV=(delivery --mode "$MODE" --batches "$BATCHES" --graph-sizes "${GRAPH_SIZES:-$BATCHES}" --max-tokens "${MAX_TOKENS:-128}" --baton "$W/baton" --peers m30,tiny ${DV_ARGS:-})
+      LIMIT=$(( END - $(date +%s) + 5 ))
+      step delivery_m30 0 "${DV[@]}" --model "$W/m30" --name m30 --gpu-mem "${GPU_MEM_M30:-0.2}" --kv-gib "${KV_M30:-4}" --until $(( END - ${TINY_S:-40} )) --out "$W/delivery_m30.json" &
+      step delivery_tiny 0 "${DV[@]}" --model "$W/tiny" --name tiny --gpu-mem "${GPU_MEM_TINY:-0.1}" --kv-gib "${KV_TINY:-2}" --until "$END" --out "$W/delivery_tiny.json" &
+      wait
+      merge
+      python3 - "$W" <<'PY' 2>&1 | tee -a "$LOG";;
+import json, pathlib, sys
+for m in ("m30", "tiny"):
+    p = pathlib.Path(sys.argv[1]) / f"delivery_{m}.json"
+    d = json.loads(p.read_text()) if p.exists() else {}
+    print(f"{m}: start check {d.get('self_check')}; at finish vs per step {d.get('equality')}; cut {d.get('cut')}")
+    for b, r in d.get("summary", {}).items():
+        print(f"{m} {b}: capture / no capture {r.get('capture_finish_over_no_capture')} at finish, "
+              f"{r.get('capture_step_over_no_capture')} per step (medians; rounds {r['rounds']})")
+PY
     load)
       # new weights into a running engine (worker extension, reload_weights), fp32, CUDA
       # graphs: greedy tokens and routing against HF with the same weights
@@ -103,7 +131,7 @@ for section in $SECTIONS; do
         tail -n 60 "$d"/logs/*.log >"$OUT/${replay}_logs_tail.txt" 2>/dev/null
       done
       python3 tests/bench/local_gpu_table.py "$L"/*/local-* --out "$OUT/local_gpu.json" 2>&1 | tee -a "$LOG";;
-    *) echo "gpu_vllm_run.sh: unknown section $section (engines | compare | pair | load | local)"; exit 2;;
+    *) echo "gpu_vllm_run.sh: unknown section $section (engines | compare | pair | delivery | load | local)"; exit 2;;
   esac
 done
 merge

@@ -27,6 +27,11 @@ class EngineConfig(StrictConfig):
     enable_prefix_caching: bool = Field(True, description="reuse KV of shared prompt prefixes")
     capture_routing: bool = Field(
         True, description="enable_return_routed_experts; off only for baselines (nothing is sent)")
+    routing_delivery: Literal["finish", "step"] = Field(
+        "finish", description="how vLLM hands a call its routing: finish = once, with the "
+        "call's final output (held in the engine core meanwhile, rows up to a cut kept); step "
+        "= vLLM's own row per request per decode step (8-15% of decode tokens/s on an H200), "
+        "the reference the equality tests compare against")
     policy_version: int = Field(0, ge=0, description="policy version of the weights at `model`")
     tensor_parallel_size: int = Field(
         1, ge=1, description="GPUs one engine spans (vLLM tensor parallel; the chart sets it to "

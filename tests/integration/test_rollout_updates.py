@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import logging
+import os
 import threading
 import time
 
@@ -278,3 +280,116 @@ def test_weight_sync_push_from_trainer_sender(harness, models, store_process, ti
                                   CallParams(max_tokens=24, temperature=0.0, ignore_eos=True)))
     assert out.token_ids == hf_greedy(pushed, PROMPT, 24)
     client.close()
+
+
+# ---- routing at finish (issue 53) against vLLM's per-step delivery ----------------------------
+DELIVERY_PROMPTS = [PROMPT, list(range(40, 115)), [7, 8, 9]]  # 75 tokens: over two KV blocks
+
+
+def _both_deliveries(h, prompts, params, tag):  # noqa: ANN001, ANN202
+    """Each prompt twice in one batch, its routing delivered per step and at finish."""
+    return [h.engine.generate(f"{tag}-{d}-{i}", p, dataclasses.replace(params, routing_delivery=d))
+            for i, p in enumerate(prompts) for d in ("step", "finish")]
+
+
+def _assert_same_routing(outs, cut: bool = False) -> None:  # noqa: ANN001
+    """Each finish call's rows = its step twin's; after a `cut` the two may have been cut a
+    step apart (added to the engine one step apart): then their common rows agree."""
+    for step, finish in zip(outs[::2], outs[1::2], strict=True):
+        assert finish.finish_reason == step.finish_reason
+        assert finish.routing_TLK.dtype == step.routing_TLK.dtype
+        if not cut:
+            assert finish.token_ids == step.token_ids
+            assert finish.routing_TLK.shape == step.routing_TLK.shape
+        n = min(len(finish.token_ids), len(step.token_ids))
+        assert finish.token_ids[:n] == step.token_ids[:n]
+        rows = finish.routing_TLK.shape[0] - len(finish.token_ids) + n
+        assert rows == step.routing_TLK.shape[0] - len(step.token_ids) + n
+        assert np.array_equal(finish.routing_TLK[:rows], step.routing_TLK[:rows])
+
+
+def test_routing_at_finish_equals_per_step_delivery(harness, models):  # noqa: F811
+    """The rows a call takes at its end are vLLM's per-step rows, byte for byte: whole prompts,
+    a continuation (routed_prompt_start > 0) and greedy = HF teacher-forced top-k."""
+    base, _, _ = models
+    h = harness
+    h.run(h.engine.load_named_tensors(base.state_dict()))
+    greedy = CallParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    cont = dataclasses.replace(greedy, routed_prompt_start=len(PROMPT) - 1)
+
+    async def scenario():
+        return await asyncio.gather(*_both_deliveries(h, DELIVERY_PROMPTS, greedy, "eq"),
+                                    *_both_deliveries(h, [PROMPT], cont, "eq-cont"))
+
+    outs = h.run(scenario())
+    _assert_same_routing(outs)
+    for out, prompt in zip(outs[1::2], [*DELIVERY_PROMPTS, PROMPT], strict=True):
+        tokens = prompt + out.token_ids
+        start = len(PROMPT) - 1 if out.request_id.startswith("eq-cont") else 0
+        assert out.routing_TLK.shape[0] == len(tokens) - 1 - start
+        assert np.array_equal(canonical(out.routing_TLK)[:, 1:],
+                              hf_topk_TLK(base, tokens)[start:-1])
+
+
+@pytest.mark.parametrize("cut", ["pause", "preempt"])
+def test_routing_at_finish_keeps_rows_up_to_a_cut(harness, models, cut):  # noqa: F811
+    """A call cut by the weight update's pause (aborted) keeps its rows up to the cut, and a
+    preempted one (all running requests pushed back, then recomputed) all of them: the same
+    rows as the per-step delivery of the same call in the same batch."""
+    base, _, _ = models
+    h = harness
+    h.run(h.engine.load_named_tensors(base.state_dict()))
+    greedy = CallParams(max_tokens=300, temperature=0.0, ignore_eos=True)
+
+    async def scenario():
+        tasks = [asyncio.ensure_future(c) for c in _both_deliveries(h, [PROMPT], greedy, cut)]
+        rids = [f"{cut}-{d}-0" for d in ("step", "finish")]
+        deadline = time.monotonic() + 60
+        while min(h.engine.progress(r) for r in rids) < 10:
+            assert not any(t.done() for t in tasks) and time.monotonic() < deadline
+            await asyncio.sleep(0.005)
+        if cut == "pause":
+            async with h.engine.pause_for_update():
+                pass
+        else:
+            await h.engine.llm.reset_prefix_cache(reset_running_requests=True)
+        return await asyncio.gather(*tasks)
+
+    outs = h.run(scenario())
+    _assert_same_routing(outs, cut=cut == "pause")
+    out = outs[1]
+    assert out.finish_reason == ("abort" if cut == "pause" else "length")
+    assert 10 <= len(out.token_ids) <= 300 and (cut == "pause") == (len(out.token_ids) < 300)
+    tokens = PROMPT + out.token_ids
+    assert np.array_equal(canonical(out.routing_TLK)[:, 1:], hf_topk_TLK(base, tokens)[:-1])
+    assert not os.listdir(h.engine.cuts.dir)  # the cut file was read and removed
+
+
+def test_routing_at_finish_same_with_prefix_cache_on_or_off(harness, models):  # noqa: F811
+    """A prompt whose full KV blocks come from the prefix cache gets the same rows (vLLM reads
+    them from its slot buffer) as one that skips the cache and computes them again."""
+    from vllm import SamplingParams
+
+    from services.rollout.vllm_compat import CutFiles
+
+    base, _, _ = models
+    h = harness
+    h.run(h.engine.load_named_tensors(base.state_dict()))  # the load resets the prefix cache
+    prompt = list(range(30, 110))  # 80 tokens: two full blocks of 32
+
+    async def call(tag: str, skip: bool):  # noqa: ANN202
+        sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, detokenize=False,
+                            skip_reading_prefix_cache=skip,
+                            extra_args=CutFiles.extra_args(h.engine.cuts.new_path()))
+        async for out in h.engine.llm.generate({"prompt_token_ids": prompt}, sp, tag):
+            last = out
+        return last
+
+    first, hit, off = (h.run(call(t, s)) for t, s in (("pc-first", False), ("pc-hit", False),
+                                                      ("pc-off", True)))
+    assert (first.num_cached_tokens, hit.num_cached_tokens, off.num_cached_tokens) == (0, 64, 0)
+    rows = [o.outputs[0].routed_experts for o in (first, hit, off)]
+    assert rows[0].shape == (len(prompt) + 7, 3, 2)
+    assert all(np.array_equal(r, rows[0]) for r in rows[1:])
+    assert np.array_equal(canonical(rows[0])[:, 1:],
+                          hf_topk_TLK(base, prompt + list(first.outputs[0].token_ids))[:-1])

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import importlib.metadata
+import os
 
+import numpy as np
 import pytest
 
 from services.rollout import vllm_compat
@@ -57,3 +59,96 @@ def test_default_version_is_the_installed_one(monkeypatch):
         check_routed_prompt_start(10, 10, "r")
     monkeypatch.setattr(vllm_compat, "installed_version", lambda: V030)
     check_routed_prompt_start(10, 10, "r")
+
+
+# ---- the build check and routing at finish (issue 53) ----------------------------------------
+def test_known_builds_pass_an_unknown_one_is_refused_in_one_line():
+    assert vllm_compat.build_refusal(V024) is None and vllm_compat.build_refusal(V030) is None
+    assert vllm_compat.build_refusal() is None  # the installed one
+    line = vllm_compat.build_refusal((0, 31, 0))
+    assert line is not None and "\n" not in line
+    assert line.startswith("vLLM 0.31.0 is not a build r3flow knows (0.24.0, 0.30.0)")
+
+
+class _Out:
+    """The fields of vLLM's EngineCoreOutput that HeldRouting reads and writes."""
+
+    def __init__(self, rid, rows=None, finish=None):  # noqa: ANN001
+        self.request_id, self.routed_experts, self.finish_reason = rid, rows, finish
+
+
+def _rows(n: int, fill: int) -> np.ndarray:
+    return np.full((n, 3, 2), fill, dtype=np.uint8)
+
+
+def test_held_rows_leave_with_the_final_output_in_order(tmp_path):
+    held = vllm_compat.HeldRouting()
+    held.add("a", vllm_compat.CutFiles.extra_args(str(tmp_path / "a.npy")))
+    held.add("b", None)  # per step: untouched
+    held.add("c", {"other": 1})
+    step_buf = _rows(4, 0)
+    prompt, s1, s2 = _Out("a", _rows(5, 1)), _Out("a", step_buf[0:1]), _Out("b", _rows(1, 7))
+    held.take([prompt, s2])
+    held.take([s1])
+    assert prompt.routed_experts is None and s1.routed_experts is None
+    assert s2.routed_experts is not None  # not held
+    step_buf[0] = 9  # the step's buffer is reused: the held row is a copy
+    last = _Out("a", _rows(1, 3), finish="length")
+    held.take([last, _Out("c", _rows(1, 4), finish="stop")])
+    want = np.concatenate([_rows(5, 1), _rows(1, 0), _rows(1, 3)])
+    assert np.array_equal(last.routed_experts, want) and len(held) == 0
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_finished_request_without_rows_gets_none():
+    held = vllm_compat.HeldRouting()
+    held.add("a", vllm_compat.CutFiles.extra_args("/nonexistent/a.npy"))
+    out = _Out("a", None, finish="stop")
+    held.take([out])
+    assert out.routed_experts is None and len(held) == 0
+
+
+def test_an_abort_writes_the_rows_up_to_the_cut_other_ends_drop_them(tmp_path):
+    cuts = vllm_compat.CutFiles()
+    try:
+        paths = {r: cuts.new_path() for r in "abcd"}
+        held = vllm_compat.HeldRouting()
+        for r, p in paths.items():
+            held.add(r, cuts.extra_args(p))
+        held.take([_Out("a", _rows(4, 1)), _Out("a", _rows(1, 2)), _Out("b", _rows(4, 5)),
+                   _Out("c", _rows(2, 6))])
+        held.cut(["a", "d", "zz"], aborted=True)  # d: aborted before any row
+        held.cut(["b"], aborted=False)  # e.g. an error: nobody reads rows
+        assert held.ids() == ["c"]
+        assert np.array_equal(cuts.read(paths["a"]), np.concatenate([_rows(4, 1), _rows(1, 2)]))
+        assert cuts.read(paths["a"]) is None  # read once, removed
+        assert cuts.read(paths["b"]) is None and cuts.read(paths["d"]) is None
+        assert os.listdir(cuts.dir) == []
+    finally:
+        cuts.close()
+    assert not os.path.exists(cuts.dir)
+
+
+def test_cut_files_make_no_folder_until_asked():
+    cuts = vllm_compat.CutFiles()
+    cuts.close()
+    assert cuts.dir is None
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_scheduler_builds_on_the_class_vllm_would_pick(async_scheduling):
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    cls = vllm_compat._scheduler_class(async_scheduling)
+    assert issubclass(cls, Scheduler) and issubclass(cls, AsyncScheduler) == async_scheduling
+    assert {"add_request", "update_from_output", "finish_requests"} <= set(vars(cls))
+    assert vllm_compat.SCHEDULER == "services.rollout.vllm_compat.routing_at_finish_scheduler"
+
+
+def test_a_cut_that_cannot_be_written_is_logged_not_raised(tmp_path, caplog):
+    held = vllm_compat.HeldRouting()
+    held.add("a", vllm_compat.CutFiles.extra_args(str(tmp_path / "gone" / "a.npy")))
+    held.take([_Out("a", _rows(3, 1))])
+    held.cut(["a"], aborted=True)  # the folder does not exist: OSError inside
+    assert "request a: rows up to the cut not written" in caplog.text and len(held) == 0
