@@ -6,8 +6,9 @@ CPU or a GPU (issue 57 item 4).
 A model is built and warm-started exactly as `r3flow local` does for a config (services.local:
 seeded model and task, the family's builder, the warm-start config), sampled by vLLM in bf16
 with routed experts (tests.support.vllm_sampling) and scored by the megatron trainer in bf16:
-  * slot agreement: the share of the engine's expert ids the trainer's own router also picks
-    (the trainer's `routing_agreement`, per (token, MoE layer, k) slot);
+  * slot agreement: the share of the engine's expert ids the trainer's own router also picks,
+    per (token, MoE layer, k) slot: in the r3 pass (the trainer's `routing_agreement`, what the
+    loop logs: upstream layers replay the engine's ids) and with natural routing throughout;
   * router mismatch: the share of (token, MoE layer) top-k SETS that differ (a "router" in the
     R3 paper's words), per layer and overall;
   * token mismatch: the share of tokens whose set differs in >= 1 MoE layer, as measured and
@@ -18,6 +19,7 @@ Legend: B batch rows, S sequence, L MoE layers, K top-k.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,17 @@ import numpy as np
 # 6.4e-4), 7.5e-4 with R3. Per-slot agreement is not published: `slots_from_routers` derives it.
 PUBLISHED = {"model": "Qwen3-30B-A3B", "moe_layers": 48, "top_k": 8, "router_mismatch": 0.10,
              "token_mismatch": 0.94, "routers_per_token": 6.0, "kl_k3": 1.535e-3}
+
+
+# The GPU model (configs/local-gpu-h200.yaml) in miniature for a CPU: the same init std, warm
+# start (12 steps at 1e-3), 64 experts top-8, a dense first layer and the recipe's coefficient;
+# 256 wide, 5 MoE layers. The full-size model (1024 wide, 7 MoE layers) needs a GPU.
+MINIATURE: dict[str, Any] = {
+    "warm_start_steps": 12, "warm_start_lr": 1.0e-3,
+    "model": {"hidden_size": 256, "num_layers": 6, "first_k_dense": 1, "num_experts": 64,
+              "top_k": 8, "moe_intermediate_size": 64, "intermediate_size": 512,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+              "init_std": 0.02, "router_aux_loss_coef": 0.01}}
 
 
 def per_layer_rate(token_share: float, layers: int) -> float:
@@ -45,24 +58,35 @@ def at_depth(router_mismatch: float, layers: int) -> float:
 def published_band(moe_layers: int) -> dict[str, float]:
     """The published figures moved to `moe_layers` MoE layers, as a band: the per-layer router
     mismatch between what 94% of tokens over 48 independent layers implies (5.7%) and the
-    ~6-of-48 routers per token (12.5%); the token share at that depth from both ends."""
+    ~6-of-48 routers per token (12.5%); the token share at that depth from both ends; the slot
+    agreement with one id swapped per differing router."""
     lo = per_layer_rate(PUBLISHED["token_mismatch"], PUBLISHED["moe_layers"])
     hi = PUBLISHED["routers_per_token"] / PUBLISHED["moe_layers"]
+    k = PUBLISHED["top_k"]
+    # a differing router has swapped >= 1 of its k ids; 1 (a swap at the top-k boundary) is
+    # what our models show (ids_per_differing_router ~1.1)
     return {"router_mismatch_lo": lo, "router_mismatch_hi": hi,
+            "slot_agreement_lo": 1.0 - hi / k, "slot_agreement_hi": 1.0 - lo / k,
             "token_mismatch_lo": at_depth(lo, moe_layers),
             "token_mismatch_hi": at_depth(hi, moe_layers)}
 
 
-def mismatch_BSL(mb) -> np.ndarray:
-    """Where the trainer's natural top-k SET (R2-recorded) differs from vLLM's, [B, S, L]."""
+def differing_ids_BSL(mb) -> np.ndarray:
+    """How many of vLLM's K ids the trainer's natural top-k (R2-recorded) lacks, [B, S, L]
+    (0 on rows without engine routing)."""
     import torch
 
     b, s = mb.tokens_BS.shape
     own_SBLK = torch.stack(mb.replay_rows, 1).reshape(s, b, len(mb.replay_rows), -1)
-    own_BSLK = own_SBLK.transpose(0, 1).sort(-1).values
-    engine_BSLK = mb.routing_BSLK.long().sort(-1).values
-    return ((own_BSLK.cpu() != engine_BSLK.cpu()).any(-1)
-            & mb.valid_rows_BS.cpu()[..., None]).numpy()
+    own_BSLK = own_SBLK.transpose(0, 1).cpu()
+    engine_BSLK = mb.routing_BSLK.long().cpu()
+    missing_BSL = (~(engine_BSLK[..., :, None] == own_BSLK[..., None, :]).any(-1)).sum(-1)
+    return (missing_BSL * mb.valid_rows_BS.cpu()[..., None]).numpy()
+
+
+def mismatch_BSL(mb) -> np.ndarray:
+    """Where the trainer's natural top-k SET (R2-recorded) differs from vLLM's, [B, S, L]."""
+    return differing_ids_BSL(mb) > 0
 
 
 def samples(rollouts: list, layer_map, prompt_len: int) -> list:
@@ -86,17 +110,19 @@ def routing_figures(model_dir: Path, rollouts: list, prompt_len: int) -> dict[st
     r3 = tr.old_policy_pass(tr.prepare(samples(rollouts, lmap, prompt_len)), "r3")
     mbs = tr.prepare(samples(rollouts, lmap, prompt_len))
     tr.compute_logprobs(mbs, "r2")  # natural routing, recorded into mb.replay_rows
-    rows = np.concatenate([m.reshape(-1, m.shape[-1])[mb.valid_rows_BS.cpu().numpy().reshape(-1)]
-                           for mb in mbs for m in [mismatch_BSL(mb)]])
-    layers = rows.shape[1]
+    ids = np.concatenate([d.reshape(-1, d.shape[-1])[mb.valid_rows_BS.cpu().numpy().reshape(-1)]
+                          for mb in mbs for d in [differing_ids_BSL(mb)]])  # [rows, L]
+    rows, k = ids > 0, tr.backend.top_k
     router = float(rows.mean())
     return {"slot_agreement": r3["routing_agreement"],
             "slot_agreement_by_layer": r3["routing_agreement_by_layer"],
+            "slot_agreement_natural": 1.0 - float(ids.mean()) / k,
             "router_mismatch": router, "router_mismatch_by_layer": rows.mean(0).tolist(),
+            "ids_per_differing_router": float(ids[rows].mean()) if rows.any() else 0.0,
             "token_mismatch": float(rows.any(-1).mean()),
             "routers_per_token": float(rows.sum(-1).mean()),
             "token_mismatch_at_48_layers": at_depth(router, PUBLISHED["moe_layers"]),
-            "moe_layers": layers, "tokens": int(rows.shape[0]),
+            "moe_layers": int(rows.shape[1]), "tokens": int(rows.shape[0]),
             "logprob_diff_mean_r3": r3["logprob_diff_mean"]}
 
 
@@ -116,6 +142,34 @@ def warm_model(root: Path, local_cfg, aux: float) -> Path:
         return init
     conf = warm_start_config(local_cfg, root, init, root / "model-warm")
     return run(WarmStartConfig.model_validate(conf))
+
+
+def measure_arm(root: Path, local_cfg, aux: float, eager: bool = True, util: float = 0.9,
+                prompts: int | None = None) -> dict[str, Any]:
+    """One arm: build + warm start (`warm_model`), vLLM rollouts (bf16, routed experts; a child
+    process; `prompts` random prompts, default NUM_PROMPTS), `routing_figures`; with the
+    seconds of each part (each printed as it ends: a bench cut short shows where it was)."""
+    from tests.support.vllm_sampling import (
+        MAX_TOKENS,
+        NUM_PROMPTS,
+        PROMPT_LEN,
+        load_rollouts,
+        sample_in_child,
+    )
+
+    t0 = time.perf_counter()
+    model = warm_model(root, local_cfg, aux)
+    t1 = time.perf_counter()
+    print(f"[aux {aux}] built and warm-started in {t1 - t0:.1f} s", flush=True)
+    sample_in_child(model, root / "r.npz", seed=local_cfg.seed,
+                    num_prompts=prompts or NUM_PROMPTS, prompt_len=PROMPT_LEN,
+                    max_tokens=MAX_TOKENS, max_model_len=256, enforce_eager=eager,
+                    gpu_memory_utilization=util)
+    t2 = time.perf_counter()
+    print(f"[aux {aux}] vLLM rollouts in {t2 - t1:.1f} s", flush=True)
+    figures = routing_figures(model, load_rollouts(root / "r.npz"), PROMPT_LEN)
+    return {**figures, "router_aux_loss_coef": aux, "engine": "eager" if eager else "graphs",
+            "seconds": {"warm": t1 - t0, "sample": t2 - t1, "score": time.perf_counter() - t2}}
 
 
 def write_figures(path: Path, figures: dict[str, Any]) -> None:
