@@ -65,8 +65,10 @@ def to_sample(prompt: list[int], answer: list[int]):
 
 def aux_loss_coef(model_dir: str) -> float:
     """The model's load-balancing coefficient (HF `router_aux_loss_coef`; 0 where unset)."""
-    return float(json.loads((Path(model_dir) / "config.json").read_text())
-                 .get("router_aux_loss_coef") or 0.0)
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():  # not a checkpoint: the trainer names the missing model itself
+        return 0.0
+    return float(json.loads(path.read_text()).get("router_aux_loss_coef") or 0.0)
 
 
 def trainer_config(cfg: WarmStartConfig):

@@ -31,8 +31,9 @@ import numpy as np
 # rollouts vs Megatron: ~10% of routers (token x layer top-k sets) differ, 94% of tokens differ
 # in >= 1 layer, ~6 differing routers per token; train-inference k3 KL 1.535e-3 (Qwen3-8B dense:
 # 6.4e-4), 7.5e-4 with R3. Per-slot agreement is not published: `slots_from_routers` derives it.
-PUBLISHED = {"model": "Qwen3-30B-A3B", "moe_layers": 48, "top_k": 8, "router_mismatch": 0.10,
-             "token_mismatch": 0.94, "routers_per_token": 6.0, "kl_k3": 1.535e-3}
+PUBLISHED: dict[str, Any] = {
+    "model": "Qwen3-30B-A3B", "moe_layers": 48, "top_k": 8, "router_mismatch": 0.10,
+    "token_mismatch": 0.94, "routers_per_token": 6.0, "kl_k3": 1.535e-3}
 
 
 # The GPU model (configs/local-gpu-h200.yaml) in miniature for a CPU: the same init std, warm
@@ -104,12 +105,13 @@ def routing_figures(model_dir: Path, rollouts: list, prompt_len: int) -> dict[st
     pass) of `rollouts` against the megatron trainer in bf16 on `model_dir`."""
     from trainer.backend import make_trainer
     from trainer.config import TrainerConfig
+    from trainer.replay import ReplayMode
 
     tr = make_trainer(TrainerConfig(model_dir=str(model_dir), model={"dtype": "bf16"},
                                     data={"micro_batch_size": 8},
                                     replay={"agreement_floor": 0.5}))
     lmap = tr.layer_map(range(rollouts[0][2].shape[1]))  # vLLM reports every hidden layer
-    r3 = tr.old_policy_pass(tr.prepare(samples(rollouts, lmap, prompt_len)), "r3")
+    r3 = tr.old_policy_pass(tr.prepare(samples(rollouts, lmap, prompt_len)), ReplayMode.R3)
     mbs = tr.prepare(samples(rollouts, lmap, prompt_len))
     tr.compute_logprobs(mbs, "r2")  # natural routing, recorded into mb.replay_rows
     ids = np.concatenate([d.reshape(-1, d.shape[-1])[mb.valid_rows_BS.cpu().numpy().reshape(-1)]
