@@ -25,5 +25,5 @@ for arm in baseline recipe; do
   sleep "${STAGGER_S:-10}"  # the engines start one after the other (each measures free memory)
 done
 wait
-grep -h "^\[aux\|Error\|error" "$OUT"/*.log | tail -n 20
+grep -ho "\[aux.*\|[A-Za-z]*Error.*" "$OUT"/*.log | tail -n 20
 python3 tests/bench/bench_router_margins.py --table --out "$OUT" | tee "$OUT/table.txt"

@@ -34,7 +34,7 @@ def table(results: dict[str, dict]) -> None:
     layers = next(iter(results.values()))["moe_layers"]
     band = rm.published_band(layers)
     pub = rm.PUBLISHED
-    print(f"{'':44s}" + "".join(f"{a:>12s}" for a in results) + f"{'published':>22s}")
+    print(f"{'':44s}" + "".join(f"{a:>12s}" for a in results) + f"{'published':>27s}")
     rows: list[tuple[str, str, str]] = [
         ("slot agreement, r3 pass (routing_agreement)", "slot_agreement", "n/a"),
         ("slot agreement, natural routing", "slot_agreement_natural",
@@ -50,7 +50,7 @@ def table(results: dict[str, dict]) -> None:
         ("ids per differing router", "ids_per_differing_router", "n/a")]
     for label, key, published in rows:
         print(f"{label:44s}" + "".join(f"{r[key]:12.4f}" for r in results.values())
-              + f"{published:>22s}")
+              + f"{published:>27s}")
 
 
 def main() -> int:
