@@ -52,7 +52,7 @@ COST_S = {
     "family_chain": 350, "tests/faults/test_sigterm_stop.py": 140,
     "tests/integration/test_local_family.py": 125, "tests/faults/test_engine_death.py": 100,
     "tests/integration/test_weight_push_megatron.py": 80, "tests/unit/test_hf_gather_to.py": 45,
-    "tests/unit/test_hf_routers.py": 40,
+    "tests/unit/test_hf_routers.py": 40, "tests/integration/test_router_margins.py": 70,
 }
 
 

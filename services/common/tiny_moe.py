@@ -37,6 +37,11 @@ class TinyMoeConfig(StrictConfig):
     head_dim: int = Field(32, ge=8)
     max_position_embeddings: int = Field(1024, ge=64)
     init_std: float = Field(0.08, gt=0, description="std of the random init (not near-uniform routing)")
+    router_aux_loss_coef: float = Field(
+        0.0, ge=0, le=1, description="load-balancing loss of the model's training (the HF "
+        "config's router_aux_loss_coef; Qwen3-30B-A3B's is 0.001): the warm start trains with "
+        "megatron's aux_loss at this coefficient, which keeps its routers near-balanced with "
+        "real top-k margins (docs/benchmarks/gpu-loop.md, router margins); GRPO steps do not")
     seed: int = 0
 
 
@@ -80,7 +85,7 @@ def hf_config(cfg: TinyMoeConfig):
         mlp_only_layers=list(range(cfg.first_k_dense)), norm_topk_prob=True,
         max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=False,
         bos_token_id=1, eos_token_id=2, pad_token_id=0,
-        router_aux_loss_coef=0.0, output_router_logits=False,
+        router_aux_loss_coef=cfg.router_aux_loss_coef, output_router_logits=False,
         **extra,
     )
 

@@ -63,11 +63,27 @@ def to_sample(prompt: list[int], answer: list[int]):
                   np.ones(r, bool))
 
 
+def aux_loss_coef(model_dir: str) -> float:
+    """The model's load-balancing coefficient (HF `router_aux_loss_coef`; 0 where unset)."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():  # not a checkpoint: the trainer names the missing model itself
+        return 0.0
+    return float(json.loads(path.read_text()).get("router_aux_loss_coef") or 0.0)
+
+
 def trainer_config(cfg: WarmStartConfig):
     from trainer.config import TrainerConfig
 
+    # The warm start plays the model's pre-training: with the load-balancing loss its config
+    # names (the margin recipe, TinyMoeConfig.router_aux_loss_coef), as megatron-bridge maps
+    # router_aux_loss_coef to moe_aux_loss_coeff; GRPO's own config leaves it off.
+    aux = aux_loss_coef(cfg.model_dir)
+    if aux and cfg.backend != "megatron":
+        raise ValueError(f"backend: router_aux_loss_coef {aux} (the model's config) needs the "
+                         f"megatron backend for the warm start, not {cfg.backend}")
     return TrainerConfig.model_validate({
         "model_dir": cfg.model_dir, "backend": cfg.backend, "hf": cfg.hf,
+        **({"model": {"aux_loss_coeff": aux}} if aux else {}),
         "optim": {"lr": cfg.lr, "clip_grad": 1.0},
         "replay": {"mode": "off", "check_agreement": False},
         "data": {"micro_batch_size": cfg.micro_batch_size},

