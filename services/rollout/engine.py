@@ -217,6 +217,7 @@ class RolloutEngine:
         self._progress: dict[str, int] = {}
         self.pids = engine_pids(llm)
         self.device_uuid: str | None = None  # engine_gpu()
+        self.load_path = "pending"  # the worker extension's weight_load_path, once decided
         metrics["r3flow_rollout_policy_version"].set(self.policy_version)
         log.info("engine ready: %s; processes %s", self.info, self.pids)
 
@@ -397,6 +398,11 @@ class RolloutEngine:
         tensors it loaded."""
         async with self.pause_for_update(version, torn_on_failure):
             counts = await self.llm.collective_rpc(method, args=args)
+        if method == "receive_weights" and self.load_path == "pending":
+            # said once: pushes copied straight into the parameters, or vLLM's reload and why
+            self.load_path = (await self.llm.collective_rpc("weight_load_path"))[0]
+            if self.load_path != "pending":
+                log.info("weight load into the engine: %s", self.load_path)
         return int(counts[0])
 
     async def load_named_tensors(self, named: dict[str, Any], version: int | None = None) -> int:
