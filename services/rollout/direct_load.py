@@ -101,7 +101,10 @@ class DirectMap:
         covered: dict[str, int] = {}
         for name, (shape, dtype) in shapes.items():
             slot = _slot(name, only, params)
-            p = params[slot.param]
+            p = params.get(slot.param)
+            if p is None or (slot.expert is not None and not 0 <= slot.expert < len(p)):
+                raise MapRefused(f"{name}: the engine has no {slot.param}"
+                                 f"{'' if slot.expert is None else f'[{slot.expert}]'}")
             if p.dtype != dtype:
                 raise MapRefused(f"{name}: the engine holds {slot.param} as {p.dtype}, the "
                                  f"push sends {dtype}")

@@ -155,10 +155,9 @@ class CallParams:
     stream: bool = False
 
 
-def engine_args(cfg: EngineConfig) -> Any:
-    from vllm.engine.arg_utils import AsyncEngineArgs
-
-    return AsyncEngineArgs(
+def engine_kwargs(cfg: EngineConfig) -> dict[str, Any]:
+    """vLLM's AsyncEngineArgs for `cfg`, as keyword arguments."""
+    return dict(
         model=cfg.model, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
         max_num_seqs=cfg.max_num_seqs, block_size=cfg.block_size,
         enforce_eager=cfg.enforce_eager, tensor_parallel_size=cfg.tensor_parallel_size,
@@ -168,7 +167,15 @@ def engine_args(cfg: EngineConfig) -> Any:
         # raw T=1 ones: they are the PPO behaviour logprobs the trainer compares against.
         logprobs_mode="processed_logprobs",
         quantization=None if cfg.quantization == "none" else cfg.quantization,
-        worker_extension_cls=WORKER_EXTENSION, disable_log_stats=True)
+        worker_extension_cls=WORKER_EXTENSION, disable_log_stats=True,
+        **({"kv_cache_memory_bytes": cfg.kv_cache_memory_bytes}
+           if cfg.kv_cache_memory_bytes is not None else {}))
+
+
+def engine_args(cfg: EngineConfig) -> Any:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    return AsyncEngineArgs(**engine_kwargs(cfg))
 
 
 # vLLM's online FP8 runs FP8 kernels from compute capability 8.9 (Ada, Hopper) and a

@@ -91,6 +91,11 @@ def test_a_permuted_layout_is_refused_by_verify():
      "shared.weight: no engine parameter"),
     (lambda p, n: p.update({"model.norm.weight": torch.zeros(H + 1, dtype=torch.bfloat16)}),
      "model.norm.weight: the push writes 8 of its 9"),
+    (lambda p, n: p.pop("model.layers.0.mlp.gate_up_proj.weight"),
+     r"mlp.gate_proj.weight: the engine has no model.layers.0.mlp.gate_up_proj.weight$"),
+    (lambda p, n: n.append(("model.layers.0.mlp.experts.7.down_proj.weight",
+                            torch.zeros(H, FF, dtype=torch.bfloat16))),
+     r"experts.7.down_proj.weight: the engine has no .*w2_weight\[7\]"),
 ])
 def test_layouts_the_map_refuses(change, match):
     params, named = _engine(), _push(4)
