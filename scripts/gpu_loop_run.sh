@@ -5,10 +5,11 @@
 #   ARMS="bf16:r3" STEPS=100 LIMIT=560 bash scripts/gpu_loop_run.sh
 #   ARMS="fp8:r3 fp8:off" STEPS=100 LIMIT=500 PACK=$OUT/loop.tgz bash scripts/gpu_loop_run.sh
 # An arm is QUANT:REPLAY[,KEY=VALUE...] (QUANT bf16 or fp8: engine.quantization none / fp8;
-# REPLAY r3, r2, off); KEYs: steps (instead of STEPS), config (instead of LOCAL_CONFIG), after
-# (seconds to wait after the arm before it, instead of STAGGER_S, default 20), tree (run this
-# arm with another checkout's code, e.g. a helper's branch: its config gets the quantization and
-# the checkpoint knobs only, not UTIL / KV_BYTES, which that code may not know).
+# REPLAY r3, r2, off); KEYs: steps (instead of STEPS), config (instead of LOCAL_CONFIG), util
+# (instead of UTIL), after (seconds to wait after the arm before it, instead of STAGGER_S,
+# default 20), name (the arm's folder and file prefix instead of QUANT_REPLAY), tree (run this arm with another checkout's code, e.g. a helper's branch: its
+# config gets the quantization, util= and the checkpoint knobs, not UTIL / KV_BYTES, which that
+# code may not know; its engine then sizes its KV cache by vLLM's memory profile).
 #   ARMS="fp8:r3 fp8:off bf16:r3,tree=../r57tree,steps=40,after=100" ...
 #
 # Several arms share the GPU and the host, so each arm's engine gets a fixed KV cache (KV_BYTES,
@@ -102,8 +103,8 @@ snapshot() {
   fi
 }
 monitor() { while :; do sleep "${MON_S:-20}"; snapshot; done; }
-tag_of() { local q r; IFS=:, read -r q r _ <<<"$1"; echo "${q}_$r"; }  # bf16:r3,... -> bf16_r3
 opt() { local kv; for kv in $(tr , ' ' <<<"$1"); do [ "${kv%%=*}" != "$2" ] || echo "${kv#*=}"; done; }
+tag_of() { local q r; IFS=:, read -r q r _ <<<"$1"; opt "$1" name | grep . || echo "${q}_$r"; }
 start=$(date +%s)
 for arm in "${ARM_LIST[@]}"; do
   IFS=:, read -r quant replay _ <<<"$arm"
@@ -113,9 +114,11 @@ for arm in "${ARM_LIST[@]}"; do
   if [ -n "$tree" ]; then
     tree=$(cd "$tree" && pwd) || exit 2
     (cd "$tree" && PYTHONPATH=/tmp/local-site:/tmp/vllm-site:$tree python3 -m services.common._build >/dev/null)
-    arm_config "$quant" "$L/$tag.yaml" "$tree/$(opt "$arm" config | grep . || echo "$CONFIG")" "" "" || exit 2
+    arm_config "$quant" "$L/$tag.yaml" "$tree/$(opt "$arm" config | grep . || echo "$CONFIG")" \
+      "$(opt "$arm" util)" "" || exit 2
   else
-    arm_config "$quant" "$L/$tag.yaml" "$(opt "$arm" config | grep . || echo "$CONFIG")" "${UTIL:-}" "${KV_BYTES:-}" || exit 2
+    arm_config "$quant" "$L/$tag.yaml" "$(opt "$arm" config | grep . || echo "$CONFIG")" \
+      "$(opt "$arm" util | grep . || echo "${UTIL:-}")" "${KV_BYTES:-}" || exit 2
   fi
   ( t0=$(date +%s)
     [ -z "$tree" ] || { cd "$tree" && export PYTHONPATH=/tmp/local-site:/tmp/vllm-site:$tree; }

@@ -151,7 +151,10 @@ def main() -> None:
     if args.compare:
         from services.local.compare import write_comparison
 
-        labels = [arm_label(d) for d in args.runs]
+        labels: list[str] = []
+        for d in args.runs:  # two arms of one kind are told apart by their folder
+            label = arm_label(d)
+            labels.append(label if label not in labels else f"{label}({d.parent.name})")
         labelled = dict(zip(labels, figs, strict=True))
         args.compare.mkdir(parents=True, exist_ok=True)
         runs = {lb: json.loads((d / "summary.json").read_text())
