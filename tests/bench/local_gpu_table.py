@@ -76,12 +76,15 @@ def run_figures(run_dir: Path) -> dict:
 
 def arm_label(run_dir: Path) -> str:
     """QUANT:REPLAY of a run (engine.quantization from its rollout config, the replay mode
-    from its summary)."""
+    from its summary or, without one, its step log)."""
     quant = "none"
     for p in sorted((run_dir / "configs").glob("rollout-*.json"))[:1]:
         quant = json.loads(p.read_text()).get("engine", {}).get("quantization", "none")
     summary = run_dir / "summary.json"
-    replay = json.loads(summary.read_text()).get("replay", "?") if summary.is_file() else "?"
+    replay = json.loads(summary.read_text()).get("replay") if summary.is_file() else None
+    if replay is None:  # a run cut before its summary: the step log names it
+        rows = read_log(run_dir / "trainer" / "train_log.jsonl")
+        replay = rows[0].get("replay", "?") if rows else "?"
     return f"{'bf16' if quant == 'none' else quant}:{replay}"
 
 
