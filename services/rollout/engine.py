@@ -164,10 +164,9 @@ class CallParams:
     routing_delivery: str | None = None
 
 
-def engine_args(cfg: EngineConfig) -> Any:
-    from vllm.engine.arg_utils import AsyncEngineArgs
-
-    return AsyncEngineArgs(
+def engine_kwargs(cfg: EngineConfig) -> dict[str, Any]:
+    """vLLM's AsyncEngineArgs for `cfg`, as keyword arguments."""
+    return dict(
         model=cfg.model, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
         max_num_seqs=cfg.max_num_seqs, block_size=cfg.block_size,
         enforce_eager=cfg.enforce_eager, tensor_parallel_size=cfg.tensor_parallel_size,
@@ -180,7 +179,15 @@ def engine_args(cfg: EngineConfig) -> Any:
         worker_extension_cls=WORKER_EXTENSION, disable_log_stats=True,
         # holds routing rows in the engine core until a request ends (vllm_compat, issue 53);
         # a request that does not ask for it keeps vLLM's per-step delivery
-        scheduler_cls=SCHEDULER if cfg.capture_routing else None)
+        scheduler_cls=SCHEDULER if cfg.capture_routing else None,
+        **({"kv_cache_memory_bytes": cfg.kv_cache_memory_bytes}
+           if cfg.kv_cache_memory_bytes is not None else {}))
+
+
+def engine_args(cfg: EngineConfig) -> Any:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    return AsyncEngineArgs(**engine_kwargs(cfg))
 
 
 # vLLM's online FP8 runs FP8 kernels from compute capability 8.9 (Ada, Hopper) and a
@@ -230,6 +237,7 @@ class RolloutEngine:
         self.pids = engine_pids(llm)
         self.device_uuid: str | None = None  # engine_gpu()
         self.cuts = CutFiles()  # rows up to a cut, for calls that take routing at finish
+        self.load_path = "pending"  # the worker extension's weight_load_path, once decided
         metrics["r3flow_rollout_policy_version"].set(self.policy_version)
         log.info("engine ready: %s; processes %s", self.info, self.pids)
 
@@ -426,6 +434,11 @@ class RolloutEngine:
         tensors it loaded."""
         async with self.pause_for_update(version, torn_on_failure):
             counts = await self.llm.collective_rpc(method, args=args)
+        if method == "receive_weights" and self.load_path == "pending":
+            # said once: pushes copied straight into the parameters, or vLLM's reload and why
+            self.load_path = (await self.llm.collective_rpc("weight_load_path"))[0]
+            if self.load_path != "pending":
+                log.info("weight load into the engine: %s", self.load_path)
         return int(counts[0])
 
     async def load_named_tensors(self, named: dict[str, Any], version: int | None = None) -> int:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from services.common.weight_sync.digest import tensor_digest
+from services.rollout.direct_load import DirectMap, MapRefused
 
 _FUSED = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
 
@@ -46,10 +47,26 @@ def unfuse_hf_experts(named: Iterable[tuple[str, torch.Tensor]]
                 yield f"{prefix}.{e}.up_proj.weight", up
 
 
+def _cannot_verify(params: dict[str, torch.Tensor]) -> str | None:
+    """Why the first push's tensors cannot be kept to verify a direct map (None: they can):
+    the engine is not on a GPU (vLLM-CPU's MoE kernel prepacks the experts on load), or a
+    second copy of the weights would take more than half the GPU's free memory."""
+    if not params or not all(p.is_cuda for p in params.values()):
+        return "the engine's parameters are not on a GPU"
+    nbytes = sum(p.numel() * p.element_size() for p in params.values())
+    free, _ = torch.cuda.mem_get_info(next(iter(params.values())).device)
+    if 2 * nbytes > free:
+        return f"a copy of the weights ({nbytes / 2**30:.1f} GiB) to verify it does not fit"
+    return None
+
+
 class R3WorkerExtension:
     """Mixed into vLLM's worker: weight loading for RL weight updates."""
 
     model_runner: Any  # provided by the vLLM worker this class is mixed into
+    # pushes copied straight into the parameters (None: not tried yet; False: refused)
+    r3flow_direct: DirectMap | bool | None
+    r3flow_direct_refused: str
 
     def load_named_tensors(self, named: Iterable[tuple[str, torch.Tensor]],
                            digests: bool = False) -> int:
@@ -109,7 +126,11 @@ class R3WorkerExtension:
         bucket as it lands (weight_sync.receiver_stream: a ring of a few staging buckets, never
         the whole model). A failed push raises after part of it was loaded: the caller keeps
         generation paused until the next push completes. `digests`: as in
-        `load_named_tensors`."""
+        `load_named_tensors`.
+
+        The first push goes through vLLM's reload; on a GPU engine its tensors then verify a
+        `DirectMap` (services.rollout.direct_load), and later pushes are copied straight into
+        the parameters through it (said in one log line either way)."""
         from services.common.pb.r3flow.v1 import store_pb2
         from services.common.weight_sync import WeightReceiver
         from services.common.weight_sync.receiver_stream import stream_weights
@@ -122,10 +143,71 @@ class R3WorkerExtension:
             rx = WeightReceiver(worker_id, local_rank=getattr(self, "local_rank", 0),
                                 device=getattr(self, "device", "cpu"))
             self.r3flow_receiver = rx
-        # vLLM's layerwise reload keeps a layer's tensors until the layer is complete (and
-        # may do so across buckets), so each tensor leaves the ring as a copy of its own
-        return self.load_named_tensors(((n, t.clone()) for n, t in stream_weights(rx, plan)),
-                                       digests)
+        named = unfuse_hf_experts(stream_weights(rx, plan))
+        direct = getattr(self, "r3flow_direct", None)
+        if isinstance(direct, DirectMap):
+            self.r3flow_load_digests = {}
+            try:
+                count = direct.load(self._digested(named) if digests else named)
+            except MapRefused:
+                self.r3flow_direct = None  # the push's layout changed: reload, map again
+                raise
+            torch.cuda.current_stream().synchronize()
+            return count
+        kept: list[tuple[str, torch.Tensor]] | None = None
+        if direct is None:
+            why = _cannot_verify(dict(self.model_runner.get_model().named_parameters()))
+            if why:
+                self._refuse_direct(why)
+            else:
+                kept = []
+
+        def copies() -> Iterator[tuple[str, torch.Tensor]]:
+            # vLLM's layerwise reload keeps a layer's tensors until the layer is complete
+            # (and may do so across buckets), so each leaves the ring as a copy of its own
+            for n, t in named:
+                c = t.clone()
+                if kept is not None:
+                    kept.append((n, c))
+                yield n, c
+
+        count = self.load_named_tensors(copies(), digests)
+        if kept:
+            self._map_direct(kept)
+        return count
+
+    def _digested(self, named: Iterable[tuple[str, torch.Tensor]]
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in named:
+            self.r3flow_load_digests[name] = tensor_digest(t)
+            yield name, t
+
+    def _map_direct(self, kept: list[tuple[str, torch.Tensor]]) -> None:
+        """Build the direct map for pushes like this one and verify it against what vLLM's
+        reload just placed; later pushes use it, or the reload when it is refused."""
+        params = dict(self.model_runner.get_model().named_parameters())
+        try:
+            direct = DirectMap.build(params, {n: (t.shape, t.dtype) for n, t in kept})
+            direct.verify(kept)
+        except MapRefused as why:
+            self._refuse_direct(str(why))
+            return
+        finally:
+            kept.clear()
+        self.r3flow_direct = direct
+
+    def _refuse_direct(self, why: str) -> None:
+        self.r3flow_direct, self.r3flow_direct_refused = False, why
+
+    def weight_load_path(self) -> str:
+        """How pushes load: 'pending' (no push verified or refused the direct map yet),
+        'direct' (copied straight into the parameters) or "reload (why)" (vLLM's reload)."""
+        direct = getattr(self, "r3flow_direct", None)
+        if direct is None:
+            return "pending"
+        if isinstance(direct, DirectMap):
+            return "direct"
+        return f"reload ({self.r3flow_direct_refused})"
 
     def device_uuid(self) -> str:
         """UUID of this worker's GPU ("" on vLLM-CPU): the store's WorkerInfo carries it, and the

@@ -40,3 +40,15 @@ def test_the_planner_counts_fp8_linears_at_one_byte():
     # the KV cache gets what fp8 frees: one GPU holds what bf16 needs two for
     assert plan_rollout(QWEN, 80, 0.85, 8192, 32).tp == 2
     assert plan_rollout(QWEN, 80, 0.85, 8192, 32, quantization="fp8").tp == 1
+
+
+def test_a_fixed_kv_cache_reaches_vllm_only_when_set():
+    """engine.kv_cache_memory_bytes: engines sharing one GPU skip vLLM's device-wide memory
+    profile (issue 57: arms side by side on one H200)."""
+    from services.rollout.engine import engine_kwargs
+
+    fixed = engine_kwargs(EngineConfig(model="m", kv_cache_memory_bytes=2**30))
+    assert fixed["kv_cache_memory_bytes"] == 2**30
+    assert "kv_cache_memory_bytes" not in engine_kwargs(EngineConfig(model="m"))
+    with pytest.raises(ValidationError, match="kv_cache_memory_bytes"):
+        EngineConfig(model="m", kv_cache_memory_bytes=0)

@@ -38,3 +38,20 @@ def test_run_figures_and_table(tmp_path: Path):
     assert len(table) == 2 + 2 + 1  # header, rule, 2 steps, mean
     assert table[2].startswith("| 1 | 0.0040 | 0.0080 | 2.00e-05 | - |")
     assert "| 1.50 |" in table[2] and table[-1].startswith("| mean | 0.0030 | 0.0060 |")
+
+
+def test_goal_lines_set_r3_against_off_and_split_the_r3_arm():
+    from tests.bench.local_gpu_table import goal_lines
+
+    def fig(k3, k3_off, far, far_off, diff):
+        return {"means": {"logprob_diff_k3": k3, "logprob_diff_k3_off": k3_off,
+                          "logprob_diff_far_share": far, "logprob_diff_far_share_off": far_off,
+                          "logprob_diff_mean": diff}}
+
+    lines = goal_lines({"fp8:r3": fig(1e-3, 4e-3, 0.01, 0.05, 0.02),
+                        "fp8:off": fig(4e-3, None, 0.05, None, 0.04)})
+    assert lines[0] == ("fp8:r3: same batches without replay / with: k3 4, >1 share 5; "
+                        "numerics (with replay) k3 0.001, routing part 0.003")
+    assert lines[1] == ("fp8: r3 / off k3 mismatch KL 0.25 (goal <= 0.5), >1 share 0.2 "
+                        "(goal <= 0.2), |Δlp| 0.5")
+    assert len(lines) == 2  # the off arm has no split of its own
