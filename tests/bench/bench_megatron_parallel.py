@@ -141,10 +141,17 @@ def _profile(tr, samples: list, out: str) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    for mode in ("off", "r3"):
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    # the third: r3 again with Python stacks (where each kernel was launched from; the host
+    # tracing slows the host, so the idle figures come from the plain r3 trace)
+    for mode, stack in (("off", False), ("r3", False), ("r3", True)):
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                     with_stack=stack) as prof:
             tr.train_step(samples, mode)
             torch.cuda.synchronize()
+        if stack:
+            if torch.distributed.get_rank() == 0:
+                _export(prof, Path(out).with_suffix(".trace_r3_stack.json"))
+            continue
         if torch.distributed.get_rank() == 0:
             avg = prof.key_averages()
             text = "\n".join(f"== {mode} by {key}\n" + avg.table(sort_by=key, row_limit=40,
@@ -154,12 +161,16 @@ def _profile(tr, samples: list, out: str) -> None:
             Path(out).with_suffix(f".profile_{mode}.txt").write_text(text)
             print(text)
             if mode == "r3":  # the timeline, for gaps the tables cannot show (gzip: < 16 MiB)
-                import gzip
+                _export(prof, Path(out).with_suffix(".trace_r3.json"))
 
-                trace = Path(out).with_suffix(".trace_r3.json")
-                prof.export_chrome_trace(str(trace))
-                Path(f"{trace}.gz").write_bytes(gzip.compress(trace.read_bytes()))
-                trace.unlink()
+
+def _export(prof, trace: Path) -> None:
+    """The profile as a gzipped chrome trace `trace`.gz (tests/bench/trace_summary.py reads it)."""
+    import gzip
+
+    prof.export_chrome_trace(str(trace))
+    Path(f"{trace}.gz").write_bytes(gzip.compress(trace.read_bytes()))
+    trace.unlink()
 
 
 def _cprofile(tr, samples: list) -> None:
