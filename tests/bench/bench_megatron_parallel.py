@@ -168,8 +168,8 @@ def _measure(args: argparse.Namespace, model_dir: str, out: str) -> dict:
                 times[mode].append(time.perf_counter() - t0)
         samples = _samples(args.samples, args.seq_len, len(b.moe_layers), b.top_k,
                            b.num_experts, torch.distributed.get_rank())
-    if args.profile:
-        _profile(tr, samples, out)  # beside the bench's JSON (rank 0 writes)
+    if args.profile or args.profile_stack:
+        _profile(tr, samples, out, args.profile_stack)  # beside the bench's JSON (rank 0)
     if args.cprofile:
         _cprofile(tr, samples)
     peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
@@ -178,20 +178,22 @@ def _measure(args: argparse.Namespace, model_dir: str, out: str) -> dict:
             "steps_s": time.perf_counter() - t_steps}
 
 
-def _profile(tr, samples: list, out: str) -> None:
+def _profile(tr, samples: list, out: str, stack: bool = False) -> None:
     """One off and one r3 step under torch.profiler; rank 0 prints the top ops by self CPU and
-    by device time and writes them beside `out` (--profile)."""
+    by device time and writes them beside `out` (--profile); with `stack` (--profile-stack) a
+    third step, r3 with Python stacks (tests/bench/trace_summary.py: GPU time by launching
+    frame)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     # the third: r3 again with Python stacks (where each kernel was launched from; the host
     # tracing slows the host, so the idle figures come from the plain r3 trace)
-    for mode, stack in (("off", False), ("r3", False), ("r3", True)):
+    for mode, with_stack in (("off", False), ("r3", False), ("r3", True))[:3 if stack else 2]:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
-                     with_stack=stack) as prof:
+                     with_stack=with_stack) as prof:
             tr.train_step(samples, mode)
             torch.cuda.synchronize()
-        if stack:
+        if with_stack:
             if torch.distributed.get_rank() == 0:
                 _export(prof, Path(out).with_suffix(".trace_r3_stack.json"))
             continue
@@ -383,6 +385,8 @@ def main() -> None:
     p.add_argument("--check-agreement", action=argparse.BooleanOptionalAction, default=False,
                    help="replay.check_agreement (the routing agreement check of r3/r2 passes)")
     p.add_argument("--profile", action="store_true", help="profile one off and one r3 step")
+    p.add_argument("--profile-stack", action="store_true", help="--profile and a third step, "
+                   "r3 with Python stacks (where each kernel was launched from)")
     p.add_argument("--cprofile", action="store_true", help="cProfile one r3 step (host time)")
     p.add_argument("--peak-tflops", type=float, default=989.0)
     p.add_argument("--small", action="store_true", help="tiny widths (CPU smoke)")
