@@ -132,7 +132,8 @@ class GatherAlltoAll(PlannedAlltoAll):
         for point in ("before_permutation_2", "before_finish"):  # megatron's sync points
             self.tokens_per_expert = self._maybe_dtoh_and_synchronize(
                 point, self.tokens_per_expert)
-        tokens_per_expert, self.tokens_per_expert = self.tokens_per_expert, None
+        tokens_per_expert = self.tokens_per_expert
+        self.tokens_per_expert = None  # type: ignore[assignment]  # as megatron's own
         return global_input_tokens, tokens_per_expert, global_probs
 
     def combine_preprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
