@@ -348,7 +348,8 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--micro-batch", type=int, default=1, help="data.micro_batch_size")
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The bench's command line (the launcher's and each rank's)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_workload_args(p)
     p.add_argument("--tp", type=int, default=1)
@@ -401,6 +402,11 @@ def main() -> None:
                    "ARGS appended) built and timed in turn in the same rank processes, one "
                    "table and one JSON entry per variant (imports and the CUDA context paid "
                    "once)")
+    return p
+
+
+def main() -> None:
+    p = parser()
     if sys.argv[1:2] == ["--rank-of"]:
         model_dir, out = sys.argv[2], sys.argv[3]
         base = sys.argv[4:]
