@@ -8,11 +8,12 @@
 # fastpath: issue 30's kernels probe and the plain vs fast path bench (LAYOUTS="--ep=4;--ep=4 --tp=2",
 # layouts separated by ';';
 # FASTPATH_PATHS="fast fast_pg fast_pg_step fast_unplanned fast_prof fast_mb1 fast_mb4
-# fast_norecompute fast_torchlp fast_bfl plain" adds the fast path with --overlap-param-gather, with the
+# fast_norecompute fast_torchlp fast_bfl fast_gather plain" adds the fast path with --overlap-param-gather, with the
 # gathers started at the step's end, without the planned dispatch, profiled, with micro-batch 1
 # or 4 (2 in fast), without MoE recompute, with the chunked torch log-softmax instead of the
 # Triton kernels (loss.logprob_kernel, issue 44), without megatron's [S, B, V] -> [B, S, V] copy
-# of the logits (fast_bfl: model.batch_first_logits on, issue 44; not yet measured); the bench
+# of the logits (fast_bfl: model.batch_first_logits on, issue 44; measured in issue 55: auto now),
+# with the gather-based MoE permute (fast_gather: model.moe_permute gather, issue 55); the bench
 # runs `r3flow plan`'s recompute pick for the GPU unless FAST or the path names
 # --[no-]recompute-moe;
 # PROBE=0 skips the kernel probe; `none`: only the wheels' install and the build);
@@ -83,6 +84,7 @@ for section in $SECTIONS; do
             fast_norecompute) flags="$FAST --no-recompute-moe";;
             fast_torchlp) flags="$FAST --logprob-kernel torch";;  # the chunked torch loss (before issue 44)
             fast_bfl) flags="$FAST --batch-first-logits";;  # no logits copy (model.batch_first_logits, issue 44)
+            fast_gather) flags="$FAST --moe-permute gather";;  # gathers, no atomics (issue 55)
             *) flags="";; esac
           echo "== bench $layout $path"
           python3 tests/bench/bench_megatron_parallel.py --gpus "$(nvidia-smi -L | wc -l)" \

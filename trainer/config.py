@@ -40,6 +40,8 @@ class ModelSection(Protocol):
     @property
     def batch_first_logits(self) -> bool | str: ...
     @property
+    def moe_permute(self) -> str: ...
+    @property
     def tensor_parallel(self) -> int: ...
     @property
     def pipeline_parallel(self) -> int: ...
@@ -339,7 +341,7 @@ class TrainerConfig(StrictConfig):
         kind = "fast" if len(on) == len(switches) else "reference" if not on else "mixed"
         return (f"trainer path: {kind} (backend {self.backend}, dtype {m.dtype}; experts "
                 f"{m.experts}, attention {m.attention}, planned_dispatch {m.planned_dispatch}, "
-                f"batch_first_logits {m.batch_first_logits}, fused_adam {self.optim.fused_adam}, chunked_logprobs "
+                f"batch_first_logits {m.batch_first_logits}, moe_permute {m.moe_permute}, fused_adam {self.optim.fused_adam}, chunked_logprobs "
                 f"{self.loss.chunked_logprobs}, logprob_kernel {self.loss.logprob_kernel})")
 
     def old_pass_refusal(self, mode: str) -> str | None:

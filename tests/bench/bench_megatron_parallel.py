@@ -16,6 +16,8 @@ The fast path's switches (issue 30): --experts grouped --attention sdpa [--overl
 --planned-dispatch --[no-]batch-first-logits]; MoE recompute: --[no-]recompute-moe, by default
 `r3flow plan`'s pick for the GPU's memory (issue 44); --check-agreement turns the routing agreement check on (its cost; floor 0:
 random rollout ids agree with a random-init router at chance, so no group is quarantined).
+--variants "NAME:ARGS;..." builds and times one trainer per variant in turn in the same processes
+(issue 55: each switch alone and all together in one short call; one JSON entry per variant).
 Writes bench-results/megatron_parallel.json.
 Run: python tests/bench/bench_megatron_parallel.py --gpus 4 [--layers 8 --ep 4 ...]
 """
@@ -77,15 +79,46 @@ def _samples(n: int, seq: int, moe_layers: int, top_k: int, experts: int, seed: 
     return out
 
 
-def _rank(args: argparse.Namespace, model_dir: str, out: str) -> None:
+def _rank(args: argparse.Namespace, model_dir: str, out: str,
+          variants: list[tuple[str, argparse.Namespace]]) -> None:
+    """Each variant's trainer built, timed and freed in turn in this one process (imports,
+    CUDA context and compiled kernels shared; --variants), its figures written to `out`."""
+    import gc
+
     import torch
 
+    res = {}
+    for name, vargs in variants:
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        res[name] = _measure(vargs, model_dir, f"{Path(vargs.out).with_suffix('')}"
+                             f"{'_' + name if name else ''}.json")
+        gc.collect()
+        left = 0.0
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+            left = torch.cuda.memory_allocated() / 2**30
+        if torch.distributed.get_rank() == 0:  # as it ends: a run cut short keeps these
+            med = {m: round(statistics.median(t), 4) for m, t in res[name]["times"].items()}
+            print(f"variant {name or '-'}: build {res[name]['build_s']:.0f} s, steps "
+                  f"{res[name]['steps_s']:.0f} s; rank 0 median step s {med}, peak "
+                  f"{res[name]['peak_bytes'] / 2**30:.2f} GiB; left allocated after it "
+                  f"{left:.2f} GiB", flush=True)
+    Path(out).write_text(json.dumps({"variants": res}))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def _trainer(args: argparse.Namespace, model_dir: str):
+    """The bench's trainer for `args` (random init)."""
     import trainer.megatron.engine as engine
     from trainer.backend import make_trainer
     from trainer.config import TrainerConfig
 
-    real_build = engine.build_model
-    engine.build_model = lambda d, c: real_build(d, c, load_weights=False)  # random init
+    real_build = getattr(engine.build_model, "real_build", engine.build_model)
+    random_init = lambda d, c: real_build(d, c, load_weights=False)  # noqa: E731
+    random_init.real_build = real_build  # type: ignore[attr-defined]
+    engine.build_model = random_init
     model = {"dtype": "bf16", "expert_parallel": args.ep, "tensor_parallel": args.tp,
              "sequence_parallel": args.tp > 1, "pipeline_parallel": args.pp,
              "recompute_moe": args.recompute_moe, "router_dtype": "native",
@@ -94,6 +127,8 @@ def _rank(args: argparse.Namespace, model_dir: str, out: str) -> None:
         model["planned_dispatch"] = True
     if args.batch_first_logits is not None:  # else the field's default (older checkouts lack it)
         model["batch_first_logits"] = args.batch_first_logits
+    if args.moe_permute is not None:
+        model["moe_permute"] = args.moe_permute
     cfg = TrainerConfig(model_dir=model_dir, model=model, data={"micro_batch_size": args.micro_batch,
                         "pad_multiple": 128}, replay={"check_agreement": args.check_agreement,
                                                   "agreement_floor": 0.0},
@@ -104,10 +139,19 @@ def _rank(args: argparse.Namespace, model_dir: str, out: str) -> None:
                            if args.logprob_kernel != "auto" else {})
                         | ({"skip_old_policy_pass": args.skip_old_pass}
                            if args.skip_old_pass else {}))  # else the default (older: absent)
-    tr = make_trainer(cfg)
+    return make_trainer(cfg)
+
+
+def _measure(args: argparse.Namespace, model_dir: str, out: str) -> dict:
+    """Build the trainer, time the modes round-robin, profile if asked; this rank's figures."""
+    import torch
+
+    t_build = time.perf_counter()
+    tr = _trainer(args, model_dir)
     b = tr.backend
     samples = _samples(args.samples, args.seq_len, len(b.moe_layers), b.top_k, b.num_experts,
                        torch.distributed.get_rank())
+    t_steps = time.perf_counter()
     times: dict[str, list[float]] = {m: [] for m in MODES}
     skipped = dict.fromkeys(MODES, False)  # loss.skip_old_policy_pass took the pass away
     for r in range(args.rounds + 1):
@@ -124,27 +168,35 @@ def _rank(args: argparse.Namespace, model_dir: str, out: str) -> None:
                 times[mode].append(time.perf_counter() - t0)
         samples = _samples(args.samples, args.seq_len, len(b.moe_layers), b.top_k,
                            b.num_experts, torch.distributed.get_rank())
-    if args.profile:
-        _profile(tr, samples, args.out)  # beside the bench's JSON (rank 0 writes)
+    if args.profile or args.profile_stack:
+        _profile(tr, samples, out, args.profile_stack)  # beside the bench's JSON (rank 0)
     if args.cprofile:
         _cprofile(tr, samples)
     peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
-    Path(out).write_text(json.dumps({"times": times, "peak_bytes": peak, "skipped": skipped,
-                                     "rank": torch.distributed.get_rank()}))
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    return {"times": times, "peak_bytes": peak, "skipped": skipped,
+            "rank": torch.distributed.get_rank(), "build_s": t_steps - t_build,
+            "steps_s": time.perf_counter() - t_steps}
 
 
-def _profile(tr, samples: list, out: str) -> None:
+def _profile(tr, samples: list, out: str, stack: bool = False) -> None:
     """One off and one r3 step under torch.profiler; rank 0 prints the top ops by self CPU and
-    by device time and writes them beside `out` (--profile)."""
+    by device time and writes them beside `out` (--profile); with `stack` (--profile-stack) a
+    third step, r3 with Python stacks (tests/bench/trace_summary.py: GPU time by launching
+    frame)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    for mode in ("off", "r3"):
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    # the third: r3 again with Python stacks (where each kernel was launched from; the host
+    # tracing slows the host, so the idle figures come from the plain r3 trace)
+    for mode, with_stack in (("off", False), ("r3", False), ("r3", True))[:3 if stack else 2]:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                     with_stack=with_stack) as prof:
             tr.train_step(samples, mode)
             torch.cuda.synchronize()
+        if with_stack:
+            if torch.distributed.get_rank() == 0:
+                _export(prof, Path(out).with_suffix(".trace_r3_stack.json"))
+            continue
         if torch.distributed.get_rank() == 0:
             avg = prof.key_averages()
             text = "\n".join(f"== {mode} by {key}\n" + avg.table(sort_by=key, row_limit=40,
@@ -154,12 +206,16 @@ def _profile(tr, samples: list, out: str) -> None:
             Path(out).with_suffix(f".profile_{mode}.txt").write_text(text)
             print(text)
             if mode == "r3":  # the timeline, for gaps the tables cannot show (gzip: < 16 MiB)
-                import gzip
+                _export(prof, Path(out).with_suffix(".trace_r3.json"))
 
-                trace = Path(out).with_suffix(".trace_r3.json")
-                prof.export_chrome_trace(str(trace))
-                Path(f"{trace}.gz").write_bytes(gzip.compress(trace.read_bytes()))
-                trace.unlink()
+
+def _export(prof, trace: Path) -> None:
+    """The profile as a gzipped chrome trace `trace`.gz (tests/bench/trace_summary.py reads it)."""
+    import gzip
+
+    prof.export_chrome_trace(str(trace))
+    Path(f"{trace}.gz").write_bytes(gzip.compress(trace.read_bytes()))
+    trace.unlink()
 
 
 def _cprofile(tr, samples: list) -> None:
@@ -292,7 +348,8 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--micro-batch", type=int, default=1, help="data.micro_batch_size")
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The bench's command line (the launcher's and each rank's)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_workload_args(p)
     p.add_argument("--tp", type=int, default=1)
@@ -318,7 +375,7 @@ def main() -> None:
                    "sync for the all-to-all split sizes under r3/r2)")
     p.add_argument("--batch-first-logits", action=argparse.BooleanOptionalAction, default=None,
                    help="model.batch_first_logits (no copy of the logits for megatron's "
-                   "[S, B, V] -> [B, S, V]; default: the field's default, off)")
+                   "[S, B, V] -> [B, S, V]; default: the field's default, auto)")
     p.add_argument("--skip-old-pass", choices=("auto", "on", "off"), default=None,
                    help="loss.skip_old_policy_pass (no old-policy forward when a batch takes "
                    "one update; default: the field's default, auto)")
@@ -329,15 +386,31 @@ def main() -> None:
     p.add_argument("--check-agreement", action=argparse.BooleanOptionalAction, default=False,
                    help="replay.check_agreement (the routing agreement check of r3/r2 passes)")
     p.add_argument("--profile", action="store_true", help="profile one off and one r3 step")
+    p.add_argument("--profile-stack", action="store_true", help="--profile and a third step, "
+                   "r3 with Python stacks (where each kernel was launched from)")
     p.add_argument("--cprofile", action="store_true", help="cProfile one r3 step (host time)")
     p.add_argument("--peak-tflops", type=float, default=989.0)
     p.add_argument("--small", action="store_true", help="tiny widths (CPU smoke)")
     p.add_argument("--out", default=str(REPO / "bench-results" / "megatron_parallel.json"))
     p.add_argument("--smoke", action="store_true", help="make test's run on the CPU: --small, "
                    "one rank, 2 layers, one 64-token sequence, one timed round")
+    p.add_argument("--moe-permute", choices=("megatron", "gather"), default=None,
+                   help="model.moe_permute (gather: trainer.megatron.gather_permute; default: "
+                   "the field's default)")
+    p.add_argument("--variants", default="",
+                   help="NAME:ARGS;NAME:ARGS... - each variant's trainer (these arguments with "
+                   "ARGS appended) built and timed in turn in the same rank processes, one "
+                   "table and one JSON entry per variant (imports and the CUDA context paid "
+                   "once)")
+    return p
+
+
+def main() -> None:
+    p = parser()
     if sys.argv[1:2] == ["--rank-of"]:
         model_dir, out = sys.argv[2], sys.argv[3]
-        _rank(_smoke(p.parse_args(sys.argv[4:])), model_dir, out)
+        base = sys.argv[4:]
+        _rank(_smoke(p.parse_args(base)), model_dir, out, _variants(p, base))
         return
     args = _smoke(p.parse_args())
     cfg = _hf_config(args.layers, args.small)
@@ -345,10 +418,38 @@ def main() -> None:
     pick_line = _pick_recompute(args, cfg, _gpu_gib())
     print(f"{pick_line}; run: recompute_moe {args.recompute_moe} "
           f"({'as given' if given else 'the pick'})")
+    extra = () if given else ("--recompute-moe" if args.recompute_moe else "--no-recompute-moe",)
     with tempfile.TemporaryDirectory() as d:
         (Path(d) / "config.json").write_text(json.dumps(cfg))
-        ranks = _launch(args, d, Path(d), extra=() if given else
-                        ("--recompute-moe" if args.recompute_moe else "--no-recompute-moe",))
+        ranks = _launch(args, d, Path(d), extra=extra)
+    variants = _variants(p, sys.argv[1:] + list(extra))
+    results = {name: _result(vargs, cfg, [r["variants"][name] for r in ranks], pick_line)
+               for name, vargs in variants}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(
+        results[""] if len(results) == 1 else {"variants": results}, indent=2))
+    for (name, vargs), res in zip(variants, results.values(), strict=True):
+        _print(name, vargs, res)
+
+
+def _variants(p: argparse.ArgumentParser, base: list[str]) -> list[tuple[str, argparse.Namespace]]:
+    """(name, arguments) of each --variants entry, or [("", the arguments)] without any."""
+    import shlex
+
+    spec = p.parse_args(base).variants
+    if not spec:
+        return [("", _smoke(p.parse_args(base)))]
+    out = []
+    for item in filter(None, (v.strip() for v in spec.split(";"))):
+        name, _, extra = item.partition(":")
+        if not name.isidentifier():
+            raise SystemExit(f"--variants: {name!r} is not a name (letters, digits, _)")
+        out.append((name, _smoke(p.parse_args(base + shlex.split(extra)))))
+    return out
+
+
+def _result(args: argparse.Namespace, cfg: dict, ranks: list[dict], pick_line: str) -> dict:
+    """One variant's figures over its ranks: median step per mode, tokens/s, MFU, memory."""
     med = {m: statistics.median(max(r["times"][m][i] for r in ranks)
                                 for i in range(args.rounds)) for m in MODES}
     tokens = args.samples * args.seq_len * args.gpus  # trained per step (every rank's share)
@@ -365,25 +466,31 @@ def main() -> None:
                            / (args.peak_tflops * 1e12) for m in MODES},
            "r3_over_off": med["r3"] / med["off"], "r2_over_off": med["r2"] / med["off"],
            "peak_gib_per_rank": [r["peak_bytes"] / 2**30 for r in ranks],
-           "plan_gib_no_overhead": _plan(args, cfg) / 2**30, "recompute_plan": pick_line}
+           "plan_gib_no_overhead": _plan(args, cfg) / 2**30, "recompute_plan": pick_line,
+           "build_s": max(r.get("build_s", 0.0) for r in ranks)}
     try:
         import torch
 
         res["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     except ImportError:
         pass
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=2))
-    print(f"experts {args.experts}, attention {args.attention}, tp {args.tp} ep {args.ep}, "
+    return res
+
+
+def _print(name: str, args: argparse.Namespace, res: dict) -> None:
+    skipped = [m for m in MODES if res["old_pass_skipped"][m]] or "none"
+    print(f"{'== variant ' + name + ': ' if name else ''}experts {args.experts}, attention "
+          f"{args.attention}, tp {args.tp} ep {args.ep}, "
           f"check_agreement {args.check_agreement}, optim {_optim_switches(args) or 'plain'}, "
           f"chunked_logprobs {args.chunked_logprobs} ({args.logprob_kernel}), micro-batch {args.micro_batch}, "
-          f"recompute_moe {args.recompute_moe}, planned_dispatch {args.planned_dispatch}, "
-          f"batch_first_logits {'default' if args.batch_first_logits is None else args.batch_first_logits}, "
-          f"old pass skipped {[m for m in MODES if skipped[m]] or 'none'}")
+          f"samples {args.samples}, recompute_moe {args.recompute_moe}, planned_dispatch "
+          f"{args.planned_dispatch}, batch_first_logits "
+          f"{'default' if args.batch_first_logits is None else args.batch_first_logits}, "
+          f"moe_permute {args.moe_permute or 'default'}, old pass skipped {skipped}")
     print(f"{'mode':5s} {'step s':>8s} {'tok/s/GPU':>10s} {'MFU':>6s} {'MFU dec':>7s}")
     for m in MODES:
-        print(f"{m:5s} {med[m]:8.3f} {res['tokens_per_s_per_gpu'][m]:10.0f} {res['mfu'][m]:6.3f} "
-              f"{res['mfu_decoder'][m]:7.3f}")
+        print(f"{m:5s} {res['step_seconds'][m]:8.3f} {res['tokens_per_s_per_gpu'][m]:10.0f} "
+              f"{res['mfu'][m]:6.3f} {res['mfu_decoder'][m]:7.3f}")
     print(f"r3/off {res['r3_over_off']:.3f}  r2/off {res['r2_over_off']:.3f}  peak GiB per rank "
           f"{[round(x, 2) for x in res['peak_gib_per_rank']]}  plan (no overhead) "
           f"{res['plan_gib_no_overhead']:.2f} GiB  on {res.get('device')}")

@@ -1,6 +1,7 @@
 """Replay-aware dispatch (model.planned_dispatch, issue 30) on two EP=2 ranks over gloo (real
 megatron-core, CPU): the same r2 and r3 steps (MoE recompute on) with and without the plan,
-bit for bit; no MoE layer falls back to megatron's per-layer split-size sync under r3; replay
+bit for bit, and with model.moe_permute: gather too (issue 55: the gather-based permute /
+unpermute, equal to fp32 rounding); no MoE layer falls back to megatron's per-layer split-size sync under r3; replay
 ids changed after the plan was made raise the desync error on every rank (no hang); invalid
 replay ids on one rank raise there and RankFailed on its peer, with and without the plan (no
 hang).
@@ -36,6 +37,11 @@ def test_planned_dispatch_steps_equal_unplanned_and_a_stale_plan_raises(tmp_path
         for key in ("loss_r2", "grad_norm_r2", "loss_r3", "grad_norm_r3"):
             assert r["planned"][key] == r["plain"][key], key  # bit for bit
         assert r["weights_equal"]
+        # the gather permute: the same steps to fp32 rounding (its sums run in another order)
+        for key in ("loss_r2", "grad_norm_r2", "loss_r3", "grad_norm_r3"):
+            assert r["gather"][key] == pytest.approx(r["plain"][key], rel=1e-6, abs=1e-7), key
+        assert r["gather_weights_diff"] < 1e-6
+        assert r["gather_r3_dispatch"]["fallbacks"] == 0
         assert r["agreement_r3"] == 1.0
         # r3: the old-policy pass, the update and its MoE recompute all planned
         assert r["r3_dispatch"]["fallbacks"] == 0
@@ -57,17 +63,17 @@ def test_planned_dispatch_steps_equal_unplanned_and_a_stale_plan_raises(tmp_path
 
 
 # ---------------------------------------------------------------- worker (one per rank)
-def _trainer(model_dir: str, planned: bool):
+def _trainer(model_dir: str, planned: bool, permute: str = "megatron"):
     from trainer.backend import make_trainer
     from trainer.config import TrainerConfig
 
     return make_trainer(TrainerConfig(
         model_dir=model_dir, data={"micro_batch_size": 2}, optim={"lr": 1e-4},
         model={"expert_parallel": 2, "experts": "grouped", "recompute_moe": True,
-               "planned_dispatch": planned}, replay={"check_agreement": True}))
+               "planned_dispatch": planned, "moe_permute": permute}, replay={"check_agreement": True}))
 
 
-def _counts(tr) -> dict:
+def _counts(tr) -> dict[str, int]:
     from trainer.megatron.planned_dispatch import dispatch_counts, planned_layers
 
     planned, fallbacks = dispatch_counts(planned_layers(tr.backend.policy.module))
@@ -109,25 +115,33 @@ def _worker(model_dir: str, out_path: str) -> None:
 
     faulthandler.dump_traceback_later(150, exit=True)  # a stranded collective fails, not hangs
     rank = int(os.environ["RANK"])
-    trainers = {"plain": _trainer(model_dir, False), "planned": _trainer(model_dir, True)}
+    trainers = {"plain": _trainer(model_dir, False), "planned": _trainer(model_dir, True),
+                "gather": _trainer(model_dir, True, "gather")}
     samples = {name: _samples(rank) for name in trainers}
     out: dict = {name: {} for name in trainers}
     for name, tr in trainers.items():
         m = tr.train_step(samples[name], "r2")
         out[name] |= {"loss_r2": m["loss"], "grad_norm_r2": m["grad_norm"]}
     _attach_recorded_routing(trainers["plain"], samples["plain"])
-    for a, b in zip(samples["plain"], samples["planned"], strict=True):
-        b.routing_TLK = a.routing_TLK.copy()
+    for other in ("planned", "gather"):
+        for a, b in zip(samples["plain"], samples[other], strict=True):
+            b.routing_TLK = a.routing_TLK.copy()
     before = _counts(trainers["planned"])
+    before_gather = _counts(trainers["gather"])
     for name, tr in trainers.items():
         m = tr.train_step(samples[name], "r3")
         out[name] |= {"loss_r3": m["loss"], "grad_norm_r3": m["grad_norm"]}
         out["agreement_r3"] = m["routing_agreement"]
     after = _counts(trainers["planned"])
     out["r3_dispatch"] = {k: after[k] - before[k] for k in after}
+    after = _counts(trainers["gather"])
+    out["gather_r3_dispatch"] = {k: after[k] - before_gather[k] for k in after}
     out["plain_planned"] = sum(_counts(trainers["plain"]).values())
     ex = {name: tr.export_hf_state_dict() for name, tr in trainers.items()}
     out["weights_equal"] = all(torch.equal(ex["plain"][k], ex["planned"][k]) for k in ex["plain"])
+    out["gather_weights_diff"] = max(float((ex["plain"][k] - ex["gather"][k]).abs().max())
+                                     for k in ex["plain"])
+    del trainers["gather"]
     if rank == 0:
         _shift_replayed_ids(trainers["planned"])
     try:

@@ -82,11 +82,18 @@ class ModelConfig(StrictConfig):
         "sync per layer); needs dispatcher alltoall; auto = on on CUDA with dtype bf16 and "
         "dispatcher alltoall, else off")
     batch_first_logits: bool | Literal["auto"] = Field(
-        False, description="the output layer makes the logits in [B, S, V] order "
+        "auto", description="the output layer makes the logits in [B, S, V] order "
         "(trainer.megatron.batch_first_logits): no copy of the logits, nor of their gradient, "
         "for megatron's [S, B, V] -> [B, S, V] transpose; needs sequence_parallel off; auto = "
-        "on on CUDA with dtype bf16 and sequence_parallel off, else off. Off by default until "
-        "the bench has measured it on a GPU (issue 44: checked on CPU and by tests/gpu only)")
+        "on on CUDA with dtype bf16 and sequence_parallel off, else off (issue 55: r3 step "
+        "0.152 -> 0.143 s on one H200, docs/benchmarks/megatron-parallel.md)")
+    moe_permute: Literal["auto", "megatron", "gather"] = Field(
+        "megatron", description="how MoE tokens are put in expert order and back "
+        "(trainer.megatron.gather_permute): megatron = moe_utils.permute / unpermute (argsort, "
+        "bf16 scatter_add / index_add atomics); gather = gathers with fp32 sums over the "
+        "top-k (deterministic, no atomics), and no local-expert sort where the tp x ep group is "
+        "one rank; needs planned_dispatch on; auto = gather where planned_dispatch is on. "
+        "megatron by default until the bench has measured gather on a GPU (issue 55)")
 
     @model_validator(mode="after")
     def _recompute_once(self) -> ModelConfig:
@@ -95,6 +102,9 @@ class ModelConfig(StrictConfig):
         if self.planned_dispatch is True and self.dispatcher != "alltoall":
             raise ValueError(f"model.planned_dispatch: needs dispatcher alltoall, not "
                              f"{self.dispatcher}")
+        if self.moe_permute == "gather" and self.planned_dispatch is False:
+            raise ValueError("model.moe_permute: gather needs model.planned_dispatch on (its "
+                             "dispatcher is the planned one's subclass)")
         if self.batch_first_logits is True and self.sequence_parallel:
             raise ValueError("model.batch_first_logits: needs sequence_parallel off (the output "
                              "layer's input is split on the sequence dimension)")
@@ -117,6 +127,9 @@ class ModelConfig(StrictConfig):
             update["planned_dispatch"] = fast and self.dispatcher == "alltoall"
         if self.batch_first_logits == "auto":
             update["batch_first_logits"] = fast and not self.sequence_parallel
+        if self.moe_permute == "auto":
+            planned = update.get("planned_dispatch", self.planned_dispatch)
+            update["moe_permute"] = "gather" if planned is True else "megatron"
         return self.model_copy(update=update) if update else self
 
     @property

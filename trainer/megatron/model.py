@@ -219,7 +219,8 @@ def build_model(hf_dir: str | Path, cfg: ModelConfig, load_weights: bool = True)
     tcfg = transformer_config(arch, cfg)
     # The replay instance list is class-level: each model must own exactly its routers.
     RouterReplay.clear_global_router_replay_instances()
-    spec = decoder_spec(tcfg, arch.fam, cfg.experts, cfg.attention, cfg.planned_dispatch is True)
+    spec = decoder_spec(tcfg, arch.fam, cfg.experts, cfg.attention, cfg.planned_dispatch is True,
+                        cfg.moe_permute == "gather")
     # model.batch_first_logits: no [S, B, V] -> [B, S, V] copy of the logits
     model_cls = BatchFirstGPTModel if cfg.batch_first_logits is True else GPTModel
     # parallel_output=False: the logits are gathered over TP (the loss is computed on [B, S, V])

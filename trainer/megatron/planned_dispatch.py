@@ -196,6 +196,8 @@ class PlannedMoELayer(MoELayer):
     """megatron's MoELayer with a PlannedAlltoAll dispatcher; `plan` (set per pass by the
     backend, None outside) says which split sizes each replayed forward/recompute uses."""
 
+    dispatcher_cls: type[PlannedAlltoAll] = PlannedAlltoAll  # gather_permute's for moe_permute
+
     def __init__(self, config: Any, submodules: Any = None, layer_number: int | None = None,
                  pg_collection: Any = None, **kwargs) -> None:
         from megatron.core.transformer.moe.moe_layer import get_default_pg_collection
@@ -205,8 +207,9 @@ class PlannedMoELayer(MoELayer):
             get_default_pg_collection()
         super().__init__(config, submodules, layer_number, pg_collection, **kwargs)
         old: Any = self.token_dispatcher  # type: ignore[has-type]
-        self.token_dispatcher = PlannedAlltoAll(old.num_local_experts, old.local_expert_indices,
-                                                config=self.config, pg_collection=pg_collection)
+        self.token_dispatcher = self.dispatcher_cls(
+            old.num_local_experts, old.local_expert_indices, config=self.config,
+            pg_collection=pg_collection)
         if old.shared_experts is not None:
             self.token_dispatcher.set_shared_experts(self.shared_experts)
         if getattr(self, "_training_token_dispatcher", None) is old:

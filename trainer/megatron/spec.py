@@ -62,12 +62,14 @@ def _swap(node: Any, old: type, new: type, seen: set[int]) -> Any:
 
 
 def decoder_spec(tcfg: Any, fam: Any = None, experts: str = "sequential",
-                 attention: str = "unfused", planned_dispatch: bool = False) -> Any:
+                 attention: str = "unfused", planned_dispatch: bool = False,
+                 gather_permute: bool = False) -> Any:
     """megatron's local GPT decoder block spec for `tcfg` (norms SP-capable when SP is on) and
     the family `fam` (a families.FamilyArch: OLMoE's full-width QK-norm; GPT-OSS's sinks and
     expert biases follow `tcfg`); `experts` grouped / `attention` sdpa put the fast path's
     modules in the experts and core-attention slots (model.experts / model.attention);
-    `planned_dispatch` puts PlannedMoELayer in the MoE layer's (model.planned_dispatch)."""
+    `planned_dispatch` puts PlannedMoELayer in the MoE layer's (model.planned_dispatch),
+    `gather_permute` its GatherMoELayer subclass (model.moe_permute: gather)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
@@ -87,23 +89,29 @@ def decoder_spec(tcfg: Any, fam: Any = None, experts: str = "sequential",
         from trainer.megatron.family_gpt_oss import swap_modules
 
         spec = swap_modules(copy.deepcopy(spec), tcfg, lambda s, old, new: _swap(s, old, new, set()))
-    return fast_path(spec, tcfg, experts, attention, planned_dispatch)
+    return fast_path(spec, tcfg, experts, attention, planned_dispatch, gather_permute)
 
 
 def fast_path(spec: Any, tcfg: Any, experts: str, attention: str,
-              planned_dispatch: bool = False) -> Any:
+              planned_dispatch: bool = False, gather_permute: bool = False) -> Any:
     """`spec` with GroupedExperts for megatron's SequentialMLP (experts: grouped), where the
     family's attention allows it, SdpaAttention for the plain DotProductAttention (attention:
     sdpa; GPT-OSS's sink attention and MLA's keep theirs: they are other classes), and
-    PlannedMoELayer for MoELayer (planned_dispatch)."""
+    PlannedMoELayer for MoELayer (planned_dispatch; its GatherMoELayer subclass with
+    gather_permute, which needs planned_dispatch)."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.moe.experts import SequentialMLP
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
+    if gather_permute and not planned_dispatch:
+        raise ValueError("model.moe_permute: gather needs model.planned_dispatch on (its "
+                         "dispatcher is the planned one's subclass)")
     if planned_dispatch and tcfg.num_moe_experts:
-        from trainer.megatron.planned_dispatch import PlannedMoELayer  # imports megatron
+        from trainer.megatron.gather_permute import GatherMoELayer  # imports megatron
+        from trainer.megatron.planned_dispatch import PlannedMoELayer
 
-        spec = _swap(copy.deepcopy(spec), MoELayer, PlannedMoELayer, set())
+        layer = GatherMoELayer if gather_permute else PlannedMoELayer
+        spec = _swap(copy.deepcopy(spec), MoELayer, layer, set())
 
     if experts == "grouped" and tcfg.num_moe_experts:
         spec = _swap(copy.deepcopy(spec), SequentialMLP, GroupedExperts, set())
