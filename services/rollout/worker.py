@@ -34,6 +34,7 @@ from services.rollout.report import RepeatedLog, WorkerSummary, write_json_atomi
 from services.rollout.rewards import Reward, RewardRunner, build_registry
 from services.rollout.segments import RoutingCheckError, check_routing, segment_row_ranges
 from services.rollout.sink import TrajectorySink, wait_for_room
+from services.rollout.spill import RoutingSpill
 from services.rollout.trajectory_proto import RoutingLayout, TrajectoryMeta, trajectory_to_proto
 from services.rollout.verifiers import RewardFn, RewardInput
 
@@ -54,6 +55,7 @@ class GroupResult:
     trajectories: list[trajectory_pb2.Trajectory]
     results: list[RolloutResult]
     generated_tokens: int
+    spill: RoutingSpill | None = None  # the group's routing on disk (closed once sent)
 
 
 def load_environment_factory(path: str | None) -> EnvironmentFactory | None:
@@ -258,8 +260,12 @@ class RolloutWorker:
         group_id = f"{self.cfg.worker_id}-{self._nonce}-g{seq}"
         try:
             group = await self.run_group(group_id, rec, seed=self._group_seed(seq), epoch=epoch)
-            if self.sink is not None and self.engine.cfg.capture_routing:
-                await self.sink.send_group(group.trajectories)
+            try:
+                if self.sink is not None and self.engine.cfg.capture_routing:
+                    await self.sink.send_group(group.trajectories, group.spill)
+            finally:
+                if group.spill is not None:
+                    group.spill.close()
         except ValueError as e:  # bad input, failed routing check, store refusal: this group
             summary.groups_failed += 1
             if len(summary.errors) < MAX_KEPT_ERRORS:
@@ -309,19 +315,25 @@ class RolloutWorker:
         run_id = self.engine.run_id  # the run whose weights sample this group (run fencing)
         metas = [TrajectoryMeta(f"{group_id}-{i}", group_id, n, rec.prompt_id,
                                 self.cfg.worker_id, epoch, run_id) for i in range(n)]
-        results = await asyncio.gather(*[
-            self._sample(meta, prompt, rec, verifier, None if seed is None else seed * 1009 + i)
-            for i, meta in enumerate(metas)], return_exceptions=True)
-        failed = [r for r in results if isinstance(r, BaseException)]
-        if failed:
-            raise failed[0]
+        spill = RoutingSpill(self.cfg.spill_routing_bytes, self.cfg.spill_routing_dir)
+        try:
+            results = await asyncio.gather(*[
+                self._sample(meta, prompt, rec, verifier,
+                             None if seed is None else seed * 1009 + i, spill)
+                for i, meta in enumerate(metas)], return_exceptions=True)
+            failed = [r for r in results if isinstance(r, BaseException)]
+            if failed:
+                raise failed[0]
+        except BaseException:  # failed or cancelled: nothing of the group is sent
+            spill.close()
+            raise
         done = [r for r in results if isinstance(r, tuple)]
         trajs = [t for _, t in done if t is not None]
         tokens = sum(sum(s.loss_mask) for res, _ in done for s in res.state.segments)
-        return GroupResult(trajs, [res for res, _ in done], tokens)
+        return GroupResult(trajs, [res for res, _ in done], tokens, spill)
 
     async def _sample(self, meta: TrajectoryMeta, prompt: RenderedPrompt, rec: PromptRecord,
-                      verifier: RewardFn, seed: int | None
+                      verifier: RewardFn, seed: int | None, spill: RoutingSpill | None = None
                       ) -> tuple[RolloutResult, trajectory_pb2.Trajectory | None]:
         """One trajectory, checked and encoded as soon as it ends (the engine's routing arrays
         are dropped then, not when the group ends), then its reward (off the loop; the engine
@@ -337,6 +349,8 @@ class RolloutWorker:
         if traj is not None:
             traj.reward = reward.score
             traj.reward_components.update(reward.components)
+            if spill is not None:
+                spill.keep(traj)
         return res, traj
 
     async def reward_of(self, res: RolloutResult, rec: PromptRecord, prompt: RenderedPrompt,

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import weakref
+from pathlib import Path
 
 import numpy as np
 
 from services.common.wire import routing_from_proto
 from services.rollout.dataset import PromptRecord
+from services.rollout.report import WorkerSummary
+from services.rollout.sink import MemorySink
 from tests.support.fake_rollout import EXPERTS, TOP_K, LoadingEngine, endless_worker
 
 
@@ -88,3 +91,55 @@ def test_engine_routing_is_kept_when_asked():
         rid = traj.trajectory_id
         assert res.calls[0].routing_TLK is engine.arrays[rid]()
         assert np.array_equal(res.calls[0].routing_TLK, engine.copies[rid])
+
+
+class FilesAtSend(MemorySink):
+    """A memory sink noting the spill files present in `directory` when a group is sent."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__()
+        self.directory, self.files_at_send = directory, []
+
+    async def send_group(self, trajs, spill=None):  # noqa: ANN001, ANN201
+        self.files_at_send.append(sorted(p.name for p in self.directory.iterdir()))
+        await super().send_group(trajs, spill)
+
+
+def _spilling_worker(engine: Gated, directory: Path, threshold: int = 0):  # noqa: ANN202
+    worker, _ = endless_worker(engine)
+    worker.cfg = worker.cfg.model_copy(update={"spill_routing_bytes": threshold,
+                                               "spill_routing_dir": str(directory)})
+    worker.sink = FilesAtSend(directory)
+    return worker
+
+
+def test_a_spilled_group_is_sent_with_its_exact_rows_and_its_file_removed(tmp_path: Path):
+    engine = Gated()
+    worker = _spilling_worker(engine, tmp_path)
+    spilled = asyncio.Event()
+    reward_of = worker.reward_of
+
+    async def first_scored(res, *args, **kwargs):  # noqa: ANN001, ANN202
+        out = await reward_of(res, *args, **kwargs)
+        if "-g0-0#" in res.calls[0].request_id:
+            asyncio.get_running_loop().call_soon(spilled.set)  # after keep() of sample 0
+        return out
+
+    worker.reward_of = first_scored  # type: ignore[method-assign]
+    summary = WorkerSummary()
+
+    async def main() -> None:
+        task = asyncio.create_task(worker._group_task(0, 0, PromptRecord(
+            "p", "0", prompt_token_ids=(4, 5, 6)), summary))
+        await asyncio.wait_for(spilled.wait(), 5)
+        assert len(list(tmp_path.iterdir())) == 1  # sample 0 on disk while sample 1 runs
+        engine.release.set()
+        await asyncio.wait_for(task, 5)
+
+    asyncio.run(main())
+    assert summary.groups_ok == 1 and list(tmp_path.iterdir()) == []
+    assert len(worker.sink.files_at_send) == 1 and len(worker.sink.files_at_send[0]) == 1
+    sent = worker.sink.trajectories
+    assert len(sent) == 2
+    for traj in sent:  # the routing read back from the file: the engine's rows
+        assert np.array_equal(_rows(traj), np.sort(engine.copies[traj.trajectory_id], axis=-1))
