@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from typing import IO
 
 from services.common.pb.r3flow.v1 import trajectory_pb2
 
@@ -31,7 +32,7 @@ class RoutingSpill:
         self._held: list[trajectory_pb2.Trajectory] = []  # finished, routing still in memory
         self._held_bytes = 0
         self._spans: dict[str, list[tuple[int, int]]] = {}  # trajectory_id -> per segment
-        self._file = None
+        self._file: IO[bytes] | None = None
         self.spilled_bytes = 0
 
     def keep(self, traj: trajectory_pb2.Trajectory) -> None:
@@ -55,11 +56,12 @@ class RoutingSpill:
         if self._file is None:
             self._file = tempfile.NamedTemporaryFile(prefix="r3flow-routing-",
                                                      dir=self.directory)
+        f = self._file
         spans = []
         for seg in traj.segments:
             data = trajectory_pb2.Segment(routing=seg.routing).SerializeToString()
-            spans.append((self._file.tell(), len(data)))
-            self._file.write(data)
+            spans.append((f.tell(), len(data)))
+            f.write(data)
             self.spilled_bytes += len(data)
             del seg.routing[:]
         self._spans[traj.trajectory_id] = spans
