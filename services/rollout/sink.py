@@ -68,10 +68,7 @@ class MemorySink:
 
     async def send_group(self, trajs: list[trajectory_pb2.Trajectory],
                          spill: RoutingSpill | None = None) -> None:
-        if spill is not None:
-            for t in trajs:
-                spill.restore(t)
-        self.trajectories.extend(trajs)
+        self.trajectories.extend(trajs if spill is None else [spill.restored(t) for t in trajs])
 
     async def report_version(self, worker_id: str, version: int, device_uuid: str = "",
                              run_id: str = "") -> int | None:
@@ -134,13 +131,9 @@ class StoreSink:
         at a time."""
         for t in trajs:
             parts = {} if self.part_bytes is None else {"part_bytes": self.part_bytes}
-            if spill is not None:
-                await asyncio.to_thread(spill.restore, t)
-            try:
-                await self._send([t], functools.partial(self.client.append_in_parts, **parts))
-            finally:
-                if spill is not None:
-                    spill.release(t)
+            full = t if spill is None else await asyncio.to_thread(spill.restored, t)
+            await self._send([full], functools.partial(self.client.append_in_parts, **parts))
+            del full  # a restored copy: freed before the next one is read
             self.streams_sent += 1
 
     async def _drain(self) -> None:

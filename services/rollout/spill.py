@@ -23,36 +23,45 @@ KNOB = "rollout spill_routing_dir / spill_routing_bytes"
 
 
 class RoutingSpill:
-    """The spill of one group: `keep` each finished trajectory, `restore` / `release` each
-    around its send, `close` once the group is sent or dropped."""
+    """The finished trajectories of one group, their routing on disk past the threshold:
+    `keep` each as it ends, `trajectories` once the group is done, `restored` for each as it
+    is sent, `close` once the group is sent or dropped.
+
+    A spilled trajectory is replaced by a new message without routing: with protobuf's upb
+    backend, clearing a repeated field frees nothing until the whole message is freed
+    (measured: 8 x 50 MiB of chunks, cleared in place: RSS unchanged; replaced: -350 MiB)."""
 
     def __init__(self, threshold_bytes: int, directory: str | None = None) -> None:
         self.threshold_bytes = threshold_bytes
         self.directory = directory
-        self._held: list[trajectory_pb2.Trajectory] = []  # finished, routing still in memory
-        self._held_bytes = 0
+        self._trajs: dict[str, trajectory_pb2.Trajectory] = {}  # by trajectory_id
+        self._in_memory: list[str] = []  # kept, routing still in memory
+        self._in_memory_bytes = 0
         self._spans: dict[str, list[tuple[int, int]]] = {}  # trajectory_id -> per segment
         self._file: IO[bytes] | None = None
         self.spilled_bytes = 0
 
     def keep(self, traj: trajectory_pb2.Trajectory) -> None:
-        """A finished trajectory: to disk (with those held so far) once the group's routing
-        passes the threshold. A write failure raises ValueError naming the knob."""
-        self._held.append(traj)
-        self._held_bytes += sum(c.ByteSize() for s in traj.segments for c in s.routing)
-        if self._file is None and self._held_bytes <= self.threshold_bytes and \
-                self.threshold_bytes > 0:
+        """A finished trajectory (the caller drops its reference): to disk, with those kept
+        so far, once the group's routing passes the threshold. A write failure raises
+        ValueError naming the knob."""
+        self._trajs[traj.trajectory_id] = traj
+        self._in_memory.append(traj.trajectory_id)
+        self._in_memory_bytes += sum(c.ByteSize() for s in traj.segments for c in s.routing)
+        if self._file is None and self.threshold_bytes > 0 and \
+                self._in_memory_bytes <= self.threshold_bytes:
             return
         try:
-            for t in self._held:
-                self._write(t)
+            for tid in self._in_memory:
+                self._trajs[tid] = self._write(self._trajs[tid])
         except OSError as e:
             raise ValueError(f"{KNOB}: cannot write the routing spill file in "
                              f"{self.directory or tempfile.gettempdir()}: {e}") from None
-        self._held.clear()
-        self._held_bytes = 0
+        self._in_memory.clear()
+        self._in_memory_bytes = 0
 
-    def _write(self, traj: trajectory_pb2.Trajectory) -> None:
+    def _write(self, traj: trajectory_pb2.Trajectory) -> trajectory_pb2.Trajectory:
+        """Each segment's chunks to the file; the trajectory without them, a new message."""
         if self._file is None:
             self._file = tempfile.NamedTemporaryFile(prefix="r3flow-routing-",
                                                      dir=self.directory)
@@ -65,29 +74,33 @@ class RoutingSpill:
             self.spilled_bytes += len(data)
             del seg.routing[:]
         self._spans[traj.trajectory_id] = spans
+        return trajectory_pb2.Trajectory.FromString(traj.SerializeToString())
+
+    def trajectories(self, ids: list[str]) -> list[trajectory_pb2.Trajectory]:
+        """The kept trajectories among `ids`, in that order (spilled ones without routing)."""
+        return [self._trajs[i] for i in ids if i in self._trajs]
 
     def spilled(self) -> bool:
         return self._file is not None
 
-    def restore(self, traj: trajectory_pb2.Trajectory) -> None:
-        """Put a spilled trajectory's routing chunks back (in their order)."""
+    def restored(self, traj: trajectory_pb2.Trajectory) -> trajectory_pb2.Trajectory:
+        """`traj` with its routing chunks read back (in their order), a new message to drop
+        once sent; `traj` itself when it was not spilled."""
         spans = self._spans.get(traj.trajectory_id)
         if spans is None or self._file is None:
-            return
+            return traj
         self._file.flush()
-        for seg, (offset, length) in zip(traj.segments, spans, strict=True):
+        full = trajectory_pb2.Trajectory()
+        full.CopyFrom(traj)
+        for seg, (offset, length) in zip(full.segments, spans, strict=True):
             data = os.pread(self._file.fileno(), length, offset)
             seg.routing.extend(trajectory_pb2.Segment.FromString(data).routing)
-
-    def release(self, traj: trajectory_pb2.Trajectory) -> None:
-        """Drop a spilled trajectory's routing from memory again (it stays in the file)."""
-        if traj.trajectory_id in self._spans:
-            for seg in traj.segments:
-                del seg.routing[:]
+        return full
 
     def close(self) -> None:
         """Remove the file (a NamedTemporaryFile: deleted when closed)."""
         if self._file is not None:
             self._file.close()
             self._file = None
-        self._held.clear()
+        self._trajs.clear()
+        self._in_memory.clear()

@@ -328,7 +328,7 @@ class RolloutWorker:
             spill.close()
             raise
         done = [r for r in results if isinstance(r, tuple)]
-        trajs = [t for _, t in done if t is not None]
+        trajs = spill.trajectories([m.trajectory_id for m in metas])
         tokens = sum(sum(s.loss_mask) for res, _ in done for s in res.state.segments)
         return GroupResult(trajs, [res for res, _ in done], tokens, spill)
 
@@ -349,8 +349,9 @@ class RolloutWorker:
         if traj is not None:
             traj.reward = reward.score
             traj.reward_components.update(reward.components)
-            if spill is not None:
+            if spill is not None:  # the group's trajectories are the spill's (spill.py)
                 spill.keep(traj)
+                traj = None
         return res, traj
 
     async def reward_of(self, res: RolloutResult, rec: PromptRecord, prompt: RenderedPrompt,

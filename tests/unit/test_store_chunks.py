@@ -244,10 +244,10 @@ def test_a_spilled_group_reaches_the_store_byte_for_byte(core: TrajectoryStoreCo
     StoreSink through StoreClient.append_in_parts: the store holds what an unspilled send
     would have, byte for byte, and pulls it back whole."""
     trajs, _ = group
-    sent = [trajectory_pb2.Trajectory.FromString(t.SerializeToString()) for t in trajs]
     spill = RoutingSpill(0, str(tmp_path))
-    for t in sent:
-        spill.keep(t)
+    for t in trajs:
+        spill.keep(trajectory_pb2.Trajectory.FromString(t.SerializeToString()))
+    sent = spill.trajectories([t.trajectory_id for t in trajs])
     assert spill.spilled() and not any(s.routing for t in sent for s in t.segments)
     client = StoreClient("127.0.0.1:1")
     client.append = core.append  # type: ignore[method-assign] (the store core, no server)
@@ -256,7 +256,7 @@ def test_a_spilled_group_reaches_the_store_byte_for_byte(core: TrajectoryStoreCo
     asyncio.run(sink.send_group(sent, spill))
     spill.close()
     assert sink.streams_sent == 2 and list(tmp_path.iterdir()) == []
-    assert not any(s.routing for t in sent for s in t.segments)  # released again after each
+    assert not any(s.routing for t in sent for s in t.segments)  # read back into copies
     [d] = core.pull("trainer", 1)
     got = store_pb2.PulledGroup.FromString(d.to_bytes())
     assert [t.SerializeToString(deterministic=True) for t in got.trajectories] == \
