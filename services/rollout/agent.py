@@ -12,6 +12,7 @@ not yet held (`routed_experts_prompt_start`), so no row is requested or stored t
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -68,6 +69,16 @@ class ChatSession:
 
 # Builds the environment of one trajectory from its dataset row.
 EnvironmentFactory = Callable[[Any], Environment | MessagesEnvironment]
+
+
+def load_environment_factory(path: str | None) -> EnvironmentFactory | None:
+    """`pkg.mod:factory` -> factory(record) -> Environment, or None for single-turn."""
+    if path is None:
+        return None
+    module_name, sep, attr = path.partition(":")
+    if not sep:
+        raise ValueError(f"environment: expected `pkg.mod:factory`, got {path!r}")
+    return getattr(importlib.import_module(module_name), attr)
 
 
 @dataclass

@@ -37,9 +37,9 @@ UNREGISTER_S = 5.0  # withdrawing the registration at exit (the store may be gon
 
 def _watch_trainer_version(client: Any, worker: Any, loop: asyncio.AbstractEventLoop) -> None:
     """Thread body: mirror the store's published policy version and trainer presence into
-    `worker` (`trainer_state`)."""
+    `worker` (`gate.trainer_state`)."""
     for msg in client.watch_policy_version(-1):
-        loop.call_soon_threadsafe(worker.trainer_state, msg.version, msg.trainer_gone)
+        loop.call_soon_threadsafe(worker.gate.trainer_state, msg.version, msg.trainer_gone)
 
 
 def _watch_weight_sync(client: Any, worker: Any, loop: asyncio.AbstractEventLoop) -> None:
@@ -214,10 +214,11 @@ async def serve(cfg: RolloutConfig, summary_file: str | None = None,
     `stop_grace_s` to finish and be sent); writes `summary_file`; returns the exit code."""
     from transformers import AutoTokenizer
 
+    from services.rollout.agent import load_environment_factory
     from services.rollout.dataset import load_dataset
     from services.rollout.engine import RolloutEngine
     from services.rollout.sink import StoreSink
-    from services.rollout.worker import RolloutWorker, load_environment_factory
+    from services.rollout.worker import RolloutWorker
 
     records = load_dataset(cfg.dataset, cfg.prompts)
     env_factory = load_environment_factory(cfg.environment)

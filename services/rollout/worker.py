@@ -8,7 +8,6 @@ store never holds a group that can not complete; a bad request fails its own gro
 from __future__ import annotations
 
 import asyncio
-import importlib
 import logging
 import time
 import uuid
@@ -17,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.common.pb.r3flow.v1 import trajectory_pb2
-from services.common.staleness import too_stale
 from services.rollout.agent import (
     AgentLoop,
     ChatSession,
@@ -32,10 +30,12 @@ from services.rollout.engine import EngineDead, RolloutEngine
 from services.rollout.evaluation import Evaluator
 from services.rollout.report import RepeatedLog, WorkerSummary, write_json_atomic
 from services.rollout.rewards import Reward, RewardRunner, build_registry
-from services.rollout.segments import RoutingCheckError, check_routing, segment_row_ranges
-from services.rollout.sink import TrajectorySink, wait_for_room
+from services.rollout.sample_finish import finish_sample
+from services.rollout.segments import RoutingCheckError
+from services.rollout.sink import TrajectorySink
 from services.rollout.spill import RoutingSpill
-from services.rollout.trajectory_proto import RoutingLayout, TrajectoryMeta, trajectory_to_proto
+from services.rollout.trainer_gate import TrainerGate
+from services.rollout.trajectory_proto import RoutingLayout, TrajectoryMeta
 from services.rollout.verifiers import RewardFn, RewardInput
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,6 @@ log = logging.getLogger(__name__)
 MAX_KEPT_ERRORS = 100  # a long run keeps the first messages; every failure is counted
 MAX_FAILURE_BACKOFF_S = 2.0  # the longest a failed group holds its slot (failures in a row)
 FATAL_GRACE_S = 5.0  # after a fatal error, groups still sending to the store may finish
-ROOM_POLL_S = 0.5  # how often a worker held by the store's backlog budget asks again
 ENGINE_WATCH_S = 1.0  # how often the engine watch asks whether the engine died
 
 
@@ -56,16 +55,6 @@ class GroupResult:
     results: list[RolloutResult]
     generated_tokens: int
     spill: RoutingSpill | None = None  # the group's routing on disk (closed once sent)
-
-
-def load_environment_factory(path: str | None) -> EnvironmentFactory | None:
-    """`pkg.mod:factory` -> factory(record) -> Environment, or None for single-turn."""
-    if path is None:
-        return None
-    module_name, sep, attr = path.partition(":")
-    if not sep:
-        raise ValueError(f"environment: expected `pkg.mod:factory`, got {path!r}")
-    return getattr(importlib.import_module(module_name), attr)
 
 
 class RolloutWorker:
@@ -90,10 +79,8 @@ class RolloutWorker:
         if sink is not None and not engine.cfg.capture_routing:
             log.warning("engine.capture_routing is off: groups are not sent to the store "
                         "(it requires routing for every segment)")
-        self.trainer_version: int | None = None
-        # Cleared while a trainer that was present is gone (the job ended): no new group then
-        self.trainer_present = asyncio.Event()
-        self.trainer_present.set()
+        # The trainer's presence and version, the store's budget: when a new group may start
+        self.gate = TrainerGate(cfg, engine, sink, engine.metrics)
         # The routing capture check after each weight load (services/rollout/capture_check.py)
         self.capture_check = AfterLoadCheck(engine, cfg.sampling, cfg.engine.seed,
                                             cfg.partial_rollout_policy, self._refuse)
@@ -178,7 +165,7 @@ class RolloutWorker:
                 break
             # A stop may come while a free slot is taken at once (groups that fail at once on
             # a dead engine free theirs at once): check it before every new group.
-            if self._stop.is_set() or not await self._until_stop(self._wait_for_room(summary)):
+            if self._stop.is_set() or not await self._until_stop(self.gate.wait_for_room(summary)):
                 slots.release()
                 break
             task = asyncio.create_task(self._group_task(seq, epoch, rec, summary))
@@ -343,7 +330,8 @@ class RolloutWorker:
         async with self._requests:
             res = await self.loop.run(meta.trajectory_id, prompt.token_ids, seed=seed, env=env,
                                       chat=chat)
-        traj = self._finish(meta, res)
+        traj = finish_sample(self.engine, self.layout, self.sink is not None,
+                             self.keep_engine_routing, meta, res)
         reward = await self.reward_of(res, rec, prompt, verifier)
         res.reward, res.reward_components = reward.score, reward.components
         if traj is not None:
@@ -369,42 +357,6 @@ class RolloutWorker:
             return None
         return ChatSession(self.prompts, list(prompt.messages or
                                               [{"role": "user", "content": prompt.text}]))
-
-    def _finish(self, meta: TrajectoryMeta, res: RolloutResult
-                ) -> trajectory_pb2.Trajectory | None:
-        """Routing checks (RoutingCheckError), and the wire message when there is a sink to
-        send it to (a dry run skips the encoding; the reward is set once scored). The engine's
-        routing arrays (392 B per token at Qwen3-30B-A3B's layout) are dropped then: the group
-        waits for its other samples holding its routing encoded, not as vLLM returned it."""
-        if self.engine.cfg.capture_routing:
-            self._check(meta.trajectory_id, res)
-        traj = None
-        if self.sink is not None:
-            layout = self.layout if self.engine.cfg.capture_routing else None
-            traj = trajectory_to_proto(meta, res.state, reward=0.0,
-                                       finish_reason=res.finish_reason, layout=layout)
-        if not self.keep_engine_routing:
-            for seg in res.state.segments:
-                seg.rows_TLK = None
-            for call in res.calls:
-                call.routing_TLK = None
-        return traj
-
-    def _check(self, trajectory_id: str, res: RolloutResult) -> None:
-        """The routing rules on every segment's rows where they lie (no whole-trajectory copy)."""
-        state, info = res.state, self.engine.info
-        ranges = segment_row_ranges(len(state.prompt_ids),
-                                    [len(s.token_ids) for s in state.segments])
-        try:
-            for seg, (a, b) in zip(state.segments, ranges, strict=True):
-                if seg.rows_TLK is None:
-                    raise RoutingCheckError(f"request {trajectory_id}: no routing captured")
-                check_routing(seg.rows_TLK, num_experts=info.num_experts,
-                              moe_layers=list(info.moe_layers), expected_rows=b - a,
-                              request_id=trajectory_id, dense_layers=info.dense_layers)
-        except RoutingCheckError:
-            self.metrics["r3flow_rollout_routing_check_failures_total"].inc()
-            raise
 
     # ---- weight updates and policy lag -----------------------------------------------------
     async def update_weights_from_file(self, path: str, version: int | None = None) -> int:
@@ -455,26 +407,3 @@ class RolloutWorker:
         return await self.sink.report_version(self.cfg.worker_id, self.engine.policy_version,
                                               await self.engine.engine_gpu(),
                                               self.engine.run_id)
-
-    def trainer_state(self, version: int, gone: bool) -> None:
-        """The store's policy version and trainer presence (WatchPolicyVersion), on the loop."""
-        self.trainer_version = version
-        if gone == self.trainer_present.is_set():
-            log.warning("trainer %s: %s", *(("gone", "no new group until one is present")
-                                            if gone else ("present", "generating again")))
-            self.metrics["r3flow_rollout_trainer_gone"].set(int(gone))
-            (self.trainer_present.clear if gone else self.trainer_present.set)()
-
-    async def _wait_for_room(self, summary: WorkerSummary) -> None:
-        """Hold a new group while a trainer that was present is gone (the job ended: stopping
-        it stops the spend), while the trainer is more than max_policy_lag versions ahead of
-        this engine, then while the store's backlog budget has no room for it and for this
-        worker's groups not sent yet. The budget hold needs no new version to end it: it lasts
-        exactly as long as the trainer consumes nothing (down, restarting, checkpointing)."""
-        await self.trainer_present.wait()
-        while self.trainer_version is not None and too_stale(
-                self.trainer_version, self.engine.policy_version, self.cfg.max_policy_lag):
-            await asyncio.sleep(0.1)
-        if self.sink is not None:
-            await wait_for_room(self.sink, lambda: summary.groups_in_flight,
-                                ROOM_POLL_S)

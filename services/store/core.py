@@ -31,48 +31,12 @@ from services.store.dead_letter import REASON as DEAD_LETTER
 from services.store.dead_letter import dead_letter_of, keep
 from services.store.errors import CapacityError, redis_full
 from services.store.keys import CONSUMER_GROUP, Keys
+from services.store.leases import Entry, LeaseClock, Puller, as_str, check_delivery_id, parse_lease
+from services.store.run_fence import OTHER_RUN, RunFence
 
 log = logging.getLogger(__name__)
 _REASON = re.compile(r"[a-z_]{1,40}")
-OTHER_RUN = "other_run"  # sampled by another training run's weights (run fencing)
 _STORE_REASONS = ("acked", "aborted", "missing", OTHER_RUN, DEAD_LETTER)
-
-
-@dataclass(frozen=True)
-class _Puller:
-    consumer: str
-    session: str = ""
-
-
-@dataclass(frozen=True)
-class _Entry:
-    """A stream entry being delivered: its id, delivery count, and whether it is its holder's
-    own renewal."""
-
-    eid: str
-    count: int
-    renewed: bool = False
-
-
-def _parse_lease(value: bytes | None, default_ms: int) -> tuple[int, str]:
-    """A leases-hash value `<lease ms>[|<session>]` -> (lease ms, session)."""
-    if not value:
-        return default_ms, ""
-    ms, _, session = _s(value).partition("|")
-    return int(ms), session
-
-
-@dataclass(frozen=True)
-class RunFence:
-    """The store's current training run: groups tagged with another run id, or with a segment
-    sampled below `start_version`, belong to another run and are never delivered."""
-
-    run_id: str
-    start_version: int
-
-    def admits(self, d: Delivery) -> bool:
-        return d.min_policy_version >= self.start_version and all(
-            r in ("", self.run_id) for r in d.run_ids)
 
 
 @dataclass
@@ -87,30 +51,6 @@ class StatsSnapshot:
     def dropped_by_reason(self) -> dict[str, int]:
         return {k.removeprefix("dropped:"): v for k, v in self.counters.items()
                 if k.startswith("dropped:")}
-
-
-def check_delivery_id(eid: str, field: str) -> None:
-    """A delivery id is a Redis stream entry id `<ms>-<seq>` (u64 each); Redis would answer
-    anything else with an error that is ours to report as bad input, not INTERNAL."""
-    ms, dash, seq = eid.partition("-")
-    if not (dash and ms.isdigit() and seq.isdigit() and ms.isascii() and seq.isascii()
-            and int(ms) < 2**64 and int(seq) < 2**64):
-        raise ValueError(f"{field}: {eid[:64]!r} is not a delivery id (<ms>-<seq>)")
-
-
-class LeaseClock:
-    """The store's clock for leases, kept as an offset to Redis' own: a lease taken when the
-    clock stood `ahead_ms` ahead lasts its length plus that offset in Redis' idle time (the
-    leases hash records the sum), and it has run out once a pending entry's idle time plus
-    today's offset reaches it. A running store never moves it (offset 0: Redis' idle times
-    alone); tests `advance` it instead of sleeping a lease out."""
-
-    def __init__(self) -> None:
-        self.ahead_ms = 0
-
-    def advance(self, seconds: float) -> None:
-        """Move the store's time forward by `seconds` (leases run out as if they had passed)."""
-        self.ahead_ms += round(1000 * seconds)
 
 
 class TrajectoryStoreCore:
@@ -167,7 +107,7 @@ class TrajectoryStoreCore:
             raise ValueError(f"max_groups: {max_groups} < 1")
         t0 = time.perf_counter()
         try:
-            out = self._pull(_Puller(consumer, session), max_groups, lease_seconds, wait_ms)
+            out = self._pull(Puller(consumer, session), max_groups, lease_seconds, wait_ms)
         except redis.ResponseError as e:
             if "NOGROUP" not in str(e):
                 raise
@@ -176,7 +116,7 @@ class TrajectoryStoreCore:
         self._metric("r3flow_store_pull_seconds").observe(time.perf_counter() - t0)
         return out
 
-    def _pull(self, who: _Puller, max_groups: int, lease_seconds: int,
+    def _pull(self, who: Puller, max_groups: int, lease_seconds: int,
               wait_ms: int) -> list[Delivery]:
         lease_ms = 1000 * (lease_seconds or self.cfg.lease_seconds)
         block = min(wait_ms, self.cfg.max_wait_ms) or None
@@ -195,32 +135,32 @@ class TrajectoryStoreCore:
             out += [d for d in (self._deliver(e) for e in entries) if d is not None]
         return out
 
-    def _claim_expired(self, who: _Puller, count: int) -> list[_Entry]:
+    def _claim_expired(self, who: Puller, count: int) -> list[Entry]:
         ahead = self.clock.ahead_ms  # leases are >= 1 s: entries idle less are never due
         pending = self.r.xpending_range(self.keys.ready, CONSUMER_GROUP, "-", "+",
                                         max(100, 4 * count), idle=max(0, 1000 - ahead))
         if not pending:
             return []
         leases = self.r.hmget(self.keys.leases, [p["message_id"] for p in pending])
-        claimed: list[_Entry] = []
+        claimed: list[Entry] = []
         redelivered = 0
         limit = self.cfg.max_redeliveries
         for p, lease in zip(pending, leases, strict=True):
-            lease_ms, holder = _parse_lease(lease, 1000 * self.cfg.lease_seconds)
+            lease_ms, holder = parse_lease(lease, 1000 * self.cfg.lease_seconds)
             if len(claimed) >= count or p["time_since_delivered"] + ahead < lease_ms:
                 continue
             min_idle = max(0, lease_ms - ahead)  # in Redis' idle time
-            eid, times = _s(p["message_id"]), int(p["times_delivered"])
+            eid, times = as_str(p["message_id"]), int(p["times_delivered"])
             renew = bool(who.session) and holder == who.session
             if not renew and limit is not None and times > limit:
-                self._dead_letter(who.consumer, eid, times, _s(p["consumer"]), min_idle)
+                self._dead_letter(who.consumer, eid, times, as_str(p["consumer"]), min_idle)
                 continue
             # XCLAIM re-checks the idle time, so two pullers never both win one entry; without
             # JUSTID it also counts the delivery (a renewal by the same session does not).
             got = self.r.xclaim(self.keys.ready, CONSUMER_GROUP, who.consumer, min_idle, [eid],
                                 justid=renew)
             if got and (renew or (got[0] and got[0][0])):
-                claimed.append(_Entry(eid, times if renew else times + 1, renew))
+                claimed.append(Entry(eid, times if renew else times + 1, renew))
                 redelivered += not renew
         if redelivered:
             self.r.hincrby(self.keys.stats, "redeliveries", redelivered)
@@ -235,7 +175,7 @@ class TrajectoryStoreCore:
                              justid=True):
             return  # another puller took it first
         found = self.r.xrange(self.keys.ready, eid, eid)
-        gid = _s(found[0][1][b"g"]) if found else "?"
+        gid = as_str(found[0][1][b"g"]) if found else "?"
         d = assemble_group(self.r, self.keys, gid, eid, times) if found else None
         assert self.cfg.max_redeliveries is not None
         rec = dead_letter_of(d, gid, eid, times, holder, self.cfg.max_redeliveries)
@@ -267,26 +207,26 @@ class TrajectoryStoreCore:
                 retry_after_ms=self.cfg.backpressure_retry_ms)
         return True
 
-    def _read_new(self, consumer: str, count: int, block_ms: int | None) -> list[_Entry]:
+    def _read_new(self, consumer: str, count: int, block_ms: int | None) -> list[Entry]:
         if count <= 0:
             return []
         reply = self.r.xreadgroup(CONSUMER_GROUP, consumer, {self.keys.ready: ">"},
                                   count=count, block=block_ms)
-        entries = [_Entry(_s(eid), 1) for _, msgs in (reply or []) for eid, _ in msgs]
+        entries = [Entry(as_str(eid), 1) for _, msgs in (reply or []) for eid, _ in msgs]
         if entries:
             self.r.hincrby(self.keys.stats, "groups_delivered", len(entries))
         return entries
 
-    def _set_leases(self, entries: list[_Entry], lease_ms: int, session: str) -> None:
+    def _set_leases(self, entries: list[Entry], lease_ms: int, session: str) -> None:
         value = f"{lease_ms}|{session}" if session else lease_ms
         self.r.hset(self.keys.leases, mapping={e.eid: value for e in entries})
 
-    def _deliver(self, entry: _Entry) -> Delivery | None:
+    def _deliver(self, entry: Entry) -> Delivery | None:
         eid = entry.eid
         found = self.r.xrange(self.keys.ready, eid, eid)
         if not found:
             return None
-        gid = _s(found[0][1][b"g"])
+        gid = as_str(found[0][1][b"g"])
         d = assemble_group(self.r, self.keys, gid, eid, entry.count)
         reason = self._drop_reason(d, entry.renewed)
         if reason:
@@ -388,7 +328,7 @@ class TrajectoryStoreCore:
     def run_fence(self) -> RunFence | None:
         """The current run (None until a trainer started one)."""
         got = self.r.hmget(self.keys.run, ["id", "start"])
-        return None if got[0] is None else RunFence(_s(got[0]), int(got[1] or 0))
+        return None if got[0] is None else RunFence(as_str(got[0]), int(got[1] or 0))
 
     def reap_timeouts(self, now: float | None = None) -> int:
         """Close groups incomplete for longer than group_timeout_seconds; returns how many."""
@@ -413,11 +353,11 @@ class TrajectoryStoreCore:
             p.zcard(self.keys.open_groups)
             p.hmget(self.keys.run, ["id", "start"])
             raw, length, pending, pv, n_open, run = p.execute(raise_on_error=False)
-        counters = {_s(k): int(v) for k, v in raw.items()}
+        counters = {as_str(k): int(v) for k, v in raw.items()}
         n_pending = int(pending["pending"]) if isinstance(pending, dict) else 0
         snap = StatsSnapshot(counters, max(0, int(length) - n_pending), n_pending, int(pv or 0),
                              int(n_open or 0),
-                             None if run[0] is None else RunFence(_s(run[0]), int(run[1] or 0)))
+                             None if run[0] is None else RunFence(as_str(run[0]), int(run[1] or 0)))
         delivered = counters.get("delivered_tokens", 0)
         self._metric("r3flow_store_backlog_tokens").set(
             counters.get("backlog_tokens", 0) - delivered)
@@ -426,6 +366,3 @@ class TrajectoryStoreCore:
         self._metric("r3flow_store_policy_version").set(snap.policy_version)
         return snap
 
-
-def _s(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value

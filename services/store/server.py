@@ -18,7 +18,6 @@ from typing import Any
 
 import grpc
 import redis
-from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -41,11 +40,11 @@ from services.store.errors import (
     StreamCutShort,
     is_redis_oom,
 )
+from services.store.handlers import SERVICE_NAME, add_servicer
 from services.store.wire_metadata import APPEND_MESSAGES_KEY, REFUSAL_REASON_KEY, RETRY_AFTER_KEY
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME = store_pb2.DESCRIPTOR.services_by_name["TrajectoryStore"].full_name
 _REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
 WATCH_POLL_S = 0.5  # watchers re-read Redis this often (versions published by other replicas)
 
@@ -248,67 +247,6 @@ def stats_to_proto(s: StatsSnapshot, max_groups_ahead: int = 0) -> store_pb2.Sto
         max_groups_ahead=max_groups_ahead,
         groups_dead_lettered=c.get("groups_dead_lettered", 0),
         run_id=s.run.run_id if s.run else "", run_start_version=s.run.start_version if s.run else 0)
-
-
-class _HandlerCapture:
-    """Stands in for a grpc.Server to capture the generated method-handler table."""
-
-    def __init__(self) -> None:
-        self.handlers: dict[str, grpc.RpcMethodHandler] = {}
-
-    def add_generic_rpc_handlers(self, handlers: object) -> None:
-        pass
-
-    def add_registered_method_handlers(self, name: str, handlers: dict) -> None:
-        self.handlers = dict(handlers)
-
-
-def _parsing(method: str, handler: Any) -> Any:
-    """`handler` taking raw bytes and parsing them itself: gRPC's own deserializer answers an
-    unparseable request with INTERNAL; this answers INVALID_ARGUMENT naming the message type."""
-    deserialize = handler.request_deserializer
-    name = store_pb2.DESCRIPTOR.services_by_name["TrajectoryStore"].methods_by_name[
-        method].input_type.name
-
-    def parse(raw: bytes) -> Any:
-        try:
-            return deserialize(raw)
-        except DecodeError as e:
-            raise ValueError(f"{name}: not a valid serialized {name} ({e})") from None
-
-    def parse_or_abort(raw: bytes, context: grpc.ServicerContext) -> Any:
-        try:
-            return parse(raw)
-        except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-
-    def unary_stream(raw: bytes, context: grpc.ServicerContext) -> Iterator[Any]:
-        yield from handler.unary_stream(parse_or_abort(raw, context), context)
-
-    if handler.request_streaming:  # Append: a ValueError from the iterator -> INVALID_ARGUMENT
-        return handler._replace(request_deserializer=None, stream_unary=lambda it, ctx:
-                                handler.stream_unary(map(parse, it), ctx))
-    if handler.response_streaming:
-        return handler._replace(request_deserializer=None, unary_stream=unary_stream)
-    return handler._replace(request_deserializer=None, unary_unary=lambda raw, ctx:
-                            handler.unary_unary(parse_or_abort(raw, ctx), ctx))
-
-
-def add_servicer(servicer: TrajectoryStoreServicer, server: grpc.Server) -> None:
-    """The generated registration, except that Pull and PullChunks send pre-serialized
-    PulledGroup / PulledPart bytes (stored payloads are spliced, not parsed and re-serialized;
-    services/store/assemble.py)."""
-    capture = _HandlerCapture()
-    store_pb2_grpc.add_TrajectoryStoreServicer_to_server(servicer, capture)  # type: ignore[arg-type]
-    handlers = capture.handlers
-    for name in ("Pull", "PullChunks"):
-        handlers[name] = grpc.unary_stream_rpc_method_handler(
-            getattr(servicer, name), request_deserializer=store_pb2.PullRequest.FromString,
-            response_serializer=None)
-    handlers = {name: _parsing(name, h) for name, h in handlers.items()}
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
-    server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
 def _interceptors(config: StoreConfig) -> list[grpc.ServerInterceptor]:

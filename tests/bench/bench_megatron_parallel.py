@@ -288,7 +288,8 @@ def _launch(args: argparse.Namespace, model_dir: str, tmp: Path, script: str = _
 
 
 def _plan(args: argparse.Namespace, cfg: dict) -> float:
-    from trainer.plan.memory import Arch, Layout, plan
+    from trainer.plan.layout import Arch, Layout
+    from trainer.plan.memory import plan
 
     lay = Layout(world=args.gpus, tp=args.tp, pp=args.pp, ep=args.ep, seq_len=args.seq_len,
                  distributed_optimizer=args.distributed_optimizer,
@@ -314,7 +315,8 @@ def _pick_recompute(args: argparse.Namespace, cfg: dict, gpu_gib: float) -> str:
     """`r3flow plan`'s pick for this workload with recompute unset (issue 44: none when the
     estimate without it fits `gpu_gib` with the plan's 4 GiB overhead, else moe, else full) and
     its line. Sets args.recompute_moe to it when --[no-]recompute-moe was not given."""
-    from trainer.plan.memory import Arch, Layout, choose_recompute, plan
+    from trainer.plan.layout import Arch, Layout
+    from trainer.plan.memory import choose_recompute, plan
 
     lay = Layout(world=args.gpus, tp=args.tp, pp=args.pp, ep=args.ep, seq_len=args.seq_len,
                  distributed_optimizer=args.distributed_optimizer, recompute_set=False,

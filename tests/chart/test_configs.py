@@ -91,7 +91,7 @@ def test_store_registers_the_model_the_release_serves(rendered, values, tmp_path
     # wrong model would fill the backlog with routing the trainer then refuses.
     from conftest import CHART, VALUES_FILES
 
-    from trainer.plan.memory import Arch
+    from trainer.plan.layout import Arch
     from trainer.plan.models import load_model_config
 
     plan_model = yaml.safe_load((CHART / "values.yaml").read_text())["plan"]["model"]

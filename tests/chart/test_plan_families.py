@@ -11,8 +11,8 @@ import pytest
 from conftest import API_VERSIONS, CHART, run_helm
 
 from services import cli
+from trainer.plan.layout import Arch
 from trainer.plan.manifest import plan_manifest, plan_rollouts
-from trainer.plan.memory import Arch
 from trainer.plan.models import load_model_config
 
 SPECS = Path(__file__).resolve().parent / "specs"

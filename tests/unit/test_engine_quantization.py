@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from services.rollout.config import EngineConfig
 from services.rollout.engine import quantization_refusal
-from trainer.plan.memory import Arch
+from trainer.plan.layout import Arch
 from trainer.plan.models import load_model_config
 from trainer.plan.rollout import engine_weight_bytes, plan_rollout
 

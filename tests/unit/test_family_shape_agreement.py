@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from services.common import families
 from services.common.tiny_moe import TinyMoeConfig
-from trainer.plan.memory import Arch
+from trainer.plan.layout import Arch
 
 
 def _tiny(name: str) -> TinyMoeConfig:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from services.common.errors import UserError
-from trainer.plan.memory import Arch
+from trainer.plan.layout import Arch
 
 # https://huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json
 QWEN3_30B_A3B = {
@@ -149,7 +149,8 @@ def test_unknown_model_type_and_missing_keys_are_one_line() -> None:
 
 
 def test_memory_follows_the_family() -> None:
-    from trainer.plan.memory import Layout, plan, push_chunk_bytes
+    from trainer.plan.layout import Layout
+    from trainer.plan.memory import plan, push_chunk_bytes
     from trainer.plan.rollout import kv_bytes_per_token, plan_rollout
 
     gpt, ds = Arch.from_hf_config(GPT_OSS_120B), Arch.from_hf_config(DEEPSEEK_V3)

@@ -10,7 +10,8 @@ import yaml
 
 from services import cli
 from tests.bench import bench_megatron_parallel as bench_mp
-from trainer.plan.memory import Arch, GiB, Layout, plan
+from trainer.plan.layout import Arch, GiB, Layout
+from trainer.plan.memory import plan
 from trainer.plan.models import load_model_config
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from services import cli
-from trainer.plan.memory import Arch, Layout, plan
+from trainer.plan.layout import Arch, Layout
+from trainer.plan.memory import plan
 from trainer.plan.models import load_model_config
 
 ROOT = Path(__file__).resolve().parents[2]

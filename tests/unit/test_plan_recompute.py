@@ -16,8 +16,9 @@ from services import cli
 from services.common.config import load_config
 from tests.bench import bench_megatron_parallel as bench_mp
 from trainer.config import TrainerConfig
+from trainer.plan.layout import Arch, GiB, Layout
 from trainer.plan.manifest import layout_from_trainer
-from trainer.plan.memory import Arch, GiB, Layout, choose_recompute, plan
+from trainer.plan.memory import choose_recompute, plan
 from trainer.plan.models import load_model_config
 
 QWEN = Arch.from_hf_config(load_model_config("Qwen3-30B-A3B"))

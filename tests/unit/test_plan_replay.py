@@ -11,7 +11,8 @@ import numpy as np
 import torch
 
 from services import cli
-from trainer.plan.memory import Arch, GiB, Layout, plan
+from trainer.plan.layout import Arch, GiB, Layout
+from trainer.plan.memory import plan
 from trainer.plan.models import load_model_config
 from trainer.samples.alignment import to_router_rows
 from trainer.samples.batch import Sample, make_microbatch

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from services import cli
-from trainer.plan.memory import Arch, GiB
+from trainer.plan.layout import Arch, GiB
 from trainer.plan.models import load_model_config
 from trainer.plan.rollout import kv_bytes_per_token, plan_rollout
 

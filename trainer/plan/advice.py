@@ -9,7 +9,7 @@ GiB = 1 << 30
 
 
 class Layout(Protocol):
-    """What of trainer.plan.memory.Layout the advice reads."""
+    """What of trainer.plan.layout.Layout the advice reads."""
 
     @property
     def fsdp(self) -> bool: ...

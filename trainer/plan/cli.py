@@ -59,8 +59,9 @@ def _config_plan(args: argparse.Namespace):
 
     from services.common.config import load_config
     from trainer.config import TrainerConfig
+    from trainer.plan.layout import Arch
     from trainer.plan.manifest import layout_from_trainer
-    from trainer.plan.memory import Arch, plan
+    from trainer.plan.memory import plan
     from trainer.plan.models import load_model_config
 
     cfg = load_config(TrainerConfig, args.config)

@@ -27,7 +27,8 @@ from services.common.config import YAML_LOADER, build_config
 from services.common.errors import UserError, syntax_error
 from trainer.config import HFSection, ModelSection, TrainerConfig
 from trainer.plan import k8s
-from trainer.plan.memory import Arch, GiB, Layout, Plan, Recompute, plan
+from trainer.plan.layout import Arch, GiB, Layout, Plan, Recompute
+from trainer.plan.memory import plan
 from trainer.plan.models import load_model_config
 
 PREFIX = "r3flow.io/plan-"

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.common.errors import UserError
-from trainer.plan.memory import Arch, GiB
+from trainer.plan.layout import Arch, GiB
 
 ACTIVATION_GIB = 2.0  # vLLM's profiled activation peak + CUDA graphs' pool, per GPU (estimate)
 

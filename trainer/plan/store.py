@@ -31,8 +31,8 @@ from services.common.routing_size import max_bytes_per_token, max_part_bytes
 from services.store.config import StoreConfig
 from trainer.config import TrainerConfig
 from trainer.plan import k8s
+from trainer.plan.layout import Arch
 from trainer.plan.manifest import PREFIX, annotated, config_file, group_size, trainer_of
-from trainer.plan.memory import Arch
 from trainer.plan.models import load_model_config
 
 MiB = 1 << 20
