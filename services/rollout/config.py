@@ -146,6 +146,12 @@ class RolloutConfig(StrictConfig):
         4096, ge=1, description="routing rows per encoded chunk: the host copy of a segment's "
         "MoE columns is one chunk at a time, and a long segment goes to the store in parts of "
         "chunks (docs/benchmarks/long-rollouts.md)")
+    spill_routing_bytes: int = Field(
+        64 << 20, ge=0, description="a group whose finished trajectories hold more encoded "
+        "routing than this keeps it in a spill file until the group is sent (0: always; "
+        "services/rollout/spill.py)")
+    spill_routing_dir: str | None = Field(
+        None, description="directory of the routing spill files (default: the system temp dir)")
     partial_rollout_policy: Literal["segment", "replace"] = Field(
         "segment", description="segment: each segment keeps the rows its own engine pass "
         "computed (verl #6046); replace: the last pass's rows everywhere (for comparison); what "

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from services.common.pb.r3flow.v1 import trajectory_pb2
+from services.rollout.spill import RoutingSpill
 
 log = logging.getLogger(__name__)
 NO_BUDGET_RECHECK_S = 10.0  # a store restarted with a budget is noticed within this
@@ -47,7 +48,8 @@ class StoreRejected(ValueError):
 
 
 class TrajectorySink(Protocol):
-    async def send_group(self, trajs: list[trajectory_pb2.Trajectory]) -> None: ...
+    async def send_group(self, trajs: list[trajectory_pb2.Trajectory],
+                         spill: RoutingSpill | None = None) -> None: ...
 
     async def report_version(self, worker_id: str, version: int, device_uuid: str = "",
                              run_id: str = "") -> int | None: ...
@@ -64,8 +66,9 @@ class MemorySink:
         self.trajectories: list[trajectory_pb2.Trajectory] = []
         self.versions: list[int] = []
 
-    async def send_group(self, trajs: list[trajectory_pb2.Trajectory]) -> None:
-        self.trajectories.extend(trajs)
+    async def send_group(self, trajs: list[trajectory_pb2.Trajectory],
+                         spill: RoutingSpill | None = None) -> None:
+        self.trajectories.extend(trajs if spill is None else [spill.restored(t) for t in trajs])
 
     async def report_version(self, worker_id: str, version: int, device_uuid: str = "",
                              run_id: str = "") -> int | None:
@@ -102,14 +105,17 @@ class StoreSink:
         self._drainer: asyncio.Task[None] | None = None
         self._no_budget_until = 0.0  # a store without a budget in groups is asked again later
 
-    async def send_group(self, trajs: list[trajectory_pb2.Trajectory]) -> None:
+    async def send_group(self, trajs: list[trajectory_pb2.Trajectory],
+                         spill: RoutingSpill | None = None) -> None:
         """Append every trajectory of the group; returns once the store has all of them,
-        raises this group's error (StoreRejected: refused as invalid)."""
+        raises this group's error (StoreRejected: refused as invalid). A group whose routing
+        was spilled (services/rollout/spill.py) goes as a large group, each trajectory's
+        routing read back from the file only while it is sent."""
         size = sum(t.ByteSize() for t in trajs)
         limit = GROUP_STREAM_MAX_BYTES if self.long_group_bytes is None else self.long_group_bytes
-        if size > limit:
+        if size > limit or (spill is not None and spill.spilled()):
             async with self._one_stream:
-                await self._send_each(trajs)
+                await self._send_each(trajs, spill)
             return
         pending = _Pending(trajs, size, asyncio.get_running_loop().create_future())
         self._queue.append(pending)
@@ -117,13 +123,17 @@ class StoreSink:
             self._drainer = asyncio.create_task(self._drain())
         await pending.done  # a cancelled group is dropped from the queue if not sent yet
 
-    async def _send_each(self, trajs: list[trajectory_pb2.Trajectory]) -> None:
+    async def _send_each(self, trajs: list[trajectory_pb2.Trajectory],
+                         spill: RoutingSpill | None = None) -> None:
         """A large group: one trajectory after another, each message its own stream and long
         segments in parts (StoreClient.append_in_parts), so no message and no store buffer
-        grows with the group or the trajectory."""
+        grows with the group or the trajectory; spilled routing is in memory one trajectory
+        at a time."""
         for t in trajs:
             parts = {} if self.part_bytes is None else {"part_bytes": self.part_bytes}
-            await self._send([t], functools.partial(self.client.append_in_parts, **parts))
+            full = t if spill is None else await asyncio.to_thread(spill.restored, t)
+            await self._send([full], functools.partial(self.client.append_in_parts, **parts))
+            del full  # a restored copy: freed before the next one is read
             self.streams_sent += 1
 
     async def _drain(self) -> None:

@@ -33,6 +33,7 @@ from services.rollout.rewards import Reward, RewardRunner, build_registry
 from services.rollout.sample_finish import finish_sample
 from services.rollout.segments import RoutingCheckError
 from services.rollout.sink import TrajectorySink
+from services.rollout.spill import RoutingSpill
 from services.rollout.trainer_gate import TrainerGate
 from services.rollout.trajectory_proto import RoutingLayout, TrajectoryMeta
 from services.rollout.verifiers import RewardFn, RewardInput
@@ -53,6 +54,7 @@ class GroupResult:
     trajectories: list[trajectory_pb2.Trajectory]
     results: list[RolloutResult]
     generated_tokens: int
+    spill: RoutingSpill | None = None  # the group's routing on disk (closed once sent)
 
 
 class RolloutWorker:
@@ -245,8 +247,12 @@ class RolloutWorker:
         group_id = f"{self.cfg.worker_id}-{self._nonce}-g{seq}"
         try:
             group = await self.run_group(group_id, rec, seed=self._group_seed(seq), epoch=epoch)
-            if self.sink is not None and self.engine.cfg.capture_routing:
-                await self.sink.send_group(group.trajectories)
+            try:
+                if self.sink is not None and self.engine.cfg.capture_routing:
+                    await self.sink.send_group(group.trajectories, group.spill)
+            finally:
+                if group.spill is not None:
+                    group.spill.close()
         except ValueError as e:  # bad input, failed routing check, store refusal: this group
             summary.groups_failed += 1
             if len(summary.errors) < MAX_KEPT_ERRORS:
@@ -296,19 +302,25 @@ class RolloutWorker:
         run_id = self.engine.run_id  # the run whose weights sample this group (run fencing)
         metas = [TrajectoryMeta(f"{group_id}-{i}", group_id, n, rec.prompt_id,
                                 self.cfg.worker_id, epoch, run_id) for i in range(n)]
-        results = await asyncio.gather(*[
-            self._sample(meta, prompt, rec, verifier, None if seed is None else seed * 1009 + i)
-            for i, meta in enumerate(metas)], return_exceptions=True)
-        failed = [r for r in results if isinstance(r, BaseException)]
-        if failed:
-            raise failed[0]
+        spill = RoutingSpill(self.cfg.spill_routing_bytes, self.cfg.spill_routing_dir)
+        try:
+            results = await asyncio.gather(*[
+                self._sample(meta, prompt, rec, verifier,
+                             None if seed is None else seed * 1009 + i, spill)
+                for i, meta in enumerate(metas)], return_exceptions=True)
+            failed = [r for r in results if isinstance(r, BaseException)]
+            if failed:
+                raise failed[0]
+        except BaseException:  # failed or cancelled: nothing of the group is sent
+            spill.close()
+            raise
         done = [r for r in results if isinstance(r, tuple)]
-        trajs = [t for _, t in done if t is not None]
+        trajs = spill.trajectories([m.trajectory_id for m in metas])
         tokens = sum(sum(s.loss_mask) for res, _ in done for s in res.state.segments)
-        return GroupResult(trajs, [res for res, _ in done], tokens)
+        return GroupResult(trajs, [res for res, _ in done], tokens, spill)
 
     async def _sample(self, meta: TrajectoryMeta, prompt: RenderedPrompt, rec: PromptRecord,
-                      verifier: RewardFn, seed: int | None
+                      verifier: RewardFn, seed: int | None, spill: RoutingSpill | None = None
                       ) -> tuple[RolloutResult, trajectory_pb2.Trajectory | None]:
         """One trajectory, checked and encoded as soon as it ends (the engine's routing arrays
         are dropped then, not when the group ends), then its reward (off the loop; the engine
@@ -325,6 +337,9 @@ class RolloutWorker:
         if traj is not None:
             traj.reward = reward.score
             traj.reward_components.update(reward.components)
+            if spill is not None:  # the group's trajectories are the spill's (spill.py)
+                spill.keep(traj)
+                traj = None
         return res, traj
 
     async def reward_of(self, res: RolloutResult, rec: PromptRecord, prompt: RenderedPrompt,

@@ -251,7 +251,7 @@ def run_rollout(tokens: int, args: argparse.Namespace, workdir: Path) -> dict:
     with store_stack(workdir, f"rollout-{tokens}") as (address, store_pid, redis_pid):
         store_base = peak_rss(store_pid)
         res = run_child(ctx, rollout_group, address, tokens, args.rollout_response, GROUP,
-                        str(workdir), args.rollout_long_group_bytes)
+                        str(workdir), args.rollout_long_group_bytes, args.rollout_spill_bytes)
         res |= {"store_base": store_base, "store_peak": peak_rss(store_pid),
                 "redis_peak": peak_rss(redis_pid)}
     return {"tokens": tokens, **res}
@@ -323,6 +323,9 @@ def main() -> None:
                    help="the worker's sink sends a group over this many bytes one trajectory "
                    "after another in parts (0: every group, as real routing at 128k is; the "
                    "tiny model's routing compresses far better)")
+    p.add_argument("--rollout-spill-bytes", type=int, default=64 << 20,
+                   help="the worker's spill_routing_bytes: a group holding more encoded routing "
+                   "keeps it in a spill file until sent (0: always, services/rollout/spill.py)")
     p.add_argument("--device", default="meta", help="the trainer's device: `meta` stands in for "
                    "a GPU (micro-batches leave the host, nothing is allocated), `cpu` is the CPU "
                    "backend (every micro-batch's int64 ids stay on the host)")

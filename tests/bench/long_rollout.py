@@ -41,7 +41,7 @@ def vm_hwm(pid: int | str = "self", field: str = "VmHWM") -> int:
 
 
 async def _group(address: str, model_dir: Path, workdir: Path, tokens: int, response: int,
-                 group: int, long_group_bytes: int) -> dict[str, Any]:
+                 group: int, long_group_bytes: int, spill_bytes: int) -> dict[str, Any]:
     from prometheus_client import CollectorRegistry
 
     from services.common.metrics import create_metrics
@@ -57,7 +57,8 @@ async def _group(address: str, model_dir: Path, workdir: Path, tokens: int, resp
     cfg = RolloutConfig.model_validate({
         "engine": {"model": str(model_dir), "max_model_len": tokens, "max_num_seqs": group},
         "dataset": str(workdir / "d.jsonl"),
-        "sampling": {"n": group, "max_tokens": response, "ignore_eos": True}})
+        "sampling": {"n": group, "max_tokens": response, "ignore_eos": True},
+        "spill_routing_bytes": spill_bytes, "spill_routing_dir": str(workdir)})
     engine = RolloutEngine.start(cfg.engine, create_metrics(CollectorRegistry(), "rollout"))
     pids = [p for ps in engine.pids.values() for p in ps]
     out: dict[str, Any] = {"worker_base": vm_hwm(), "engine_base": sum(map(vm_hwm, pids))}
@@ -70,12 +71,16 @@ async def _group(address: str, model_dir: Path, workdir: Path, tokens: int, resp
     # held: what the finished group holds while it waits for the store (the current RSS)
     out |= {"generate_s": time.perf_counter() - t0, "worker_generated": vm_hwm(),
             "worker_held": vm_hwm(field="VmRSS")}
+    spilled = result.spill.spilled_bytes if result.spill is not None else 0
+    out |= {"routing_wire_bytes": spilled + sum(c.ByteSize() for t in result.trajectories
+                                                for s in t.segments for c in s.routing),
+            "routing_spilled_bytes": spilled}
     t0 = time.perf_counter()
-    await worker.sink.send_group(result.trajectories)
+    await worker.sink.send_group(result.trajectories, result.spill)
+    if result.spill is not None:
+        result.spill.close()
     out |= {"send_s": time.perf_counter() - t0, "worker_peak": vm_hwm(),
             "engine_peak": sum(map(vm_hwm, pids)),
-            "routing_wire_bytes": sum(c.ByteSize() for t in result.trajectories
-                                      for s in t.segments for c in s.routing),
             "rows": [len(t.prompt_token_ids) + sum(len(s.token_ids) for s in t.segments) - 1
                      for t in result.trajectories]}
     client.close()
@@ -84,7 +89,7 @@ async def _group(address: str, model_dir: Path, workdir: Path, tokens: int, resp
 
 
 def rollout_group(address: str, tokens: int, response: int, group: int, workdir: str,
-                  long_group_bytes: int, out: Any) -> None:
+                  long_group_bytes: int, spill_bytes: int, out: Any) -> None:
     """Spawned: build the model, run one group through worker and sink, report peaks."""
     import os
 
@@ -92,5 +97,5 @@ def rollout_group(address: str, tokens: int, response: int, group: int, workdir:
     model_dir = tiny_model(Path(workdir), tokens)
     loop = asyncio.new_event_loop()
     res = loop.run_until_complete(_group(address, model_dir, Path(workdir), tokens, response,
-                                         group, long_group_bytes))
+                                         group, long_group_bytes, spill_bytes))
     out.put(res)

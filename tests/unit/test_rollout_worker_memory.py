@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import weakref
+from pathlib import Path
 
 import numpy as np
 
 from services.common.wire import routing_from_proto
 from services.rollout.dataset import PromptRecord
+from services.rollout.report import WorkerSummary
+from services.rollout.sink import MemorySink
 from tests.support.fake_rollout import EXPERTS, TOP_K, LoadingEngine, endless_worker
 
 
@@ -88,3 +91,105 @@ def test_engine_routing_is_kept_when_asked():
         rid = traj.trajectory_id
         assert res.calls[0].routing_TLK is engine.arrays[rid]()
         assert np.array_equal(res.calls[0].routing_TLK, engine.copies[rid])
+
+
+class FilesAtSend(MemorySink):
+    """A memory sink noting the spill files present in `directory` when a group is sent."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__()
+        self.directory, self.files_at_send = directory, []
+
+    async def send_group(self, trajs, spill=None):  # noqa: ANN001, ANN201
+        self.files_at_send.append(sorted(p.name for p in self.directory.iterdir()))
+        await super().send_group(trajs, spill)
+
+
+def _spilling_worker(engine: Gated, directory: Path, threshold: int = 0):  # noqa: ANN202
+    """A worker spilling into `directory`, and an event set once sample 0 was kept."""
+    worker, _ = endless_worker(engine)
+    worker.cfg = worker.cfg.model_copy(update={"spill_routing_bytes": threshold,
+                                               "spill_routing_dir": str(directory)})
+    worker.sink = FilesAtSend(directory)
+    first_kept = asyncio.Event()
+    reward_of = worker.reward_of
+
+    async def first_scored(res, *args, **kwargs):  # noqa: ANN001, ANN202
+        out = await reward_of(res, *args, **kwargs)
+        if res.calls[0].request_id.split("#")[0].endswith("-0"):
+            asyncio.get_running_loop().call_soon(first_kept.set)  # after keep() of sample 0
+        return out
+
+    worker.reward_of = first_scored  # type: ignore[method-assign]
+    sample, worker.spills = worker._sample, []  # type: ignore[attr-defined]
+
+    async def noted(*args):  # noqa: ANN002, ANN202 (held here: no garbage collector cleans up)
+        worker.spills.append(args[-1])  # type: ignore[attr-defined]
+        return await sample(*args)
+
+    worker._sample = noted  # type: ignore[method-assign]
+    return worker, first_kept
+
+
+def test_a_spilled_group_is_sent_with_its_exact_rows_and_its_file_removed(tmp_path: Path):
+    engine = Gated()
+    worker, spilled = _spilling_worker(engine, tmp_path)
+    summary = WorkerSummary()
+
+    async def main() -> None:
+        task = asyncio.create_task(worker._group_task(0, 0, PromptRecord(
+            "p", "0", prompt_token_ids=(4, 5, 6)), summary))
+        await asyncio.wait_for(spilled.wait(), 5)
+        assert len(list(tmp_path.iterdir())) == 1  # sample 0 on disk while sample 1 runs
+        engine.release.set()
+        await asyncio.wait_for(task, 5)
+
+    asyncio.run(main())
+    assert summary.groups_ok == 1 and list(tmp_path.iterdir()) == []
+    assert len(worker.sink.files_at_send) == 1 and len(worker.sink.files_at_send[0]) == 1
+    sent = worker.sink.trajectories
+    assert len(sent) == 2
+    for traj in sent:  # the routing read back from the file: the engine's rows
+        assert np.array_equal(_rows(traj), np.sort(engine.copies[traj.trajectory_id], axis=-1))
+
+
+def test_a_spill_write_failure_fails_the_group_naming_the_knob(tmp_path: Path):
+    engine = Gated()
+    engine.release.set()
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    worker, _ = _spilling_worker(engine, not_a_dir)
+    summary = WorkerSummary()
+    asyncio.run(worker._group_task(0, 0, PromptRecord("p", "0", prompt_token_ids=(4, 5)),
+                                   summary))
+    assert summary.groups_failed == 1 and summary.groups_ok == 0
+    assert worker.sink.trajectories == [] and worker.sink.files_at_send == []
+    [line] = summary.errors
+    assert "spill_routing_dir" in line and str(not_a_dir) in line and "\n" not in line
+
+
+def test_a_cancelled_group_removes_its_spill_file(tmp_path: Path):
+    engine = Gated()
+    worker, spilled = _spilling_worker(engine, tmp_path)
+
+    async def main() -> None:
+        task = asyncio.create_task(worker.run_group("g", PromptRecord(
+            "p", "0", prompt_token_ids=(4, 5, 6)), seed=1))
+        await spilled.wait()  # sample 0 spilled; sample 1 waits on the gate
+        assert len(list(tmp_path.iterdir())) == 1
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(asyncio.wait_for(main(), 5))
+    assert list(tmp_path.iterdir()) == [] and worker.sink.trajectories == []
+
+
+def test_below_the_threshold_nothing_is_spilled(tmp_path: Path):
+    engine = Gated()
+    engine.release.set()
+    worker, _ = _spilling_worker(engine, tmp_path, threshold=1 << 30)
+    summary = WorkerSummary()
+    asyncio.run(worker._group_task(0, 0, PromptRecord("p", "0", prompt_token_ids=(4, 5)),
+                                   summary))
+    assert summary.groups_ok == 1 and worker.sink.files_at_send == [[]]
+    assert all(len(s.routing) for t in worker.sink.trajectories for s in t.segments)

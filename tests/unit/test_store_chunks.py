@@ -4,6 +4,7 @@ PullChunks parts of at most one chunk, rebuilt groups equal to what was sent (is
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import Iterator
 
@@ -14,9 +15,11 @@ import redis
 from services.common.pb.r3flow.v1 import store_pb2, trajectory_pb2
 from services.common.wire import routing_from_proto
 from services.rollout.segments import SegmentRecord, segment_row_ranges
+from services.rollout.sink import StoreSink
+from services.rollout.spill import RoutingSpill
 from services.rollout.trajectory_proto import RoutingLayout, segment_to_proto
 from services.store import wirefmt
-from services.store.client import trajectory_requests
+from services.store.client import StoreClient, trajectory_requests
 from services.store.config import StoreConfig
 from services.store.core import TrajectoryStoreCore
 from services.store.parts import GroupAssembler
@@ -233,3 +236,28 @@ def test_a_chunk_gone_mid_delivery_stops_the_stream(core: TrajectoryStoreCore, g
     core.r.hdel(core.keys.traj("g/1"), "r:1:0")
     with pytest.raises(ChunkMissing, match=r"^group g: routing chunk .*r:1:0.* is gone"):
         list(parts)
+
+
+def test_a_spilled_group_reaches_the_store_byte_for_byte(core: TrajectoryStoreCore, group,  # noqa: ANN001
+                                                         tmp_path) -> None:  # noqa: ANN001
+    """The worker's spill (every trajectory's chunks on disk, spill_routing_bytes 0) sent by
+    StoreSink through StoreClient.append_in_parts: the store holds what an unspilled send
+    would have, byte for byte, and pulls it back whole."""
+    trajs, _ = group
+    spill = RoutingSpill(0, str(tmp_path))
+    for t in trajs:
+        spill.keep(trajectory_pb2.Trajectory.FromString(t.SerializeToString()))
+    sent = spill.trajectories([t.trajectory_id for t in trajs])
+    assert spill.spilled() and not any(s.routing for t in sent for s in t.segments)
+    client = StoreClient("127.0.0.1:1")
+    client.append = core.append  # type: ignore[method-assign] (the store core, no server)
+    largest = max(c.ByteSize() for t in trajs for s in t.segments for c in s.routing)
+    sink = StoreSink(client, part_bytes=largest)
+    asyncio.run(sink.send_group(sent, spill))
+    spill.close()
+    assert sink.streams_sent == 2 and list(tmp_path.iterdir()) == []
+    assert not any(s.routing for t in sent for s in t.segments)  # read back into copies
+    [d] = core.pull("trainer", 1)
+    got = store_pb2.PulledGroup.FromString(d.to_bytes())
+    assert [t.SerializeToString(deterministic=True) for t in got.trajectories] == \
+        [t.SerializeToString(deterministic=True) for t in trajs]
