@@ -12,9 +12,10 @@ synthetic routing). Processes, each measured by its own peak RSS (VmHWM):
     `StoreClient.append_in_parts` sends), then the finish. It never holds more than one
     segment: it measures the wire and store path, not vLLM's own capture buffers;
   * trainer: pulls the group (`--pull chunks`: PullChunks, parts of one chunk; `whole`: Pull,
-    one PulledGroup message: the baseline, against a fresh store), decodes it into samples (r3,
-    `trainer.samples.intake.intake_groups`), cuts micro-batches of one sample moved to the
-    trainer's device as each is built (`split_microbatches(..., device)`, as both engines do;
+    one PulledGroup message: the baseline, against a fresh store), takes it into samples (r3,
+    `trainer.samples.intake.intake_groups`: `--decode microbatch` checks each trajectory's
+    routing and keeps it encoded, `intake` keeps every sample decoded: the baseline), cuts
+    micro-batches of one sample moved to the trainer's device as each is built (`split_microbatches(..., device)`, as both engines do;
     `--device meta` stands in for a GPU: what moves there leaves the host) and builds each
     micro-batch's replay ids in router order (`to_router_rows`), one micro-batch at a time;
     `dev/mb` is their size on the device.
@@ -55,6 +56,10 @@ MiB = 1 << 20
 CLIENT_BOUND = 64 * MiB   # one segment of --segment-tokens and one part
 STORE_BOUND = 96 * MiB    # one Append stream (a part) and one PulledPart, plus gRPC's buffers
 TRAINER_PULL_BOUND = 64 * MiB  # over the pulled group's wire bytes (the batch it keeps)
+# --decode microbatch: from the pull to the last micro-batch the host grows by at most this plus
+# 3 x one trajectory's decoded uint8 routing (its chunks spliced, the sample's array, the
+# micro-batch's padded copy), whatever the group size: one micro-batch decoded at a time
+TRAINER_MB_BOUND = 64 * MiB
 
 
 def peak_rss(pid: int | str = "self") -> int:
@@ -151,7 +156,7 @@ def rollout_client(address: str, tokens: int, seg_tokens: int, chunk_rows: int,
 
 
 # ---- the trainer's side ----------------------------------------------------------------------
-def trainer_consumer(address: str, device: str, pull: str, out) -> None:  # noqa: ANN001
+def trainer_consumer(address: str, device: str, pull: str, decode: str, out) -> None:  # noqa: ANN001
     import torch
 
     from services.store.client import StoreClient
@@ -169,7 +174,7 @@ def trainer_consumer(address: str, device: str, pull: str, out) -> None:  # noqa
         marks["pulled"] = peak_rss()
         samples, dropped = intake_groups(groups, ReplayMode.R3,
                                          lambda ids: LayerMap.build(range(LAYERS), ids),
-                                         EXPERTS, TOPK)
+                                         EXPERTS, TOPK, keep_encoded=decode == "microbatch")
         assert not dropped and len(samples) == GROUP, dropped
         marks["samples"] = peak_rss()
         mbs = split_microbatches(samples, 1, 8, torch.device(device))  # as both engines do
@@ -231,16 +236,17 @@ def run_child(ctx, target, *args) -> dict:  # noqa: ANN001
     return res
 
 
-def run_length(tokens: int, args: argparse.Namespace, pull: str, workdir: Path) -> dict:
+def run_length(tokens: int, args: argparse.Namespace, pull: str, decode: str, workdir: Path
+               ) -> dict:
     ctx = mp.get_context("spawn")
-    with store_stack(workdir, f"{tokens}-{pull}") as (address, store_pid, redis_pid):
+    with store_stack(workdir, f"{tokens}-{pull}-{decode}") as (address, store_pid, redis_pid):
         store_base = peak_rss(store_pid)
         res = run_child(ctx, rollout_client, address, tokens, args.segment_tokens,
                         args.chunk_rows, args.part_bytes)
-        res |= run_child(ctx, trainer_consumer, address, args.device, pull)
+        res |= run_child(ctx, trainer_consumer, address, args.device, pull, decode)
         res |= {"store_base": store_base, "store_peak": peak_rss(store_pid),
                 "redis_peak": peak_rss(redis_pid)}
-    return {"tokens": tokens, "pull": pull, **res}
+    return {"tokens": tokens, "pull": pull, "decode": decode, **res}
 
 
 def run_rollout(tokens: int, args: argparse.Namespace, workdir: Path) -> dict:
@@ -258,15 +264,21 @@ def run_rollout(tokens: int, args: argparse.Namespace, workdir: Path) -> dict:
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'tokens':>8}{'pull':>7}{'client':>8}{'store':>8}{'redis':>8}{'trainer':>9}"
+    print(f"{'tokens':>8}{'pull':>7}{'decode':>11}{'client':>8}{'store':>8}{'redis':>8}{'trainer':>9}"
           f"{'(pulled':>9}{'samples':>9}{'mbs':>9}{'replay)':>9}{'wire':>8}{'dev/mb':>8}")
     for r in rows:
         m = r["trainer_marks"]
-        print(f"{r['tokens']:>8}{r['pull']:>7}" + "".join(f"{v / MiB:>8.0f}" for v in (
+        print(f"{r['tokens']:>8}{r['pull']:>7}{r['decode']:>11}" + "".join(f"{v / MiB:>8.0f}" for v in (
             r["client_peak"], r["store_peak"], r["redis_peak"])) + "".join(
             f"{v / MiB:>9.0f}" for v in (r["trainer_peak"], m["pulled"], m["samples"],
                                          m["microbatches"], m["replay"]))
             + f"{r['wire_bytes'] / MiB:>8.0f}{r['replay_ids_bytes_per_microbatch'] / MiB:>8.0f}")
+    for n in sorted({r["tokens"] for r in rows}):
+        by = {r["decode"]: r for r in rows if r["tokens"] == n and r["pull"] == "chunks"}
+        if {"microbatch", "intake"} <= by.keys():
+            a, z = (by[k]["trainer_peak"] - by[k]["trainer_base"] for k in ("microbatch", "intake"))
+            print(f"{n} tokens: trainer growth decoding per micro-batch / at intake = "
+                  f"{a / MiB:.0f} / {z / MiB:.0f} MiB = {a / z:.2f}")
     b = rows[0]
     print(f"baselines after imports (MiB): client {b['client_base'] / MiB:.0f}, store "
           f"{b['store_base'] / MiB:.0f}, trainer {b['trainer_base'] / MiB:.0f}; load average "
@@ -295,6 +307,13 @@ def bounds(rows: list[dict], args: argparse.Namespace) -> list[str]:
             if grew > limit:
                 over.append(f"{r['tokens']} tokens: {who} grew {grew / MiB:.0f} MiB > "
                             f"{limit / MiB:.0f} MiB")
+        if r["decode"] == "microbatch":
+            m = r["trainer_marks"]
+            grew, sample = m["microbatches"] - m["pulled"], r["tokens"] * LAYERS * TOPK
+            if grew > TRAINER_MB_BOUND + 3 * sample:
+                over.append(f"{r['tokens']} tokens: trainer's micro-batches grew {grew / MiB:.0f}"
+                            f" MiB > {TRAINER_MB_BOUND / MiB:.0f} MiB + 3 x one trajectory's "
+                            f"uint8 routing ({sample / MiB:.0f} MiB)")
         pulled = r["trainer_marks"]["pulled"] - r["trainer_base"]
         if pulled > TRAINER_PULL_BOUND + r["wire_bytes"]:
             over.append(f"{r['tokens']} tokens: trainer's pull grew {pulled / MiB:.0f} MiB > "
@@ -309,6 +328,10 @@ def main() -> None:
     p.add_argument("--pull", nargs="+", choices=("chunks", "whole"), default=["chunks", "whole"],
                    help="the trainer pulls by PullChunks (parts of one chunk) and/or Pull "
                    "(whole groups: the baseline), each against a fresh store")
+    p.add_argument("--decode", nargs="+", choices=("microbatch", "intake"),
+                   default=["microbatch", "intake"],
+                   help="the trainer keeps routing encoded and decodes per micro-batch, and/or "
+                   "decodes every sample at intake (the baseline; run with PullChunks only)")
     p.add_argument("--segment-tokens", type=int, default=4096,
                    help="response tokens per appended segment")
     p.add_argument("--chunk-rows", type=int, default=4096,
@@ -335,12 +358,14 @@ def main() -> None:
     if args.smoke:
         args.tokens, args.segment_tokens, args.chunk_rows = [512], 128, 128
         args.part_bytes, args.rollout_tokens, args.pull = 16 << 10, [], ["chunks"]
+        args.decode = ["microbatch"]
     rows, rollout = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for n in args.tokens:
-            for pull in args.pull:
-                rows.append(run_length(n, args, pull, Path(tmp)))
-                print(f"{n} tokens ({pull}) done: {json.dumps(rows[-1])}", flush=True)
+            for pull, decode in [(p, d) for p in args.pull for d in args.decode
+                                 if p == "chunks" or d == "microbatch"]:
+                rows.append(run_length(n, args, pull, decode, Path(tmp)))
+                print(f"{n} tokens ({pull}, {decode}) done: {json.dumps(rows[-1])}", flush=True)
         for n in args.rollout_tokens:
             rollout.append(run_rollout(n, args, Path(tmp)))
             print(f"rollout {n} tokens done: {json.dumps(rollout[-1])}", flush=True)

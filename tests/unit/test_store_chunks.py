@@ -261,3 +261,66 @@ def test_a_spilled_group_reaches_the_store_byte_for_byte(core: TrajectoryStoreCo
     got = store_pb2.PulledGroup.FromString(d.to_bytes())
     assert [t.SerializeToString(deterministic=True) for t in got.trajectories] == \
         [t.SerializeToString(deterministic=True) for t in trajs]
+
+
+def test_128k_across_a_pause_and_a_turn_reaches_each_microbatch_row_for_row(
+        core: TrajectoryStoreCore, tmp_path) -> None:  # noqa: ANN001
+    """Issue 54 end to end at 131,072 tokens (16k prompt; segments: 50,000 tokens at v0, the
+    weight-update pause, 30,000 resumed at v1, a 2,000-token environment turn, 32,688 more):
+    the worker's chunked encoding, its spill (spill_routing_bytes 0), StoreSink's parts into
+    the store on Redis, PullChunks, the trainer's intake keeping the routing encoded and each
+    micro-batch decoding its own: every row equal, the turn masked, one agreement unit per
+    segment."""
+    from trainer.replay import ReplayMode
+    from trainer.samples.alignment import LayerMap
+    from trainer.samples.batch import split_microbatches
+    from trainer.samples.intake import group_samples
+
+    layers, prompt, segments = 4, 16_384, (50_000, 30_000, 2_000, 32_688)
+    versions, masks = (0, 1, 1, 1), (1, 1, 0, 1)
+    rows = prompt + sum(segments) - 1
+    rng = np.random.default_rng(54)
+    spread = np.arange(TOPK, dtype=np.int64) * (EXPERTS // TOPK)  # 8 distinct ids a row
+    layout = RoutingLayout(EXPERTS, tuple(range(layers)), chunk_rows=4096)
+    spill, truth = RoutingSpill(0, str(tmp_path)), []
+    prompt_TLK = None
+    for i in range(2):
+        all_TLK = ((rng.integers(0, EXPERTS, (rows, layers, 1)) + spread) % EXPERTS
+                   ).astype(np.uint8)
+        if prompt_TLK is None:
+            prompt_TLK = all_TLK[:prompt].copy()
+        all_TLK[:prompt] = prompt_TLK  # the group shares its prompt
+        truth.append(np.sort(all_TLK, axis=-1))
+        traj = trajectory_pb2.Trajectory(
+            trajectory_id=f"long/{i}", group_id="long", group_size=2, prompt_id="long",
+            prompt_token_ids=list(range(prompt)), reward=float(i),
+            finish_reason=trajectory_pb2.FINISH_REASON_STOP)
+        for j, (n, (a, b)) in enumerate(zip(segments, segment_row_ranges(prompt, list(segments)),
+                                            strict=True)):
+            rec = SegmentRecord(list(range(n)), [-0.5 * masks[j]] * n, [masks[j]] * n,
+                                versions[j], rows_TLK=all_TLK[a:b])
+            traj.segments.append(segment_to_proto(rec, j, (a, b), prompt, layout))
+        spill.keep(traj)
+    client = StoreClient("127.0.0.1:1")
+    client.append = core.append  # type: ignore[method-assign] (the store core, no server)
+    sink = StoreSink(client, part_bytes=4 << 20)
+    asyncio.run(sink.send_group(spill.trajectories(["long/0", "long/1"]), spill))
+    spill.close()
+    assert list(tmp_path.iterdir()) == []
+    asm = GroupAssembler()
+    for p in pull_parts(core):
+        asm.add(store_pb2.PulledPart.FromString(p))
+    [pulled] = asm.groups
+    samples = group_samples(pulled, ReplayMode.R3,
+                            lambda ids: LayerMap.build(tuple(range(layers)), ids), EXPERTS, TOPK)
+    assert all(s.routing_TLK is None and s.tokens.size == 131_072 for s in samples)
+    assert samples[0].segment_lens == segments and samples[0].policy_version == 0
+    assert [u[0] for u in samples[0].agreement_units()] == \
+        ["prompt", "segment 0", "segment 1", "segment 2", "segment 3"]
+    for mb in split_microbatches(samples, 1, 8):
+        [s] = mb.samples
+        got = mb.routing_BSLK[0, :rows].numpy()
+        assert np.array_equal(np.sort(got, axis=-1), truth[int(s.reward)])
+        turn = prompt - 1 + sum(segments[:2])  # the environment turn's positions: not trained
+        assert mb.loss_mask_BS[0, turn:turn + segments[2]].sum() == 0
+        assert mb.loss_mask_BS[0, turn - 1] == 1 and mb.loss_mask_BS[0, turn + segments[2]] == 1

@@ -123,6 +123,33 @@ def test_host_routing_stays_in_the_codec_dtype_until_the_device():
     assert to_router_rows(mb.routing_BSLK)[0].dtype == torch.int64
 
 
+def test_routing_left_encoded_at_intake_gives_the_same_microbatches_and_pickles():
+    """Issue 54: `keep_encoded` checks the routing at intake (a bad chunk still fails there),
+    keeps the chunk messages instead of the decoded array, and the micro-batches (padded and
+    packed) decode the same ids; the sample pickles as the messages (Megatron's model-parallel
+    exchange) and decodes the same afterwards."""
+    import pickle
+
+    from trainer.hf.packing import pack_microbatches
+
+    lmap = LayerMap.build((1, 2), (0, 1, 2))
+    trajs = [_traj(seed)[0] for seed in (0, 1, 2)]
+    decoded = [sample_from_trajectory(t, lmap, num_experts=8) for t in trajs]
+    encoded = [sample_from_trajectory(t, lmap, num_experts=8, keep_encoded=True) for t in trajs]
+    assert all(s.routing_TLK is None and s.has_routing for s in encoded)
+    for a, b in zip(decoded, encoded, strict=True):
+        assert np.array_equal(a.routing_TLK, b.routing())
+    for cut in (split_microbatches, pack_microbatches):
+        for ma, mb in zip(cut(decoded, 2, 8), cut(encoded, 2, 8), strict=True):
+            assert torch.equal(ma.routing_BSLK, mb.routing_BSLK)
+    back = pickle.loads(pickle.dumps(encoded[1]))
+    assert back.routing_TLK is None and np.array_equal(back.routing(), decoded[1].routing_TLK)
+    bad, _ = _traj(3)
+    bad.segments[1].routing[0].num_experts = 16  # another model's routing: refused at intake
+    with pytest.raises(ValueError, match="num_experts=16"):
+        sample_from_trajectory(bad, lmap, num_experts=8, keep_encoded=True)
+
+
 def test_layer_map_of_every_column_in_order_does_not_copy():
     ids_TLK = np.zeros((4, 3, 2), np.uint8)
     assert LayerMap.build((0, 1, 2), (0, 1, 2)).select(ids_TLK) is ids_TLK

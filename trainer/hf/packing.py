@@ -31,14 +31,15 @@ def sample_offsets(samples: Sequence[Sample]) -> list[int]:
 
 
 def _packed_routing(samples: Sequence[Sample], total: int) -> torch.Tensor | None:
-    if any(s.routing_TLK is None for s in samples):
+    if not all(s.has_routing for s in samples):
         return None
-    num_layers, k = samples[0].routing_TLK.shape[1:]  # type: ignore[union-attr]
-    dtype = np.result_type(*(s.routing_TLK.dtype for s in samples))  # type: ignore[union-attr]
+    per_sample = [s.routing() for s in samples]  # decoded here when left encoded (intake)
+    num_layers, k = per_sample[0].shape[1:]  # type: ignore[union-attr]
+    dtype = np.result_type(*(r.dtype for r in per_sample))  # type: ignore[union-attr]
     out_TLK = np.empty((total, num_layers, k), dtype=dtype)  # widened when used (routed_ids)
     out_TLK[:] = filler_row(num_layers, k)
-    for off, s in zip(sample_offsets(samples), samples, strict=True):
-        out_TLK[off:off + s.tokens.size] = pad_last_row(s.routing_TLK)  # type: ignore[arg-type]
+    for off, s, r in zip(sample_offsets(samples), samples, per_sample, strict=True):
+        out_TLK[off:off + s.tokens.size] = pad_last_row(r)  # type: ignore[arg-type]
     return torch.from_numpy(out_TLK).unsqueeze(0)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -46,6 +47,18 @@ class Sample:
     trajectory_id: str = ""
     segment_lens: tuple[int, ...] = ()  # tokens per segment (() = one segment)
     truncated: bool = False  # finish reason length: hit max_tokens (DAPO overlong filtering)
+    routing_encoded: EncodedRouting | None = None  # routing left encoded (decoded per micro-batch)
+
+    def routing(self) -> np.ndarray | None:
+        """[P+R-1, L_moe, K] routing in the codec's dtype: `routing_TLK` when set, else decoded
+        from `routing_encoded` for this call (the caller's copy; nothing is kept)."""
+        if self.routing_TLK is not None:
+            return self.routing_TLK
+        return None if self.routing_encoded is None else self.routing_encoded.decode()
+
+    @property
+    def has_routing(self) -> bool:
+        return self.routing_TLK is not None or self.routing_encoded is not None
 
     def agreement_units(self) -> list[tuple[str, int, int]]:
         """(name, first row, end row) of the units routing agreement is judged on: the prompt
@@ -59,24 +72,66 @@ class Sample:
         return [u for u in units if u[2] > u[1]]
 
 
-def _decode_chunks(traj, decode: Callable, num_experts: int, top_k: int | None
-                   ) -> list[RoutingChunk]:
-    chunks = []
-    for s in traj.segments:
-        for j, msg in enumerate(s.routing):
-            name = f"trajectory {traj.trajectory_id} segment {s.index} routing[{j}]"
-            k = int(msg.shape[2]) if len(msg.shape) == 3 else -1
-            try:  # the model's num_experts and top-k (services/common/routing_rules.py)
-                check_layout(RoutingSpec(num_experts, top_k=top_k), layers=len(msg.layer_ids),
-                             top_k=k, num_experts=int(msg.num_experts))
-            except RoutingRuleError:
-                raise RoutingLayoutError(
-                    f"{name}: routing has num_experts={msg.num_experts}, top_k={k}; the "
-                    f"trainer's model has num_experts={num_experts}, top_k={top_k} (rollout "
-                    "engine serving another model or another num_experts_per_tok?)") from None
-            ids = decode(msg, name)
-            chunks.append(RoutingChunk(int(msg.start_row), ids, tuple(msg.layer_ids)))
-    return chunks
+def _decode_chunk(msg, name: str, decode: Callable, num_experts: int, top_k: int | None
+                  ) -> RoutingChunk:
+    k = int(msg.shape[2]) if len(msg.shape) == 3 else -1
+    try:  # the model's num_experts and top-k (services/common/routing_rules.py)
+        check_layout(RoutingSpec(num_experts, top_k=top_k), layers=len(msg.layer_ids),
+                     top_k=k, num_experts=int(msg.num_experts))
+    except RoutingRuleError:
+        raise RoutingLayoutError(
+            f"{name}: routing has num_experts={msg.num_experts}, top_k={k}; the trainer's model "
+            f"has num_experts={num_experts}, top_k={top_k} (rollout engine serving another model "
+            "or another num_experts_per_tok?)") from None
+    return RoutingChunk(int(msg.start_row), decode(msg, name), tuple(msg.layer_ids))
+
+
+@dataclass
+class EncodedRouting:
+    """A trajectory's routing as it came from the store, decoded only when asked (issue 54):
+    the trainer's host then holds a batch's routing encoded (~1/3 to 1/8 of its uint8) and one
+    micro-batch decoded at a time (`make_microbatch`), not every sample of the step decoded.
+    Pickles as its chunk messages (Megatron's model-parallel sample exchange)."""
+
+    trajectory_id: str
+    chunks: list[tuple[str, Any]]  # (name for errors, RoutingChunk message) in wire order
+    rows: int  # P + R - 1
+    layer_map: LayerMap
+    num_experts: int
+    top_k: int | None
+    codec: Callable  # (RoutingChunk, name) -> ids [rows, layers, K] (wire.routing_from_proto)
+
+    @classmethod
+    def of(cls, traj, rows: int, layer_map: LayerMap, num_experts: int, top_k: int | None,
+           codec: Callable) -> EncodedRouting:
+        chunks = [(f"trajectory {traj.trajectory_id} segment {s.index} routing[{j}]", msg)
+                  for s in traj.segments for j, msg in enumerate(s.routing)]
+        return cls(traj.trajectory_id, chunks, rows, layer_map, num_experts, top_k, codec)
+
+    def __getstate__(self) -> dict:
+        """The chunk messages as their wire bytes: a protobuf message pickles under its
+        descriptor's module name (r3flow.v1...), which is not importable here."""
+        state = dict(self.__dict__)
+        state["chunks"] = [(name, msg.SerializeToString()) for name, msg in self.chunks]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        from services.common.pb.r3flow.v1 import routing_pb2
+
+        state["chunks"] = [(name, routing_pb2.RoutedExperts.FromString(data))
+                           for name, data in state["chunks"]]
+        self.__dict__.update(state)
+
+    def decode(self) -> np.ndarray:
+        """[rows, L_moe, K] in the codec's dtype: every chunk checked against the model,
+        decoded, spliced and mapped to the model's MoE layers; ValueError (RoutingLayoutError,
+        InvalidRoutingError, ...) naming the trajectory and chunk."""
+        chunks = [_decode_chunk(msg, name, self.codec, self.num_experts, self.top_k)
+                  for name, msg in self.chunks]
+        if any(int(c.ids_TLK.max(initial=0)) >= self.num_experts for c in chunks):
+            raise ValueError(f"trajectory {self.trajectory_id}: expert id >= {self.num_experts}")
+        ids_TLK, _ = assemble_rows(chunks, self.rows, f"trajectory {self.trajectory_id} routing")
+        return self.layer_map.select(ids_TLK)
 
 
 class UnreproducibleSamplingError(ValueError):
@@ -102,9 +157,12 @@ def segment_temperature(seg, trajectory_id: str) -> float:
 
 
 def sample_from_trajectory(traj, layer_map: LayerMap | None, num_experts: int,
-                           decode: Callable | None = None, top_k: int | None = None) -> Sample:
+                           decode: Callable | None = None, top_k: int | None = None,
+                           keep_encoded: bool = False) -> Sample:
     """Trajectory proto -> Sample; routing assembled and mapped when `layer_map` is given (its
-    num_experts and top-k must be the model's: RoutingLayoutError otherwise)."""
+    num_experts and top-k must be the model's: RoutingLayoutError otherwise). `keep_encoded`:
+    the routing is decoded here only to check it, then dropped; the sample keeps the chunk
+    messages (`routing_encoded`) and each micro-batch decodes its own (the trainer's intake)."""
     tokens = [int(t) for s in traj.segments for t in s.token_ids]
     logprobs = [float(x) for s in traj.segments for x in s.logprobs]
     mask = np.concatenate([np.frombuffer(s.loss_mask, np.uint8) if s.loss_mask
@@ -127,11 +185,12 @@ def sample_from_trajectory(traj, layer_map: LayerMap | None, num_experts: int,
             from services.common.wire import routing_from_proto
             decode = routing_from_proto
         rows = expected_rows(sample.prompt_len, sample.tokens.size - sample.prompt_len)
-        chunks = _decode_chunks(traj, decode, num_experts, top_k)
-        if any(int(c.ids_TLK.max(initial=0)) >= num_experts for c in chunks):
-            raise ValueError(f"trajectory {traj.trajectory_id}: expert id >= {num_experts}")
-        ids_TLK, _ = assemble_rows(chunks, rows, f"trajectory {traj.trajectory_id} routing")
-        sample.routing_TLK = layer_map.select(ids_TLK)
+        enc = EncodedRouting.of(traj, rows, layer_map, num_experts, top_k, decode)
+        routing_TLK = enc.decode()  # every check runs here, at intake, either way
+        if keep_encoded:
+            sample.routing_encoded = enc
+        else:
+            sample.routing_TLK = routing_TLK
     return sample
 
 
@@ -220,9 +279,9 @@ def make_microbatch(samples: Sequence[Sample], pad_multiple: int = 8) -> MicroBa
         adv[i, resp] = x.advantage
         valid[i, :n - 1] = True
     routing = None
-    per_sample = [x.routing_TLK for x in samples if x.routing_TLK is not None]
-    if len(per_sample) == len(samples):
-        routing = torch.from_numpy(pack_routing([pad_last_row(r) for r in per_sample], s))
+    if all(x.has_routing for x in samples):  # decoded here, one sample at a time
+        routing = torch.from_numpy(pack_routing(
+            [pad_last_row(x.routing()) for x in samples], s))  # type: ignore[arg-type]
     pos = torch.arange(s).unsqueeze(0).expand(b, s).contiguous()
     return MicroBatch(tokens, pos, labels, mask, old, adv, routing, valid, list(samples), temp)
 

@@ -30,8 +30,10 @@ def trajectory_layer_ids(traj: Any) -> tuple[int, ...] | None:
 
 
 def group_samples(group: Any, mode: ReplayMode, layer_map: Callable[[Sequence[int]], LayerMap],
-                  num_experts: int, top_k: int) -> list[Sample]:
-    """Samples of one pulled group (aborted trajectories left out); ValueError on bad routing."""
+                  num_experts: int, top_k: int, keep_encoded: bool = True) -> list[Sample]:
+    """Samples of one pulled group (aborted trajectories left out); ValueError on bad routing.
+    The routing is checked here and kept encoded, each micro-batch decoding its own
+    (`keep_encoded`; False: decoded here, as before issue 54, the bench's baseline)."""
     from services.common.pb.r3flow.v1 import trajectory_pb2
 
     samples = []
@@ -46,7 +48,8 @@ def group_samples(group: Any, mode: ReplayMode, layer_map: Callable[[Sequence[in
                 raise ValueError(f"replay.mode: r3 but trajectory {t.trajectory_id} carries no "
                                  "routing")
             lmap = layer_map(layer_ids)
-        samples.append(sample_from_trajectory(t, lmap, num_experts, top_k=top_k))
+        samples.append(sample_from_trajectory(t, lmap, num_experts, top_k=top_k,
+                                              keep_encoded=keep_encoded))
     return samples
 
 
@@ -61,14 +64,14 @@ def quarantine_reason(err: ValueError) -> str:
 
 
 def intake_groups(groups: Sequence[Any], mode: ReplayMode,
-                  layer_map: Callable[[Sequence[int]], LayerMap], num_experts: int, top_k: int
-                  ) -> tuple[list[Sample], dict[str, str]]:
+                  layer_map: Callable[[Sequence[int]], LayerMap], num_experts: int, top_k: int,
+                  keep_encoded: bool = True) -> tuple[list[Sample], dict[str, str]]:
     """(samples of the good groups, group id -> reason of the quarantined ones)."""
     samples: list[Sample] = []
     dropped: dict[str, str] = {}
     for g in groups:
         try:
-            samples += group_samples(g, mode, layer_map, num_experts, top_k)
+            samples += group_samples(g, mode, layer_map, num_experts, top_k, keep_encoded)
         except ValueError as e:
             dropped[g.group_id] = quarantine_reason(e)
             log.error("quarantining group %s (%s): %s", g.group_id, dropped[g.group_id], e)
