@@ -94,7 +94,7 @@ class RoutingSpill:
         full.CopyFrom(traj)
         for seg, (offset, length) in zip(full.segments, spans, strict=True):
             data = os.pread(self._file.fileno(), length, offset)
-            seg.routing.extend(trajectory_pb2.Segment.FromString(data).routing)
+            seg.MergeFromString(data)  # a Segment of only its chunks: appended to routing
         return full
 
     def close(self) -> None:

@@ -54,20 +54,26 @@ def trajectory_requests(traj: trajectory_pb2.Trajectory, part_bytes: int | None 
                         ) -> list[store_pb2.AppendRequest]:
     """Split a complete Trajectory into begin (0), segments (1..n) and finish (n+1); with
     `part_bytes`, a segment larger than that goes in parts of about that size (`segment_parts`)."""
+    return list(iter_trajectory_requests(traj, part_bytes))
+
+
+def iter_trajectory_requests(traj: trajectory_pb2.Trajectory, part_bytes: int | None = None
+                             ) -> Iterator[store_pb2.AppendRequest]:
+    """`trajectory_requests` one segment's messages at a time (append_in_parts: the caller
+    never holds a second copy of the whole trajectory's routing)."""
     tid = traj.trajectory_id
     begin = store_pb2.TrajectoryBegin(
         group_id=traj.group_id, group_size=traj.group_size,
         prompt_token_ids=traj.prompt_token_ids, worker_id=traj.worker_id,
         prompt_id=traj.prompt_id, epoch=traj.epoch, run_id=traj.run_id)
-    reqs = [store_pb2.AppendRequest(trajectory_id=tid, sequence_number=0, begin=begin)]
+    yield store_pb2.AppendRequest(trajectory_id=tid, sequence_number=0, begin=begin)
     for j, seg in enumerate(traj.segments):
-        reqs += segment_parts(tid, j + 1, seg, part_bytes)
-    reqs.append(store_pb2.AppendRequest(
+        yield from segment_parts(tid, j + 1, seg, part_bytes)
+    yield store_pb2.AppendRequest(
         trajectory_id=tid, sequence_number=len(traj.segments) + 1,
         finish=store_pb2.TrajectoryFinish(
             num_segments=len(traj.segments), reward=traj.reward,
-            reward_components=traj.reward_components, finish_reason=traj.finish_reason)))
-    return reqs
+            reward_components=traj.reward_components, finish_reason=traj.finish_reason))
 
 
 def segment_parts(tid: str, seq: int, seg: trajectory_pb2.Segment, part_bytes: int | None
@@ -213,7 +219,7 @@ class StoreClient:
         about `part_bytes` (neither side holds more than a part in a message); each message is
         retried alone (the store dedups). Returns the messages the store accepted."""
         accepted = 0
-        for req in trajectory_requests(traj, part_bytes):
+        for req in iter_trajectory_requests(traj, part_bytes):
             accepted += self.append([req]).accepted
         return accepted
 

