@@ -97,3 +97,21 @@ def test_a_release_sized_for_128k_renders(helm, tmp_path):
     proc = run_helm(helm, "template", "x", str(CHART), *API_VERSIONS,
                     "--set", "store.config.max_unacked_tokens=61600000")
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize(("spill", "renders"), [(0, True), (64 << 20, True), (1 << 30, False)])
+def test_the_rollout_pod_is_sized_with_its_routing_spill(helm, tmp_path, spill, renders):
+    """The rollout pod holds a group's encoded routing up to spill_routing_bytes (at most the
+    whole group), then one trajectory at a time (services/rollout/spill.py): a 700Mi pod at
+    128k fits spilling at 0 or 64 MiB, not at 1 GiB (the 8 x 128k group, ~265 MB, in memory)."""
+    values = tmp_path / "spill.yaml"
+    values.write_text("rollout:\n  resources:\n    limits: {memory: 700Mi}\n  config:\n"
+                      f"    spill_routing_bytes: {spill}\n    engine: {{max_model_len: 131072}}\n"
+                      "    sampling: {n: 8}\n")
+    proc = run_helm(helm, "template", "x", str(CHART), *API_VERSIONS, "-f", str(values))
+    if renders:
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    else:
+        assert proc.returncode != 0
+        assert "rollout.resources.limits.memory" in proc.stderr
+        assert "rollout.config.spill_routing_bytes" in proc.stderr
