@@ -115,3 +115,22 @@ def test_the_rollout_pod_is_sized_with_its_routing_spill(helm, tmp_path, spill, 
         assert proc.returncode != 0
         assert "rollout.resources.limits.memory" in proc.stderr
         assert "rollout.config.spill_routing_bytes" in proc.stderr
+
+
+@pytest.mark.parametrize(("micro_batch", "renders"), [(1, True), (8, False)])
+def test_the_trainer_rank_is_sized_for_one_micro_batch_decoded(helm, tmp_path, micro_batch,
+                                                               renders):
+    """Routing stays encoded after intake and each micro-batch decodes its own: a 1200Mi rank
+    at 8 x 128k fits micro-batches of 1 sample (the group's decoded ids, 403 MB, no longer
+    counted), not of 8."""
+    values = tmp_path / "rank.yaml"
+    values.write_text("rollout:\n  config:\n    engine: {max_model_len: 131072}\n"
+                      "    sampling: {n: 8}\ntrainer:\n  enabled: true\n  workers:\n"
+                      "    gpus: 1\n    resources:\n      limits: {memory: 1200Mi}\n"
+                      f"  config:\n    data:\n      micro_batch_size: {micro_batch}\n")
+    proc = run_helm(helm, "template", "x", str(CHART), *API_VERSIONS, "-f", str(values))
+    if renders:
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    else:
+        assert proc.returncode != 0
+        assert "trainer.config.data.micro_batch_size 8 + 2" in proc.stderr, proc.stderr[-2000:]
