@@ -318,11 +318,11 @@ def print_worker(rows: list[dict]) -> None:
             "worker_peak", "worker_base", "worker_held")) +
             f"{r['spilled_bytes'] / MiB:>9.0f}{r['send_s']:>8.1f}")
     for n in sorted({r["tokens"] for r in rows}):
-        by = {r["spill_bytes"] < 0: r for r in rows if r["tokens"] == n}
-        if len(by) == 2:
-            a, z = (by[k]["worker_peak"] - by[k]["worker_base"] for k in (False, True))
-            print(f"{n} tokens: worker growth spilling / never = {a / MiB:.0f} / "
-                  f"{z / MiB:.0f} MiB = {a / max(z, 1):.2f}")
+        never = [r for r in rows if r["tokens"] == n and r["spill_bytes"] < 0]
+        for r in (r for r in rows if r["tokens"] == n and r["spill_bytes"] >= 0 and never):
+            a, z = (x["worker_peak"] - x["worker_base"] for x in (r, never[0]))
+            print(f"{n} tokens: worker growth spilling at {r['spill_bytes'] / MiB:.0f} MiB / "
+                  f"never = {a / MiB:.0f} / {z / MiB:.0f} MiB = {a / max(z, 1):.2f}")
 
 
 def run_rollout(tokens: int, args: argparse.Namespace, workdir: Path) -> dict:
