@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
 from typing import IO
 
 from services.common.pb.r3flow.v1 import trajectory_pb2
@@ -40,11 +41,19 @@ class RoutingSpill:
         self._spans: dict[str, list[tuple[int, int]]] = {}  # trajectory_id -> per segment
         self._file: IO[bytes] | None = None
         self.spilled_bytes = 0
+        self._lock = threading.Lock()  # keep (worker threads) against close (the loop)
+        self._closed = False
 
     def keep(self, traj: trajectory_pb2.Trajectory) -> None:
         """A finished trajectory (the caller drops its reference): to disk, with those kept
         so far, once the group's routing passes the threshold. A write failure raises
-        ValueError naming the knob."""
+        ValueError naming the knob. Thread-safe: the worker calls it off its event loop (a
+        write of up to the threshold would otherwise stall vLLM's output handling)."""
+        with self._lock:
+            if not self._closed:  # a keep that ran after its group was dropped: nothing
+                self._keep(traj)
+
+    def _keep(self, traj: trajectory_pb2.Trajectory) -> None:
         self._trajs[traj.trajectory_id] = traj
         self._in_memory.append(traj.trajectory_id)
         self._in_memory_bytes += sum(c.ByteSize() for s in traj.segments for c in s.routing)
@@ -99,8 +108,10 @@ class RoutingSpill:
 
     def close(self) -> None:
         """Remove the file (a NamedTemporaryFile: deleted when closed)."""
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-        self._trajs.clear()
-        self._in_memory.clear()
+        with self._lock:
+            self._closed = True
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+            self._trajs.clear()
+            self._in_memory.clear()

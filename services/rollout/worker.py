@@ -338,7 +338,7 @@ class RolloutWorker:
             traj.reward = reward.score
             traj.reward_components.update(reward.components)
             if spill is not None:  # the group's trajectories are the spill's (spill.py)
-                spill.keep(traj)
+                await asyncio.to_thread(spill.keep, traj)  # a write: off the event loop
                 traj = None
         return res, traj
 

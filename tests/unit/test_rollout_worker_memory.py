@@ -193,3 +193,21 @@ def test_below_the_threshold_nothing_is_spilled(tmp_path: Path):
                                    summary))
     assert summary.groups_ok == 1 and worker.sink.files_at_send == [[]]
     assert all(len(s.routing) for t in worker.sink.trajectories for s in t.segments)
+
+
+def test_a_keep_that_runs_after_its_group_was_dropped_writes_nothing(tmp_path: Path):
+    """The worker keeps a finished trajectory off its event loop (asyncio.to_thread); a group
+    cancelled meanwhile closes its spill first: the late keep must not open a new file."""
+    import numpy as np
+
+    from services.rollout.spill import RoutingSpill
+    from services.store.synthetic import build_trajectory, random_routing
+
+    ids = random_routing(8 + 4 - 1, 2, 2, 8, np.random.default_rng(0))
+    traj = build_trajectory("late", "g", 1, prompt_ids_TLK=ids[:8], response_ids_TLK=ids[8:],
+                            segment_lengths=[4], num_experts=8)
+    spill = RoutingSpill(0, str(tmp_path))
+    spill.close()
+    spill.keep(traj)
+    assert list(tmp_path.iterdir()) == [] and spill.trajectories(["late"]) == []
+    assert not spill.spilled()
