@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -123,10 +124,63 @@ class Supervisor:
 
 
 def _signal_group(pid: int, sig: int) -> None:
+    if sig == signal.SIGKILL:
+        kill_group(pid)
+        return
     try:
         os.killpg(pid, sig)  # the child is its own session leader: pgid == pid
     except ProcessLookupError:
         pass
+
+
+SHM_DIR = "/dev/shm"
+CUTS_PREFIX = "r3flow-routing-cuts-"  # services.rollout.vllm_compat.CUTS_PREFIX (no vLLM import)
+
+
+def group_shm(pgid: int) -> set[str]:
+    """Files under /dev/shm that the live processes of process group `pgid` map (vLLM's
+    message-queue ring buffers, 160-240 MiB each on CPU): killed, their creator never unlinks
+    them, and nor does its resource tracker (a member of the same group); and the routing
+    cut-file directories its rollout frontends made (named by their pid)."""
+    import psutil
+
+    names: set[str] = set()
+    for proc in psutil.process_iter():
+        try:
+            if os.getpgid(proc.pid) != pgid:
+                continue
+            maps = Path(f"/proc/{proc.pid}/maps").read_text()
+        except (ProcessLookupError, FileNotFoundError, PermissionError, psutil.Error):
+            continue
+        # the rollout frontend's routing cut files (services/rollout/vllm_compat.py CutFiles)
+        names.update(str(d) for d in Path(SHM_DIR).glob(f"{CUTS_PREFIX}{proc.pid}-*"))
+        for line in maps.splitlines():  # address perms offset dev inode [path]
+            fields = line.split(maxsplit=5)
+            path = fields[5] if len(fields) == 6 else ""
+            if os.path.dirname(path) == SHM_DIR and not path.endswith(" (deleted)"):
+                names.add(path)  # a file directly in /dev/shm, still linked
+    return names
+
+
+def kill_group(pgid: int) -> None:
+    """SIGKILL the process group, then unlink the shared-memory files its processes mapped
+    (tmpfs: host RAM that would stay taken until reboot)."""
+    shm = group_shm(pgid)
+    try:
+        os.killpg(pgid, signal.SIGKILL)  # the child is its own session leader: pgid == pid
+    except ProcessLookupError:
+        pass
+    for path in shm:
+        try:
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+            log.info("removed %s, left in shared memory by process group %d", path, pgid)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            log.warning("could not remove %s (process group %d): %s", path, pgid, e)
 
 
 def tail(path: Path, lines: int = 20) -> str:

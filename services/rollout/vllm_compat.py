@@ -254,6 +254,9 @@ def _scheduler_class(async_scheduling: bool) -> type:
 
 
 # ---- routing at finish: the frontend side ----------------------------------------------------
+CUTS_PREFIX = "r3flow-routing-cuts-"
+
+
 class CutFiles:
     """Where an engine's requests that take their routing at finish leave the rows up to a cut
     (tmpfs when there is one); one directory per engine, removed with it."""
@@ -264,7 +267,9 @@ class CutFiles:
     def new_path(self) -> str:
         if self.dir is None:
             base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-            self.dir = tempfile.mkdtemp(prefix="r3flow-routing-cuts-", dir=base)
+            # named by the frontend's pid: a supervisor that has to kill this process group
+            # removes it (services/local/procs.py kill_group)
+            self.dir = tempfile.mkdtemp(prefix=f"{CUTS_PREFIX}{os.getpid()}-", dir=base)
         return os.path.join(self.dir, f"{uuid.uuid4().hex}.npy")
 
     @staticmethod

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from services.local.procs import kill_group
+
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(900)
 PARALLEL = 2
@@ -90,11 +92,11 @@ def _run(name: str, out: Path, subs: dict[str, str]) -> subprocess.CompletedProc
         proc.send_signal(signal.SIGABRT)
         time.sleep(3)
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_group(proc.pid)  # and its /dev/shm files
         output, _ = proc.communicate()  # all it wrote (kept across the time-out)
         output += f"\n[ran past {RUN_TIMEOUT_S} s: ended]"
     with contextlib.suppress(ProcessLookupError):  # what it started and left behind
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_group(proc.pid)  # and its /dev/shm files
     return subprocess.CompletedProcess(cmd, proc.returncode, output, "")
 
 

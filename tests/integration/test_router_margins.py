@@ -16,12 +16,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from services.local.procs import kill_group
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(300)
@@ -38,7 +39,7 @@ def _bench(out: Path) -> str:
         output, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
     finally:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_group(proc.pid)  # and its /dev/shm files
     assert proc.returncode == 0, output[-6000:]
     return output
 
