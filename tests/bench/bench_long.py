@@ -123,7 +123,7 @@ def append_trajectory(client, pool: ChunkPool, tid: str, gid: str, prompt: int, 
     import numpy as np
 
     from services.common.pb.r3flow.v1 import store_pb2, trajectory_pb2
-    from services.store.client import segment_parts
+    from services.store.parts import segment_parts
 
     rng = np.random.default_rng(abs(hash(tid)) % (1 << 32))
     begin = store_pb2.TrajectoryBegin(

@@ -14,7 +14,8 @@ from store_fixtures import StoreProcess, redis_keys
 
 from services.common.pb.r3flow.v1 import store_pb2
 from services.common.wire import routing_to_proto
-from services.store.client import StoreClient, trajectory_requests
+from services.store.client import StoreClient
+from services.store.parts import trajectory_requests
 from services.store.redis_server import EmbeddedRedis
 from services.store.synthetic import random_routing, small_group
 

@@ -14,8 +14,9 @@ from store_fixtures import StoreProcess, wait_until
 
 from services.common.auth import ClientAuth, ClientAuthConfig
 from services.common.pb.r3flow.v1 import store_pb2
-from services.store.client import StoreClient, trajectory_requests
+from services.store.client import StoreClient
 from services.store.errors import UnackedFull
+from services.store.parts import trajectory_requests
 from services.store.redis_server import EmbeddedRedis
 from services.store.synthetic import small_group
 

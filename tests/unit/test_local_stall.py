@@ -16,11 +16,11 @@ from services.common.pb.r3flow.v1 import store_pb2
 from services.local.budget import Budget, Stalled
 from services.local.config import LocalConfig
 from services.local.monitor import RunMonitor, StallWatch, StoreFacts, stall_cause
-from services.store.client import trajectory_requests
 from services.store.config import StoreConfig
 from services.store.control import ControlPlane
 from services.store.core import TrajectoryStoreCore
 from services.store.errors import CapacityError
+from services.store.parts import trajectory_requests
 from services.store.redis_server import EmbeddedRedis
 from services.store.server import stats_to_proto
 from services.store.synthetic import small_group

@@ -9,7 +9,7 @@ import pytest
 from services.common import routing, routing_size
 from services.common.pb.r3flow.v1 import trajectory_pb2
 from services.common.wire import routing_to_proto
-from services.store.client import trajectory_requests
+from services.store.parts import trajectory_requests
 
 
 def uniform(tokens: int, layers: int, topk: int, experts: int, seed: int = 0) -> np.ndarray:

@@ -10,11 +10,11 @@ import pytest
 import redis
 
 from services.common.pb.r3flow.v1 import store_pb2
-from services.store.client import trajectory_requests
 from services.store.config import StoreConfig
 from services.store.core import TrajectoryStoreCore
 from services.store.dead_letter import read_dead_letters
 from services.store.errors import CapacityError
+from services.store.parts import trajectory_requests
 from services.store.redis_server import EmbeddedRedis
 from services.store.synthetic import small_group
 

@@ -19,10 +19,10 @@ from services.rollout.sink import StoreSink
 from services.rollout.spill import RoutingSpill
 from services.rollout.trajectory_proto import RoutingLayout, segment_to_proto
 from services.store import wirefmt
-from services.store.client import StoreClient, trajectory_requests
+from services.store.client import StoreClient
 from services.store.config import StoreConfig
 from services.store.core import TrajectoryStoreCore
-from services.store.parts import GroupAssembler
+from services.store.parts import GroupAssembler, trajectory_requests
 from services.store.redis_server import EmbeddedRedis
 from services.store.synthetic import random_routing
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from services.store.client import StoreClient, trajectory_requests
+from services.store.client import StoreClient
+from services.store.parts import trajectory_requests
 from services.store.synthetic import small_group
 
 

@@ -11,7 +11,7 @@ import pytest
 from services.common.pb.r3flow.v1 import routing_pb2, store_pb2, trajectory_pb2
 from services.common.wire import routing_to_proto
 from services.store import validate
-from services.store.client import trajectory_requests
+from services.store.parts import trajectory_requests
 from services.store.synthetic import random_routing, small_group
 from services.store.validate import GroupState, Limits, TrajState
 

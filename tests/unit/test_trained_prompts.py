@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 from services.common.pb.r3flow.v1 import store_pb2, trajectory_pb2
-from services.store.client import trajectory_requests
+from services.store.parts import trajectory_requests
 from trainer.loop.ledger import TrainedIdsLedger, read_trained_ids, read_trained_prompts
 
 
