@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.rollout.vllm_compat import CUTS_PREFIX
+
 log = logging.getLogger(__name__)
 
 
@@ -134,7 +136,6 @@ def _signal_group(pid: int, sig: int) -> None:
 
 
 SHM_DIR = "/dev/shm"
-CUTS_PREFIX = "r3flow-routing-cuts-"  # services.rollout.vllm_compat.CUTS_PREFIX (no vLLM import)
 
 
 def group_shm(pgid: int) -> set[str]:

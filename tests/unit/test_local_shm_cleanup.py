@@ -17,15 +17,16 @@ import pytest
 from services.local.procs import Child, Supervisor, group_shm
 
 HOLDER = """
-import os, signal, sys, time
+import os, signal
 from multiprocessing import shared_memory
+from services.rollout.vllm_compat import CUTS_PREFIX
 signal.signal(signal.SIGTERM, signal.SIG_IGN)  # has to be killed, as a hung engine is
 seg = shared_memory.SharedMemory(create=True, size=1 << 20)
-cuts = f"/dev/shm/r3flow-routing-cuts-{os.getpid()}-test"  # as CutFiles names its directory
+cuts = f"/dev/shm/{CUTS_PREFIX}{os.getpid()}-test"  # as CutFiles names its directory
 os.makedirs(cuts)
 open(os.path.join(cuts, "a.npy"), "wb").close()
 print(seg.name, cuts, flush=True)
-time.sleep(600)
+signal.pause()  # until killed
 """
 
 
@@ -52,9 +53,3 @@ def test_a_killed_group_leaves_no_shared_memory_behind(tmp_path: Path):
             os.killpg(child.pid, signal.SIGKILL)
             child.proc.wait(timeout=10)  # type: ignore[union-attr]
 
-
-def test_the_cut_directory_prefix_is_the_rollout_s():
-    from services.local import procs
-    from services.rollout import vllm_compat
-
-    assert procs.CUTS_PREFIX == vllm_compat.CUTS_PREFIX
