@@ -80,6 +80,15 @@ def pull_parts(core: TrajectoryStoreCore) -> list[bytes]:
     return list(d.parts())
 
 
+def assert_pulled_whole_is(core: TrajectoryStoreCore,
+                           trajs: list[trajectory_pb2.Trajectory]) -> None:
+    """The next group pulled whole (Pull's PulledGroup) is `trajs`, byte for byte."""
+    [d] = core.pull("trainer", 1)
+    got = store_pb2.PulledGroup.FromString(d.to_bytes())
+    assert [t.SerializeToString(deterministic=True) for t in got.trajectories] == \
+        [t.SerializeToString(deterministic=True) for t in trajs]
+
+
 def test_worker_chunks_decode_to_the_rows_one_chunk_per_segment_gives(group) -> None:  # noqa: ANN001
     trajs, rows = group
     whole = trajectory("w", "g", rows[0], chunk_rows=1 << 20)  # today's: a chunk per segment
@@ -119,10 +128,7 @@ def test_whole_pull_of_chunked_storage_is_byte_for_byte_the_trajectory(
     trajs, _ = group
     for t in trajs:
         core.append(trajectory_requests(t))
-    [d] = core.pull("trainer", 1)
-    got = store_pb2.PulledGroup.FromString(d.to_bytes())
-    assert [t.SerializeToString(deterministic=True) for t in got.trajectories] == \
-        [t.SerializeToString(deterministic=True) for t in trajs]
+    assert_pulled_whole_is(core, trajs)
 
 
 def test_segments_stored_whole_before_chunking_are_still_delivered(
@@ -257,10 +263,7 @@ def test_a_spilled_group_reaches_the_store_byte_for_byte(core: TrajectoryStoreCo
     spill.close()
     assert sink.streams_sent == 2 and list(tmp_path.iterdir()) == []
     assert not any(s.routing for t in sent for s in t.segments)  # read back into copies
-    [d] = core.pull("trainer", 1)
-    got = store_pb2.PulledGroup.FromString(d.to_bytes())
-    assert [t.SerializeToString(deterministic=True) for t in got.trajectories] == \
-        [t.SerializeToString(deterministic=True) for t in trajs]
+    assert_pulled_whole_is(core, trajs)
 
 
 def test_128k_across_a_pause_and_a_turn_reaches_each_microbatch_row_for_row(
